@@ -1,0 +1,40 @@
+# Set-up and everyday commands. `make test` and `make bench` do all the set-up on a fresh machine.
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+TORCH_VERSION ?= 2.14.1
+export CUDA_HOME ?= /usr/local/cuda
+STAMP := build/.setup-done
+
+.PHONY: setup build test bench bench-loss cmake clean
+
+# Dependencies, then the extension (C++ CPU kernels; CUDA ones too when a toolkit is present).
+$(STAMP): setup.py pyproject.toml
+	$(PIP) install -q "torch==$(TORCH_VERSION)" numpy scipy pytest hypothesis ninja expecttest
+	$(PIP) install -q --no-build-isolation -e .
+	mkdir -p build && touch $(STAMP)
+
+setup: $(STAMP)
+
+# Rebuild the extension in place after a C++ change.
+build: $(STAMP)
+	$(PYTHON) setup.py build_ext --inplace
+
+test: $(STAMP)
+	$(PYTHON) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PYTHON) -m bench.run
+
+bench-loss: $(STAMP)
+	$(PYTHON) -m bench.bench_loss
+
+# The LibTorch build of the same ops (CMakeLists.txt), loaded once through torch.ops.load_library.
+cmake: $(STAMP)
+	cmake -S . -B build/cmake -DCMAKE_PREFIX_PATH="$$($(PYTHON) -c 'import torch;print(torch.utils.cmake_prefix_path)')" \
+	  -DCUDA_TOOLKIT_ROOT_DIR=$(CUDA_HOME) -DCMAKE_CUDA_COMPILER=$(CUDA_HOME)/bin/nvcc >/dev/null
+	cmake --build build/cmake -j2
+	$(PYTHON) -c "import torch; torch.ops.load_library('build/cmake/libdro_ext_ops.so'); \
+	  v, w = torch.ops.dro_ext.dro_loss(torch.arange(5.), torch.tensor(1.), 0.5, 'chi2'); print('cmake build loads:', v.item(), w.item())"
+
+clean:
+	rm -rf build dro_ext/*.so *.egg-info

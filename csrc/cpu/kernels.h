@@ -1,0 +1,37 @@
+// The CPU kernels' entry points, independent of the SIMD capability they were compiled for.
+// kernels_impl.h is compiled once per capability (kernels_default.cpp, kernels_avx2.cpp); cpu_kernels()
+// picks the best one this processor runs, once.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+
+#include "divergences.h"
+
+namespace dro_ext::cpu {
+
+// t_i = (x_i - shift) * inv_lam for every element of the contiguous 1-D tensor x.
+struct Affine {
+  double shift;
+  double inv_lam;
+};
+
+struct KernelTable {
+  // {sum_i psi*^(order_a)(t_i), sum_i psi*^(order_b)(t_i)} in one pass, accumulated in float for
+  // half/bfloat16/float and in double for double. Deterministic: the partial sums are taken over fixed
+  // chunks and combined in order, whatever the number of threads. (order_a, order_b) is (0, 1) or (1, 2).
+  std::array<double, 2> (*reduce_derivatives)(
+      const at::Tensor& x, const DivergenceSpec& spec, Affine affine, int64_t order_a, int64_t order_b);
+  // out_i = multiplier * psi*^(order)(t_i); out has x's shape and dtype.
+  void (*map_derivative)(
+      const at::Tensor& x, at::Tensor& out, const DivergenceSpec& spec, Affine affine, double multiplier,
+      int64_t order);
+  const char* capability;
+};
+
+const KernelTable& kernels_default();
+const KernelTable& kernels_avx2();  // falls back to kernels_default() where AVX2 is not compiled in
+const KernelTable& cpu_kernels();
+
+}  // namespace dro_ext::cpu

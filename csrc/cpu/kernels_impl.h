@@ -1,0 +1,189 @@
+// CPU kernels over a 1-D tensor of losses, written once over at::vec::Vectorized and compiled once per
+// SIMD capability. The including file defines DRO_EXT_CAPABILITY_AVX2 (or not) before including this.
+#pragma once
+
+#if defined(DRO_EXT_CAPABILITY_AVX2)
+#pragma GCC target("avx2,fma,f16c")
+// The target pragma enables the instructions but not the feature macros that ATen's and Sleef's headers
+// test, so state them here; nothing outside this translation unit sees them.
+#ifndef __AVX__
+#define __AVX__ 1
+#endif
+#ifndef __AVX2__
+#define __AVX2__ 1
+#endif
+#ifndef __FMA__
+#define __FMA__ 1
+#endif
+#ifndef __F16C__
+#define __F16C__ 1
+#endif
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#else
+#define CPU_CAPABILITY DEFAULT
+#endif
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/irange.h>
+
+#include <vector>
+
+#include "cpu/kernels.h"
+#include "cpu/vectorized_math.h"
+
+namespace dro_ext::cpu {
+namespace {
+
+using at::vec::Vectorized;
+
+// Reductions are cut into chunks of this many elements, independent of the thread count, so that the
+// result is bitwise repeatable; each chunk is summed in blocks to keep the float32 rounding error small.
+constexpr int64_t kChunk = 16384;
+constexpr int64_t kBlock = 512;
+// Elementwise maps hand out this many elements per task.
+constexpr int64_t kMapGrain = 32768;
+
+template <typename acc_t, typename scalar_t>
+inline Vectorized<acc_t> load(const scalar_t* p, int64_t count) {
+  using V = Vectorized<acc_t>;
+  if constexpr (std::is_same_v<acc_t, scalar_t>) {
+    return count >= V::size() ? V::loadu(p) : V::loadu(p, count);
+  } else {
+    alignas(64) acc_t buf[V::size()] = {};
+    for (int64_t i = 0; i < std::min<int64_t>(count, V::size()); ++i) buf[i] = static_cast<acc_t>(p[i]);
+    return V::loadu(buf);
+  }
+}
+
+template <typename acc_t, typename scalar_t>
+inline void store(scalar_t* p, const Vectorized<acc_t>& v, int64_t count) {
+  using V = Vectorized<acc_t>;
+  if constexpr (std::is_same_v<acc_t, scalar_t>) {
+    v.store(p, static_cast<int>(std::min<int64_t>(count, V::size())));
+  } else {
+    alignas(64) acc_t buf[V::size()];
+    v.store(buf);
+    for (int64_t i = 0; i < std::min<int64_t>(count, V::size()); ++i) p[i] = static_cast<scalar_t>(buf[i]);
+  }
+}
+
+template <typename acc_t>
+inline acc_t horizontal_sum(const Vectorized<acc_t>& v) {
+  alignas(64) acc_t buf[Vectorized<acc_t>::size()];
+  v.store(buf);
+  acc_t s = 0;
+  for (int64_t i = 0; i < Vectorized<acc_t>::size(); ++i) s += buf[i];
+  return s;
+}
+
+template <int64_t ORDER, typename Div, typename T>
+inline T derivative(const Div& div, const T& t) {
+  if constexpr (ORDER == 0) {
+    return div.value(t);
+  } else if constexpr (ORDER == 1) {
+    return div.first(t);
+  } else {
+    return div.second(t);
+  }
+}
+
+template <int64_t A, int64_t B, typename scalar_t, typename Div>
+std::array<double, 2> reduce_pair(const scalar_t* x, int64_t n, const Div& div, Affine affine) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using V = Vectorized<acc_t>;
+  const V shift(static_cast<acc_t>(affine.shift));
+  const V inv_lam(static_cast<acc_t>(affine.inv_lam));
+  const V zero(acc_t(0));
+  const int64_t num_chunks = (n + kChunk - 1) / kChunk;
+  std::vector<acc_t> partial_a(num_chunks), partial_b(num_chunks);
+  at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+      const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
+      V chunk_a = zero, chunk_b = zero;
+      for (int64_t block = begin; block < end; block += kBlock) {
+        const int64_t block_end = std::min(end, block + kBlock);
+        V sum_a = zero, sum_b = zero;
+        int64_t i = block;
+        for (; i + V::size() <= block_end; i += V::size()) {
+          V t = (load<acc_t>(x + i, V::size()) - shift) * inv_lam;
+          sum_a = sum_a + derivative<A>(div, t);
+          sum_b = sum_b + derivative<B>(div, t);
+        }
+        if (i < block_end) {
+          const int64_t count = block_end - i;
+          V t = (load<acc_t>(x + i, count) - shift) * inv_lam;
+          sum_a = sum_a + V::set(zero, derivative<A>(div, t), count);
+          sum_b = sum_b + V::set(zero, derivative<B>(div, t), count);
+        }
+        chunk_a = chunk_a + sum_a;
+        chunk_b = chunk_b + sum_b;
+      }
+      partial_a[c] = horizontal_sum(chunk_a);
+      partial_b[c] = horizontal_sum(chunk_b);
+    }
+  });
+  acc_t total_a = 0, total_b = 0;
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    total_a += partial_a[c];
+    total_b += partial_b[c];
+  }
+  return {static_cast<double>(total_a), static_cast<double>(total_b)};
+}
+
+template <int64_t ORDER, typename scalar_t, typename Div>
+void map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affine affine, double multiplier) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using V = Vectorized<acc_t>;
+  const V shift(static_cast<acc_t>(affine.shift));
+  const V inv_lam(static_cast<acc_t>(affine.inv_lam));
+  const V mult(static_cast<acc_t>(multiplier));
+  at::parallel_for(0, n, kMapGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i += V::size()) {
+      const int64_t count = std::min<int64_t>(V::size(), end - i);
+      V t = (load<acc_t>(x + i, count) - shift) * inv_lam;
+      store<acc_t>(out + i, mult * derivative<ORDER>(div, t), count);
+    }
+  });
+}
+
+std::array<double, 2> reduce_derivatives_impl(
+    const at::Tensor& x, const DivergenceSpec& spec, Affine affine, int64_t order_a, int64_t order_b) {
+  TORCH_INTERNAL_ASSERT(x.is_contiguous() && x.dim() == 1);
+  TORCH_INTERNAL_ASSERT((order_a == 0 && order_b == 1) || (order_a == 1 && order_b == 2));
+  std::array<double, 2> out{};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_reduce", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* data = x.const_data_ptr<scalar_t>();
+    out = visit_divergence<acc_t>(spec, [&](const auto& div) {
+      return order_a == 0 ? reduce_pair<0, 1>(data, x.numel(), div, affine)
+                          : reduce_pair<1, 2>(data, x.numel(), div, affine);
+    });
+  });
+  return out;
+}
+
+void map_derivative_impl(
+    const at::Tensor& x, at::Tensor& out, const DivergenceSpec& spec, Affine affine, double multiplier,
+    int64_t order) {
+  TORCH_INTERNAL_ASSERT(x.is_contiguous() && out.is_contiguous() && x.numel() == out.numel());
+  TORCH_INTERNAL_ASSERT(order >= 0 && order <= 2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_map", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* data = x.const_data_ptr<scalar_t>();
+    scalar_t* result = out.mutable_data_ptr<scalar_t>();
+    visit_divergence<acc_t>(spec, [&](const auto& div) {
+      switch (order) {
+        case 0: map_order<0>(data, result, x.numel(), div, affine, multiplier); break;
+        case 1: map_order<1>(data, result, x.numel(), div, affine, multiplier); break;
+        default: map_order<2>(data, result, x.numel(), div, affine, multiplier); break;
+      }
+    });
+  });
+}
+
+}  // namespace
+}  // namespace dro_ext::cpu

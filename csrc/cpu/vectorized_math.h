@@ -1,0 +1,31 @@
+// Math<Vectorized<T>>: the elementary operations of csrc/divergences.h on ATen's CPU vectors, so the
+// same divergence functors run a whole SIMD register at a time. Include this after defining the CPU
+// capability of the translation unit (see cpu_capability.h).
+#pragma once
+
+#include <ATen/cpu/vec/vec.h>
+
+#include "divergences.h"
+
+namespace dro_ext {
+
+template <typename S>
+struct Math<at::vec::Vectorized<S>> {
+  using V = at::vec::Vectorized<S>;
+  static inline V constant(double c) { return V(static_cast<S>(c)); }
+  static inline V exp(const V& x) { return x.exp(); }
+  static inline V expm1(const V& x) { return x.expm1(); }
+  static inline V log1p(const V& x) { return x.log1p(); }
+  static inline V abs(const V& x) { return x.abs(); }
+  static inline V pow(const V& x, const V& y) { return x.pow(y); }
+  // blendv(a, b, mask) takes b where mask is set; a NaN compares false everywhere, so it keeps x.
+  static inline V relu(const V& x) { return V::blendv(x, V(S(0)), x < V(S(0))); }
+  static inline V min(const V& x, const V& hi) { return V::blendv(x, hi, x > hi); }
+  static inline V select_positive(const V& x, const V& if_pos, const V& if_nonpos) {
+    const V zero(S(0));
+    V out = V::blendv(x, if_nonpos, x <= zero);
+    return V::blendv(out, if_pos, x > zero);
+  }
+};
+
+}  // namespace dro_ext

@@ -1,0 +1,78 @@
+// The fused DRO loss: schemas of the loss ops and their CPU kernels.
+//
+//   dro_loss(l, eta)            -> (L, mean_i w_i) with L = mean_i lam psi*((l_i - G eta)/lam) + G eta
+//   psi_star_terms(l, eta, m)   -> m * psi*^(order)((l_i - G eta)/lam), elementwise
+//
+// The autograd formulas live in dro_ext/ops.py: dL/dl_i = w_i / N is one psi_star_terms pass (order 1,
+// multiplier grad/N) and dL/deta = G (1 - mean w) uses the mean weight dro_loss already returned, so
+// nothing N-sized is saved for backward beyond the losses.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <torch/library.h>
+
+#include "checks.h"
+#include "cpu/kernels.h"
+
+namespace dro_ext {
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> dro_loss_cpu(
+    const at::Tensor& losses, const at::Tensor& eta, double lam, c10::string_view divergence,
+    std::optional<double> alpha, std::optional<double> k, double scale) {
+  check_losses(losses);
+  check_scalar_tensor("eta", eta, losses);
+  check_positive("lam", lam);
+  check_positive("scale", scale);
+  const DivergenceSpec spec = parse_divergence(std::string(divergence), alpha, k);
+  const at::Tensor x = losses.contiguous();
+  const double g_eta = scale * eta.item<double>();
+  const auto sums = cpu::cpu_kernels().reduce_derivatives(x, spec, cpu::Affine{g_eta, 1.0 / lam}, 0, 1);
+  const double n = static_cast<double>(x.numel());
+  const double value = lam * (sums[0] / n) + g_eta;
+  const double mean_weight = sums[1] / n;
+  auto options = losses.options();
+  return {at::scalar_tensor(value, options),
+          at::scalar_tensor(mean_weight, options.dtype(accumulate_type(losses.scalar_type())))};
+}
+
+at::Tensor psi_star_terms_cpu(
+    const at::Tensor& losses, const at::Tensor& eta, const at::Tensor& multiplier, double lam,
+    c10::string_view divergence, std::optional<double> alpha, std::optional<double> k, double scale,
+    int64_t order) {
+  TORCH_CHECK_VALUE(at::isFloatingType(losses.scalar_type()),
+                    "dro_ext: losses must have a floating dtype, got ", losses.scalar_type());
+  check_scalar_tensor("eta", eta, losses);
+  check_scalar_tensor("multiplier", multiplier, losses);
+  check_positive("lam", lam);
+  check_positive("scale", scale);
+  check_order(order);
+  const DivergenceSpec spec = parse_divergence(std::string(divergence), alpha, k);
+  const at::Tensor x = losses.contiguous();
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  if (x.numel() > 0) {
+    const double g_eta = scale * eta.item<double>();
+    cpu::cpu_kernels().map_derivative(
+        x.view(-1), out, spec, cpu::Affine{g_eta, 1.0 / lam}, multiplier.item<double>(), order);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dro_ext, m) {
+  m.def(
+      "dro_loss(Tensor losses, Tensor eta, float lam, str divergence, float? alpha=None, float? k=None, "
+      "float scale=1.0) -> (Tensor, Tensor)");
+  m.def(
+      "psi_star_terms(Tensor losses, Tensor eta, Tensor multiplier, float lam, str divergence, "
+      "float? alpha=None, float? k=None, float scale=1.0, int order=1) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dro_ext, CPU, m) {
+  m.impl("dro_loss", &dro_loss_cpu);
+  m.impl("psi_star_terms", &psi_star_terms_cpu);
+}
+
+}  // namespace dro_ext

@@ -1,0 +1,12 @@
+"""dro_ext: fused distributionally robust optimization (DRO) losses and optimizers for PyTorch.
+
+Implements the penalized psi-divergence DRO objective and the mini-batch normalized SGD with momentum
+of Jin et al., "Non-convex Distributionally Robust Optimization: Non-asymptotic Analysis" (NeurIPS 2021)
+as fused C++ (and CUDA) kernels exposed as torch custom ops, with a pure-PyTorch fallback.
+"""
+from dro_ext._backend import backend
+from dro_ext.loss import DROLoss
+from dro_ext.ops import DIVERGENCES, dro_loss, dro_weights, psi_star
+
+__all__ = ["DIVERGENCES", "DROLoss", "backend", "dro_loss", "dro_weights", "psi_star"]
+__version__ = "0.1.0"

@@ -1,0 +1,60 @@
+"""Which implementation runs: the compiled ops (``native``) or the pure-PyTorch fallback (``python``).
+
+``import dro_ext`` never fails because the extension is missing: it falls back to PyTorch. Setting
+``DRO_EXT_FORCE_PYTHON=1`` selects the fallback even where the extension is built.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+_native_loaded = False
+_load_error: Exception | None = None
+try:
+    from dro_ext import _C  # noqa: F401  (registers torch.ops.dro_ext.*)
+
+    _native_loaded = True
+except ImportError as exc:  # built without the extension, or built for another torch
+    _load_error = exc
+
+_force_python = os.environ.get("DRO_EXT_FORCE_PYTHON", "0").lower() not in ("", "0", "false", "no")
+
+
+def native_available() -> bool:
+    """True when the compiled ops are loaded (whether or not they are in use)."""
+    return _native_loaded
+
+
+def use_native() -> bool:
+    return _native_loaded and not _force_python
+
+
+def backend() -> str:
+    """``"native"`` when dro_ext runs its compiled ops, ``"python"`` when it runs the PyTorch fallback."""
+    return "native" if use_native() else "python"
+
+
+def load_error() -> Exception | None:
+    """Why the compiled ops could not be loaded, or None."""
+    return _load_error
+
+
+@contextlib.contextmanager
+def forced_backend(name: str):
+    """Run a block on the given backend ("native" or "python"); used by the tests to cover both paths."""
+    global _force_python
+    if name not in ("native", "python"):
+        raise ValueError(f"backend must be 'native' or 'python', got {name!r}")
+    if name == "native" and not _native_loaded:
+        raise RuntimeError(f"dro_ext: the native extension is not loaded: {_load_error}")
+    previous = _force_python
+    _force_python = name == "python"
+    try:
+        yield
+    finally:
+        _force_python = previous
+
+
+if not _native_loaded and not _force_python and os.environ.get("DRO_EXT_WARN_FALLBACK", "0") == "1":
+    warnings.warn(f"dro_ext: native ops unavailable, using the PyTorch fallback ({_load_error})")

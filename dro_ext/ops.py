@@ -1,0 +1,176 @@
+"""The public loss functions, dispatching to the native ops or to the PyTorch fallback, and the
+fake (meta) kernels and autograd formulas of the native ops.
+
+Math (DESIGN.md section 1), with t_i = (l_i - G*eta) / lam and w_i = psi*'(t_i):
+
+    L(eta)   = mean_i lam * psi*(t_i) + G*eta
+    dL/dl_i  = w_i / N
+    dL/deta  = G * (1 - mean_i w_i)
+"""
+from __future__ import annotations
+
+import torch
+
+from dro_ext import _backend
+from dro_ext._divergences import (
+    DIVERGENCES,
+    Spec,
+    accumulate_dtype,
+    as_eta,
+    check_divergence,
+    check_losses,
+    check_positive,
+)
+from dro_ext._divergences import psi_star as _psi_star_torch
+
+__all__ = ["DIVERGENCES", "dro_loss", "dro_weights", "psi_star"]
+
+# ---------------------------------------------------------------------------------------------------
+# Native ops: fake kernels and autograd. Registered only when the extension is loaded.
+# ---------------------------------------------------------------------------------------------------
+
+if _backend.native_available():
+
+    @torch.library.register_fake("dro_ext::dro_loss")
+    def _dro_loss_fake(losses, eta, lam, divergence, alpha=None, k=None, scale=1.0):
+        torch._check(losses.dim() == 1, lambda: "dro_ext: losses must be a 1-D tensor")
+        value = losses.new_empty(())
+        mean_weight = losses.new_empty((), dtype=accumulate_dtype(losses.dtype))
+        return value, mean_weight
+
+    def _dro_loss_setup_context(ctx, inputs, output):
+        losses, eta, lam, divergence, alpha, k, scale = inputs
+        _, mean_weight = output
+        ctx.save_for_backward(losses, eta, mean_weight)
+        ctx.args = (lam, divergence, alpha, k, scale)
+        ctx.mark_non_differentiable(mean_weight)
+
+    def _dro_loss_backward(ctx, grad_value, _grad_mean_weight):
+        losses, eta, mean_weight = ctx.saved_tensors
+        lam, divergence, alpha, k, scale = ctx.args
+        grad_losses = grad_eta = None
+        if ctx.needs_input_grad[0]:
+            # One pass: grad_l_i = grad * w_i / N, the weights recomputed from the losses.
+            multiplier = (grad_value / losses.shape[0]).to(accumulate_dtype(losses.dtype))
+            grad_losses = torch.ops.dro_ext.psi_star_terms(
+                losses, eta, multiplier, lam, divergence, alpha, k, scale, 1
+            )
+        if ctx.needs_input_grad[1]:
+            grad_eta = (grad_value * (scale * (1.0 - mean_weight))).to(eta.dtype)
+        return grad_losses, grad_eta, None, None, None, None, None
+
+    torch.library.register_autograd(
+        "dro_ext::dro_loss", _dro_loss_backward, setup_context=_dro_loss_setup_context
+    )
+
+    @torch.library.register_fake("dro_ext::psi_star_terms")
+    def _psi_star_terms_fake(losses, eta, multiplier, lam, divergence, alpha=None, k=None, scale=1.0, order=1):
+        return torch.empty_like(losses, memory_format=torch.contiguous_format)
+
+    def _psi_star_terms_setup_context(ctx, inputs, output):
+        losses, eta, multiplier, lam, divergence, alpha, k, scale, order = inputs
+        ctx.save_for_backward(losses, eta, multiplier)
+        ctx.args = (lam, divergence, alpha, k, scale, order)
+
+    def _psi_star_terms_backward(ctx, grad):
+        # out_i = m * psi*^(order)(t_i) with t_i = (l_i - G*eta)/lam, so
+        #   d out_i / d l_i = m * psi*^(order+1)(t_i) / lam,   d out_i / d eta = -G * that,
+        #   d out_i / d m   = psi*^(order)(t_i).
+        losses, eta, multiplier = ctx.saved_tensors
+        lam, divergence, alpha, k, scale, order = ctx.args
+        grad_losses = grad_eta = grad_multiplier = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            if order >= 2:
+                raise NotImplementedError("dro_ext: derivatives of psi* beyond the second are not implemented")
+            slope = torch.ops.dro_ext.psi_star_terms(
+                losses, eta, multiplier / lam, lam, divergence, alpha, k, scale, order + 1
+            )
+            grad_slope = grad * slope
+            if ctx.needs_input_grad[0]:
+                grad_losses = grad_slope
+            if ctx.needs_input_grad[1]:
+                grad_eta = (-scale * grad_slope.sum(dtype=accumulate_dtype(losses.dtype))).to(eta.dtype)
+        if ctx.needs_input_grad[2]:
+            terms = torch.ops.dro_ext.psi_star_terms(
+                losses, eta, torch.ones_like(multiplier), lam, divergence, alpha, k, scale, order
+            )
+            grad_multiplier = (grad * terms).sum(dtype=accumulate_dtype(losses.dtype)).to(multiplier.dtype)
+        return grad_losses, grad_eta, grad_multiplier, None, None, None, None, None, None
+
+    torch.library.register_autograd(
+        "dro_ext::psi_star_terms", _psi_star_terms_backward, setup_context=_psi_star_terms_setup_context
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# The PyTorch fallback: the same formulas, composed of PyTorch ops (autograd, compile, vmap for free).
+# ---------------------------------------------------------------------------------------------------
+
+
+def _fallback_dro_loss(losses, eta, lam, spec: Spec, scale):
+    acc = accumulate_dtype(losses.dtype)
+    g_eta = scale * eta.to(acc)
+    t = (losses.to(acc) - g_eta) / lam
+    value = lam * _psi_star_torch(t, spec, 0).mean() + g_eta
+    return value.to(losses.dtype)
+
+
+def _fallback_terms(losses, eta, lam, spec: Spec, scale, order):
+    acc = accumulate_dtype(losses.dtype)
+    t = (losses.to(acc) - scale * eta.to(acc)) / lam
+    return _psi_star_torch(t, spec, order).to(losses.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------------
+
+
+def dro_loss(losses, eta, lam, divergence="chi2", *, alpha=None, k=None, scale=1.0) -> torch.Tensor:
+    """The penalized DRO objective ``mean_i lam * psi*((l_i - scale*eta)/lam) + scale*eta`` (a 0-d tensor).
+
+    ``losses`` is a 1-D tensor of per-sample losses; ``eta`` a 0-d tensor (or a Python number, which gets
+    no gradient). Gradients flow to both: ``dL/dl_i = w_i/N`` and ``dL/deta = scale*(1 - mean w)`` with
+    ``w = dro_weights(...)``. The result has the dtype of ``losses``; sums accumulate in float32 (float64
+    for float64 input). ``kl`` overflows to ``inf`` once ``(l - scale*eta)/lam`` exceeds ~88 in float32;
+    use :func:`dro_ext.robust_objective` for an overflow-free value.
+    """
+    spec = check_divergence(divergence, alpha, k)
+    check_losses(losses)
+    lam = check_positive("lam", lam)
+    scale = check_positive("scale", scale)
+    eta = as_eta(eta, losses)
+    if _backend.use_native():
+        value, _ = torch.ops.dro_ext.dro_loss(losses, eta, lam, spec.name, spec.alpha, spec.k, scale)
+        return value
+    return _fallback_dro_loss(losses, eta, lam, spec, scale)
+
+
+def dro_weights(losses, eta, lam, divergence="chi2", *, alpha=None, k=None, scale=1.0) -> torch.Tensor:
+    """The per-sample weights ``w_i = psi*'((l_i - scale*eta)/lam)`` (shape ``(N,)``, dtype of ``losses``).
+
+    ``w_i / N`` is the gradient of :func:`dro_loss` with respect to ``l_i``; at the optimal ``eta`` it is
+    the worst-case distribution over the batch. Differentiable (through ``psi*''``).
+    """
+    spec = check_divergence(divergence, alpha, k)
+    check_losses(losses)
+    lam = check_positive("lam", lam)
+    scale = check_positive("scale", scale)
+    eta = as_eta(eta, losses)
+    if _backend.use_native():
+        one = torch.ones((), dtype=accumulate_dtype(losses.dtype), device=losses.device)
+        return torch.ops.dro_ext.psi_star_terms(losses, eta, one, lam, spec.name, spec.alpha, spec.k, scale, 1)
+    return _fallback_terms(losses, eta, lam, spec, scale, 1)
+
+
+def psi_star(t, divergence="chi2", *, alpha=None, k=None) -> torch.Tensor:
+    """The conjugate ``psi*(t)`` of the divergence, elementwise over a floating tensor of any shape."""
+    spec = check_divergence(divergence, alpha, k)
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise TypeError("dro_ext: t must be a floating-point torch.Tensor")
+    acc = accumulate_dtype(t.dtype)
+    zero = torch.zeros((), dtype=acc, device=t.device)
+    if _backend.use_native():
+        one = torch.ones((), dtype=acc, device=t.device)
+        return torch.ops.dro_ext.psi_star_terms(t, zero, one, 1.0, spec.name, spec.alpha, spec.k, 1.0, 0)
+    return _fallback_terms(t, zero, 1.0, spec, 1.0, 0)

@@ -1,0 +1,97 @@
+"""Build dro_ext._C: C++ CPU kernels always, CUDA kernels when a toolkit and a CUDA torch are present.
+
+DRO_EXT_CUDA=auto|0|1 (default auto) chooses whether the csrc/cuda/*.cu sources are compiled. They are
+compiled whenever nvcc and a CUDA build of torch exist, whether or not a GPU is visible, so the CUDA
+code is at least compiled and linked on every machine that can.
+"""
+import glob
+import os
+import shutil
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CUDA_ARCH_LIST = "8.0;9.0"  # A100/H100-class; override with TORCH_CUDA_ARCH_LIST
+
+
+def find_cuda_home():
+    """The CUDA toolkit root, resolving nvcc wrappers (e.g. /usr/local/bin/nvcc) to the real toolkit."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            return os.environ[var]
+    candidates = ["/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    for home in candidates:
+        # A real toolkit has the runtime library beside nvcc; a wrapper's parent does not.
+        if os.path.exists(os.path.join(home, "bin", "nvcc")) and glob.glob(os.path.join(home, "lib*", "libcudart*")):
+            return home
+    return None
+
+
+def want_cuda():
+    mode = os.environ.get("DRO_EXT_CUDA", "auto").lower()
+    if mode not in ("auto", "0", "1"):
+        raise SystemExit(f"DRO_EXT_CUDA must be auto, 0 or 1, got {mode!r}")
+    if mode == "0":
+        return False
+    import torch
+
+    cuda_home = find_cuda_home()
+    available = cuda_home is not None and torch.version.cuda is not None
+    if mode == "1" and not available:
+        raise SystemExit(
+            "DRO_EXT_CUDA=1 but no CUDA build is possible: "
+            f"torch.version.cuda={torch.version.cuda}, CUDA toolkit={cuda_home} (set CUDA_HOME)"
+        )
+    if available:
+        # torch.utils.cpp_extension reads CUDA_HOME when it is imported; set it before that.
+        os.environ["CUDA_HOME"] = cuda_home
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+            os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCH_LIST
+    return available
+
+
+def extensions():
+    with_cuda = want_cuda()
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
+
+    cpp_sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
+    debug = os.environ.get("DEBUG", "0") == "1"
+    opt = ["-O0", "-g"] if debug else ["-O3"]
+    cxx_flags = opt + ["-Wno-unknown-pragmas"]
+    common = dict(
+        name="dro_ext._C",
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        py_limited_api=True,
+    )
+    if with_cuda:
+        return [
+            CUDAExtension(
+                sources=cpp_sources + cuda_sources,
+                extra_compile_args={"cxx": cxx_flags + ["-DDRO_EXT_WITH_CUDA"], "nvcc": opt + ["-DDRO_EXT_WITH_CUDA"]},
+                **common,
+            )
+        ]
+    return [CppExtension(sources=cpp_sources, extra_compile_args={"cxx": cxx_flags}, **common)]
+
+
+def cmdclass():
+    from torch.utils.cpp_extension import BuildExtension
+
+    return {"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)}
+
+
+setup(
+    name="dro_ext",
+    version="0.1.0",
+    description="Fused distributionally robust optimization losses and normalized SGD for PyTorch",
+    packages=find_packages(include=["dro_ext", "dro_ext.*"]),
+    ext_modules=extensions(),
+    cmdclass=cmdclass(),
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4"],
+)
