@@ -30,7 +30,7 @@ bench-loss: $(STAMP)
 
 # The LibTorch build of the same ops (CMakeLists.txt), loaded once through torch.ops.load_library.
 cmake: $(STAMP)
-	cmake -S . -B build/cmake -DCMAKE_PREFIX_PATH="$$($(PYTHON) -c 'import torch;print(torch.utils.cmake_prefix_path)')" \
+	TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-9.0}" cmake -S . -B build/cmake -DCMAKE_PREFIX_PATH="$$($(PYTHON) -c 'import torch;print(torch.utils.cmake_prefix_path)')" \
 	  -DCUDA_TOOLKIT_ROOT_DIR=$(CUDA_HOME) -DCMAKE_CUDA_COMPILER=$(CUDA_HOME)/bin/nvcc >/dev/null
 	cmake --build build/cmake -j2
 	$(PYTHON) -c "import torch; torch.ops.load_library('build/cmake/libdro_ext_ops.so'); \

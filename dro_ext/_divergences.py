@@ -45,7 +45,7 @@ def check_divergence(divergence: str, alpha=None, k=None) -> Spec:
         if k is None:
             raise ValueError("dro_ext: divergence 'cressie_read' needs k > 1, got k=None")
         k = _finite_float("k", k)
-        if not (k > 1.0 and math.isfinite(k)):
+        if not 1.0 < k < math.inf:
             raise ValueError(f"dro_ext: k must be a finite number > 1 for divergence 'cressie_read', got k={k}")
         return Spec(divergence, None, k)
     return Spec(divergence, None, None)
@@ -53,7 +53,8 @@ def check_divergence(divergence: str, alpha=None, k=None) -> Spec:
 
 def check_positive(name: str, value) -> float:
     value = _finite_float(name, value)
-    if not (value > 0.0 and math.isfinite(value)):
+    # Comparisons rather than math.isfinite, which torch.compile cannot trace on symbolic floats.
+    if not 0.0 < value < math.inf:
         raise ValueError(f"dro_ext: {name} must be a finite number > 0, got {name}={value}")
     return value
 
@@ -94,11 +95,17 @@ def _select_positive(x, if_pos, if_nonpos):
     return torch.where(x > 0, if_pos, torch.where(x <= 0, if_nonpos, x))
 
 
+def _relu(x):
+    # max(x, 0) whose value and gradient are NaN at a NaN (torch.relu's gradient there is 0, which would
+    # silently drop the sample from the gradient); the gradient at 0 is 0, the subgradient of DESIGN.md.
+    return x * _select_positive(x, 1.0, 0.0)
+
+
 def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
     """psi*^(order)(t) for order 0, 1, 2, in t's dtype, differentiable by autograd."""
     name = spec.name
     if name == "chi2":
-        u = torch.relu(t + 2.0)
+        u = _relu(t + 2.0)
         if order == 0:
             return u * u * 0.25 - 1.0
         if order == 1:
@@ -109,26 +116,27 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
     if name == "cvar":
         inv_alpha = 1.0 / spec.alpha
         if order == 0:
-            return torch.relu(t) * inv_alpha
+            return _relu(t) * inv_alpha
         return _select_positive(t, inv_alpha if order == 1 else 0.0, 0.0)
     if name == "kl_cvar":
         cut = -math.log(spec.alpha)
         # clamp (not minimum) so that the gradient at t == cut is exp(cut), as in the closed form.
         below = torch.clamp(t, max=cut)
         if order == 0:
-            return torch.expm1(below) + torch.relu(t - cut) / spec.alpha
+            return torch.expm1(below) + _relu(t - cut) / spec.alpha
         if order == 1:
             return torch.exp(below)
         return _select_positive(t - cut, 0.0, torch.exp(below))
     if name == "cressie_read":
         k = spec.k
         u = t * (k - 1.0) + 1.0
-        if order == 0:
-            return (torch.relu(u) ** (k / (k - 1.0)) - 1.0) / k
-        if order == 1:
-            return torch.relu(u) ** (1.0 / (k - 1.0))
+        # Powers of u below 1 have an infinite slope at u = 0: evaluate them only where u > 0 (safe_u is 1
+        # elsewhere), so that autograd never multiplies that infinity by the zero slope of the clamp.
         safe_u = _select_positive(u, u, torch.ones_like(u))
-        return _select_positive(u, safe_u ** ((2.0 - k) / (k - 1.0)), 0.0)
+        if order == 0:
+            return (_relu(u) * safe_u ** (1.0 / (k - 1.0)) - 1.0) / k  # u_+^(k/(k-1))
+        power = 1.0 / (k - 1.0) if order == 1 else (2.0 - k) / (k - 1.0)
+        return _select_positive(u, safe_u**power, 0.0)
     if name == "smoothed_cvar":
         alpha = spec.alpha
         s = t + (math.log(alpha) - math.log1p(-alpha))

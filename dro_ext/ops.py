@@ -56,6 +56,12 @@ if _backend.native_available():
                 losses, eta, multiplier, lam, divergence, alpha, k, scale, 1
             )
         if ctx.needs_input_grad[1]:
+            if torch.is_grad_enabled() and (losses.requires_grad or eta.requires_grad):
+                # Double backward: the saved mean weight is a constant, so recompute it differentiably.
+                one = torch.ones((), dtype=mean_weight.dtype, device=losses.device)
+                mean_weight = torch.ops.dro_ext.psi_star_terms(
+                    losses, eta, one, lam, divergence, alpha, k, scale, 1
+                ).mean(dtype=mean_weight.dtype)
             grad_eta = (grad_value * (scale * (1.0 - mean_weight))).to(eta.dtype)
         return grad_losses, grad_eta, None, None, None, None, None
 

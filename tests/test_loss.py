@@ -1,0 +1,328 @@
+"""The fused DRO loss, its weights and psi*: against float64 autograd references, on both backends."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dro_ext
+import reference as ref
+from dro_ext import _backend
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+SIZES = [1, 7, 1000, 65537]
+
+
+def random_losses(n, dtype, spread=1.0):
+    # Per-sample losses around 1 with a spread that puts t = (l - eta)/lam on both sides of every kink.
+    return (1.0 + spread * torch.randn(n, dtype=torch.float64)).to(dtype)
+
+
+def case_kwargs(params):
+    return dict(alpha=params.get("alpha"), k=params.get("k"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_loss_and_gradients_match_float64_reference(backend, name, params, n, dtype):
+    lam, scale = 0.7, 1.3
+    losses = random_losses(n, dtype).requires_grad_()
+    eta = torch.tensor(0.6, requires_grad=True)  # a float32 parameter, as DROLoss makes it
+    value = dro_ext.dro_loss(losses, eta, lam, name, scale=scale, **params)
+    assert value.dtype == dtype and value.dim() == 0
+    grad_l, grad_eta = torch.autograd.grad(value, (losses, eta))
+    assert grad_l.dtype == dtype and grad_eta.dtype == torch.float32
+
+    # The reference sees exactly the rounded inputs the op saw.
+    l64 = losses.detach().double().requires_grad_()
+    e64 = eta.detach().double().requires_grad_()
+    expected = ref.dro_loss(l64, e64, lam, name, scale=scale, **case_kwargs(params))
+    exp_l, exp_eta = torch.autograd.grad(expected, (l64, e64))
+
+    tol = ref.tolerances(dtype)
+    torch.testing.assert_close(value.double(), expected, **tol)
+    # grad_l = w/N: compare w, which is O(1). Rounding t = (l - G eta)/lam to the input precision moves w
+    # by up to |psi*''| times that rounding, which is large right at the kinks (cressie_read with k > 2 has
+    # psi*'' unbounded there), so the float32 check allows a few ulps of t times that slope.
+    w_tol = dict(tol, atol=5e-5) if dtype == torch.float32 else tol
+    torch.testing.assert_close(grad_l.double() * n, exp_l * n, **w_tol)
+    eta_tol = ref.tolerances(torch.float32) if dtype != torch.float64 else dict(rtol=1e-6, atol=1e-6)
+    if dtype in (torch.float16, torch.bfloat16):
+        eta_tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_eta.double(), exp_eta, **eta_tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_weights_are_the_loss_gradient_times_n(backend, name, params, dtype):
+    n = 513
+    losses = random_losses(n, dtype).requires_grad_()
+    eta, lam = torch.tensor(0.8), 0.5
+    w = dro_ext.dro_weights(losses, eta, lam, name, **params)
+    assert w.shape == (n,) and w.dtype == dtype
+    (grad_l,) = torch.autograd.grad(dro_ext.dro_loss(losses, eta, lam, name, **params), losses)
+    torch.testing.assert_close(w.double(), grad_l.double() * n, **ref.tolerances(dtype))
+    assert (w.double() >= 0).all()
+
+
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_psi_star_matches_numerical_conjugate_of_psi(backend, name, params):
+    """psi* derived from psi by sup_s (s t - psi(s)), and psi*' as the maximizing s (envelope theorem)."""
+    alpha, k = params.get("alpha"), params.get("k")
+    ts = torch.linspace(-4.0, 2.5, 27, dtype=torch.float64)
+    values = dro_ext.psi_star(ts, name, alpha=alpha, k=k)
+    weights = dro_ext.dro_weights(ts, 0.0, 1.0, name, alpha=alpha, k=k)
+    for t, v, w in zip(ts.tolist(), values.tolist(), weights.tolist()):
+        conj, argmax = ref.numerical_conjugate(t, name, alpha, k)
+        assert v == pytest.approx(conj, abs=1e-7, rel=1e-7), (t, v, conj)
+        if not (name == "cvar" and abs(t) < 1e-9):  # the cvar argmax is a whole interval at t == 0
+            assert w == pytest.approx(argmax, abs=2e-4, rel=2e-4), (t, w, argmax)
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (3, 5), (2, 3, 4)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_psi_star_elementwise_any_shape(backend, name, params, dtype, shape):
+    t = (2 * torch.randn(shape, dtype=torch.float64)).to(dtype)
+    out = dro_ext.psi_star(t, name, **params)
+    assert out.shape == t.shape and out.dtype == dtype
+    expected = ref.psi_star(t.double(), name, **case_kwargs(params))
+    torch.testing.assert_close(out.double(), expected, **ref.tolerances(dtype))
+
+
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_gradcheck_float64(backend, name, params):
+    losses = random_losses(7, torch.float64).requires_grad_()
+    eta = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+
+    def loss(l, e):
+        return dro_ext.dro_loss(l, e, 0.8, name, scale=1.5, **params)
+
+    def weights(l, e):
+        return dro_ext.dro_weights(l, e, 0.8, name, scale=1.5, **params)
+
+    assert torch.autograd.gradcheck(loss, (losses, eta))
+    assert torch.autograd.gradcheck(weights, (losses, eta))
+    # Second derivatives of the loss (Hessian-vector products) go through psi*''.
+    assert torch.autograd.gradgradcheck(loss, (losses, eta))
+
+
+def test_non_contiguous_losses(backend):
+    base = random_losses(2 * 1001, torch.float32).reshape(1001, 2)
+    strided = base[:, 1]
+    assert not strided.is_contiguous()
+    for name, params in ref.CASES:
+        a = dro_ext.dro_loss(strided, 0.3, 0.5, name, **params)
+        b = dro_ext.dro_loss(strided.contiguous(), 0.3, 0.5, name, **params)
+        assert torch.equal(a, b)
+        wa = dro_ext.dro_weights(strided, 0.3, 0.5, name, **params)
+        assert torch.equal(wa, dro_ext.dro_weights(strided.contiguous(), 0.3, 0.5, name, **params))
+    leaf = strided.clone().requires_grad_()
+    grad_strided = torch.zeros(1001, 2)
+    view = grad_strided[:, 1]
+    view.copy_(leaf.detach())
+    view.requires_grad_()
+    (g,) = torch.autograd.grad(dro_ext.dro_loss(view, 0.3, 0.5, "kl"), view)
+    (g_ref,) = torch.autograd.grad(dro_ext.dro_loss(leaf, 0.3, 0.5, "kl"), leaf)
+    torch.testing.assert_close(g, g_ref)
+
+
+def test_nan_propagates_never_dropped(backend):
+    for name, params in ref.CASES:
+        losses = random_losses(100, torch.float32)
+        losses[17] = float("nan")
+        losses.requires_grad_()
+        eta = torch.tensor(0.0, requires_grad=True)
+        value = dro_ext.dro_loss(losses, eta, 0.5, name, **params)
+        assert torch.isnan(value), name
+        w = dro_ext.dro_weights(losses.detach(), 0.0, 0.5, name, **params)
+        assert torch.isnan(w[17]) and not torch.isnan(torch.cat([w[:17], w[18:]])).any(), name
+        grad_l, grad_eta = torch.autograd.grad(value, (losses, eta))
+        assert torch.isnan(grad_l[17]) and torch.isnan(grad_eta), name
+        assert torch.isnan(dro_ext.psi_star(torch.tensor([float("nan")]), name, **params)).all(), name
+
+
+def test_cvar_subgradient_is_zero_at_the_kink(backend):
+    losses = torch.tensor([0.5, 1.0, 2.0])
+    w = dro_ext.dro_weights(losses, 1.0, 0.5, "cvar", alpha=0.25)
+    assert w.tolist() == [0.0, 0.0, 4.0]
+
+
+def test_kl_overflow_is_inf_not_garbage(backend):
+    # (l - eta)/lam = 100 > 88: exp overflows float32. The value and weight are inf, never NaN or finite junk.
+    losses = torch.tensor([0.0, 10.0])
+    value = dro_ext.dro_loss(losses, 0.0, 0.1, "kl")
+    assert torch.isinf(value) and value > 0
+    w = dro_ext.dro_weights(losses, 0.0, 0.1, "kl")
+    assert w[0] == 1.0 and torch.isinf(w[1])
+
+
+def test_smoothed_cvar_is_stable_for_large_and_small_t(backend):
+    alpha = 0.02
+    t = torch.tensor([-200.0, -30.0, 0.0, 30.0, 500.0, 1e4], dtype=torch.float32)
+    out = dro_ext.psi_star(t, "smoothed_cvar", alpha=alpha).double()
+    t64 = t.double()
+    # log(1 - a + a e^t) = t + log(a) + log1p((1-a)/a e^-t) for large t, log(1-a) + log1p(a/(1-a) e^t) else.
+    big = t64 + math.log(alpha) + torch.log1p((1 - alpha) / alpha * torch.exp(-t64))
+    small = math.log1p(-alpha) + torch.log1p(alpha / (1 - alpha) * torch.exp(torch.clamp(t64, max=50)))
+    expected = torch.where(t64 > 0, big, small) / alpha
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    w = dro_ext.dro_weights(t, 0.0, 1.0, "smoothed_cvar", alpha=alpha)
+    assert torch.isfinite(w).all() and (w >= 0).all() and (w <= 1 / alpha + 1e-3).all()
+
+
+def test_python_float_eta_gets_no_gradient_and_matches_tensor_eta(backend):
+    losses = random_losses(50, torch.float32).requires_grad_()
+    a = dro_ext.dro_loss(losses, 0.25, 0.5, "chi2")
+    b = dro_ext.dro_loss(losses, torch.tensor(0.25), 0.5, "chi2")
+    torch.testing.assert_close(a, b)
+    (g,) = torch.autograd.grad(a, losses)
+    assert g.shape == losses.shape
+
+
+def test_deterministic_across_calls_and_thread_counts(backend):
+    losses = random_losses(300_001, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n_threads in (1, max(2, threads)):
+            torch.set_num_threads(n_threads)
+            for _ in range(2):
+                results.append(dro_ext.dro_loss(losses, 0.1, 0.5, "smoothed_cvar", alpha=0.1))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+def test_mixed_eta_dtype_and_double_losses(backend):
+    losses = random_losses(33, torch.float64).requires_grad_()
+    eta = torch.tensor(0.4, dtype=torch.float32, requires_grad=True)
+    value = dro_ext.dro_loss(losses, eta, 0.5, "kl")
+    assert value.dtype == torch.float64
+    grads = torch.autograd.grad(value, (losses, eta))
+    assert grads[0].dtype == torch.float64 and grads[1].dtype == torch.float32
+
+
+BAD_INPUTS = [
+    (dict(divergence="hellinger"), ValueError, "unknown divergence"),
+    (dict(lam=0.0), ValueError, "lam"),
+    (dict(lam=-1.0), ValueError, "lam"),
+    (dict(lam=float("inf")), ValueError, "lam"),
+    (dict(scale=0.0), ValueError, "scale"),
+    (dict(divergence="cvar"), ValueError, "alpha"),
+    (dict(divergence="cvar", alpha=1.0), ValueError, "alpha"),
+    (dict(divergence="kl_cvar", alpha=0.0), ValueError, "alpha"),
+    (dict(divergence="smoothed_cvar", alpha=-0.5), ValueError, "alpha"),
+    (dict(divergence="cressie_read"), ValueError, "k"),
+    (dict(divergence="cressie_read", k=1.0), ValueError, "k"),
+    (dict(divergence="cressie_read", k=0.5), ValueError, "k"),
+    (dict(losses=torch.ones(2, 3)), ValueError, "1-D"),
+    (dict(losses=torch.ones(())), ValueError, "1-D"),
+    (dict(losses=torch.ones(0)), ValueError, "empty"),
+    (dict(losses=torch.ones(4, dtype=torch.int64)), TypeError, "floating"),
+    (dict(eta=torch.ones(1)), ValueError, "eta must be a 0-d"),
+    (dict(eta=torch.tensor(1)), TypeError, "eta must have a floating"),
+    (dict(eta=torch.tensor(0.0, device="meta")), ValueError, "same device"),
+]
+
+
+@pytest.mark.parametrize("fn", [dro_ext.dro_loss, dro_ext.dro_weights])
+@pytest.mark.parametrize("override,exc,match", BAD_INPUTS)
+def test_bad_input_names_the_argument(backend, fn, override, exc, match):
+    args = dict(losses=torch.ones(4), eta=torch.tensor(0.0), lam=0.5, divergence="chi2")
+    args.update(override)
+    kwargs = {k: args.pop(k) for k in ("alpha", "k", "scale") if k in args}
+    with pytest.raises(exc, match=match):
+        fn(args["losses"], args["eta"], args["lam"], args["divergence"], **kwargs)
+
+
+@pytest.mark.skipif(not _backend.native_available(), reason="native extension not built")
+@pytest.mark.parametrize("override,match", [
+    (dict(divergence="hellinger"), "unknown divergence"),
+    (dict(lam=0.0), "lam"),
+    (dict(divergence="cvar", alpha=None), "alpha"),
+    (dict(divergence="cressie_read", k=1.0), "k"),
+    (dict(losses=torch.ones(2, 2)), "1-D"),
+    (dict(losses=torch.ones(0)), "empty"),
+    (dict(eta=torch.ones(2)), "eta"),
+])
+def test_native_op_checks_its_own_arguments(override, match):
+    """Called directly through torch.ops (bypassing the Python checks), the op still names the argument."""
+    args = dict(losses=torch.ones(4), eta=torch.tensor(0.0), lam=0.5, divergence="chi2", alpha=None, k=None)
+    args.update(override)
+    with pytest.raises((ValueError, RuntimeError), match=match):
+        torch.ops.dro_ext.dro_loss(args["losses"], args["eta"], args["lam"], args["divergence"], args["alpha"], args["k"])
+
+
+def test_dro_loss_module(backend):
+    module = dro_ext.DROLoss("smoothed_cvar", lam=0.5, alpha=0.2, eta_init=0.3)
+    assert isinstance(module.eta, torch.nn.Parameter) and module.eta.dim() == 0
+    assert [n for n, _ in module.named_parameters()] == ["eta"]
+    losses = random_losses(20, torch.float32).requires_grad_()
+    value = module(losses)
+    torch.testing.assert_close(value, dro_ext.dro_loss(losses, module.eta, 0.5, "smoothed_cvar", alpha=0.2))
+    value.backward()
+    assert module.eta.grad is not None and losses.grad is not None
+    assert "smoothed_cvar" in repr(module) and "alpha=0.2" in repr(module)
+    restored = dro_ext.DROLoss("smoothed_cvar", lam=0.5, alpha=0.2)
+    restored.load_state_dict(module.state_dict())
+    assert torch.equal(restored.eta, module.eta)
+    with pytest.raises(ValueError, match="alpha"):
+        dro_ext.DROLoss("cvar", lam=0.5)
+    with pytest.raises(ValueError, match="lam"):
+        dro_ext.DROLoss("chi2", lam=0.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(st.floats(-50, 50, allow_nan=False), min_size=1, max_size=40),
+    case=st.sampled_from(ref.CASES),
+    lam=st.floats(0.05, 5.0),
+    eta=st.floats(-5.0, 5.0),
+)
+def test_weights_nonnegative_and_monotone_in_the_loss(values, case, lam, eta):
+    name, params = case
+    losses = torch.tensor(sorted(values), dtype=torch.float64)
+    for path in ("native", "python") if _backend.native_available() else ("python",):
+        with _backend.forced_backend(path):
+            w = dro_ext.dro_weights(losses, eta, lam, name, **params)
+        assert (w >= 0).all()
+        assert (w[1:] >= w[:-1]).all(), (path, w)
+
+
+def test_autocast_and_torch_func(backend):
+    x = torch.randn(16, 4)
+    linear = torch.nn.Linear(4, 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        per_sample = linear(x).squeeze(1) ** 2
+        value = dro_ext.dro_loss(per_sample, 0.0, 0.5, "chi2")
+    assert value.dtype == per_sample.dtype
+    value.float().backward()
+    assert linear.weight.grad is not None
+
+    losses = random_losses(9, torch.float64)
+    eta = torch.tensor(0.3, dtype=torch.float64)
+    grad_fn = torch.func.grad(lambda l, e: dro_ext.dro_loss(l, e, 0.5, "kl"), argnums=(0, 1))
+    if backend == "native":
+        # PyTorch (2.14) does not run functorch transforms through register_autograd formulas of custom
+        # ops; it refuses loudly, which is what the README documents. Use the fallback for torch.func.
+        with pytest.raises(RuntimeError, match="functorch"):
+            grad_fn(losses, eta)
+        return
+    g_l, g_e = grad_fn(losses, eta)
+    l64, e64 = losses.clone().requires_grad_(), eta.clone().requires_grad_()
+    exp_l, exp_e = torch.autograd.grad(ref.dro_loss(l64, e64, 0.5, "kl"), (l64, e64))
+    torch.testing.assert_close(g_l, exp_l)
+    torch.testing.assert_close(g_e, exp_e)
+
+
+def test_numpy_reference_sanity():
+    # Guards the reference itself: the literal table agrees with the numerical conjugate.
+    for name, params in ref.CASES:
+        for t in (-3.0, -0.5, 0.7, 2.0):
+            literal = ref.psi_star(torch.tensor(t, dtype=torch.float64), name, **case_kwargs(params)).item()
+            assert np.isclose(literal, ref.numerical_conjugate(t, name, **case_kwargs(params))[0], atol=1e-7)
