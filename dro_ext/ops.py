@@ -38,36 +38,8 @@ if _backend.native_available():
         mean_weight = losses.new_empty((), dtype=accumulate_dtype(losses.dtype))
         return value, mean_weight
 
-    def _dro_loss_setup_context(ctx, inputs, output):
-        losses, eta, lam, divergence, alpha, k, scale = inputs
-        _, mean_weight = output
-        ctx.save_for_backward(losses, eta, mean_weight)
-        ctx.args = (lam, divergence, alpha, k, scale)
-        ctx.mark_non_differentiable(mean_weight)
-
-    def _dro_loss_backward(ctx, grad_value, _grad_mean_weight):
-        losses, eta, mean_weight = ctx.saved_tensors
-        lam, divergence, alpha, k, scale = ctx.args
-        grad_losses = grad_eta = None
-        if ctx.needs_input_grad[0]:
-            # One pass: grad_l_i = grad * w_i / N, the weights recomputed from the losses.
-            multiplier = (grad_value / losses.shape[0]).to(accumulate_dtype(losses.dtype))
-            grad_losses = torch.ops.dro_ext.psi_star_terms(
-                losses, eta, multiplier, lam, divergence, alpha, k, scale, 1
-            )
-        if ctx.needs_input_grad[1]:
-            if torch.is_grad_enabled() and (losses.requires_grad or eta.requires_grad):
-                # Double backward: the saved mean weight is a constant, so recompute it differentiably.
-                one = torch.ones((), dtype=mean_weight.dtype, device=losses.device)
-                mean_weight = torch.ops.dro_ext.psi_star_terms(
-                    losses, eta, one, lam, divergence, alpha, k, scale, 1
-                ).mean(dtype=mean_weight.dtype)
-            grad_eta = (grad_value * (scale * (1.0 - mean_weight))).to(eta.dtype)
-        return grad_losses, grad_eta, None, None, None, None, None
-
-    torch.library.register_autograd(
-        "dro_ext::dro_loss", _dro_loss_backward, setup_context=_dro_loss_setup_context
-    )
+    # dro_loss's autograd formula is registered in C++ (csrc/dro_loss_autograd.cpp): a Python
+    # autograd.Function would cost more than the fused kernel itself at typical batch sizes.
 
     @torch.library.register_fake("dro_ext::psi_star_terms")
     def _psi_star_terms_fake(losses, eta, multiplier, lam, divergence, alpha=None, k=None, scale=1.0, order=1):
