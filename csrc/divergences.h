@@ -33,7 +33,6 @@ template <typename T>
 struct Math {
   static C10_HOST_DEVICE inline T constant(double c) { return static_cast<T>(c); }
   static C10_HOST_DEVICE inline T exp(T x) { return ::exp(x); }
-  static C10_HOST_DEVICE inline T expm1(T x) { return ::expm1(x); }
   static C10_HOST_DEVICE inline T log1p(T x) { return ::log1p(x); }
   static C10_HOST_DEVICE inline T abs(T x) { return ::fabs(x); }
   static C10_HOST_DEVICE inline T pow(T x, T y) { return ::pow(x, y); }
@@ -69,11 +68,16 @@ struct Chi2 {
 };
 
 // psi(s) = s log s - s + 1: psi*(t) = e^t - 1. Overflows to inf for t above ~88 (float) / ~709 (double);
-// the robust objective uses the logsumexp closed form instead.
+// the robust objective uses the logsumexp closed form instead. value() is written as exp(t) - 1 rather
+// than expm1(t) so that a kernel computing value and first shares one exponential (the absolute error,
+// which is what a mean over samples sees, is the same).
 template <typename acc_t>
 struct KL {
   template <typename T>
-  C10_HOST_DEVICE inline T value(T t) const { return Math<T>::expm1(t); }
+  C10_HOST_DEVICE inline T value(T t) const {
+    using M = Math<T>;
+    return M::exp(t) - M::constant(1.0);
+  }
   template <typename T>
   C10_HOST_DEVICE inline T first(T t) const { return Math<T>::exp(t); }
   template <typename T>
@@ -104,7 +108,8 @@ struct CVaR {
 
 // psi(s) = s log s - s + 1 on [0, 1/alpha]: psi*(t) = e^t - 1 for t <= c = -log(alpha), and the tangent
 // line at c beyond it (see the erratum in DESIGN.md). Written branch-free as
-// expm1(min(t, c)) + (t - c)_+ / alpha, which never evaluates exp above c.
+// exp(min(t, c)) - 1 + (t - c)_+ / alpha, which never evaluates exp above c (and shares that exponential
+// with first()).
 template <typename acc_t>
 struct KLCVaR {
   acc_t cut;        // -log(alpha)
@@ -115,7 +120,7 @@ struct KLCVaR {
   C10_HOST_DEVICE inline T value(T t) const {
     using M = Math<T>;
     T c = M::constant(cut);
-    return M::expm1(M::min(t, c)) + M::relu(t - c) * M::constant(inv_alpha);
+    return M::exp(M::min(t, c)) - M::constant(1.0) + M::relu(t - c) * M::constant(inv_alpha);
   }
   template <typename T>
   C10_HOST_DEVICE inline T first(T t) const {
@@ -132,17 +137,16 @@ struct KLCVaR {
 
 // psi(s) = (s^k - k s + k - 1) / (k (k - 1)), k > 1: with u = ((k-1) t + 1)_+,
 // psi*(t) = (u^(k/(k-1)) - 1) / k, psi*'(t) = u^(1/(k-1)), psi*''(t) = u^((2-k)/(k-1)) for u > 0, else 0.
+// u^(k/(k-1)) is computed as u * u^(1/(k-1)), which shares the power with first().
 template <typename acc_t>
 struct CressieRead {
   acc_t k_minus_1;
   acc_t inv_k;
-  acc_t value_power;   // k / (k - 1)
   acc_t first_power;   // 1 / (k - 1)
   acc_t second_power;  // (2 - k) / (k - 1)
   C10_HOST_DEVICE explicit CressieRead(double k)
       : k_minus_1(static_cast<acc_t>(k - 1.0)),
         inv_k(static_cast<acc_t>(1.0 / k)),
-        value_power(static_cast<acc_t>(k / (k - 1.0))),
         first_power(static_cast<acc_t>(1.0 / (k - 1.0))),
         second_power(static_cast<acc_t>((2.0 - k) / (k - 1.0))) {}
   template <typename T>
@@ -153,7 +157,8 @@ struct CressieRead {
   template <typename T>
   C10_HOST_DEVICE inline T value(T t) const {
     using M = Math<T>;
-    return (M::pow(M::relu(base(t)), M::constant(value_power)) - M::constant(1.0)) * M::constant(inv_k);
+    T u = M::relu(base(t));
+    return (u * M::pow(u, M::constant(first_power)) - M::constant(1.0)) * M::constant(inv_k);
   }
   template <typename T>
   C10_HOST_DEVICE inline T first(T t) const {
@@ -182,17 +187,24 @@ struct SmoothedCVaR {
       : shift(static_cast<acc_t>(::log(alpha) - ::log1p(-alpha))),
         log1m_alpha(static_cast<acc_t>(::log1p(-alpha))),
         inv_alpha(static_cast<acc_t>(1.0 / alpha)) {}
+  // exp(-|s|), the one exponential that both softplus(s) and sigmoid(s) need.
+  template <typename T>
+  C10_HOST_DEVICE inline T exp_neg_abs(T s) const {
+    using M = Math<T>;
+    return M::exp(-M::abs(s));
+  }
+  // sigmoid(s) = 1 / (1 + e) for s > 0 and e / (1 + e) otherwise, with e = exp(-|s|): never overflows.
   template <typename T>
   C10_HOST_DEVICE inline T sigmoid(T s) const {
     using M = Math<T>;
-    // exp(-s) overflows to inf for very negative s, and 1 / inf == 0 is the right limit.
-    return M::constant(1.0) / (M::constant(1.0) + M::exp(-s));
+    T e = exp_neg_abs(s);
+    return M::select_positive(s, M::constant(1.0), e) / (M::constant(1.0) + e);
   }
   template <typename T>
   C10_HOST_DEVICE inline T value(T t) const {
     using M = Math<T>;
     T s = t + M::constant(shift);
-    T softplus = M::relu(s) + M::log1p(M::exp(-M::abs(s)));
+    T softplus = M::relu(s) + M::log1p(exp_neg_abs(s));
     return (M::constant(log1m_alpha) + softplus) * M::constant(inv_alpha);
   }
   template <typename T>

@@ -14,7 +14,6 @@ struct Math<at::vec::Vectorized<S>> {
   using V = at::vec::Vectorized<S>;
   static inline V constant(double c) { return V(static_cast<S>(c)); }
   static inline V exp(const V& x) { return x.exp(); }
-  static inline V expm1(const V& x) { return x.expm1(); }
   static inline V log1p(const V& x) { return x.log1p(); }
   static inline V abs(const V& x) { return x.abs(); }
   static inline V pow(const V& x, const V& y) { return x.pow(y); }
