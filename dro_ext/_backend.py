@@ -9,6 +9,8 @@ import contextlib
 import os
 import warnings
 
+import torch  # noqa: F401  (loads libtorch, which dro_ext._C links against)
+
 _native_loaded = False
 _load_error: Exception | None = None
 try:

@@ -104,6 +104,12 @@ def _fallback_terms(losses, eta, lam, spec: Spec, scale, order):
 # ---------------------------------------------------------------------------------------------------
 
 
+def _checked_args(losses, eta, lam, divergence, alpha, k, scale):
+    spec = check_divergence(divergence, alpha, k)
+    check_losses(losses)
+    return spec, as_eta(eta, losses), check_positive("lam", lam), check_positive("scale", scale)
+
+
 def dro_loss(losses, eta, lam, divergence="chi2", *, alpha=None, k=None, scale=1.0) -> torch.Tensor:
     """The penalized DRO objective ``mean_i lam * psi*((l_i - scale*eta)/lam) + scale*eta`` (a 0-d tensor).
 
@@ -113,11 +119,7 @@ def dro_loss(losses, eta, lam, divergence="chi2", *, alpha=None, k=None, scale=1
     for float64 input). ``kl`` overflows to ``inf`` once ``(l - scale*eta)/lam`` exceeds ~88 in float32;
     use :func:`dro_ext.robust_objective` for an overflow-free value.
     """
-    spec = check_divergence(divergence, alpha, k)
-    check_losses(losses)
-    lam = check_positive("lam", lam)
-    scale = check_positive("scale", scale)
-    eta = as_eta(eta, losses)
+    spec, eta, lam, scale = _checked_args(losses, eta, lam, divergence, alpha, k, scale)
     if _backend.use_native():
         value, _ = torch.ops.dro_ext.dro_loss(losses, eta, lam, spec.name, spec.alpha, spec.k, scale)
         return value
@@ -130,11 +132,7 @@ def dro_weights(losses, eta, lam, divergence="chi2", *, alpha=None, k=None, scal
     ``w_i / N`` is the gradient of :func:`dro_loss` with respect to ``l_i``; at the optimal ``eta`` it is
     the worst-case distribution over the batch. Differentiable (through ``psi*''``).
     """
-    spec = check_divergence(divergence, alpha, k)
-    check_losses(losses)
-    lam = check_positive("lam", lam)
-    scale = check_positive("scale", scale)
-    eta = as_eta(eta, losses)
+    spec, eta, lam, scale = _checked_args(losses, eta, lam, divergence, alpha, k, scale)
     if _backend.use_native():
         one = torch.ones((), dtype=accumulate_dtype(losses.dtype), device=losses.device)
         return torch.ops.dro_ext.psi_star_terms(losses, eta, one, lam, spec.name, spec.alpha, spec.k, scale, 1)
