@@ -16,7 +16,8 @@ import math
 import torch
 
 import dro_ext
-from bench.common import copy_bandwidth, markdown_table, saved_tensor_bytes, time_fn, write_results
+from bench.common import (copy_bandwidth, cuda_peak_bytes, markdown_table, saved_tensor_bytes, time_fn,
+                          write_results)
 
 PARAMS = {"chi2": {}, "kl": {}, "cvar": {"alpha": 0.1}, "kl_cvar": {"alpha": 0.1},
           "cressie_read": {"k": 2.0}, "smoothed_cvar": {"alpha": 0.1}}
@@ -74,6 +75,7 @@ def bench(device, sizes, divergences, min_seconds):
                 run = forward_backward(fn, losses, eta, name, params)
                 t = time_fn(run, device, min_seconds=min_seconds, min_reps=5 if n >= 1 << 24 else 10)
                 saved = saved_tensor_bytes(lambda: fn(losses, eta, name, params), exclude=(losses, eta))
+                peak = cuda_peak_bytes(run, device)
                 results[impl] = t["median_s"]
                 rows.append({
                     "device": str(device), "divergence": name, "n": n, "dtype": "float32", "impl": impl,
@@ -81,6 +83,7 @@ def bench(device, sizes, divergences, min_seconds):
                     "reps": t["reps"], "achieved_GBps": 12 * n / t["median_s"] / 1e9,
                     "copy_bandwidth_GBps": bandwidth / 1e9, "floor_ms": 1e3 * floor_s,
                     "x_floor": t["median_s"] / floor_s, "saved_for_backward_bytes": saved,
+                    "cuda_peak_bytes": peak,
                 })
             for row in rows[-len(impls):]:
                 row["fused_speedup"] = row["median_ms"] / (1e3 * results["fused"])
@@ -96,7 +99,8 @@ def table(rows):
              r["fused_speedup"], r["saved_for_backward_bytes"]] for r in rows]
     return (markdown_table(header, body) + "\n\n`x floor` is the time over (12 bytes per sample / copy "
             "bandwidth at the same size); `fused speedup` is that row's time over the fused op's time; "
-            "`saved bytes` is what autograd keeps for backward beyond the losses and eta.")
+            "`saved bytes` is what autograd keeps for backward beyond the losses and eta (on CUDA the JSON also "
+            "has the peak allocated memory of a forward+backward, `cuda_peak_bytes`).")
 
 
 def main(argv=None):

@@ -87,6 +87,18 @@ def saved_tensor_bytes(fn: Callable[[], torch.Tensor], exclude: tuple = ()) -> i
     return total
 
 
+def cuda_peak_bytes(fn: Callable[[], object], device) -> int | None:
+    """Peak CUDA memory allocated while fn() runs, above what was allocated before (None off CUDA)."""
+    if torch.device(device).type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 def write_results(name: str, rows: list[dict], table_md: str) -> None:
     os.makedirs(RESULTS_DIR, exist_ok=True)
     base = os.path.join(RESULTS_DIR, name)

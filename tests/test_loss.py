@@ -185,11 +185,14 @@ def test_python_float_eta_gets_no_gradient_and_matches_tensor_eta(backend):
 
 
 def test_deterministic_across_calls_and_thread_counts(backend):
+    # Both backends repeat bitwise for a given thread count; the native kernels also across thread counts
+    # (fixed chunking), which PyTorch's own reductions in the fallback do not promise.
     losses = random_losses(300_001, torch.float32)
     threads = torch.get_num_threads()
+    thread_counts = (1, max(2, threads)) if backend == "native" else (threads,)
     try:
         results = []
-        for n_threads in (1, max(2, threads)):
+        for n_threads in thread_counts:
             torch.set_num_threads(n_threads)
             for _ in range(2):
                 results.append(dro_ext.dro_loss(losses, 0.1, 0.5, "smoothed_cvar", alpha=0.1))
