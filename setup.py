@@ -61,7 +61,7 @@ def extensions():
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
     debug = os.environ.get("DEBUG", "0") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
-    cxx_flags = opt + ["-Wno-unknown-pragmas"]
+    cxx_flags = opt + ["-Wno-unknown-pragmas", "-Wno-psabi"]
     common = dict(
         name="dro_ext._C",
         include_dirs=[os.path.join(ROOT, "csrc")],
