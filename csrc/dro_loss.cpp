@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "cpu/huge_pages.h"
 #include "cpu/kernels.h"
 
 namespace dro_ext {
@@ -51,6 +52,7 @@ at::Tensor psi_star_terms_cpu(
   const DivergenceSpec spec = parse_divergence(std::string(divergence), alpha, k);
   const at::Tensor x = losses.contiguous();
   at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  cpu::advise_huge_pages(out.mutable_data_ptr(), out.nbytes());
   if (x.numel() > 0) {
     const double g_eta = scale * eta.item<double>();
     cpu::cpu_kernels().map_derivative(
