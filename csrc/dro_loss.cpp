@@ -3,9 +3,9 @@
 //   dro_loss(l, eta)            -> (L, mean_i w_i) with L = mean_i lam psi*((l_i - G eta)/lam) + G eta
 //   psi_star_terms(l, eta, m)   -> m * psi*^(order)((l_i - G eta)/lam), elementwise
 //
-// The autograd formulas live in dro_ext/ops.py: dL/dl_i = w_i / N is one psi_star_terms pass (order 1,
-// multiplier grad/N) and dL/deta = G (1 - mean w) uses the mean weight dro_loss already returned, so
-// nothing N-sized is saved for backward beyond the losses.
+// The autograd formulas live in csrc/autograd.cpp: dL/dl_i = w_i / N is one pass (dro_loss_backward)
+// and dL/deta = G (1 - mean w) uses the mean weight dro_loss already returned, so nothing N-sized is
+// saved for backward beyond the losses.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/scalar_tensor.h>
@@ -38,6 +38,18 @@ std::tuple<at::Tensor, at::Tensor> dro_loss_cpu(
           at::scalar_tensor(mean_weight, options.dtype(accumulate_type(losses.scalar_type())))};
 }
 
+// out_i = multiplier * psi*^(order)((x_i - G eta) / lam), into a fresh contiguous tensor like x.
+at::Tensor map_terms(const at::Tensor& x, const at::Tensor& eta, double multiplier, double lam,
+                     const DivergenceSpec& spec, double scale, int64_t order) {
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  cpu::advise_huge_pages(out.mutable_data_ptr(), out.nbytes());
+  if (x.numel() > 0) {
+    const double g_eta = scale * eta.item<double>();
+    cpu::cpu_kernels().map_derivative(x.view(-1), out, spec, cpu::Affine{g_eta, 1.0 / lam}, multiplier, order);
+  }
+  return out;
+}
+
 at::Tensor psi_star_terms_cpu(
     const at::Tensor& losses, const at::Tensor& eta, const at::Tensor& multiplier, double lam,
     c10::string_view divergence, std::optional<double> alpha, std::optional<double> k, double scale,
@@ -50,15 +62,25 @@ at::Tensor psi_star_terms_cpu(
   check_positive("scale", scale);
   check_order(order);
   const DivergenceSpec spec = parse_divergence(std::string(divergence), alpha, k);
-  const at::Tensor x = losses.contiguous();
-  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
-  cpu::advise_huge_pages(out.mutable_data_ptr(), out.nbytes());
-  if (x.numel() > 0) {
-    const double g_eta = scale * eta.item<double>();
-    cpu::cpu_kernels().map_derivative(
-        x.view(-1), out, spec, cpu::Affine{g_eta, 1.0 / lam}, multiplier.item<double>(), order);
-  }
-  return out;
+  return map_terms(losses.contiguous(), eta, multiplier.item<double>(), lam, spec, scale, order);
+}
+
+std::tuple<at::Tensor, at::Tensor> dro_loss_backward_cpu(
+    const at::Tensor& grad, const at::Tensor& losses, const at::Tensor& eta, const at::Tensor& mean_weight,
+    double lam, c10::string_view divergence, std::optional<double> alpha, std::optional<double> k,
+    double scale) {
+  check_losses(losses);
+  check_scalar_tensor("grad", grad, losses);
+  check_scalar_tensor("eta", eta, losses);
+  check_scalar_tensor("mean_weight", mean_weight, losses);
+  check_positive("lam", lam);
+  check_positive("scale", scale);
+  const DivergenceSpec spec = parse_divergence(std::string(divergence), alpha, k);
+  const double g = grad.item<double>();
+  at::Tensor grad_losses = map_terms(
+      losses.contiguous(), eta, g / static_cast<double>(losses.numel()), lam, spec, scale, 1);
+  at::Tensor grad_eta = at::scalar_tensor(g * scale * (1.0 - mean_weight.item<double>()), eta.options());
+  return {grad_losses, grad_eta};
 }
 
 }  // namespace
@@ -70,11 +92,17 @@ TORCH_LIBRARY(dro_ext, m) {
   m.def(
       "psi_star_terms(Tensor losses, Tensor eta, Tensor multiplier, float lam, str divergence, "
       "float? alpha=None, float? k=None, float scale=1.0, int order=1) -> Tensor");
+  // The first-order backward of dro_loss in one pass (csrc/autograd.cpp uses it when the backward
+  // itself needs no gradient): (grad * w_i / N, grad * G * (1 - mean_weight)).
+  m.def(
+      "dro_loss_backward(Tensor grad, Tensor losses, Tensor eta, Tensor mean_weight, float lam, str divergence, "
+      "float? alpha=None, float? k=None, float scale=1.0) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(dro_ext, CPU, m) {
   m.impl("dro_loss", &dro_loss_cpu);
   m.impl("psi_star_terms", &psi_star_terms_cpu);
+  m.impl("dro_loss_backward", &dro_loss_backward_cpu);
 }
 
 }  // namespace dro_ext

@@ -26,7 +26,7 @@ from dro_ext._divergences import psi_star as _psi_star_torch
 __all__ = ["DIVERGENCES", "dro_loss", "dro_weights", "psi_star"]
 
 # ---------------------------------------------------------------------------------------------------
-# Native ops: fake kernels and autograd. Registered only when the extension is loaded.
+# Native ops: fake (meta) kernels, for torch.compile. Registered only when the extension is loaded.
 # ---------------------------------------------------------------------------------------------------
 
 if _backend.native_available():
@@ -38,46 +38,16 @@ if _backend.native_available():
         mean_weight = losses.new_empty((), dtype=accumulate_dtype(losses.dtype))
         return value, mean_weight
 
-    # dro_loss's autograd formula is registered in C++ (csrc/dro_loss_autograd.cpp): a Python
-    # autograd.Function would cost more than the fused kernel itself at typical batch sizes.
-
     @torch.library.register_fake("dro_ext::psi_star_terms")
     def _psi_star_terms_fake(losses, eta, multiplier, lam, divergence, alpha=None, k=None, scale=1.0, order=1):
         return torch.empty_like(losses, memory_format=torch.contiguous_format)
 
-    def _psi_star_terms_setup_context(ctx, inputs, output):
-        losses, eta, multiplier, lam, divergence, alpha, k, scale, order = inputs
-        ctx.save_for_backward(losses, eta, multiplier)
-        ctx.args = (lam, divergence, alpha, k, scale, order)
+    @torch.library.register_fake("dro_ext::dro_loss_backward")
+    def _dro_loss_backward_fake(grad, losses, eta, mean_weight, lam, divergence, alpha=None, k=None, scale=1.0):
+        return torch.empty_like(losses, memory_format=torch.contiguous_format), torch.empty_like(eta)
 
-    def _psi_star_terms_backward(ctx, grad):
-        # out_i = m * psi*^(order)(t_i) with t_i = (l_i - G*eta)/lam, so
-        #   d out_i / d l_i = m * psi*^(order+1)(t_i) / lam,   d out_i / d eta = -G * that,
-        #   d out_i / d m   = psi*^(order)(t_i).
-        losses, eta, multiplier = ctx.saved_tensors
-        lam, divergence, alpha, k, scale, order = ctx.args
-        grad_losses = grad_eta = grad_multiplier = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            if order >= 2:
-                raise NotImplementedError("dro_ext: derivatives of psi* beyond the second are not implemented")
-            slope = torch.ops.dro_ext.psi_star_terms(
-                losses, eta, multiplier / lam, lam, divergence, alpha, k, scale, order + 1
-            )
-            grad_slope = grad * slope
-            if ctx.needs_input_grad[0]:
-                grad_losses = grad_slope
-            if ctx.needs_input_grad[1]:
-                grad_eta = (-scale * grad_slope.sum(dtype=accumulate_dtype(losses.dtype))).to(eta.dtype)
-        if ctx.needs_input_grad[2]:
-            terms = torch.ops.dro_ext.psi_star_terms(
-                losses, eta, torch.ones_like(multiplier), lam, divergence, alpha, k, scale, order
-            )
-            grad_multiplier = (grad * terms).sum(dtype=accumulate_dtype(losses.dtype)).to(multiplier.dtype)
-        return grad_losses, grad_eta, grad_multiplier, None, None, None, None, None, None
-
-    torch.library.register_autograd(
-        "dro_ext::psi_star_terms", _psi_star_terms_backward, setup_context=_psi_star_terms_setup_context
-    )
+    # The autograd formulas of these ops are registered in C++ (csrc/autograd.cpp): a Python
+    # autograd.Function would cost more than the fused kernels themselves at typical batch sizes.
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,176 @@
+// Autograd of the loss ops, in C++ so that a training step at small batch sizes does not pay for a
+// Python autograd.Function round trip (the loss is one fused pass; framework overhead would dominate).
+//
+// dro_loss:        dL/dl_i = grad * w_i / N,  dL/deta = grad * G * (1 - mean w)
+// psi_star_terms:  out_i = m psi*^(k)(t_i), t_i = (l_i - G eta)/lam:
+//                  d/dl_i = m psi*^(k+1)(t_i) / lam,  d/deta = -G sum_i of that,  d/dm = psi*^(k)(t_i)
+//
+// Device independent: the ops are called through the dispatcher, so every backend gets this autograd.
+// A backward that must itself be differentiable (double backward) is composed of differentiable ops;
+// otherwise it calls the kernels directly, below the autograd layer.
+#include <ATen/TensorOperators.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/sum.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include "checks.h"
+
+namespace dro_ext {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using OptDouble = std::optional<double>;
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+at::Tensor psi_star_terms(const at::Tensor& losses, const at::Tensor& eta, const at::Tensor& multiplier,
+                          double lam, c10::string_view divergence, OptDouble alpha, OptDouble k, double scale,
+                          int64_t order) {
+  static auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                      c10::string_view, OptDouble, OptDouble, double, int64_t)>(
+      "dro_ext::psi_star_terms");
+  return op.call(losses, eta, multiplier, lam, divergence, alpha, k, scale, order);
+}
+
+// The divergence arguments every op shares, kept in the autograd context between forward and backward.
+struct DivergenceArgs {
+  double lam;
+  std::string divergence;
+  OptDouble alpha, k;
+  double scale;
+
+  void save(AutogradContext* ctx) const {
+    ctx->saved_data["lam"] = lam;
+    ctx->saved_data["divergence"] = divergence;
+    ctx->saved_data["alpha"] = alpha;
+    ctx->saved_data["k"] = k;
+    ctx->saved_data["scale"] = scale;
+  }
+  static DivergenceArgs load(AutogradContext* ctx) {
+    auto opt = [&](const char* key) {
+      const c10::IValue& v = ctx->saved_data[key];
+      return v.isNone() ? std::nullopt : OptDouble(v.toDouble());
+    };
+    return {ctx->saved_data["lam"].toDouble(), ctx->saved_data["divergence"].toStringRef(), opt("alpha"),
+            opt("k"), ctx->saved_data["scale"].toDouble()};
+  }
+  at::Tensor terms(const at::Tensor& losses, const at::Tensor& eta, const at::Tensor& multiplier,
+                   int64_t order) const {
+    return psi_star_terms(losses, eta, multiplier, lam, divergence, alpha, k, scale, order);
+  }
+};
+
+class DROLossFunction : public torch::autograd::Function<DROLossFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& losses, const at::Tensor& eta, double lam,
+                               c10::string_view divergence, OptDouble alpha, OptDouble k, double scale) {
+    static auto op = find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, double,
+                                                                c10::string_view, OptDouble, OptDouble, double)>(
+        "dro_ext::dro_loss");
+    auto [value, mean_weight] = [&] {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      return op.call(losses, eta, lam, divergence, alpha, k, scale);
+    }();
+    ctx->save_for_backward({losses, eta, mean_weight});
+    DivergenceArgs{lam, std::string(divergence), alpha, k, scale}.save(ctx);
+    ctx->mark_non_differentiable({mean_weight});
+    return {value, mean_weight};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &losses = saved[0], &eta = saved[1], &mean_weight = saved[2];
+    const DivergenceArgs args = DivergenceArgs::load(ctx);
+    const at::Tensor& grad = grads[0];
+    at::Tensor grad_losses, grad_eta;
+    if (!at::GradMode::is_enabled()) {
+      static auto backward_op = find_op<std::tuple<at::Tensor, at::Tensor>(
+          const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, c10::string_view,
+          OptDouble, OptDouble, double)>("dro_ext::dro_loss_backward");
+      at::AutoDispatchBelowADInplaceOrView guard;
+      std::tie(grad_losses, grad_eta) = backward_op.call(
+          grad, losses, eta, mean_weight, args.lam, args.divergence, args.alpha, args.k, args.scale);
+    } else {
+      // Double backward: build the gradient from differentiable ops, recomputing the weights (the saved
+      // mean weight is a constant to autograd).
+      const auto acc = mean_weight.scalar_type();
+      const at::Tensor weights = args.terms(losses, eta, at::ones({}, losses.options().dtype(acc)), 1);
+      grad_losses = weights * (grad.to(acc) / static_cast<double>(losses.size(0)));
+      grad_eta = grad.to(acc) * (args.scale * (1.0 - weights.mean(acc)));
+      grad_losses = grad_losses.to(losses.scalar_type());
+    }
+    return {ctx->needs_input_grad(0) ? grad_losses : at::Tensor(),
+            ctx->needs_input_grad(1) ? grad_eta.to(eta.scalar_type()) : at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+class PsiStarTermsFunction : public torch::autograd::Function<PsiStarTermsFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& losses, const at::Tensor& eta,
+                               const at::Tensor& multiplier, double lam, c10::string_view divergence,
+                               OptDouble alpha, OptDouble k, double scale, int64_t order) {
+    at::Tensor out = [&] {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      return psi_star_terms(losses, eta, multiplier, lam, divergence, alpha, k, scale, order);
+    }();
+    ctx->save_for_backward({losses, eta, multiplier});
+    DivergenceArgs{lam, std::string(divergence), alpha, k, scale}.save(ctx);
+    ctx->saved_data["order"] = order;
+    return {out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &losses = saved[0], &eta = saved[1], &multiplier = saved[2];
+    const DivergenceArgs args = DivergenceArgs::load(ctx);
+    const int64_t order = ctx->saved_data["order"].toInt();
+    const at::Tensor& grad = grads[0];
+    const auto acc = accumulate_type(losses.scalar_type());
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
+    if (!at::GradMode::is_enabled()) below_autograd.emplace();
+
+    at::Tensor grad_losses, grad_eta, grad_multiplier;
+    if (ctx->needs_input_grad(0) || ctx->needs_input_grad(1)) {
+      TORCH_CHECK(order < 2, "dro_ext: derivatives of psi* beyond the second are not implemented");
+      const at::Tensor slope = args.terms(losses, eta, multiplier / args.lam, order + 1);
+      const at::Tensor grad_slope = grad * slope;
+      if (ctx->needs_input_grad(0)) grad_losses = grad_slope;
+      if (ctx->needs_input_grad(1)) grad_eta = (-args.scale * at::sum(grad_slope, acc)).to(eta.scalar_type());
+    }
+    if (ctx->needs_input_grad(2)) {
+      const at::Tensor terms = args.terms(losses, eta, at::ones({}, multiplier.options()), order);
+      grad_multiplier = at::sum(grad * terms, acc).to(multiplier.scalar_type());
+    }
+    return {grad_losses, grad_eta, grad_multiplier, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> dro_loss_autograd(const at::Tensor& losses, const at::Tensor& eta, double lam,
+                                                     c10::string_view divergence, OptDouble alpha, OptDouble k,
+                                                     double scale) {
+  auto out = DROLossFunction::apply(losses, eta, lam, divergence, alpha, k, scale);
+  return {out[0], out[1]};
+}
+
+at::Tensor psi_star_terms_autograd(const at::Tensor& losses, const at::Tensor& eta, const at::Tensor& multiplier,
+                                   double lam, c10::string_view divergence, OptDouble alpha, OptDouble k,
+                                   double scale, int64_t order) {
+  return PsiStarTermsFunction::apply(losses, eta, multiplier, lam, divergence, alpha, k, scale, order)[0];
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dro_ext, Autograd, m) {
+  m.impl("dro_loss", &dro_loss_autograd);
+  m.impl("psi_star_terms", &psi_star_terms_autograd);
+}
+
+}  // namespace dro_ext
