@@ -82,7 +82,7 @@ def optimizer_step(opt, grads):
     return opt.step
 
 
-def bench_size(label, shapes, rounds, min_seconds):
+def bench_size(label, shapes, rounds, min_seconds, min_reps):
     numel = sum(torch.Size(s).numel() for s in shapes)
     params, grads, momenta = make_list(shapes)
     peers = {}
@@ -107,7 +107,7 @@ def bench_size(label, shapes, rounds, min_seconds):
     samples = {name: [] for name in peers}
     for _ in range(rounds):
         for name, fn in peers.items():
-            samples[name].append(time_fn(fn, min_reps=10, min_seconds=min_seconds)["median_s"])
+            samples[name].append(time_fn(fn, warmup=2, min_reps=min_reps, min_seconds=min_seconds)["median_s"])
     medians = {name: statistics.median(s) for name, s in samples.items()}
     foreach_names = [n for n in peers if n.startswith("foreach ")]
     best_foreach = min(foreach_names, key=medians.get)
@@ -126,26 +126,32 @@ def bench_size(label, shapes, rounds, min_seconds):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="ResNet-18-shaped list only, one round")
+    parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads(), 1],
+                        help="intra-op thread counts to run at (default: torch's default, then 1)")
     args = parser.parse_args(argv)
     if not _backend.native_available():
         raise SystemExit(f"dro_ext native ops not loaded: {_backend.load_error()}")
     torch.manual_seed(0)
-    sizes = [("resnet18 (62 tensors)", resnet18_shapes())]
+    sizes = [("resnet18 (62 tensors)", resnet18_shapes(), 10)]
     if not args.quick:
-        sizes.append(("gpt 100M (150 tensors)", gpt_shapes()))
+        sizes.append(("gpt 100M (150 tensors)", gpt_shapes(), 5))
     rows = []
-    for label, shapes in sizes:
-        rows += bench_size(label, shapes, rounds=1 if args.quick else 3, min_seconds=0.3 if args.quick else 1.0)
+    for threads in dict.fromkeys(args.threads):
+        torch.set_num_threads(threads)
+        for label, shapes, min_reps in sizes:
+            for row in bench_size(label, shapes, rounds=1 if args.quick else 3,
+                                  min_seconds=0.3 if args.quick else 1.0, min_reps=min_reps):
+                rows.append({"threads": threads, **row})
     table = []
     for r in rows:
-        table.append([r["list"], r["peer"] + (" (best foreach)" if r["best_foreach"] else ""), r["median_s"] * 1e3,
-                      r["gb_per_s"], r["fused_speedup"], r["over_floor"]])
-    bandwidths = ", ".join(f"{r['list']}: {r['copy_gb_per_s']:.1f} GB/s" for r in rows
+        table.append([r["threads"], r["list"], r["peer"] + (" (best foreach)" if r["best_foreach"] else ""),
+                      r["median_s"] * 1e3, r["gb_per_s"], r["fused_speedup"], r["over_floor"]])
+    bandwidths = ", ".join(f"{r['list']} at {r['threads']} threads: {r['copy_gb_per_s']:.1f} GB/s" for r in rows
                            if r["peer"] == "NormalizedSGD fused")
     note = (f"Time per step (ms); GB/s counts {BYTES_PER_PARAM} bytes per parameter; 'x fused' is the peer's "
             f"time over the fused step's; 'x floor' is the time over {BYTES_PER_PARAM} B/param at the measured "
             f"copy bandwidth ({bandwidths}).")
-    md = markdown_table(["list", "peer", "ms/step", "GB/s", "x fused", "x floor"], table) + "\n\n" + note
+    md = markdown_table(["threads", "list", "peer", "ms/step", "GB/s", "x fused", "x floor"], table) + "\n\n" + note
     write_results("optim", rows, md)
     print(md)
 
