@@ -82,8 +82,9 @@ def optimizer_step(opt, grads):
     return opt.step
 
 
-def bench_size(label, shapes, rounds, min_seconds, min_reps):
+def bench_size(name, shapes, rounds, min_seconds, min_reps):
     numel = sum(torch.Size(s).numel() for s in shapes)
+    label = f"{name} ({len(shapes)} tensors, {numel / 1e6:.1f}M)"
     params, grads, momenta = make_list(shapes)
     peers = {}
     fused_params = [torch.nn.Parameter(p.clone()) for p in params]
@@ -132,9 +133,9 @@ def main(argv=None):
     if not _backend.native_available():
         raise SystemExit(f"dro_ext native ops not loaded: {_backend.load_error()}")
     torch.manual_seed(0)
-    sizes = [("resnet18 (62 tensors)", resnet18_shapes(), 10)]
+    sizes = [("resnet18", resnet18_shapes(), 10)]
     if not args.quick:
-        sizes.append(("gpt 100M (150 tensors)", gpt_shapes(), 5))
+        sizes.append(("gpt-100M", gpt_shapes(), 5))
     rows = []
     for threads in dict.fromkeys(args.threads):
         torch.set_num_threads(threads)
