@@ -19,11 +19,14 @@ from dro_ext import _backend
 
 __all__ = ["NormalizedSGD", "DEFAULT_EPS"]
 
-# eps only keeps the denominator off zero; a momentum that is exactly zero is handled on its own (no
-# step). Any eps comparable to ||m|| turns the fixed-length step of Algorithm 1 into SGD with lr/eps and
-# makes the step depend on the scale of the loss, so the default sits far below the momentum norms of
-# real float32 models, per tensor too (norm="tensor" on a small bias), yet keeps lr/eps finite. The
-# paper's experiments used eps=0.1 and the authors' earlier code 1e-6: pass those explicitly to match them.
+# Algorithm 1 has no eps: m/||m|| is a unit vector however small ||m|| is, and an exactly zero momentum
+# is handled on its own (no step). eps does two things: it bounds the step factor lr/(||m|| + eps) by
+# lr/eps, so it stays finite in float32 for subnormal momenta; and once ||m|| is comparable to eps it
+# shrinks the step to lr*||m||/(||m|| + eps), SGD with step lr/eps, which makes the step depend on the
+# scale of the loss. The default keeps the first and avoids the second: 1e-8 lies far below the momentum
+# norm of any float32 model worth training, per tensor too (norm="tensor" on a small bias), so the step
+# keeps the fixed length lr of Algorithm 1. The paper's experiments used eps=0.1 (Appendix E) and the
+# authors' earlier NormalizedSGD 1e-6, tuned choices: pass them to reproduce those runs.
 DEFAULT_EPS = 1e-8
 
 _NORMS = ("global", "tensor")
@@ -39,7 +42,8 @@ if _backend.native_available():
         return None
 
 
-def _check_number(name, value, *, low, high=math.inf, high_open=False):
+def _check_number(name, value, *, low, high=None):
+    """value must be a finite number (or one-element Tensor) in [low, high), or >= low without high."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"dro_ext.NormalizedSGD: {name} as a Tensor must hold one element, got shape "
@@ -49,12 +53,17 @@ def _check_number(name, value, *, low, high=math.inf, high_open=False):
         number = float(value)
     else:
         raise ValueError(f"dro_ext.NormalizedSGD: {name} must be a number, got {value!r}")
-    above_high = number >= high if high_open else number > high
-    if not math.isfinite(number) and not (high == math.inf and number == math.inf and not high_open):
-        raise ValueError(f"dro_ext.NormalizedSGD: {name} must be finite, got {number}")
-    if number < low or above_high:
-        bracket = ")" if high_open else "]"
-        raise ValueError(f"dro_ext.NormalizedSGD: {name} must be in [{low}, {high}{bracket}, got {number}")
+    allowed = f"in [{low}, {high})" if high is not None else f">= {low}"
+    if not math.isfinite(number) or number < low or (high is not None and number >= high):
+        raise ValueError(f"dro_ext.NormalizedSGD: {name} must be a finite number {allowed}, got {name}={number}")
+
+
+# Device types the fused op has kernels for, looked up once: a constant for torch.compile to read.
+_FUSED_DEVICE_TYPES = frozenset(
+    t for t in ("cpu", "cuda")
+    if _backend.native_available()
+    and torch._C._dispatch_has_kernel_for_dispatch_key("dro_ext::normalized_sgd_step_", t.upper())
+)
 
 
 class NormalizedSGD(Optimizer):
@@ -74,9 +83,10 @@ class NormalizedSGD(Optimizer):
         weight_decay: decoupled: ``p *= 1 - lr*weight_decay`` each step, independent of the momentum.
         norm: ``"global"`` (over the whole group, the paper's) or ``"tensor"`` (each tensor alone).
         maximize: ascend instead of descend.
-        foreach: True selects the ``torch._foreach_*`` implementation.
-        fused: True selects the fused native op (it must be built); None picks it when it is loaded and
-            ``foreach`` is not True. The native op needs every parameter of a group on one device.
+        foreach: True selects the ``torch._foreach_*`` implementation (also what ``fused=False`` runs).
+        fused: True selects the fused native op (it must be built, and every parameter of a group must
+            sit on one device); None picks it where it is loaded, has a kernel for the group's device and
+            ``foreach`` is not True, and the foreach implementation elsewhere.
 
     Works with ``torch.amp.GradScaler`` (it passes ``grad_scale``/``found_inf``: gradients are unscaled
     inside the step and a step with an inf/NaN gradient is skipped entirely). The fused step reads them
@@ -101,7 +111,7 @@ class NormalizedSGD(Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         _check_number("lr", group["lr"], low=0.0)
-        _check_number("momentum", group["momentum"], low=0.0, high=1.0, high_open=True)
+        _check_number("momentum", group["momentum"], low=0.0, high=1.0)
         _check_number("eps", group["eps"], low=0.0)
         _check_number("weight_decay", group["weight_decay"], low=0.0)
         if group["norm"] not in _NORMS:
@@ -136,13 +146,17 @@ class NormalizedSGD(Optimizer):
             steps.append(state["step"])
         return False
 
-    def _use_fused(self, group) -> bool:
+    def _use_fused(self, group, params) -> bool:
         if group["fused"]:
             if not _backend.use_native():
                 raise RuntimeError("dro_ext.NormalizedSGD: fused=True but the native ops are disabled "
                                    "(DRO_EXT_FORCE_PYTHON=1 or the extension did not load)")
             return True
-        return group["fused"] is None and not group["foreach"] and _backend.use_native()
+        if group["fused"] is not None or group["foreach"] or not _backend.use_native():
+            return False
+        # Automatic choice: the fused op where it has a kernel for the group's one device, else foreach.
+        device = params[0].device
+        return device.type in _FUSED_DEVICE_TYPES and all(p.device == device for p in params)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -157,7 +171,7 @@ class NormalizedSGD(Optimizer):
             self._init_group(group, params, grads, momenta, steps)
             if not params:
                 continue
-            step_fn = _fused_step if self._use_fused(group) else _foreach_step
+            step_fn = _fused_step if self._use_fused(group, params) else _foreach_step
             step_fn(params, grads, momenta, steps, lr=group["lr"], momentum=group["momentum"], eps=group["eps"],
                     weight_decay=group["weight_decay"], norm=group["norm"], maximize=group["maximize"],
                     grad_scale=grad_scale, found_inf=found_inf)
@@ -208,7 +222,7 @@ def _foreach_step(params, grads, momenta, steps, *, lr, momentum, eps, weight_de
         if weight_decay != 0.0:
             decay = 1.0 - lr_t * weight_decay
             if isinstance(decay, torch.Tensor):
-                torch._foreach_mul_(b_params, decay.to(device=device, dtype=dtype))
+                torch._foreach_mul_(b_params, decay.to(device=device, dtype=acc))
             else:
                 torch._foreach_mul_(b_params, decay)
         torch._foreach_sub_(b_params, torch._foreach_mul(b_momenta, list(scale.unbind())))

@@ -294,6 +294,7 @@ def test_fused_step_is_deterministic():
     [
         (dict(lr=-0.1), "lr"),
         (dict(lr=float("nan")), "lr"),
+        (dict(lr=float("inf")), "lr"),
         (dict(lr=0.1, momentum=1.0), "momentum"),
         (dict(lr=0.1, momentum=-0.5), "momentum"),
         (dict(lr=0.1, eps=-1e-8), "eps"),
