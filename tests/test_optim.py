@@ -273,6 +273,21 @@ def test_fused_and_foreach_agree():
                                    **tol)
 
 
+@pytest.mark.parametrize("kwargs", [{}, dict(foreach=True), dict(fused=False)])
+def test_which_implementation_runs(backend, kwargs, monkeypatch):
+    # The native runs of every other test must really exercise the fused op.
+    calls = []
+    real = torch.ops.dro_ext.normalized_sgd_step_ if _backend.native_available() else None
+    monkeypatch.setattr(torch.ops.dro_ext, "normalized_sgd_step_",
+                        lambda *args: calls.append(1) or real(*args), raising=False)
+    params = make_params(SHAPES[:2])
+    opt = NormalizedSGD(params, lr=0.1, **kwargs)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert len(calls) == (1 if backend == "native" and not kwargs else 0)
+
+
 def test_fused_step_is_deterministic():
     needs_native()
     runs = []
@@ -357,7 +372,9 @@ def test_torch_compile_step(backend):
         params = make_params(SHAPES[:4])
         opt = NormalizedSGD([dict(params=params[:2]), dict(params=params[2:], norm="tensor")], lr=0.1,
                             weight_decay=0.01)
-        step = torch.compile(opt.step, backend="aot_eager", fullgraph=backend == "native") if compiled else opt.step
+        # Inductor on the fused op (one custom op in the graph); aot_eager keeps the fallback's compile short.
+        compile_backend = "inductor" if backend == "native" else "aot_eager"
+        step = torch.compile(opt.step, backend=compile_backend, fullgraph=backend == "native") if compiled else opt.step
         for _ in range(3):
             for p in params:
                 p.grad = torch.randn_like(p)
