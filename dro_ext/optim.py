@@ -225,4 +225,4 @@ def _foreach_step(params, grads, momenta, steps, *, lr, momentum, eps, weight_de
                 torch._foreach_mul_(b_params, decay.to(device=device, dtype=acc))
             else:
                 torch._foreach_mul_(b_params, decay)
-        torch._foreach_sub_(b_params, torch._foreach_mul(b_momenta, list(scale.unbind())))
+        torch._foreach_addcmul_(b_params, b_momenta, list(scale.unbind()), value=-1)
