@@ -157,8 +157,8 @@ def main(argv=None):
             f"time over the fused step's; 'x floor' is the time over {BYTES_PER_PARAM} B/param at the measured "
             f"copy bandwidth ({bandwidths}). The copy's bandwidth counts read + write bytes only (the "
             f"cache also reads the destination before writing it) and a copy keeps fewer streams in flight than "
-            f"a step, so a step can beat this floor (x floor < 1). The machine is shared: 1-minute load average during each list "
-            f"(before, after): {loads} on {os.cpu_count()} cores.")
+            f"a step, so a step can beat this floor (x floor < 1). The machine is shared: 1-minute load "
+            f"average during each list (before, after): {loads} on {os.cpu_count()} cores.")
     md = markdown_table(["threads", "list", "peer", "ms/step", "GB/s", "x fused", "x floor"], table) + "\n\n" + note
     write_results("optim", rows, md)
     print(md)

@@ -32,7 +32,10 @@ DEFAULT_EPS = 1e-8
 _NORMS = ("global", "tensor")
 
 
-if _backend.native_available():
+# An extension built before this op existed loads without it: then only the fallback runs.
+_NATIVE_OP = _backend.native_available() and hasattr(torch.ops.dro_ext, "normalized_sgd_step_")
+
+if _NATIVE_OP:
 
     @torch.library.register_fake("dro_ext::normalized_sgd_step_")
     def _normalized_sgd_step_fake(
@@ -61,8 +64,7 @@ def _check_number(name, value, *, low, high=None):
 # Device types the fused op has kernels for, looked up once: a constant for torch.compile to read.
 _FUSED_DEVICE_TYPES = frozenset(
     t for t in ("cpu", "cuda")
-    if _backend.native_available()
-    and torch._C._dispatch_has_kernel_for_dispatch_key("dro_ext::normalized_sgd_step_", t.upper())
+    if _NATIVE_OP and torch._C._dispatch_has_kernel_for_dispatch_key("dro_ext::normalized_sgd_step_", t.upper())
 )
 
 
@@ -99,9 +101,9 @@ class NormalizedSGD(Optimizer):
                  maximize=False, foreach=None, fused=None):
         if fused and foreach:
             raise ValueError("dro_ext.NormalizedSGD: fused=True and foreach=True are mutually exclusive")
-        if fused and not _backend.native_available():
-            raise RuntimeError(f"dro_ext.NormalizedSGD: fused=True needs the native extension, which did not "
-                               f"load: {_backend.load_error()}")
+        if fused and not _NATIVE_OP:
+            raise RuntimeError(f"dro_ext.NormalizedSGD: fused=True needs the native op normalized_sgd_step_, "
+                               f"which is not loaded (extension load error: {_backend.load_error()})")
         defaults = dict(lr=lr, momentum=momentum, eps=eps, weight_decay=weight_decay, norm=norm,
                         maximize=maximize, foreach=foreach, fused=fused)
         super().__init__(params, defaults)
