@@ -1,0 +1,274 @@
+// Normalized SGD with momentum (Algorithm 1 of the paper) as one multi-tensor op, and its CPU kernel.
+//
+//   m <- beta m + (1 - beta) g          (m <- g on a tensor's first step)
+//   p <- (1 - lr wd) p - lr m / (||m|| + eps)
+//
+// ||m|| is taken over every tensor of the call (norm="global") or per tensor (norm="tensor"). The step
+// is two passes over the list: pass A updates m and sums m^2 into per-chunk partials, pass B applies the
+// update. lr, grad_scale, found_inf and the step counts are tensors, read where the kernel runs, so the
+// CUDA kernel can run the same step without a host sync (and be graph-captured).
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/irange.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace dro_ext {
+
+namespace {
+
+// Tensors are cut into chunks of this many elements, whatever the thread count, and the partial sums
+// of squares are combined in chunk order: the norm, hence the step, is bitwise repeatable.
+constexpr int64_t kChunk = 8192;
+// Below this many elements in all, threads cost more than they save.
+constexpr int64_t kSerialBelow = 1 << 16;
+// Independent accumulators, so the compiler vectorizes the sum of squares without reordering a sum.
+constexpr int kLanes = 16;
+
+struct Chunk {
+  int64_t tensor;
+  int64_t begin;
+  int64_t end;
+};
+
+// One tensor's operands as flat arrays: p, g and m as given when they share one dense layout, else
+// contiguous copies (p and m are copied back after the step).
+struct Operands {
+  at::Tensor param, grad, momentum;
+  bool copied = false;
+};
+
+// m <- keep * m + take * g over one chunk; returns sum m^2 of the stored (rounded) m, in double so that
+// neither large nor tiny momenta overflow or underflow the norm.
+template <typename scalar_t>
+C10_ALWAYS_INLINE double update_momentum(const scalar_t* g, scalar_t* m, int64_t n, double keep_d, double take_d) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const auto keep = static_cast<opmath_t>(keep_d), take = static_cast<opmath_t>(take_d);
+  double lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const scalar_t stored = static_cast<scalar_t>(keep * static_cast<opmath_t>(m[i + j]) +
+                                                    take * static_cast<opmath_t>(g[i + j]));
+      m[i + j] = stored;
+      const double v = static_cast<double>(stored);
+      lanes[j] += v * v;
+    }
+  }
+  for (; i < n; ++i) {
+    const scalar_t stored =
+        static_cast<scalar_t>(keep * static_cast<opmath_t>(m[i]) + take * static_cast<opmath_t>(g[i]));
+    m[i] = stored;
+    const double v = static_cast<double>(stored);
+    lanes[0] += v * v;
+  }
+  double sum = 0.0;
+  for (int j = 0; j < kLanes; ++j) sum += lanes[j];
+  return sum;
+}
+
+// p <- decay * p - scale * m over one chunk.
+template <typename scalar_t>
+C10_ALWAYS_INLINE void apply_update(scalar_t* p, const scalar_t* m, int64_t n, double decay_d, double scale_d) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const auto decay = static_cast<opmath_t>(decay_d), scale = static_cast<opmath_t>(scale_d);
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = static_cast<scalar_t>(decay * static_cast<opmath_t>(p[i]) - scale * static_cast<opmath_t>(m[i]));
+  }
+}
+
+// The passes compiled twice, for the baseline x86-64 ISA and for AVX2+FMA: one stream per core does not
+// saturate memory, and wider vectors keep more loads in flight. Chosen once at run time;
+// ATEN_CPU_CAPABILITY=default forces the baseline, as it does for ATen's kernels.
+template <typename scalar_t>
+struct Passes {
+  double (*momentum)(const scalar_t*, scalar_t*, int64_t, double, double);
+  void (*apply)(scalar_t*, const scalar_t*, int64_t, double, double);
+};
+
+template <typename scalar_t>
+double update_momentum_default(const scalar_t* g, scalar_t* m, int64_t n, double keep, double take) {
+  return update_momentum(g, m, n, keep, take);
+}
+template <typename scalar_t>
+void apply_update_default(scalar_t* p, const scalar_t* m, int64_t n, double decay, double scale) {
+  apply_update(p, m, n, decay, scale);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+template <typename scalar_t>
+__attribute__((target("avx2,fma"))) double update_momentum_avx2(
+    const scalar_t* g, scalar_t* m, int64_t n, double keep, double take) {
+  return update_momentum(g, m, n, keep, take);
+}
+template <typename scalar_t>
+__attribute__((target("avx2,fma"))) void apply_update_avx2(
+    scalar_t* p, const scalar_t* m, int64_t n, double decay, double scale) {
+  apply_update(p, m, n, decay, scale);
+}
+
+bool use_avx2() {
+  static const bool avx2 = [] {
+    const char* forced = std::getenv("ATEN_CPU_CAPABILITY");
+    if (forced != nullptr && std::strcmp(forced, "default") == 0) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return avx2;
+}
+
+template <typename scalar_t>
+Passes<scalar_t> passes() {
+  if (use_avx2()) return {&update_momentum_avx2<scalar_t>, &apply_update_avx2<scalar_t>};
+  return {&update_momentum_default<scalar_t>, &apply_update_default<scalar_t>};
+}
+#else
+template <typename scalar_t>
+Passes<scalar_t> passes() {
+  return {&update_momentum_default<scalar_t>, &apply_update_default<scalar_t>};
+}
+#endif
+
+double read_scalar(const char* arg, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.numel() == 1, "dro_ext: ", arg, " must hold one element, got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "dro_ext: ", arg, " must be on the CPU for CPU parameters, got ",
+                    t.device());
+  return t.item<double>();
+}
+
+void check_lists(at::TensorList params, at::TensorList grads, at::TensorList momenta, at::TensorList steps) {
+  TORCH_CHECK_VALUE(grads.size() == params.size() && momenta.size() == params.size() && steps.size() == params.size(),
+                    "dro_ext: params, grads, momenta and steps must have the same length, got ", params.size(), ", ",
+                    grads.size(), ", ", momenta.size(), ", ", steps.size());
+  for (const auto i : c10::irange(params.size())) {
+    const at::Tensor& p = params[i];
+    TORCH_CHECK_VALUE(at::isFloatingType(p.scalar_type()), "dro_ext: params[", i,
+                      "] must have a floating dtype, got ", p.scalar_type());
+    TORCH_CHECK_VALUE(p.device().is_cpu(), "dro_ext: params[", i, "] is on ", p.device(),
+                      "; this kernel takes CPU tensors only");
+    auto check_like_param = [&](const char* name, const at::Tensor& t) {
+      TORCH_CHECK_VALUE(t.scalar_type() == p.scalar_type() && t.device() == p.device() && t.sizes() == p.sizes(),
+                        "dro_ext: ", name, "[", i, "] must match params[", i, "] (", p.scalar_type(), " ", p.sizes(),
+                        " on ", p.device(), "), got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
+    };
+    check_like_param("grads", grads[i]);
+    check_like_param("momenta", momenta[i]);
+    TORCH_CHECK_VALUE(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat && steps[i].device().is_cpu(),
+                      "dro_ext: steps[", i, "] must be a one-element float32 CPU tensor, got ", steps[i].scalar_type(),
+                      " ", steps[i].sizes(), " on ", steps[i].device());
+  }
+}
+
+Operands flat_operands(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m) {
+  if (p.is_non_overlapping_and_dense() && g.strides() == p.strides() && m.strides() == p.strides()) {
+    return {p, g, m, false};
+  }
+  return {p.contiguous(), g.contiguous(), m.contiguous(), true};
+}
+
+void normalized_sgd_step_cpu(
+    at::TensorList params, at::TensorList grads, at::TensorList momenta, at::TensorList steps, const at::Tensor& lr,
+    double momentum, double eps, double weight_decay, c10::string_view norm, bool maximize,
+    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  check_lists(params, grads, momenta, steps);
+  TORCH_CHECK_VALUE(momentum >= 0.0 && momentum < 1.0, "dro_ext: momentum must be in [0, 1), got ", momentum);
+  TORCH_CHECK_VALUE(eps >= 0.0 && std::isfinite(eps), "dro_ext: eps must be a finite number >= 0, got ", eps);
+  TORCH_CHECK_VALUE(weight_decay >= 0.0 && std::isfinite(weight_decay),
+                    "dro_ext: weight_decay must be a finite number >= 0, got ", weight_decay);
+  TORCH_CHECK_VALUE(norm == "global" || norm == "tensor", "dro_ext: norm must be 'global' or 'tensor', got '",
+                    std::string(norm), "'");
+  const bool per_tensor = norm == "tensor";
+  // GradScaler found an inf or NaN in some gradient: the whole step is skipped, counts included.
+  if (found_inf.has_value() && read_scalar("found_inf", *found_inf) != 0.0) return;
+  const double lr_value = read_scalar("lr", lr);
+  double grad_mul = maximize ? -1.0 : 1.0;
+  if (grad_scale.has_value()) grad_mul /= read_scalar("grad_scale", *grad_scale);
+
+  const int64_t num_tensors = static_cast<int64_t>(params.size());
+  std::vector<Operands> ops;
+  ops.reserve(num_tensors);
+  std::vector<Chunk> chunks;
+  int64_t total = 0;
+  for (const auto t : c10::irange(num_tensors)) {
+    ops.push_back(flat_operands(params[t], grads[t], momenta[t]));
+    const int64_t n = params[t].numel();
+    total += n;
+    for (int64_t begin = 0; begin < n; begin += kChunk) chunks.push_back({t, begin, std::min(n, begin + kChunk)});
+  }
+  // m_1 = g_1 is the update with beta = 0; state starts at zero so 0 * m adds nothing.
+  std::vector<double> keep(num_tensors), take(num_tensors);
+  for (const auto t : c10::irange(num_tensors)) {
+    const bool first = *steps[t].const_data_ptr<float>() == 0.0f;
+    keep[t] = first ? 0.0 : momentum;
+    take[t] = first ? grad_mul : (1.0 - momentum) * grad_mul;
+  }
+
+  const int64_t num_chunks = static_cast<int64_t>(chunks.size());
+  const int64_t grain = total < kSerialBelow ? std::max<int64_t>(num_chunks, 1) : 1;
+  std::vector<double> partial(num_chunks);
+  at::parallel_for(0, num_chunks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const Chunk& chunk = chunks[c];
+      const Operands& op = ops[chunk.tensor];
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, op.param.scalar_type(), "normalized_sgd_momentum", [&] {
+        partial[c] = passes<scalar_t>().momentum(
+            op.grad.const_data_ptr<scalar_t>() + chunk.begin, op.momentum.mutable_data_ptr<scalar_t>() + chunk.begin,
+            chunk.end - chunk.begin, keep[chunk.tensor], take[chunk.tensor]);
+      });
+    }
+  });
+
+  // Sum the partials in chunk order; a zero norm means a zero momentum, which must not move p.
+  std::vector<double> sumsq(num_tensors, 0.0);
+  for (const auto c : c10::irange(num_chunks)) sumsq[chunks[c].tensor] += partial[c];
+  std::vector<double> scale(num_tensors);
+  double global_sumsq = 0.0;
+  for (const double s : sumsq) global_sumsq += s;
+  for (const auto t : c10::irange(num_tensors)) {
+    const double norm_value = std::sqrt(per_tensor ? sumsq[t] : global_sumsq);
+    scale[t] = norm_value > 0.0 ? lr_value / (norm_value + eps) : 0.0;
+  }
+  const double decay = 1.0 - lr_value * weight_decay;
+
+  at::parallel_for(0, num_chunks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const Chunk& chunk = chunks[c];
+      const Operands& op = ops[chunk.tensor];
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, op.param.scalar_type(), "normalized_sgd_apply", [&] {
+        passes<scalar_t>().apply(op.param.mutable_data_ptr<scalar_t>() + chunk.begin,
+                               op.momentum.const_data_ptr<scalar_t>() + chunk.begin, chunk.end - chunk.begin,
+                               decay, scale[chunk.tensor]);
+      });
+    }
+  });
+
+  for (const auto t : c10::irange(num_tensors)) {
+    if (ops[t].copied) {
+      params[t].copy_(ops[t].param);
+      momenta[t].copy_(ops[t].momentum);
+    }
+    *steps[t].mutable_data_ptr<float>() += 1.0f;
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dro_ext, m) {
+  m.def(
+      "normalized_sgd_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momenta, Tensor(c!)[] steps, "
+      "Tensor lr, float momentum, float eps, float weight_decay=0.0, str norm=\"global\", bool maximize=False, "
+      "Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(dro_ext, CPU, m) {
+  m.impl("normalized_sgd_step_", &normalized_sgd_step_cpu);
+}
+
+}  // namespace dro_ext

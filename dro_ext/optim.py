@@ -1,0 +1,230 @@
+"""NormalizedSGD: mini-batch normalized SGD with momentum, Algorithm 1 of the paper (DESIGN.md section 1).
+
+    m <- beta * m + (1 - beta) * g                (m <- g on a parameter's first step)
+    p <- (1 - lr * weight_decay) * p - lr * m / (||m|| + eps)
+
+||m|| is the L2 norm over every parameter of the param group (``norm="global"``, the paper's) or of each
+tensor alone (``norm="tensor"``). Two implementations compute this: the fused native op
+``torch.ops.dro_ext.normalized_sgd_step_`` (one multi-tensor call per group, no host sync) and a
+``torch._foreach_*`` fallback.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim import Optimizer
+
+from dro_ext import _backend
+
+__all__ = ["NormalizedSGD", "DEFAULT_EPS"]
+
+# Algorithm 1 has no eps: m/||m|| is a unit vector however small ||m|| is, and an exactly zero momentum
+# is handled on its own (no step). eps does two things: it bounds the step factor lr/(||m|| + eps) by
+# lr/eps, so it stays finite in float32 for subnormal momenta; and once ||m|| is comparable to eps it
+# shrinks the step to lr*||m||/(||m|| + eps), SGD with step lr/eps, which makes the step depend on the
+# scale of the loss. The default keeps the first and avoids the second: 1e-8 lies far below the momentum
+# norm of any float32 model worth training, per tensor too (norm="tensor" on a small bias), so the step
+# keeps the fixed length lr of Algorithm 1. The paper's experiments used eps=0.1 (Appendix E) and the
+# authors' earlier NormalizedSGD 1e-6, tuned choices: pass them to reproduce those runs.
+DEFAULT_EPS = 1e-8
+
+_NORMS = ("global", "tensor")
+
+
+# An extension built before this op existed loads without it: then only the fallback runs.
+_NATIVE_OP = _backend.native_available() and hasattr(torch.ops.dro_ext, "normalized_sgd_step_")
+
+if _NATIVE_OP:
+
+    @torch.library.register_fake("dro_ext::normalized_sgd_step_")
+    def _normalized_sgd_step_fake(
+        params, grads, momenta, steps, lr, momentum, eps, weight_decay=0.0, norm="global", maximize=False,
+        grad_scale=None, found_inf=None,
+    ):
+        return None
+
+
+def _check_number(name, value, *, low, high=None):
+    """value must be a finite number (or one-element Tensor) in [low, high), or >= low without high."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"dro_ext.NormalizedSGD: {name} as a Tensor must hold one element, got shape "
+                             f"{tuple(value.shape)}")
+        number = float(value.detach().cpu())
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    else:
+        raise ValueError(f"dro_ext.NormalizedSGD: {name} must be a number, got {value!r}")
+    allowed = f"in [{low}, {high})" if high is not None else f">= {low}"
+    if not math.isfinite(number) or number < low or (high is not None and number >= high):
+        raise ValueError(f"dro_ext.NormalizedSGD: {name} must be a finite number {allowed}, got {name}={number}")
+
+
+# Device types the fused op has kernels for, looked up once: a constant for torch.compile to read.
+_FUSED_DEVICE_TYPES = frozenset(
+    t for t in ("cpu", "cuda")
+    if _NATIVE_OP and torch._C._dispatch_has_kernel_for_dispatch_key("dro_ext::normalized_sgd_step_", t.upper())
+)
+
+
+class NormalizedSGD(Optimizer):
+    """Normalized SGD with momentum (Jin et al., NeurIPS 2021, Algorithm 1).
+
+    Each step moves the parameters of a param group by ``lr * ||m|| / (||m|| + eps)``, i.e. by ``lr``
+    whenever ``||m|| >> eps``, in the direction of the momentum ``m``. Use it on everything the loss
+    depends on, the ``eta`` of :class:`dro_ext.DROLoss` included.
+
+    Args:
+        params: parameters or param groups; each group has its own norm.
+        lr: step length (float or one-element Tensor, >= 0).
+        momentum: beta in [0, 1); ``m = beta*m + (1-beta)*g``, ``m = g`` on the first step.
+        eps: added to ``||m||`` (>= 0). Default 1e-8: only guards the division, so the step keeps the
+            fixed length of Algorithm 1 and stays invariant to the scale of the loss (see DEFAULT_EPS).
+            A momentum that is exactly zero never moves the parameters, whatever eps.
+        weight_decay: decoupled: ``p *= 1 - lr*weight_decay`` each step, independent of the momentum.
+        norm: ``"global"`` (over the whole group, the paper's) or ``"tensor"`` (each tensor alone).
+        maximize: ascend instead of descend.
+        foreach: True selects the ``torch._foreach_*`` implementation (also what ``fused=False`` runs).
+        fused: True selects the fused native op (it must be built, and every parameter of a group must
+            sit on one device); None picks it where it is loaded, has a kernel for the group's device and
+            ``foreach`` is not True, and the foreach implementation elsewhere.
+
+    Works with ``torch.amp.GradScaler`` (it passes ``grad_scale``/``found_inf``: gradients are unscaled
+    inside the step and a step with an inf/NaN gradient is skipped entirely). The fused step reads them
+    where it runs, without a host sync; the fallback reads ``found_inf`` on the host.
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, lr, momentum=0.9, *, eps=DEFAULT_EPS, weight_decay=0.0, norm="global",
+                 maximize=False, foreach=None, fused=None):
+        if fused and foreach:
+            raise ValueError("dro_ext.NormalizedSGD: fused=True and foreach=True are mutually exclusive")
+        if fused and not _NATIVE_OP:
+            raise RuntimeError(f"dro_ext.NormalizedSGD: fused=True needs the native op normalized_sgd_step_, "
+                               f"which is not loaded (extension load error: {_backend.load_error()})")
+        defaults = dict(lr=lr, momentum=momentum, eps=eps, weight_decay=weight_decay, norm=norm,
+                        maximize=maximize, foreach=foreach, fused=fused)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group):
+        # Checked per group, so a group that overrides a default gets the same errors as the constructor.
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_number("lr", group["lr"], low=0.0)
+        _check_number("momentum", group["momentum"], low=0.0, high=1.0)
+        _check_number("eps", group["eps"], low=0.0)
+        _check_number("weight_decay", group["weight_decay"], low=0.0)
+        if group["norm"] not in _NORMS:
+            raise ValueError(f"dro_ext.NormalizedSGD: norm must be one of {_NORMS}, got {group['norm']!r}")
+        for p in group["params"]:
+            if not p.is_floating_point():
+                raise ValueError(f"dro_ext.NormalizedSGD: parameters must be floating point, got {p.dtype}")
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("norm", "global")
+            group.setdefault("maximize", False)
+            group.setdefault("foreach", None)
+            group.setdefault("fused", None)
+
+    def _init_group(self, group, params, grads, momenta, steps):
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("dro_ext.NormalizedSGD does not support sparse gradients")
+            state = self.state[p]
+            if len(state) == 0:
+                # The step count lives beside the parameter as a tensor: the first-step rule m = g and
+                # the GradScaler skip are decided where the kernel runs, not on the host.
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            momenta.append(state["momentum_buffer"])
+            steps.append(state["step"])
+        return False
+
+    def _use_fused(self, group, params) -> bool:
+        if group["fused"]:
+            if not _backend.use_native():
+                raise RuntimeError("dro_ext.NormalizedSGD: fused=True but the native ops are disabled "
+                                   "(DRO_EXT_FORCE_PYTHON=1 or the extension did not load)")
+            return True
+        if group["fused"] is not None or group["foreach"] or not _backend.use_native():
+            return False
+        # Automatic choice: the fused op where it has a kernel for the group's one device, else foreach.
+        device = params[0].device
+        return device.type in _FUSED_DEVICE_TYPES and all(p.device == device for p in params)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        for group in self.param_groups:
+            params, grads, momenta, steps = [], [], [], []
+            self._init_group(group, params, grads, momenta, steps)
+            if not params:
+                continue
+            step_fn = _fused_step if self._use_fused(group, params) else _foreach_step
+            step_fn(params, grads, momenta, steps, lr=group["lr"], momentum=group["momentum"], eps=group["eps"],
+                    weight_decay=group["weight_decay"], norm=group["norm"], maximize=group["maximize"],
+                    grad_scale=grad_scale, found_inf=found_inf)
+        return loss
+
+
+def _fused_step(params, grads, momenta, steps, *, lr, momentum, eps, weight_decay, norm, maximize,
+                grad_scale, found_inf):
+    device = params[0].device
+    if any(p.device != device for p in params):
+        raise ValueError("dro_ext.NormalizedSGD: the fused step needs every parameter of a group on one device "
+                         "(the global norm spans the group); use foreach=True for a group across devices")
+    if not isinstance(lr, torch.Tensor):
+        lr = torch.tensor(lr, dtype=torch.float64)
+    torch.ops.dro_ext.normalized_sgd_step_(
+        params, grads, momenta, steps, lr, momentum, eps, weight_decay, norm, maximize, grad_scale, found_inf
+    )
+
+
+def _foreach_step(params, grads, momenta, steps, *, lr, momentum, eps, weight_decay, norm, maximize,
+                  grad_scale, found_inf):
+    if found_inf is not None and bool(found_inf.ne(0).any()):
+        return
+    grad_mul = -1.0 if maximize else 1.0
+    buckets = Optimizer._group_tensors_by_device_and_dtype([params, grads, momenta, steps])
+    sumsq, norms_per_bucket = [], []
+    for (device, dtype), ((_, b_grads, b_momenta, b_steps), _) in buckets.items():
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        # m = beta*m + take*g with take = 1 - beta on later steps and 1 on the first (step == 0, m == 0).
+        started = torch.stack(b_steps).clamp_max(1.0).to(torch.float64)
+        take = grad_mul * (1.0 - momentum * started)
+        if grad_scale is not None:
+            take = take / grad_scale.to(device=device, dtype=torch.float64)
+        torch._foreach_mul_(b_momenta, momentum)
+        torch._foreach_addcmul_(b_momenta, b_grads, list(take.to(acc).unbind()))
+        torch._foreach_add_(b_steps, 1.0)
+        norms = torch.stack(torch._foreach_norm(b_momenta, 2, dtype=acc)).to(torch.float64)
+        norms_per_bucket.append(norms)
+        sumsq.append(norms.square().sum())
+    first_device = next(iter(buckets))[0]
+    total = torch.sqrt(torch.stack([s.to(first_device) for s in sumsq]).sum())
+    lr_t = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
+    for ((device, dtype), ((b_params, _, b_momenta, _), _)), norms in zip(buckets.items(), norms_per_bucket):
+        denom = norms if norm == "tensor" else total.to(device).expand_as(norms)
+        # A zero momentum must not move p: scale 0 there, not lr/eps (or 0/0 when eps == 0).
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        scale = torch.where(denom > 0, lr_t / (denom + eps), torch.zeros_like(denom)).to(acc)
+        if weight_decay != 0.0:
+            decay = 1.0 - lr_t * weight_decay
+            if isinstance(decay, torch.Tensor):
+                torch._foreach_mul_(b_params, decay.to(device=device, dtype=acc))
+            else:
+                torch._foreach_mul_(b_params, decay)
+        torch._foreach_addcmul_(b_params, b_momenta, list(scale.unbind()), value=-1)

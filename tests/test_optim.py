@@ -1,0 +1,411 @@
+"""NormalizedSGD against a literal float64 Algorithm 1, on the fused native op and the foreach fallback."""
+import copy
+import math
+
+import pytest
+import torch
+
+import dro_ext
+from dro_ext import _backend
+from dro_ext.optim import NormalizedSGD
+
+# Assorted shapes: one element, odd sizes, a non-contiguous tensor (transposed), and one large enough to
+# cross chunk boundaries and take the multi-threaded path of the CPU kernel.
+SHAPES = [(1,), (7,), (3, 5), (2, 3, 4), (1003,), (70001,)]
+
+
+def needs_native():
+    if _backend._force_python:
+        pytest.skip("DRO_EXT_FORCE_PYTHON=1: this run covers the fallback only")
+    if not _backend.native_available():
+        pytest.fail(f"the native extension did not load: {_backend.load_error()}")
+
+
+def make_params(shapes, dtype=torch.float32):
+    params = [torch.nn.Parameter(torch.randn(s, dtype=torch.float64).to(dtype)) for s in shapes]
+    # A transposed (non-contiguous) parameter, as a weight tied to its transpose would be.
+    params.append(torch.nn.Parameter(torch.randn(6, 9, dtype=torch.float64).to(dtype).t()))
+    return params
+
+
+def reference(groups, grad_steps):
+    """Algorithm 1 in float64, literally: groups is a list of (params, options); grad_steps[t][i][j] is the
+    gradient of parameter j of group i at step t (None: no gradient)."""
+    state = [[{"m": None} for _ in params] for params, _ in groups]
+    values = [[p.detach().to(torch.float64).clone() for p in params] for params, _ in groups]
+    for grads in grad_steps:
+        for gi, (_, opt) in enumerate(groups):
+            active = [j for j, g in enumerate(grads[gi]) if g is not None]
+            for j in active:
+                g = grads[gi][j].to(torch.float64) * (-1.0 if opt.get("maximize") else 1.0)
+                m = state[gi][j]["m"]
+                state[gi][j]["m"] = g.clone() if m is None else opt["momentum"] * m + (1 - opt["momentum"]) * g
+            sq = {j: float((state[gi][j]["m"] ** 2).sum()) for j in active}
+            group_norm = math.sqrt(sum(sq.values()))
+            for j in active:
+                norm = math.sqrt(sq[j]) if opt.get("norm") == "tensor" else group_norm
+                p = values[gi][j] * (1 - opt["lr"] * opt.get("weight_decay", 0.0))
+                if norm > 0:
+                    p = p - opt["lr"] * state[gi][j]["m"] / (norm + opt["eps"])
+                values[gi][j] = p
+    return values
+
+
+def run_optimizer(groups, grad_steps, **kwargs):
+    opt = NormalizedSGD([dict(params=params, **o) for params, o in groups], lr=1.0, **kwargs)
+    for grads in grad_steps:
+        for (params, _), group_grads in zip(groups, grads):
+            for p, g in zip(params, group_grads):
+                p.grad = None if g is None else g.to(p.dtype)
+        opt.step()
+    return opt
+
+
+def tolerance(dtype):
+    return {torch.float64: dict(rtol=1e-11, atol=1e-11), torch.float32: dict(rtol=1e-5, atol=2e-5),
+            torch.bfloat16: dict(rtol=2e-2, atol=5e-2), torch.float16: dict(rtol=2e-3, atol=5e-3)}[dtype]
+
+
+def assert_close_to_reference(groups, expected, loosest=torch.float64):
+    # loosest: the least precise dtype whose rounded momentum enters the same norm.
+    floor = tolerance(loosest)
+    for (params, _), ref in zip(groups, expected):
+        for p, r in zip(params, ref):
+            assert torch.isfinite(p).all()
+            tol = {k: max(v, floor[k] / 100) for k, v in tolerance(p.dtype).items()}
+            torch.testing.assert_close(p.detach().to(torch.float64), r, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("norm", ["global", "tensor"])
+def test_matches_algorithm_1(backend, dtype, norm):
+    groups = [
+        (make_params(SHAPES, dtype), dict(lr=0.1, momentum=0.9, eps=1e-3, weight_decay=0.01, norm=norm)),
+        (make_params(SHAPES[:3], dtype), dict(lr=0.05, momentum=0.5, eps=0.0, maximize=True, norm=norm)),
+    ]
+    steps = 12
+    grad_steps = [[[torch.randn(p.shape, dtype=torch.float64) for p in params] for params, _ in groups]
+                  for _ in range(steps)]
+    expected = reference(groups, grad_steps)
+    run_optimizer(groups, grad_steps)
+    assert_close_to_reference(groups, expected)
+
+
+def test_mixed_dtypes_share_one_global_norm(backend):
+    # One group of float32, float64, bfloat16 and float16 parameters: the norm spans all of them.
+    dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.float32]
+    params = [torch.nn.Parameter(torch.randn(s, dtype=torch.float64).to(d)) for s, d in zip(SHAPES, dtypes)]
+    groups = [(params, dict(lr=0.01, momentum=0.9, eps=0.0))]
+    # Gradients exactly representable in every dtype, so the reference sees what the optimizer sees.
+    grad_steps = [[[torch.randn(p.shape).to(torch.float16).to(torch.float64) for p in params]] for _ in range(10)]
+    expected = reference(groups, grad_steps)
+    opt = run_optimizer(groups, grad_steps)
+    assert_close_to_reference(groups, expected, loosest=torch.bfloat16)
+    for p in params:
+        assert opt.state[p]["momentum_buffer"].dtype == p.dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_each_step_moves_the_group_by_lr(backend, dtype):
+    lr = 0.3
+    global_params = make_params(SHAPES, dtype)
+    tensor_params = make_params(SHAPES, dtype)
+    opt = NormalizedSGD([dict(params=global_params), dict(params=tensor_params, norm="tensor")], lr=lr, eps=0.0)
+    rtol = 1e-12 if dtype == torch.float64 else 1e-5
+    for _ in range(10):
+        before = [p.detach().clone() for p in global_params + tensor_params]
+        for p in global_params + tensor_params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        moves = [(p.detach() - b).to(torch.float64) for p, b in zip(global_params + tensor_params, before)]
+        group_move = math.sqrt(sum(float((d ** 2).sum()) for d in moves[: len(global_params)]))
+        assert group_move == pytest.approx(lr, rel=rtol)
+        for d in moves[len(global_params):]:
+            assert float(d.norm()) == pytest.approx(lr, rel=rtol)
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-8])
+def test_zero_gradients_leave_params_unchanged(backend, eps):
+    params = make_params(SHAPES)
+    opt = NormalizedSGD([dict(params=params[:3]), dict(params=params[3:], norm="tensor")], lr=0.1, eps=eps)
+    before = [p.detach().clone() for p in params]
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+    for p, b in zip(params, before):
+        assert torch.equal(p.detach(), b)
+        m = opt.state[p]["momentum_buffer"]
+        assert torch.equal(m, torch.zeros_like(m))
+        assert float(opt.state[p]["step"]) == 2.0
+
+
+def test_params_without_grad_are_skipped(backend):
+    params = make_params(SHAPES)
+    frozen = params[2]
+    frozen_before = frozen.detach().clone()
+    active = [p for p in params if p is not frozen]
+    groups = [(active, dict(lr=0.1, momentum=0.9, eps=0.0))]
+    grad_steps = [[[torch.randn(p.shape, dtype=torch.float64) for p in active]] for _ in range(4)]
+    expected = reference(groups, grad_steps)  # the norm leaves out the frozen tensor
+    opt = NormalizedSGD(params, lr=0.1, momentum=0.9, eps=0.0)
+    for grads in grad_steps:
+        for p, g in zip(active, grads[0]):
+            p.grad = g.to(p.dtype)
+        frozen.grad = None
+        opt.step()
+    assert_close_to_reference(groups, expected)
+    assert torch.equal(frozen.detach(), frozen_before)
+    assert frozen not in opt.state
+
+
+def test_momentum_starts_at_the_first_gradient_of_each_param(backend):
+    # A parameter whose gradient appears late gets m = g on its own first step, not (1 - beta) g.
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    opt = NormalizedSGD([a, b], lr=1.0, momentum=0.9, eps=0.0, norm="tensor")
+    a.grad = torch.tensor([1.0, 0.0, 0.0])
+    opt.step()
+    a.grad, b.grad = torch.tensor([0.0, 1.0, 0.0]), torch.tensor([0.0, 0.0, 2.0])
+    opt.step()
+    torch.testing.assert_close(opt.state[b]["momentum_buffer"], torch.tensor([0.0, 0.0, 2.0]))
+    torch.testing.assert_close(opt.state[a]["momentum_buffer"], torch.tensor([0.9, 0.1, 0.0]))
+
+
+def test_lr_as_tensor_matches_float(backend):
+    results = []
+    for lr in (0.05, torch.tensor(0.05, dtype=torch.float64)):
+        torch.manual_seed(1)
+        params = make_params(SHAPES[:4])
+        opt = NormalizedSGD(params, lr=lr, weight_decay=0.1)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+        results.append([p.detach().clone() for p in params])
+    for x, y in zip(*results):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+
+
+def test_state_dict_round_trip_is_bitwise(backend):
+    params = make_params(SHAPES)
+    opt = NormalizedSGD([dict(params=params[:4]), dict(params=params[4:], lr=0.01, norm="tensor")], lr=0.1,
+                        weight_decay=0.01)
+    grads = [[torch.randn_like(p) for p in params] for _ in range(6)]
+
+    def steps(optimizer, ps, gs):
+        for step_grads in gs:
+            for p, g in zip(ps, step_grads):
+                p.grad = g.clone()
+            optimizer.step()
+
+    steps(opt, params, grads[:3])
+    saved_params = [p.detach().clone() for p in params]
+    saved_state = copy.deepcopy(opt.state_dict())
+    steps(opt, params, grads[3:])
+
+    resumed = [torch.nn.Parameter(p.clone().t().contiguous().t() if not p.is_contiguous() else p.clone())
+               for p in saved_params]
+    opt2 = NormalizedSGD([dict(params=resumed[:4]), dict(params=resumed[4:])], lr=0.5)
+    opt2.load_state_dict(saved_state)
+    assert opt2.param_groups[1]["lr"] == 0.01 and opt2.param_groups[1]["norm"] == "tensor"
+    steps(opt2, resumed, grads[3:])
+    for p, q in zip(params, resumed):
+        assert torch.equal(p.detach(), q.detach())
+    for p, q in zip(params, resumed):
+        assert torch.equal(opt.state[p]["momentum_buffer"], opt2.state[q]["momentum_buffer"])
+        assert torch.equal(opt.state[p]["step"], opt2.state[q]["step"])
+
+
+def test_grad_scaler_skips_an_inf_step_and_unscales(backend):
+    torch.manual_seed(3)
+    model = torch.nn.Linear(5, 3)
+    twin = copy.deepcopy(model)
+    opt = NormalizedSGD(model.parameters(), lr=0.1, eps=0.0)
+    twin_opt = NormalizedSGD(twin.parameters(), lr=0.1, eps=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    x = torch.randn(8, 5)
+
+    # An inf gradient on the very first step: nothing moves, not even the step count.
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(model(x).square().mean()).backward()
+    model.weight.grad[0, 0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0 ** 9
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), b)
+        assert float(opt.state[p]["step"]) == 0.0
+        assert torch.equal(opt.state[p]["momentum_buffer"], torch.zeros_like(p))
+
+    # Finite steps: the same as the optimizer given the unscaled gradients (m = g on the first real step).
+    for _ in range(3):
+        opt.zero_grad()
+        twin_opt.zero_grad()
+        scaler.scale(model(x).square().mean()).backward()
+        twin(x).square().mean().backward()
+        scaler.step(opt)
+        scaler.update()
+        twin_opt.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
+def test_fused_and_foreach_agree():
+    needs_native()
+    dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.float32, torch.float32]
+    results = {}
+    for impl in ("fused", "foreach"):
+        torch.manual_seed(4)
+        params = [torch.nn.Parameter(torch.randn(s).to(d)) for s, d in zip(SHAPES, dtypes)]
+        opt = NormalizedSGD([dict(params=params[:3]), dict(params=params[3:], norm="tensor", maximize=True)],
+                            lr=0.05, weight_decay=0.1, **{impl: True})
+        for _ in range(5):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+        results[impl] = (params, opt)
+    (fused_params, fused_opt), (foreach_params, foreach_opt) = results["fused"], results["foreach"]
+    for i, (p, q) in enumerate(zip(fused_params, foreach_params)):
+        # The first group shares one norm with a bfloat16 momentum; the second normalizes per tensor.
+        tol = tolerance(torch.bfloat16 if i < 3 else p.dtype)
+        torch.testing.assert_close(p, q, **tol)
+        torch.testing.assert_close(fused_opt.state[p]["momentum_buffer"], foreach_opt.state[q]["momentum_buffer"],
+                                   **tol)
+
+
+@pytest.mark.parametrize("kwargs", [{}, dict(foreach=True), dict(fused=False)])
+def test_which_implementation_runs(backend, kwargs, monkeypatch):
+    # The native runs of every other test must really exercise the fused op.
+    calls = []
+    real = torch.ops.dro_ext.normalized_sgd_step_ if _backend.native_available() else None
+    monkeypatch.setattr(torch.ops.dro_ext, "normalized_sgd_step_",
+                        lambda *args: calls.append(1) or real(*args), raising=False)
+    params = make_params(SHAPES[:2])
+    opt = NormalizedSGD(params, lr=0.1, **kwargs)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert len(calls) == (1 if backend == "native" and not kwargs else 0)
+
+
+def test_fused_step_is_deterministic():
+    needs_native()
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in [(300000,), (70001,), (5,)]]
+        opt = NormalizedSGD(params, lr=0.1, fused=True)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+        runs.append(params)
+    for p, q in zip(*runs):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(lr=-0.1), "lr"),
+        (dict(lr=float("nan")), "lr"),
+        (dict(lr=float("inf")), "lr"),
+        (dict(lr=0.1, momentum=1.0), "momentum"),
+        (dict(lr=0.1, momentum=-0.5), "momentum"),
+        (dict(lr=0.1, eps=-1e-8), "eps"),
+        (dict(lr=0.1, weight_decay=-0.1), "weight_decay"),
+        (dict(lr=0.1, norm="layer"), "norm"),
+        (dict(lr=torch.tensor([0.1, 0.2])), "lr"),
+        (dict(lr=0.1, fused=True, foreach=True), "mutually exclusive"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        NormalizedSGD([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+def test_bad_param_group_override():
+    opt = NormalizedSGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    with pytest.raises(ValueError, match="momentum"):
+        opt.add_param_group(dict(params=[torch.nn.Parameter(torch.zeros(2))], momentum=1.5))
+
+
+def test_native_op_rejects_mismatched_lists():
+    needs_native()
+    p, g, m = torch.zeros(3), torch.zeros(4), torch.zeros(3)
+    step, lr = torch.zeros(()), torch.tensor(0.1)
+    with pytest.raises(ValueError, match="grads"):
+        torch.ops.dro_ext.normalized_sgd_step_([p], [g], [m], [step], lr, 0.9, 0.0)
+    with pytest.raises(ValueError, match="same length"):
+        torch.ops.dro_ext.normalized_sgd_step_([p], [], [m], [step], lr, 0.9, 0.0)
+    with pytest.raises(ValueError, match="norm"):
+        torch.ops.dro_ext.normalized_sgd_step_([p], [p], [m], [step], lr, 0.9, 0.0, 0.0, "layer")
+
+
+def _op_args(grad_scale=None, found_inf=None, norm="global"):
+    shapes = [(1,), (7, 3), (100,)]
+    dtypes = [torch.float32, torch.float64, torch.bfloat16]
+    params = [torch.randn(s, dtype=d) for s, d in zip(shapes, dtypes)]
+    grads = [torch.randn_like(p) for p in params]
+    momenta = [torch.randn_like(p) for p in params]
+    steps = [torch.tensor(float(i)) for i in range(len(params))]
+    return (params, grads, momenta, steps, torch.tensor(0.1, dtype=torch.float64), 0.9, 1e-8, 0.01, norm, False,
+            grad_scale, found_inf)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [_op_args(), _op_args(norm="tensor"), _op_args(grad_scale=torch.tensor([4.0]), found_inf=torch.tensor([0.0])),
+     _op_args(grad_scale=torch.tensor([4.0]), found_inf=torch.tensor([1.0]))],
+    ids=["global", "tensor", "scaled", "skipped"],
+)
+def test_opcheck(args):
+    needs_native()
+    torch.library.opcheck(torch.ops.dro_ext.normalized_sgd_step_.default, args)
+
+
+def test_torch_compile_step(backend):
+    torch._dynamo.reset()
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(6)
+        params = make_params(SHAPES[:4])
+        opt = NormalizedSGD([dict(params=params[:2]), dict(params=params[2:], norm="tensor")], lr=0.1,
+                            weight_decay=0.01)
+        # Inductor on the fused op (one custom op in the graph); aot_eager keeps the fallback's compile short.
+        compile_backend = "inductor" if backend == "native" else "aot_eager"
+        step = torch.compile(opt.step, backend=compile_backend, fullgraph=backend == "native") if compiled else opt.step
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            step()
+        results.append(params)
+    for p, q in zip(*results):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
+def test_converges_on_example_3_1_where_sgd_momentum_diverges(backend):
+    # Paper Example 3.1: l(x; xi) = x^2 (1 + xi/(x^2+1))^2, Rademacher xi, chi2 DRO with lambda = 1.
+    # The objective grows like x^4 and its gradient noise like x, so from x = 10 a step size that SGD
+    # with momentum survives only near the optimum throws it off, while normalized steps walk in.
+    def train(make_optimizer, steps=400, batch=32):
+        torch.manual_seed(7)
+        x = torch.nn.Parameter(torch.tensor(10.0))
+        criterion = dro_ext.DROLoss("chi2", lam=1.0)
+        opt = make_optimizer([x, criterion.eta])
+        for _ in range(steps):
+            xi = torch.randint(0, 2, (batch,)).float() * 2 - 1
+            losses = x ** 2 * (1 + xi / (x ** 2 + 1)) ** 2
+            opt.zero_grad()
+            criterion(losses).backward()
+            opt.step()
+            if not torch.isfinite(x):
+                break
+        return float(x.detach()), float(criterion.eta.detach())
+
+    lr = 0.05
+    x, eta = train(lambda p: dro_ext.NormalizedSGD(p, lr=lr, momentum=0.9))
+    # The stationary point is (x, eta) = (0, 0); constant normalized steps settle within a few lr of it.
+    assert abs(x) < 4 * lr and abs(eta) < 4 * lr
+    x_sgd, _ = train(lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9))
+    assert not math.isfinite(x_sgd) or abs(x_sgd) > 1e3
