@@ -14,9 +14,9 @@
 #include <c10/util/irange.h>
 #include <torch/library.h>
 
+#include "cpu/kernels.h"
+
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -114,19 +114,9 @@ __attribute__((target("avx2,fma"))) void apply_update_avx2(
   apply_update(p, m, n, decay, scale);
 }
 
-bool use_avx2() {
-  static const bool avx2 = [] {
-    const char* forced = std::getenv("ATEN_CPU_CAPABILITY");
-    if (forced != nullptr && std::strcmp(forced, "default") == 0) return false;
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return avx2;
-}
-
 template <typename scalar_t>
 Passes<scalar_t> passes() {
-  if (use_avx2()) return {&update_momentum_avx2<scalar_t>, &apply_update_avx2<scalar_t>};
+  if (cpu::use_avx2_kernels()) return {&update_momentum_avx2<scalar_t>, &apply_update_avx2<scalar_t>};
   return {&update_momentum_default<scalar_t>, &apply_update_default<scalar_t>};
 }
 #else

@@ -30,6 +30,10 @@ struct KernelTable {
   const char* capability;
 };
 
+// Whether to run AVX2+FMA builds of CPU kernels: the processor has AVX2, FMA and F16C, and
+// ATEN_CPU_CAPABILITY=default does not force the portable ones (as it does for ATen's own kernels).
+bool use_avx2_kernels();
+
 const KernelTable& kernels_default();
 const KernelTable& kernels_avx2();  // falls back to kernels_default() where AVX2 is not compiled in
 const KernelTable& cpu_kernels();
