@@ -7,6 +7,8 @@ as fused C++ (and CUDA) kernels exposed as torch custom ops, with a pure-PyTorch
 from dro_ext._backend import backend
 from dro_ext.loss import DROLoss
 from dro_ext.ops import DIVERGENCES, dro_loss, dro_weights, psi_star
+from dro_ext.robust import robust_objective, worst_case_weights, weight_stats, evaluate
 
 __all__ = ["DIVERGENCES", "DROLoss", "backend", "dro_loss", "dro_weights", "psi_star"]
+__all__ += ["robust_objective", "worst_case_weights", "weight_stats", "evaluate"]
 __version__ = "0.1.0"
