@@ -175,8 +175,8 @@ def _weights_torch(losses: torch.Tensor, eta: torch.Tensor, lam: float, spec: Sp
         at = x == e
         n_above, n_at = above.sum().to(torch.float64), at.sum().to(torch.float64)
         boundary = torch.where(n_at > 0, torch.clamp(1.0 - n_above / tail, min=0.0) / n_at.clamp(min=1.0), 0.0)
-        below = torch.where(torch.isnan(e), e, torch.zeros_like(e))
-        q = torch.where(above, 1.0 / tail, torch.where(at, boundary, torch.where(x < e, below, x)))
+        # The last branch is reached only when x or eta is NaN, and x + e is NaN then.
+        q = torch.where(above, 1.0 / tail, torch.where(at, boundary, torch.where(x < e, 0.0, x + e)))
         return q.to(losses.dtype)
     w = _psi_star_torch((x - e) / lam, spec, 1)
     return (w / w.sum()).to(losses.dtype)
