@@ -453,3 +453,20 @@ def test_evaluate_rejects_non_per_sample_losses():
     with pytest.raises(ValueError, match="per_sample_loss_fn"):
         dro_ext.evaluate(model, loader, lambda m, b: m(b[0]).mean(), 0.1, progress=False)
     assert model.training
+
+
+def test_non_contiguous_losses(backend):
+    base = make_losses(2 * 301)
+    strided = base[::2]
+    assert not strided.is_contiguous()
+    for name, kw in CASES:
+        torch.testing.assert_close(
+            dro_ext.robust_objective(strided, 0.3, name, **kw),
+            dro_ext.robust_objective(strided.contiguous(), 0.3, name, **kw),
+            rtol=0, atol=0,
+        )
+        torch.testing.assert_close(
+            dro_ext.worst_case_weights(strided, 0.3, name, **kw),
+            dro_ext.worst_case_weights(strided.contiguous(), 0.3, name, **kw),
+            rtol=0, atol=0,
+        )
