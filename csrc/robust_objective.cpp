@@ -177,15 +177,22 @@ Solution solve_newton(const at::Tensor& x, const DivergenceSpec& spec, double la
   double previous_active = -1.0;
   bool last_was_newton = false;
   int iterations = 0;
+  bool converged = false;
   while (iterations < kMaxIterations) {
     ++iterations;
     const auto s = kernels.reduce_derivatives(x, spec, cpu::Affine{eta, 1.0 / lam}, 1, 2);
     const double g = s[0] / n - 1.0;
     if (std::isnan(g)) return {kNaN, kNaN, iterations};
-    if (g == 0.0) break;
+    if (g == 0.0) {
+      converged = true;
+      break;
+    }
     if (g > 0.0) a = eta; else b = eta;
     // chi2: the last Newton step solved the linear piece of this same active set, so eta is its root.
-    if (chi2 && last_was_newton && s[1] == previous_active) break;
+    if (chi2 && last_was_newton && s[1] == previous_active) {
+      converged = true;
+      break;
+    }
     previous_active = s[1];
     const double newton = chi2 ? lam * g * n / s[1] : lam * std::log(s[0] / n) * (s[0] / s[1]);
     double next = eta + newton;
@@ -198,17 +205,21 @@ Solution solve_newton(const at::Tensor& x, const DivergenceSpec& spec, double la
     last_step = next - eta;
     eta = next;
     last_was_newton = use_newton;
-    if (std::abs(last_step) <= tol || b - a <= tol) break;
+    if (std::abs(last_step) <= tol || b - a <= tol) {
+      converged = true;
+      break;
+    }
   }
-  if (chi2) {
+  if (chi2 && converged) {
     // Exact on the final segment: sum_{A} ((l_i - eta)/lam + 2) / 2 = N with A = {l_i > eta - 2 lam} gives
     // eta = (sum_A l_i + 2 lam (|A| - N)) / |A|, evaluated with float64 sums.
     const double cut = eta - 2.0 * lam;
     const auto s = sum_pairs(x, [cut](double v) { return std::array<double, 2>{v > cut ? v : 0.0, v > cut ? 1.0 : 0.0}; });
     if (s[1] > 0.0) {
       const double exact = (s[0] + 2.0 * lam * (s[1] - n)) / s[1];
-      // Keep it only if it lies on the same segment (it does unless the iteration stopped early).
-      if (exact - 2.0 * lam < cut + tol && exact >= lo && exact <= hi) eta = exact;
+      // It lies on the same segment as eta once the iteration has converged (at worst a loss within the
+      // rounding of eta switches sides, which moves the root by a rounding too).
+      if (exact >= lo && exact <= hi) eta = exact;
     }
   }
   return {eta, objective_at(x, spec, lam, eta), iterations};

@@ -122,7 +122,7 @@ def _solve_torch(x: torch.Tensor, lam: float, spec: Spec) -> tuple[float, float]
     tol = 4.0 * sys.float_info.epsilon * max(abs(lo), abs(hi), lam)
     a, b, eta = lo, hi, lo
     step_before_last = last_step = b - a
-    previous_active, last_was_newton = -1.0, False
+    previous_active, last_was_newton, converged = -1.0, False, False
     for _ in range(_MAX_ITERATIONS):
         t = (x - eta) / lam
         s1 = _psi_star_torch(t, spec, 1).sum().item()
@@ -131,12 +131,14 @@ def _solve_torch(x: torch.Tensor, lam: float, spec: Spec) -> tuple[float, float]
         if math.isnan(g):
             return math.nan, math.nan
         if g == 0.0:
+            converged = True
             break
         if g > 0.0:
             a = eta
         else:
             b = eta
         if chi2 and last_was_newton and s2 == previous_active:
+            converged = True
             break
         previous_active = s2
         try:
@@ -152,14 +154,15 @@ def _solve_torch(x: torch.Tensor, lam: float, spec: Spec) -> tuple[float, float]
         step_before_last, last_step = last_step, nxt - eta
         eta, last_was_newton = nxt, use_newton
         if abs(last_step) <= tol or b - a <= tol:
+            converged = True
             break
-    if chi2:
+    if chi2 and converged:
         cut = eta - 2.0 * lam
         active = x > cut
         count = active.sum().item()
         if count > 0:
             exact = (x[active].sum().item() + 2.0 * lam * (count - n)) / count
-            if exact - 2.0 * lam < cut + tol and lo <= exact <= hi:
+            if lo <= exact <= hi:
                 eta = exact
     value = lam * _psi_star_torch((x - eta) / lam, spec, 0).mean().item() + eta
     return value, eta
