@@ -470,3 +470,14 @@ def test_non_contiguous_losses(backend):
             dro_ext.worst_case_weights(strided.contiguous(), 0.3, name, **kw),
             rtol=0, atol=0,
         )
+
+
+@pytest.mark.parametrize("name,kw", CASES, ids=CASE_IDS)
+def test_infinite_losses(backend, name, kw):
+    losses = make_losses(10)
+    losses[3] = math.inf
+    value, eta = dro_ext.robust_objective(losses, 0.5, name, **kw)
+    assert value.item() == math.inf and eta.item() == math.inf
+    losses[3] = -math.inf
+    value, eta = dro_ext.robust_objective(losses, 0.5, name, **kw)
+    assert math.isnan(value.item()) and math.isnan(eta.item())
