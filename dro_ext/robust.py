@@ -213,7 +213,8 @@ def robust_objective(losses, lam, divergence="chi2", *, alpha=None, k=None) -> t
     Returns ``(value, eta_star)``: ``value`` is 0-d in the dtype of ``losses``; ``eta_star`` is 0-d in the
     accumulate dtype (float64 for float64 losses, float32 otherwise). Exact to the rounding of the
     accumulate dtype: closed forms for ``kl`` and ``cvar``, an exact segment solve for ``chi2`` and
-    safeguarded Newton/bisection for the others. NaN in ``losses`` gives NaN (``+inf`` gives ``inf``).
+    safeguarded Newton/bisection for the others. NaN in ``losses`` gives NaN, and so does ``-inf``;
+    ``+inf`` gives ``inf``.
 
     If ``losses`` requires grad, ``value`` is differentiable: by Danskin's theorem its gradient is the
     worst-case distribution :func:`worst_case_weights` (times the incoming gradient), so it can serve as a
