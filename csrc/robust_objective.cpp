@@ -3,6 +3,7 @@
 //
 //   robust_objective(l, lam, ...)        -> (Psi, eta*)     Psi in l's dtype, eta* in the accumulate dtype
 //   robust_weights(l, eta*, lam, ...)    -> q (N,)          q_i = psi*'((l_i - eta*)/lam) / sum_j psi*'(...)
+//   weight_stats(w, groups?, G)          -> (ess, max q, zero fraction, per-group mass): one pass over w
 //
 // Algorithms (G = 1, so eta* lies in [min l, max l] because psi*'(0) = 1):
 //   kl            closed form: eta* = m + lam log(mean exp((l - m)/lam)) with m = max l, and Psi = eta*;
@@ -21,6 +22,7 @@
 // the closed forms run in float64.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <torch/library.h>
@@ -295,6 +297,90 @@ at::Tensor robust_weights_cpu(
   return out;
 }
 
+// One pass over the weights: sum, sum of squares, max, number of zeros and, with groups, the per-group
+// sums, over fixed chunks (deterministic). Returns (ess, max_weight, zero_fraction, group_mass) of the
+// weights normalized to sum to one; group_mass is empty without groups.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weight_stats_cpu(
+    const at::Tensor& weights, const std::optional<at::Tensor>& groups, int64_t num_groups) {
+  TORCH_CHECK_VALUE(weights.dim() == 1, "dro_ext: weights must be a 1-D tensor, got shape ", weights.sizes());
+  TORCH_CHECK_VALUE(weights.numel() > 0, "dro_ext: weights must not be empty");
+  TORCH_CHECK_VALUE(at::isFloatingType(weights.scalar_type()), "dro_ext: weights must have a floating dtype, got ",
+                    weights.scalar_type());
+  const bool with_groups = groups.has_value();
+  at::Tensor g;
+  if (with_groups) {
+    TORCH_CHECK_VALUE(num_groups > 0, "dro_ext: num_groups must be > 0, got num_groups=", num_groups);
+    TORCH_CHECK_VALUE(groups->sizes() == weights.sizes(), "dro_ext: groups must have shape ", weights.sizes(),
+                      ", got ", groups->sizes());
+    TORCH_CHECK_VALUE(groups->device() == weights.device(), "dro_ext: groups is on ", groups->device(),
+                      " but the weights are on ", weights.device());
+    TORCH_CHECK_VALUE(groups->scalar_type() == at::kLong || groups->scalar_type() == at::kInt,
+                      "dro_ext: groups must be an int64 or int32 tensor of group ids, got ", groups->scalar_type());
+    g = groups->to(at::kLong).contiguous();
+  }
+  const at::Tensor x = weights.contiguous();
+  const int64_t n = x.numel();
+  const int64_t num_chunks = (n + kChunk - 1) / kChunk;
+  const int64_t width = with_groups ? num_groups : 0;
+  // Per chunk: sum, sum of squares, max, zeros, a NaN flag, a bad-id flag, then the group sums.
+  constexpr int64_t kFixed = 6;
+  std::vector<double> partial(num_chunks * (kFixed + width), 0.0);
+  const int64_t* ids = with_groups ? g.const_data_ptr<int64_t>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_weight_stats", [&] {
+    const scalar_t* data = x.const_data_ptr<scalar_t>();
+    // Chunks own disjoint rows of `partial`; with many groups only a few chunks run at once anyway.
+    at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        double* row = partial.data() + c * (kFixed + width);
+        double sum = 0.0, sumsq = 0.0, max = -kInf, zeros = 0.0;
+        bool nan = false, bad_id = false;
+        for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) {
+          const double w = static_cast<double>(data[i]);
+          sum += w;
+          sumsq += w * w;
+          max = std::max(max, w);
+          zeros += w == 0.0 ? 1.0 : 0.0;
+          nan |= std::isnan(w);
+          if (ids != nullptr) {
+            const int64_t id = ids[i];
+            if (id < 0 || id >= width) {
+              bad_id = true;
+            } else {
+              row[kFixed + id] += w;
+            }
+          }
+        }
+        row[0] = sum;
+        row[1] = sumsq;
+        row[2] = max;
+        row[3] = zeros;
+        row[4] = nan ? 1.0 : 0.0;
+        row[5] = bad_id ? 1.0 : 0.0;
+      }
+    });
+  });
+  double sum = 0.0, sumsq = 0.0, max = -kInf, zeros = 0.0;
+  bool nan = false, bad_id = false;
+  std::vector<double> mass(width, 0.0);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const double* row = partial.data() + c * (kFixed + width);
+    sum += row[0];
+    sumsq += row[1];
+    max = std::max(max, row[2]);
+    zeros += row[3];
+    nan |= row[4] != 0.0;
+    bad_id |= row[5] != 0.0;
+    for (int64_t j = 0; j < width; ++j) mass[j] += row[kFixed + j];
+  }
+  TORCH_CHECK_INDEX(!bad_id, "dro_ext: groups holds an id outside [0, num_groups) with num_groups=", num_groups);
+  if (nan) max = kNaN;
+  const auto options = x.options().dtype(accumulate_type(x.scalar_type()));
+  at::Tensor group_mass = at::empty({width}, options.dtype(at::kDouble));
+  for (int64_t j = 0; j < width; ++j) group_mass.data_ptr<double>()[j] = mass[j] / sum;
+  return {at::scalar_tensor(sum * sum / sumsq, options), at::scalar_tensor(max / sum, options),
+          at::scalar_tensor(zeros / static_cast<double>(n), options), group_mass.to(options.dtype())};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dro_ext, m) {
@@ -304,11 +390,15 @@ TORCH_LIBRARY_FRAGMENT(dro_ext, m) {
   m.def(
       "robust_weights(Tensor losses, Tensor eta_star, float lam, str divergence, float? alpha=None, "
       "float? k=None) -> Tensor");
+  m.def(
+      "weight_stats(Tensor weights, Tensor? groups=None, int num_groups=0) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(dro_ext, CPU, m) {
   m.impl("robust_objective", &robust_objective_cpu);
   m.impl("robust_weights", &robust_weights_cpu);
+  m.impl("weight_stats", &weight_stats_cpu);
 }
 
 }  // namespace dro_ext

@@ -72,6 +72,13 @@ if _backend.native_available():
     def _robust_weights_fake(losses, eta_star, lam, divergence, alpha=None, k=None):
         return torch.empty_like(losses, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("dro_ext::weight_stats")
+    def _weight_stats_fake(weights, groups=None, num_groups=0):
+        acc = accumulate_dtype(weights.dtype)
+        scalar = weights.new_empty((), dtype=acc)
+        width = num_groups if groups is not None else 0
+        return scalar, scalar.clone(), scalar.clone(), weights.new_empty((width,), dtype=acc)
+
 
 def _native_for(losses: torch.Tensor) -> bool:
     """The native op is used when loaded, selected, and it has a kernel for the losses' device."""
@@ -273,7 +280,8 @@ def weight_stats(
     ``lam`` (with ``divergence``, ``alpha``, ``k``): then the weights are ``dro_weights(losses, eta, ...)``
     at the given ``eta`` (e.g. the trained ``DROLoss.eta``), or the worst-case distribution when ``eta`` is
     None. ``groups`` is an optional integer tensor of group ids in ``[0, num_groups)``, one per sample;
-    pass ``num_groups`` to avoid a device sync. Cheap enough to log every step; never differentiable.
+    pass ``num_groups`` to avoid a device sync (ids outside ``[0, num_groups)`` raise IndexError). One
+    pass over the weights in the native op (four small reductions in the fallback); never differentiable.
     """
     with torch.no_grad():
         if weights is not None:
@@ -290,26 +298,34 @@ def weight_stats(
                 w = worst_case_weights(losses, lam, divergence, alpha=alpha, k=k)
             else:
                 w = dro_weights(losses.detach(), eta, lam, divergence, alpha=alpha, k=k, scale=scale)
-        w = w.detach().to(accumulate_dtype(w.dtype))
-        n = w.numel()
-        total = w.sum()
-        ess = total * total / (w * w).sum()
-        max_weight = w.amax() / total
-        zero_fraction = (w == 0).sum().to(w.dtype) / n
-        group_mass = None
+        w = w.detach()
         if groups is not None:
-            if not isinstance(groups, torch.Tensor) or groups.is_floating_point() or groups.is_complex():
-                raise TypeError("dro_ext: groups must be an integer tensor of group ids")
+            if not isinstance(groups, torch.Tensor) or groups.dtype not in (torch.int64, torch.int32):
+                raise TypeError("dro_ext: groups must be an int64 or int32 tensor of group ids")
             if groups.shape != w.shape:
                 raise ValueError(f"dro_ext: groups must have shape {tuple(w.shape)}, got {tuple(groups.shape)}")
             if groups.device != w.device:
                 raise ValueError(f"dro_ext: groups is on {groups.device} but the weights are on {w.device}")
             if num_groups is None:
                 num_groups = int(groups.max().item()) + 1
-            if int(num_groups) <= 0:
+            num_groups = int(num_groups)
+            if num_groups <= 0:
                 raise ValueError(f"dro_ext: num_groups must be > 0, got num_groups={num_groups}")
-            group_mass = torch.zeros(int(num_groups), dtype=w.dtype, device=w.device)
-            group_mass.index_add_(0, groups.long(), w / total)
+        if _native_for(w):
+            ess, max_weight, zero_fraction, group_mass = torch.ops.dro_ext.weight_stats(
+                w, groups, num_groups if groups is not None else 0
+            )
+            return WeightStats(ess, max_weight, zero_fraction, group_mass if groups is not None else None)
+        w = w.to(accumulate_dtype(w.dtype))
+        total = w.sum()
+        ess = total * total / (w * w).sum()
+        max_weight = w.amax() / total
+        zero_fraction = (w == 0).sum().to(w.dtype) / w.numel()
+        group_mass = None
+        if groups is not None:
+            group_mass = torch.zeros(num_groups, dtype=torch.float64, device=w.device)
+            group_mass.index_add_(0, groups.long(), w.to(torch.float64))
+            group_mass = (group_mass / total.to(torch.float64)).to(w.dtype)
         return WeightStats(ess, max_weight, zero_fraction, group_mass)
 
 

@@ -396,6 +396,31 @@ def test_weight_stats_from_losses(backend):
     assert stats.zero_fraction.item() == pytest.approx((w == 0).double().mean().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_weight_stats_random(backend, dtype):
+    w = torch.rand(70001, dtype=torch.float64)
+    w[w < 0.2] = 0.0
+    groups = torch.randint(0, 5, (w.numel(),))
+    stats = dro_ext.weight_stats(w.to(dtype), groups=groups, num_groups=5)
+    q = w / w.sum()
+    assert stats.ess.dtype == dtype and stats.group_mass.dtype == dtype
+    rtol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert stats.ess.item() == pytest.approx(1.0 / (q * q).sum().item(), rel=rtol)
+    assert stats.max_weight.item() == pytest.approx(q.max().item(), rel=rtol)
+    assert stats.zero_fraction.item() == pytest.approx((w == 0).double().mean().item(), rel=rtol)
+    expected = torch.zeros(5, dtype=torch.float64).index_add_(0, groups, q)
+    torch.testing.assert_close(stats.group_mass.double(), expected, rtol=rtol, atol=1e-7)
+    with pytest.raises(IndexError):
+        dro_ext.weight_stats(w, groups=groups, num_groups=4)
+
+
+def test_weight_stats_opcheck():
+    _require_native()
+    w = torch.rand(300, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.dro_ext.weight_stats.default, (w, torch.randint(0, 3, (300,)), 3))
+    torch.library.opcheck(torch.ops.dro_ext.weight_stats.default, (w.float(), None, 0))
+
+
 def test_weight_stats_bad_inputs():
     w = torch.ones(4)
     with pytest.raises(ValueError, match="not both"):
