@@ -320,21 +320,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weight_stats_cpu(
   }
   const at::Tensor x = weights.contiguous();
   const int64_t n = x.numel();
-  const int64_t num_chunks = (n + kChunk - 1) / kChunk;
   const int64_t width = with_groups ? num_groups : 0;
-  // Per chunk: sum, sum of squares, max, zeros, a NaN flag, a bad-id flag, then the group sums.
+  // Per part: sum, sum of squares, max, zeros, a NaN flag, a bad-id flag, then the group sums. Parts are
+  // runs of whole chunks, few enough that the partial group sums stay under ~32 MB whatever num_groups is;
+  // they depend on n and num_groups only, so the result does not depend on the thread count.
   constexpr int64_t kFixed = 6;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  const int64_t max_parts = std::max<int64_t>(1, (int64_t{1} << 22) / (kFixed + width));
+  const int64_t part_size = ((chunks + std::min(chunks, max_parts) - 1) / std::min(chunks, max_parts)) * kChunk;
+  const int64_t num_chunks = (n + part_size - 1) / part_size;
   std::vector<double> partial(num_chunks * (kFixed + width), 0.0);
   const int64_t* ids = with_groups ? g.const_data_ptr<int64_t>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_weight_stats", [&] {
     const scalar_t* data = x.const_data_ptr<scalar_t>();
-    // Chunks own disjoint rows of `partial`; with many groups only a few chunks run at once anyway.
+    // Parts own disjoint rows of `partial`.
     at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t c = begin; c < end; ++c) {
         double* row = partial.data() + c * (kFixed + width);
         double sum = 0.0, sumsq = 0.0, max = -kInf, zeros = 0.0;
         bool nan = false, bad_id = false;
-        for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) {
+        for (int64_t i = c * part_size; i < std::min(n, (c + 1) * part_size); ++i) {
           const double w = static_cast<double>(data[i]);
           sum += w;
           sumsq += w * w;
