@@ -1,0 +1,409 @@
+// The exact robust objective Psi = min over eta of L(eta) (DESIGN.md section 1, "Exact robust objective"),
+// its minimizer eta* and the worst-case distribution q at eta*.
+//
+//   robust_objective(l, lam, ...)        -> (Psi, eta*)     Psi in l's dtype, eta* in the accumulate dtype
+//   robust_weights(l, eta*, lam, ...)    -> q (N,)          q_i = psi*'((l_i - eta*)/lam) / sum_j psi*'(...)
+//   weight_stats(w, groups?, G)          -> (ess, max q, zero fraction, per-group mass): one pass over w
+//
+// Algorithms (G = 1, so eta* lies in [min l, max l] because psi*'(0) = 1):
+//   kl            closed form: eta* = m + lam log(mean exp((l - m)/lam)) with m = max l, and Psi = eta*;
+//                 the sum is one pass of the loss kernel at shift m, so nothing overflows.
+//   cvar          selection: eta* = the ceil(alpha N)-th largest loss, Psi = (sum_{l > eta*} l + (alpha N - #{l > eta*}) eta*)
+//                 / (alpha N): the tail mean with the fractional boundary sample.
+//   chi2          psi*' is piecewise linear and mean psi*'((l - eta)/lam) - 1 is convex and decreasing in eta, so
+//                 Newton from the left end of the bracket never overshoots and stops once the active set
+//                 {l_i > eta - 2 lam} stops changing (Michelot's active-set iteration); eta* is then solved
+//                 exactly on that segment with float64 sums.
+//   the others    safeguarded Newton on log(mean psi*') = 0 (exact in one step for exponential tails) with
+//                 bisection inside the shrinking bracket whenever a step leaves it or stalls.
+// Every Newton iteration is ONE pass of the loss kernel (reduce_derivatives with orders (1, 2): sum psi*' and
+// sum psi*'' fused), so the psi* math exists only in csrc/divergences.h. The sums accumulate in float32 for
+// half/bfloat16/float32 input and in float64 for float64 input, as the loss does; the iteration itself and
+// the closed forms run in float64.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "checks.h"
+#include "cpu/kernels.h"
+
+namespace dro_ext {
+
+namespace {
+
+constexpr int kMaxIterations = 100;
+// Fixed chunks for the float64 reductions below, so their results do not depend on the thread count.
+constexpr int64_t kChunk = 16384;
+
+struct Solution {
+  double eta;
+  double value;
+  int iterations;
+};
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Deterministic float64 sums of f(x_i) over fixed chunks: f(double) -> std::array<double, 2>.
+template <typename F>
+std::array<double, 2> sum_pairs(const at::Tensor& x, F f) {
+  std::array<double, 2> total{0.0, 0.0};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_robust_sum", [&] {
+    const scalar_t* data = x.const_data_ptr<scalar_t>();
+    const int64_t n = x.numel();
+    const int64_t num_chunks = (n + kChunk - 1) / kChunk;
+    std::vector<std::array<double, 2>> partial(num_chunks);
+    at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        std::array<double, 2> s{0.0, 0.0};
+        for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) {
+          const auto v = f(static_cast<double>(data[i]));
+          s[0] += v[0];
+          s[1] += v[1];
+        }
+        partial[c] = s;
+      }
+    });
+    for (const auto& s : partial) {
+      total[0] += s[0];
+      total[1] += s[1];
+    }
+  });
+  return total;
+}
+
+// {min, max} of x in float64; NaN if x holds a NaN. (at::aminmax takes milliseconds even for small inputs.)
+std::array<double, 2> min_max(const at::Tensor& x) {
+  std::array<double, 2> total{kInf, -kInf};
+  bool any_nan = false;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_robust_minmax", [&] {
+    const scalar_t* data = x.const_data_ptr<scalar_t>();
+    const int64_t n = x.numel();
+    const int64_t num_chunks = (n + kChunk - 1) / kChunk;
+    std::vector<std::array<double, 3>> partial(num_chunks);
+    at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        double lo = kInf, hi = -kInf;
+        bool nan = false;
+        for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) {
+          const double v = static_cast<double>(data[i]);
+          lo = std::min(lo, v);
+          hi = std::max(hi, v);
+          nan |= std::isnan(v);
+        }
+        partial[c] = {lo, hi, nan ? 1.0 : 0.0};
+      }
+    });
+    for (const auto& p : partial) {
+      total[0] = std::min(total[0], p[0]);
+      total[1] = std::max(total[1], p[1]);
+      any_nan |= p[2] != 0.0;
+    }
+  });
+  if (any_nan) return {kNaN, kNaN};
+  return total;
+}
+
+double machine_epsilon(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? DBL_EPSILON : static_cast<double>(FLT_EPSILON);
+}
+
+// alpha * N, snapped to the nearest integer when it is one up to rounding (0.3 * 10 is 3.0000000000000004).
+double tail_size(double alpha, int64_t n) {
+  const double k = alpha * static_cast<double>(n);
+  const double r = std::nearbyint(k);
+  return std::abs(k - r) <= 8.0 * DBL_EPSILON * k ? r : k;
+}
+
+Solution solve_kl(const at::Tensor& x, const DivergenceSpec& spec, double lam, double hi) {
+  const double n = static_cast<double>(x.numel());
+  // sum exp((l_i - max l)/lam): every exponent is <= 0.
+  const auto sums = cpu::cpu_kernels().reduce_derivatives(x, spec, cpu::Affine{hi, 1.0 / lam}, 0, 1);
+  const double eta = hi + lam * std::log(sums[1] / n);
+  return {eta, eta, 1};
+}
+
+Solution solve_cvar(const at::Tensor& x, double alpha) {
+  const int64_t n = x.numel();
+  const double k = tail_size(alpha, n);
+  const int64_t j = std::min<int64_t>(n, std::max<int64_t>(1, static_cast<int64_t>(std::ceil(k))));
+  std::vector<double> values(n);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_cvar_copy", [&] {
+    const scalar_t* data = x.const_data_ptr<scalar_t>();
+    at::parallel_for(0, n, 65536, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) values[i] = static_cast<double>(data[i]);
+    });
+  });
+  std::nth_element(values.begin(), values.begin() + (j - 1), values.end(), std::greater<double>());
+  const double eta = values[j - 1];
+  // The j - 1 values before it are >= eta; those > eta are the full-weight tail.
+  double sum_above = 0.0;
+  int64_t count_above = 0;
+  for (int64_t i = 0; i < j - 1; ++i) {
+    if (values[i] > eta) {
+      sum_above += values[i];
+      ++count_above;
+    }
+  }
+  const double value = (sum_above + (k - static_cast<double>(count_above)) * eta) / k;
+  return {eta, value, 1};
+}
+
+// L(eta) = lam mean psi*((l - eta)/lam) + eta: one pass of the loss kernel.
+double objective_at(const at::Tensor& x, const DivergenceSpec& spec, double lam, double eta) {
+  const auto sums = cpu::cpu_kernels().reduce_derivatives(x, spec, cpu::Affine{eta, 1.0 / lam}, 0, 1);
+  return lam * (sums[0] / static_cast<double>(x.numel())) + eta;
+}
+
+// Safeguarded Newton on g(eta) = mean psi*'((l - eta)/lam) - 1 (decreasing) inside [lo, hi], where
+// g(lo) >= 0 >= g(hi). chi2 steps on g itself from lo (convex: no overshoot); the others on log(1 + g).
+Solution solve_newton(const at::Tensor& x, const DivergenceSpec& spec, double lam, double lo, double hi) {
+  const auto& kernels = cpu::cpu_kernels();
+  const double n = static_cast<double>(x.numel());
+  const bool chi2 = spec.kind == Divergence::Chi2;
+  const double eps = machine_epsilon(x);
+  // Converged when a step moves t = (l - eta)/lam by a few roundings of the accumulate type (or eta by a
+  // few roundings of the losses when lam is small).
+  const double tol = 4.0 * eps * std::max({std::abs(lo), std::abs(hi), lam});
+  double a = lo, b = hi, eta = lo;
+  double step_before_last = b - a, last_step = b - a;
+  double previous_active = -1.0;
+  bool last_was_newton = false;
+  int iterations = 0;
+  bool converged = false;
+  while (iterations < kMaxIterations) {
+    ++iterations;
+    const auto s = kernels.reduce_derivatives(x, spec, cpu::Affine{eta, 1.0 / lam}, 1, 2);
+    const double g = s[0] / n - 1.0;
+    if (std::isnan(g)) return {kNaN, kNaN, iterations};
+    if (g == 0.0) {
+      converged = true;
+      break;
+    }
+    if (g > 0.0) a = eta; else b = eta;
+    // chi2: the last Newton step solved the linear piece of this same active set, so eta is its root.
+    if (chi2 && last_was_newton && s[1] == previous_active) {
+      converged = true;
+      break;
+    }
+    previous_active = s[1];
+    const double newton = chi2 ? lam * g * n / s[1] : lam * std::log(s[0] / n) * (s[0] / s[1]);
+    double next = eta + newton;
+    // Bisect when Newton leaves the bracket or (as in rtsafe) does not at least halve the step before last;
+    // chi2's Newton from the left end is monotone and needs no such guard.
+    const bool use_newton = std::isfinite(next) && next > a && next < b &&
+                            (chi2 || std::abs(newton) <= 0.5 * std::abs(step_before_last));
+    if (!use_newton) next = 0.5 * (a + b);
+    step_before_last = last_step;
+    last_step = next - eta;
+    eta = next;
+    last_was_newton = use_newton;
+    if (std::abs(last_step) <= tol || b - a <= tol) {
+      converged = true;
+      break;
+    }
+  }
+  if (chi2 && converged) {
+    // Exact on the final segment: sum_{A} ((l_i - eta)/lam + 2) / 2 = N with A = {l_i > eta - 2 lam} gives
+    // eta = (sum_A l_i + 2 lam (|A| - N)) / |A|, evaluated with float64 sums.
+    const double cut = eta - 2.0 * lam;
+    const auto s = sum_pairs(x, [cut](double v) { return std::array<double, 2>{v > cut ? v : 0.0, v > cut ? 1.0 : 0.0}; });
+    if (s[1] > 0.0) {
+      const double exact = (s[0] + 2.0 * lam * (s[1] - n)) / s[1];
+      // It lies on the same segment as eta once the iteration has converged (at worst a loss within the
+      // rounding of eta switches sides, which moves the root by a rounding too).
+      if (exact >= lo && exact <= hi) eta = exact;
+    }
+  }
+  return {eta, objective_at(x, spec, lam, eta), iterations};
+}
+
+Solution solve(const at::Tensor& x, const DivergenceSpec& spec, double lam) {
+  const auto [lo, hi] = min_max(x);
+  // NaN gives NaN; -inf has no sensible dual; +inf makes the worst case infinite.
+  if (std::isnan(lo) || std::isnan(hi) || lo == -kInf) return {kNaN, kNaN, 0};
+  if (hi == kInf) return {kInf, kInf, 0};
+  if (lo == hi) return {lo, lo, 0};  // N = 1 or all equal: psi*(0) = 0
+  switch (spec.kind) {
+    case Divergence::KL:
+      return solve_kl(x, spec, lam, hi);
+    case Divergence::CVaR:
+      return solve_cvar(x, spec.alpha);
+    default:
+      return solve_newton(x, spec, lam, lo, hi);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> robust_objective_cpu(
+    const at::Tensor& losses, double lam, c10::string_view divergence, std::optional<double> alpha,
+    std::optional<double> k) {
+  check_losses(losses);
+  check_positive("lam", lam);
+  const DivergenceSpec spec = parse_divergence(std::string(divergence), alpha, k);
+  const at::Tensor x = losses.contiguous();
+  const Solution sol = solve(x, spec, lam);
+  auto options = losses.options();
+  return {at::scalar_tensor(sol.value, options),
+          at::scalar_tensor(sol.eta, options.dtype(accumulate_type(losses.scalar_type())))};
+}
+
+at::Tensor robust_weights_cpu(
+    const at::Tensor& losses, const at::Tensor& eta_star, double lam, c10::string_view divergence,
+    std::optional<double> alpha, std::optional<double> k) {
+  check_losses(losses);
+  check_scalar_tensor("eta_star", eta_star, losses);
+  check_positive("lam", lam);
+  const DivergenceSpec spec = parse_divergence(std::string(divergence), alpha, k);
+  const at::Tensor x = losses.contiguous();
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const double eta = eta_star.item<double>();
+  const int64_t n = x.numel();
+  if (spec.kind == Divergence::CVaR) {
+    // 1/(alpha N) above eta*, the remaining mass split equally among the losses equal to eta*, 0 below.
+    const double tail = tail_size(spec.alpha, n);
+    const auto counts = sum_pairs(x, [eta](double v) {
+      return std::array<double, 2>{v > eta ? 1.0 : 0.0, v == eta ? 1.0 : 0.0};
+    });
+    const double above = 1.0 / tail;
+    const double boundary = counts[1] > 0.0 ? std::max(0.0, 1.0 - counts[0] / tail) / counts[1] : 0.0;
+    const double nan_weight = std::isnan(eta) ? kNaN : 0.0;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_cvar_weights", [&] {
+      const scalar_t* data = x.const_data_ptr<scalar_t>();
+      scalar_t* result = out.mutable_data_ptr<scalar_t>();
+      at::parallel_for(0, n, 32768, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const double v = static_cast<double>(data[i]);
+          const double q = v > eta ? above : (v == eta ? boundary : (v < eta ? nan_weight : kNaN));
+          result[i] = static_cast<scalar_t>(q);
+        }
+      });
+    });
+    return out;
+  }
+  // psi*'(t_i) / sum_j psi*'(t_j): the sum is N at eta* up to rounding; dividing by it makes q sum to one
+  // even when eta* was rounded to float32.
+  const cpu::Affine affine{eta, 1.0 / lam};
+  const auto sums = cpu::cpu_kernels().reduce_derivatives(x, spec, affine, 1, 2);
+  cpu::cpu_kernels().map_derivative(x.view(-1), out, spec, affine, 1.0 / sums[0], 1);
+  return out;
+}
+
+// One pass over the weights: sum, sum of squares, max, number of zeros and, with groups, the per-group
+// sums, over fixed chunks (deterministic). Returns (ess, max_weight, zero_fraction, group_mass) of the
+// weights normalized to sum to one; group_mass is empty without groups.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weight_stats_cpu(
+    const at::Tensor& weights, const std::optional<at::Tensor>& groups, int64_t num_groups) {
+  TORCH_CHECK_VALUE(weights.dim() == 1, "dro_ext: weights must be a 1-D tensor, got shape ", weights.sizes());
+  TORCH_CHECK_VALUE(weights.numel() > 0, "dro_ext: weights must not be empty");
+  TORCH_CHECK_VALUE(at::isFloatingType(weights.scalar_type()), "dro_ext: weights must have a floating dtype, got ",
+                    weights.scalar_type());
+  const bool with_groups = groups.has_value();
+  at::Tensor g;
+  if (with_groups) {
+    TORCH_CHECK_VALUE(num_groups > 0, "dro_ext: num_groups must be > 0, got num_groups=", num_groups);
+    TORCH_CHECK_VALUE(groups->sizes() == weights.sizes(), "dro_ext: groups must have shape ", weights.sizes(),
+                      ", got ", groups->sizes());
+    TORCH_CHECK_VALUE(groups->device() == weights.device(), "dro_ext: groups is on ", groups->device(),
+                      " but the weights are on ", weights.device());
+    TORCH_CHECK_VALUE(groups->scalar_type() == at::kLong || groups->scalar_type() == at::kInt,
+                      "dro_ext: groups must be an int64 or int32 tensor of group ids, got ", groups->scalar_type());
+    g = groups->to(at::kLong).contiguous();
+  }
+  const at::Tensor x = weights.contiguous();
+  const int64_t n = x.numel();
+  const int64_t width = with_groups ? num_groups : 0;
+  // Per part: sum, sum of squares, max, zeros, a NaN flag, a bad-id flag, then the group sums. Parts are
+  // runs of whole chunks, few enough that the partial group sums stay under ~32 MB whatever num_groups is;
+  // they depend on n and num_groups only, so the result does not depend on the thread count.
+  constexpr int64_t kFixed = 6;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  const int64_t max_parts = std::max<int64_t>(1, (int64_t{1} << 22) / (kFixed + width));
+  const int64_t part_size = ((chunks + std::min(chunks, max_parts) - 1) / std::min(chunks, max_parts)) * kChunk;
+  const int64_t num_chunks = (n + part_size - 1) / part_size;
+  std::vector<double> partial(num_chunks * (kFixed + width), 0.0);
+  const int64_t* ids = with_groups ? g.const_data_ptr<int64_t>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_weight_stats", [&] {
+    const scalar_t* data = x.const_data_ptr<scalar_t>();
+    // Parts own disjoint rows of `partial`.
+    at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        double* row = partial.data() + c * (kFixed + width);
+        double sum = 0.0, sumsq = 0.0, max = -kInf, zeros = 0.0;
+        bool nan = false, bad_id = false;
+        for (int64_t i = c * part_size; i < std::min(n, (c + 1) * part_size); ++i) {
+          const double w = static_cast<double>(data[i]);
+          sum += w;
+          sumsq += w * w;
+          max = std::max(max, w);
+          zeros += w == 0.0 ? 1.0 : 0.0;
+          nan |= std::isnan(w);
+          if (ids != nullptr) {
+            const int64_t id = ids[i];
+            if (id < 0 || id >= width) {
+              bad_id = true;
+            } else {
+              row[kFixed + id] += w;
+            }
+          }
+        }
+        row[0] = sum;
+        row[1] = sumsq;
+        row[2] = max;
+        row[3] = zeros;
+        row[4] = nan ? 1.0 : 0.0;
+        row[5] = bad_id ? 1.0 : 0.0;
+      }
+    });
+  });
+  double sum = 0.0, sumsq = 0.0, max = -kInf, zeros = 0.0;
+  bool nan = false, bad_id = false;
+  std::vector<double> mass(width, 0.0);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const double* row = partial.data() + c * (kFixed + width);
+    sum += row[0];
+    sumsq += row[1];
+    max = std::max(max, row[2]);
+    zeros += row[3];
+    nan |= row[4] != 0.0;
+    bad_id |= row[5] != 0.0;
+    for (int64_t j = 0; j < width; ++j) mass[j] += row[kFixed + j];
+  }
+  TORCH_CHECK_INDEX(!bad_id, "dro_ext: groups holds an id outside [0, num_groups) with num_groups=", num_groups);
+  if (nan) max = kNaN;
+  const auto options = x.options().dtype(accumulate_type(x.scalar_type()));
+  at::Tensor group_mass = at::empty({width}, options.dtype(at::kDouble));
+  for (int64_t j = 0; j < width; ++j) group_mass.data_ptr<double>()[j] = mass[j] / sum;
+  return {at::scalar_tensor(sum * sum / sumsq, options), at::scalar_tensor(max / sum, options),
+          at::scalar_tensor(zeros / static_cast<double>(n), options), group_mass.to(options.dtype())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dro_ext, m) {
+  m.def(
+      "robust_objective(Tensor losses, float lam, str divergence, float? alpha=None, float? k=None) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "robust_weights(Tensor losses, Tensor eta_star, float lam, str divergence, float? alpha=None, "
+      "float? k=None) -> Tensor");
+  m.def(
+      "weight_stats(Tensor weights, Tensor? groups=None, int num_groups=0) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(dro_ext, CPU, m) {
+  m.impl("robust_objective", &robust_objective_cpu);
+  m.impl("robust_weights", &robust_weights_cpu);
+  m.impl("weight_stats", &weight_stats_cpu);
+}
+
+}  // namespace dro_ext

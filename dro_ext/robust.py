@@ -1,0 +1,422 @@
+"""The exact robust objective ``Psi = min over eta of L(eta)``, its worst-case distribution, weight
+diagnostics and a whole-dataset evaluation helper (DESIGN.md section 1, "Exact robust objective").
+
+With ``L(eta) = mean_i lam * psi*((l_i - eta)/lam) + eta`` (G = 1), ``eta*`` lies in ``[min l, max l]``
+because ``psi*'(0) = 1``, and the worst-case distribution is ``q_i = psi*'((l_i - eta*)/lam) / N``:
+
+- ``kl``: ``Psi = eta* = lam * logsumexp(l/lam) - lam*log N`` (never overflows);
+- ``cvar``: the tail mean over the top ``alpha*N`` losses, with the fractional boundary sample;
+- ``chi2``: Newton from ``min l`` on the piecewise-linear mean weight stops on the exact segment, whose
+  root is then solved in closed form (float64 sums);
+- ``kl_cvar``, ``cressie_read``, ``smoothed_cvar``: safeguarded Newton/bisection on
+  ``mean psi*'((l - eta)/lam) = 1`` inside the bracket, to the rounding of the sums.
+
+The native op does each Newton iteration as one fused pass of the loss kernel (sum psi*' and sum psi*'');
+the PyTorch fallback runs the same algorithms in float64 with a Python loop.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Callable, NamedTuple
+
+import torch
+
+from dro_ext import _backend
+from dro_ext._divergences import (
+    Spec,
+    accumulate_dtype,
+    check_divergence,
+    check_losses,
+    check_positive,
+)
+from dro_ext._divergences import psi_star as _psi_star_torch
+from dro_ext.ops import dro_weights
+
+__all__ = ["WeightStats", "evaluate", "robust_objective", "weight_stats", "worst_case_weights"]
+
+_MAX_ITERATIONS = 100
+
+# ---------------------------------------------------------------------------------------------------
+# Native ops: fake kernels and autograd (Danskin: dPsi/dl_i = q_i). Registered only when loaded.
+# ---------------------------------------------------------------------------------------------------
+
+if _backend.native_available():
+
+    @torch.library.register_fake("dro_ext::robust_objective")
+    def _robust_objective_fake(losses, lam, divergence, alpha=None, k=None):
+        torch._check(losses.dim() == 1, lambda: "dro_ext: losses must be a 1-D tensor")
+        return losses.new_empty(()), losses.new_empty((), dtype=accumulate_dtype(losses.dtype))
+
+    def _robust_objective_setup_context(ctx, inputs, output):
+        losses, lam, divergence, alpha, k = inputs
+        _, eta_star = output
+        ctx.save_for_backward(losses, eta_star)
+        ctx.args = (lam, divergence, alpha, k)
+        ctx.mark_non_differentiable(eta_star)
+
+    def _robust_objective_backward(ctx, grad_value, _grad_eta):
+        losses, eta_star = ctx.saved_tensors
+        grad_losses = None
+        if ctx.needs_input_grad[0]:
+            # Danskin: the gradient of min_eta L(eta) is dL/dl at eta*, i.e. the worst-case distribution.
+            q = torch.ops.dro_ext.robust_weights(losses, eta_star, *ctx.args)
+            grad_losses = q * grad_value.to(q.dtype)
+        return grad_losses, None, None, None, None
+
+    torch.library.register_autograd(
+        "dro_ext::robust_objective", _robust_objective_backward, setup_context=_robust_objective_setup_context
+    )
+
+    @torch.library.register_fake("dro_ext::robust_weights")
+    def _robust_weights_fake(losses, eta_star, lam, divergence, alpha=None, k=None):
+        return torch.empty_like(losses, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("dro_ext::weight_stats")
+    def _weight_stats_fake(weights, groups=None, num_groups=0):
+        acc = accumulate_dtype(weights.dtype)
+        scalar = weights.new_empty((), dtype=acc)
+        width = num_groups if groups is not None else 0
+        return scalar, scalar.clone(), scalar.clone(), weights.new_empty((width,), dtype=acc)
+
+
+def _native_for(losses: torch.Tensor) -> bool:
+    """The native op is used when loaded, selected, and it has a kernel for the losses' device."""
+    if not _backend.use_native():
+        return False
+    if losses.device.type == "cpu":
+        return True
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("dro_ext::robust_objective", losses.device.type.upper())
+    except Exception:  # pragma: no cover - unknown dispatch key names
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------
+# The PyTorch fallback: the same algorithms, in float64, with host-side iteration.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _tail_size(alpha: float, n: int) -> float:
+    """alpha * N, snapped to an integer when it is one up to rounding (0.3 * 10 == 3.0000000000000004)."""
+    k = alpha * n
+    r = round(k)
+    return float(r) if abs(k - r) <= 8.0 * sys.float_info.epsilon * k else k
+
+
+def _solve_torch(x: torch.Tensor, lam: float, spec: Spec) -> tuple[float, float]:
+    """(Psi, eta*) for float64 losses x, as Python floats."""
+    n = x.numel()
+    lo_t, hi_t = torch.aminmax(x)
+    lo, hi = lo_t.item(), hi_t.item()
+    if math.isnan(lo) or math.isnan(hi) or lo == -math.inf:
+        return math.nan, math.nan
+    if hi == math.inf:
+        return math.inf, math.inf
+    if lo == hi:
+        return lo, lo
+    if spec.name == "kl":
+        eta = hi + lam * math.log(torch.exp((x - hi) / lam).mean().item())
+        return eta, eta
+    if spec.name == "cvar":
+        tail = _tail_size(spec.alpha, n)
+        j = min(n, max(1, math.ceil(tail)))
+        top = torch.topk(x, j).values
+        eta = top[-1].item()
+        above = top[top > eta]
+        return (above.sum().item() + (tail - above.numel()) * eta) / tail, eta
+    chi2 = spec.name == "chi2"
+    tol = 4.0 * sys.float_info.epsilon * max(abs(lo), abs(hi), lam)
+    a, b, eta = lo, hi, lo
+    step_before_last = last_step = b - a
+    previous_active, last_was_newton, converged = -1.0, False, False
+    for _ in range(_MAX_ITERATIONS):
+        t = (x - eta) / lam
+        s1 = _psi_star_torch(t, spec, 1).sum().item()
+        s2 = _psi_star_torch(t, spec, 2).sum().item()
+        g = s1 / n - 1.0
+        if math.isnan(g):
+            return math.nan, math.nan
+        if g == 0.0:
+            converged = True
+            break
+        if g > 0.0:
+            a = eta
+        else:
+            b = eta
+        if chi2 and last_was_newton and s2 == previous_active:
+            converged = True
+            break
+        previous_active = s2
+        try:
+            newton = lam * g * n / s2 if chi2 else lam * math.log(s1 / n) * (s1 / s2)
+        except (ValueError, ZeroDivisionError, OverflowError):
+            newton = math.nan
+        nxt = eta + newton
+        use_newton = (
+            math.isfinite(nxt) and a < nxt < b and (chi2 or abs(newton) <= 0.5 * abs(step_before_last))
+        )
+        if not use_newton:
+            nxt = 0.5 * (a + b)
+        step_before_last, last_step = last_step, nxt - eta
+        eta, last_was_newton = nxt, use_newton
+        if abs(last_step) <= tol or b - a <= tol:
+            converged = True
+            break
+    if chi2 and converged:
+        cut = eta - 2.0 * lam
+        active = x > cut
+        count = active.sum().item()
+        if count > 0:
+            exact = (x[active].sum().item() + 2.0 * lam * (count - n)) / count
+            if lo <= exact <= hi:
+                eta = exact
+    value = lam * _psi_star_torch((x - eta) / lam, spec, 0).mean().item() + eta
+    return value, eta
+
+
+def _weights_torch(losses: torch.Tensor, eta: torch.Tensor, lam: float, spec: Spec) -> torch.Tensor:
+    """The worst-case distribution at eta (normalized to sum to one), in the losses' dtype."""
+    x = losses.detach().to(torch.float64)
+    e = eta.detach().to(torch.float64)
+    if spec.name == "cvar":
+        tail = _tail_size(spec.alpha, x.numel())
+        above = x > e
+        at = x == e
+        n_above, n_at = above.sum().to(torch.float64), at.sum().to(torch.float64)
+        boundary = torch.where(n_at > 0, torch.clamp(1.0 - n_above / tail, min=0.0) / n_at.clamp(min=1.0), 0.0)
+        # The last branch is reached only when x or eta is NaN, and x + e is NaN then.
+        q = torch.where(above, 1.0 / tail, torch.where(at, boundary, torch.where(x < e, 0.0, x + e)))
+        return q.to(losses.dtype)
+    w = _psi_star_torch((x - e) / lam, spec, 1)
+    return (w / w.sum()).to(losses.dtype)
+
+
+class _RobustObjective(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, losses, lam, spec):
+        value, eta = _solve_torch(losses.detach().to(torch.float64), lam, spec)
+        eta_t = torch.tensor(eta, dtype=accumulate_dtype(losses.dtype), device=losses.device)
+        ctx.save_for_backward(losses, eta_t)
+        ctx.args = (lam, spec)
+        ctx.mark_non_differentiable(eta_t)
+        return torch.tensor(value, dtype=losses.dtype, device=losses.device), eta_t
+
+    @staticmethod
+    def backward(ctx, grad_value, _grad_eta):
+        losses, eta_t = ctx.saved_tensors
+        lam, spec = ctx.args
+        return _weights_torch(losses, eta_t, lam, spec) * grad_value.to(losses.dtype), None, None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------------
+
+
+def robust_objective(losses, lam, divergence="chi2", *, alpha=None, k=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The robust objective ``Psi = min_eta mean_i lam*psi*((l_i - eta)/lam) + eta`` and its minimizer.
+
+    Returns ``(value, eta_star)``: ``value`` is 0-d in the dtype of ``losses``; ``eta_star`` is 0-d in the
+    accumulate dtype (float64 for float64 losses, float32 otherwise). Exact to the rounding of the
+    accumulate dtype: closed forms for ``kl`` and ``cvar``, an exact segment solve for ``chi2`` and
+    safeguarded Newton/bisection for the others. NaN in ``losses`` gives NaN, and so does ``-inf``;
+    ``+inf`` gives ``inf``.
+
+    If ``losses`` requires grad, ``value`` is differentiable: by Danskin's theorem its gradient is the
+    worst-case distribution :func:`worst_case_weights` (times the incoming gradient), so it can serve as a
+    training loss. ``eta_star`` carries no gradient.
+    """
+    spec = check_divergence(divergence, alpha, k)
+    check_losses(losses)
+    lam = check_positive("lam", lam)
+    if _native_for(losses):
+        return torch.ops.dro_ext.robust_objective(losses, lam, spec.name, spec.alpha, spec.k)
+    return _RobustObjective.apply(losses, lam, spec)
+
+
+def worst_case_weights(losses, lam, divergence="chi2", *, alpha=None, k=None) -> torch.Tensor:
+    """The worst-case distribution ``q_i = psi*'((l_i - eta*)/lam) / N`` over the samples (sums to one).
+
+    For ``cvar`` the samples above ``eta*`` get ``1/(alpha N)`` each and the samples equal to ``eta*``
+    share the remaining mass equally (fractional when ``alpha*N`` is not an integer). Shape ``(N,)``,
+    dtype of ``losses``; no gradient flows through it.
+    """
+    spec = check_divergence(divergence, alpha, k)
+    check_losses(losses)
+    lam = check_positive("lam", lam)
+    losses = losses.detach()
+    _, eta = robust_objective(losses, lam, spec.name, alpha=spec.alpha, k=spec.k)
+    if _native_for(losses):
+        return torch.ops.dro_ext.robust_weights(losses, eta, lam, spec.name, spec.alpha, spec.k)
+    return _weights_torch(losses, eta, lam, spec)
+
+
+class WeightStats(NamedTuple):
+    """Diagnostics of a distribution over N samples (0-d tensors, float32 or float64)."""
+
+    ess: torch.Tensor            # effective sample size (sum w)^2 / sum w^2, in [1, N]
+    max_weight: torch.Tensor     # the largest normalized weight max_i q_i, in [1/N, 1]
+    zero_fraction: torch.Tensor  # the fraction of samples with zero weight
+    group_mass: torch.Tensor | None  # (num_groups,) total q per group, when groups are given
+
+
+def weight_stats(
+    weights=None,
+    *,
+    losses=None,
+    eta=None,
+    lam=None,
+    divergence="chi2",
+    alpha=None,
+    k=None,
+    scale=1.0,
+    groups=None,
+    num_groups=None,
+) -> WeightStats:
+    """Effective sample size, max weight, zero fraction and per-group mass of a sample weighting.
+
+    Give either ``weights`` (any non-negative 1-D tensor; it is normalized to sum to one) or ``losses`` and
+    ``lam`` (with ``divergence``, ``alpha``, ``k``): then the weights are ``dro_weights(losses, eta, ...)``
+    at the given ``eta`` (e.g. the trained ``DROLoss.eta``), or the worst-case distribution when ``eta`` is
+    None. ``groups`` is an optional integer tensor of group ids in ``[0, num_groups)``, one per sample;
+    pass ``num_groups`` to avoid a device sync (ids outside ``[0, num_groups)`` raise IndexError). One
+    pass over the weights in the native op (four small reductions in the fallback); never differentiable.
+    """
+    with torch.no_grad():
+        if weights is not None:
+            if losses is not None or eta is not None:
+                raise ValueError("dro_ext: give either weights or losses (+ eta), not both")
+            check_losses_like("weights", weights)
+            w = weights
+        else:
+            if losses is None:
+                raise ValueError("dro_ext: weight_stats needs weights, or losses and lam")
+            if lam is None:
+                raise ValueError("dro_ext: weight_stats with losses needs lam > 0, got lam=None")
+            if eta is None:
+                w = worst_case_weights(losses, lam, divergence, alpha=alpha, k=k)
+            else:
+                w = dro_weights(losses.detach(), eta, lam, divergence, alpha=alpha, k=k, scale=scale)
+        w = w.detach()
+        if groups is not None:
+            if not isinstance(groups, torch.Tensor) or groups.dtype not in (torch.int64, torch.int32):
+                raise TypeError("dro_ext: groups must be an int64 or int32 tensor of group ids")
+            if groups.shape != w.shape:
+                raise ValueError(f"dro_ext: groups must have shape {tuple(w.shape)}, got {tuple(groups.shape)}")
+            if groups.device != w.device:
+                raise ValueError(f"dro_ext: groups is on {groups.device} but the weights are on {w.device}")
+            if num_groups is None:
+                num_groups = int(groups.max().item()) + 1
+            num_groups = int(num_groups)
+            if num_groups <= 0:
+                raise ValueError(f"dro_ext: num_groups must be > 0, got num_groups={num_groups}")
+        if _native_for(w):
+            ess, max_weight, zero_fraction, group_mass = torch.ops.dro_ext.weight_stats(
+                w, groups, num_groups if groups is not None else 0
+            )
+            return WeightStats(ess, max_weight, zero_fraction, group_mass if groups is not None else None)
+        w = w.to(accumulate_dtype(w.dtype))
+        total = w.sum()
+        ess = total * total / (w * w).sum()
+        max_weight = w.amax() / total
+        zero_fraction = (w == 0).sum().to(w.dtype) / w.numel()
+        group_mass = None
+        if groups is not None:
+            group_mass = torch.zeros(num_groups, dtype=torch.float64, device=w.device)
+            group_mass.index_add_(0, groups.long(), w.to(torch.float64))
+            group_mass = (group_mass / total.to(torch.float64)).to(w.dtype)
+        return WeightStats(ess, max_weight, zero_fraction, group_mass)
+
+
+def check_losses_like(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"dro_ext: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 1:
+        raise ValueError(f"dro_ext: {name} must be a 1-D tensor, got shape {tuple(t.shape)}")
+    if t.numel() == 0:
+        raise ValueError(f"dro_ext: {name} must not be empty")
+    if not t.is_floating_point():
+        raise TypeError(f"dro_ext: {name} must have a floating dtype, got {t.dtype}")
+
+
+def _to_device(batch, device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        moved = [_to_device(b, device) for b in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    if isinstance(batch, dict):
+        return {key: _to_device(v, device) for key, v in batch.items()}
+    return batch
+
+
+def _progress(iterable, enabled: bool):
+    """tqdm when it is installed, else a plain counter on stderr; nothing when disabled."""
+    if not enabled:
+        yield from iterable
+        return
+    try:
+        total = len(iterable)
+    except TypeError:
+        total = None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is not None:
+        yield from tqdm(iterable, total=total, desc="dro_ext.evaluate", unit="batch")
+        return
+    suffix = f"/{total}" if total is not None else ""
+    count = 0
+    for item in iterable:
+        yield item
+        count += 1
+        sys.stderr.write(f"\rdro_ext.evaluate: {count}{suffix} batches")
+        sys.stderr.flush()
+    sys.stderr.write("\n")
+
+
+def evaluate(
+    model: torch.nn.Module,
+    loader,
+    per_sample_loss_fn: Callable[[torch.nn.Module, object], torch.Tensor],
+    lam,
+    divergence="chi2",
+    *,
+    alpha=None,
+    k=None,
+    device=None,
+    progress=True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Psi`` over a whole dataset: ``robust_objective`` of the per-sample losses of every batch.
+
+    ``per_sample_loss_fn(model, batch)`` returns the 1-D tensor of per-sample losses of one batch (e.g.
+    ``lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none")``). The model runs in eval mode under
+    ``torch.no_grad()``; only the N losses are kept; the train/eval mode of every submodule is restored
+    afterwards. ``device`` moves each batch (tensors in tuples, lists and dicts) there first. Returns
+    ``(value, eta_star)`` as :func:`robust_objective` does.
+    """
+    spec = check_divergence(divergence, alpha, k)
+    lam = check_positive("lam", lam)
+    modes = [(module, module.training) for module in model.modules()]
+    chunks = []
+    try:
+        model.eval()
+        with torch.no_grad():
+            for batch in _progress(loader, progress):
+                if device is not None:
+                    batch = _to_device(batch, device)
+                losses = per_sample_loss_fn(model, batch)
+                if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
+                    shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+                    raise ValueError(
+                        f"dro_ext: per_sample_loss_fn must return a 1-D tensor of per-sample losses, got {shape}"
+                    )
+                chunks.append(losses.detach())
+    finally:
+        for module, training in modes:
+            module.training = training
+    if not chunks:
+        raise ValueError("dro_ext: evaluate got an empty loader (no losses to evaluate)")
+    return robust_objective(torch.cat(chunks), lam, spec.name, alpha=spec.alpha, k=spec.k)

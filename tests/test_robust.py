@@ -1,0 +1,508 @@
+"""robust_objective, worst_case_weights, weight_stats and evaluate (issue 4).
+
+The references are independent of dro_ext: psi* and psi are written out below from DESIGN.md section 1
+(numpy, float64), and Psi = min_eta L(eta) is found by scipy's bounded scalar minimizer.
+"""
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from scipy.optimize import minimize_scalar
+from scipy.special import logsumexp, xlogy
+
+import dro_ext
+from dro_ext import _backend
+
+CASES = [
+    ("chi2", {}),
+    ("kl", {}),
+    ("cvar", {"alpha": 0.3}),
+    ("kl_cvar", {"alpha": 0.2}),
+    ("cressie_read", {"k": 3.0}),
+    ("smoothed_cvar", {"alpha": 0.1}),
+]
+CASE_IDS = [name for name, _ in CASES]
+
+
+# ------------------------------------------------------------------------------------------------
+# Independent float64 references (DESIGN.md section 1)
+# ------------------------------------------------------------------------------------------------
+
+
+def np_psi_star(t, name, alpha=None, k=None):
+    """psi*(t) in float64."""
+    if name == "chi2":
+        return np.maximum(t + 2.0, 0.0) ** 2 / 4.0 - 1.0
+    if name == "kl":
+        return np.expm1(t)
+    if name == "cvar":
+        return np.maximum(t, 0.0) / alpha
+    if name == "kl_cvar":
+        cut = -math.log(alpha)
+        return np.where(t <= cut, np.expm1(np.minimum(t, cut)), (1.0 + t + math.log(alpha)) / alpha - 1.0)
+    if name == "cressie_read":
+        return (np.maximum((k - 1.0) * t + 1.0, 0.0) ** (k / (k - 1.0)) - 1.0) / k
+    if name == "smoothed_cvar":
+        return np.logaddexp(math.log1p(-alpha), math.log(alpha) + t) / alpha
+    raise AssertionError(name)
+
+
+def np_psi(s, name, alpha=None, k=None):
+    """psi(s), the divergence itself (chi2: (s-1)^2, the erratum; smoothed_cvar: paper eq. 3.3)."""
+    if name == "chi2":
+        return (s - 1.0) ** 2
+    if name in ("kl", "kl_cvar"):
+        if name == "kl_cvar":
+            assert np.all(s <= 1.0 / alpha * (1 + 1e-9)), "q outside the kl_cvar domain"
+        return xlogy(s, s) - s + 1.0
+    if name == "cvar":
+        assert np.all(s <= 1.0 / alpha * (1 + 1e-9)), "q outside the cvar domain"
+        return np.zeros_like(s)
+    if name == "cressie_read":
+        return (s**k - k * s + k - 1.0) / (k * (k - 1.0))
+    if name == "smoothed_cvar":
+        assert np.all(s <= 1.0 / alpha * (1 + 1e-9)), "q outside the smoothed_cvar domain"
+        r = np.maximum(1.0 - alpha * s, 0.0)
+        return xlogy(s, s) + xlogy(r, r / (1.0 - alpha)) / alpha
+    raise AssertionError(name)
+
+
+def dual(l, lam, name, kw):
+    return lambda eta: lam * float(np.mean(np_psi_star((l - eta) / lam, name, **kw))) + eta
+
+
+def reference_psi(l, lam, name, kw):
+    """min over eta in [min l, max l] of L(eta), by scipy's bounded minimizer in float64."""
+    l = np.asarray(l, dtype=np.float64)
+    lo, hi = float(l.min()), float(l.max())
+    f = dual(l, lam, name, kw)
+    if lo == hi:
+        return f(lo)
+    res = minimize_scalar(f, bounds=(lo, hi), method="bounded", options={"xatol": 1e-12 * max(1.0, abs(hi)),
+                                                                         "maxiter": 2000})
+    best = min(res.fun, f(lo), f(hi))
+    if name == "cvar":
+        # L is piecewise linear with its kinks at the losses: the minimum is at the kink nearest res.x,
+        # which Brent's parabolic steps only approach.
+        u = np.unique(l)
+        i = int(np.searchsorted(u, res.x))
+        best = min([best] + [f(x) for x in u[max(0, i - 5): i + 5]])
+    return best
+
+
+def make_losses(n, dtype=torch.float64):
+    return (torch.randn(n, dtype=torch.float64) * 0.8).exp().to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Value and eta* against the scalar minimization, on both paths
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 50, 4097])
+@pytest.mark.parametrize("lam", [0.05, 1.0])
+@pytest.mark.parametrize("name,kw", CASES, ids=CASE_IDS)
+def test_matches_scalar_minimization(backend, name, kw, lam, n):
+    losses = make_losses(n)
+    value, eta = dro_ext.robust_objective(losses, lam, name, **kw)
+    assert value.dtype == torch.float64 and value.shape == () and eta.dtype == torch.float64 and eta.shape == ()
+    l = losses.numpy()
+    ref = reference_psi(l, lam, name, kw)
+    assert abs(value.item() - ref) <= 1e-10 * (1.0 + abs(ref)), (value.item(), ref)
+    # eta* is a minimizer: L(eta*) is the minimum, and eta* lies in the bracket.
+    assert l.min() <= eta.item() <= l.max()
+    assert abs(dual(l, lam, name, kw)(eta.item()) - ref) <= 1e-10 * (1.0 + abs(ref))
+
+
+@pytest.mark.parametrize("n", [1, 2, 50, 4097])
+@pytest.mark.parametrize("name,kw", CASES, ids=CASE_IDS)
+def test_strong_duality(backend, name, kw, n):
+    """q sums to one and the primal value sum q l - lam mean psi(N q) equals Psi."""
+    lam = 0.3
+    losses = make_losses(n)
+    value, _ = dro_ext.robust_objective(losses, lam, name, **kw)
+    q = dro_ext.worst_case_weights(losses, lam, name, **kw)
+    assert q.shape == losses.shape and q.dtype == losses.dtype
+    q = q.numpy()
+    assert np.all(q >= 0.0)
+    assert abs(q.sum() - 1.0) <= 1e-12
+    primal = float(np.dot(q, losses.numpy())) - lam * float(np.mean(np_psi(n * q, name, **kw)))
+    assert abs(primal - value.item()) <= 1e-9 * (1.0 + abs(value.item())), (primal, value.item())
+
+
+# ------------------------------------------------------------------------------------------------
+# Special cases
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "losses,alpha,value,eta,q",
+    [
+        # alpha*N = 1.5: the top loss plus half of the next one.
+        ([1.0, 2.0, 3.0, 4.0, 5.0], 0.3, (5.0 + 0.5 * 4.0) / 1.5, 4.0, [0, 0, 0, 1 / 3, 2 / 3]),
+        # alpha*N = 2 inside a three-way tie: the tied losses share the mass.
+        ([1.0, 5.0, 5.0, 5.0, 2.0], 0.4, 5.0, 5.0, [0, 1 / 3, 1 / 3, 1 / 3, 0]),
+        # the boundary mass (1/2) split between two tied boundary losses.
+        ([0.0, 3.0, 3.0, 7.0], 0.5, 5.0, 3.0, [0, 0.25, 0.25, 0.5]),
+        # 0.3 * 10 == 3.0000000000000004 in floating point: still the top three, 1/3 each.
+        (list(range(10)), 0.3, 8.0, 7.0, [0] * 7 + [1 / 3] * 3),
+        # alpha*N < 1: the maximum alone.
+        ([2.0, 9.0, 4.0, 1.0, 3.0], 0.1, 9.0, 9.0, [0, 1, 0, 0, 0]),
+    ],
+)
+def test_cvar_ties_and_fractional_tail(backend, losses, alpha, value, eta, q):
+    l = torch.tensor(losses, dtype=torch.float64)
+    v, e = dro_ext.robust_objective(l, 0.7, "cvar", alpha=alpha)
+    assert v.item() == pytest.approx(value, rel=1e-14, abs=1e-14)
+    assert e.item() == eta
+    w = dro_ext.worst_case_weights(l, 0.7, "cvar", alpha=alpha)
+    torch.testing.assert_close(w, torch.tensor(q, dtype=torch.float64), rtol=1e-13, atol=1e-14)
+    assert v.item() == pytest.approx(reference_psi(np.array(losses, float), 0.7, "cvar", {"alpha": alpha}), rel=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kl_huge_losses_over_lambda(backend, dtype):
+    l = torch.tensor([1000.0, 2500.0, 3000.0, 2999.0], dtype=dtype)
+    lam = 0.01  # l/lam up to 3e5: exp overflows in any dtype
+    value, eta = dro_ext.robust_objective(l, lam, "kl")
+    l64 = l.double().numpy()
+    expected = lam * (logsumexp(l64 / lam) - math.log(l64.size))
+    assert math.isfinite(value.item())
+    assert value.item() == pytest.approx(expected, rel=1e-6 if dtype == torch.float32 else 1e-13)
+    assert eta.item() == pytest.approx(expected, rel=1e-6 if dtype == torch.float32 else 1e-13)
+    q = dro_ext.worst_case_weights(l, lam, "kl")
+    assert torch.isfinite(q).all()
+    assert q.double().sum().item() == pytest.approx(1.0, abs=1e-6)
+    assert q[2].item() == pytest.approx(1.0 / (1.0 + math.exp(-100.0)), abs=1e-6)
+
+
+_LARGE_REFERENCE = {}
+
+
+@pytest.mark.parametrize("name,kw", CASES, ids=CASE_IDS)
+def test_float32_large(backend, name, kw):
+    n = 1 << 20
+    gen = torch.Generator().manual_seed(1234)
+    losses = (torch.randn(n, generator=gen, dtype=torch.float64) * 0.8).exp().to(torch.float32)
+    lam = 0.1
+    if name not in _LARGE_REFERENCE:
+        _LARGE_REFERENCE[name] = reference_psi(losses.double().numpy(), lam, name, kw)
+    ref = _LARGE_REFERENCE[name]
+    value, eta = dro_ext.robust_objective(losses, lam, name, **kw)
+    assert value.dtype == torch.float32 and eta.dtype == torch.float32
+    # float32 rounding: a few ulps of the value.
+    assert abs(value.item() - ref) <= 2e-6 * abs(ref), (value.item(), ref)
+    q = dro_ext.worst_case_weights(losses, lam, name, **kw)
+    assert q.dtype == torch.float32 and bool((q >= 0).all())
+    assert abs(q.double().sum().item() - 1.0) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_inputs(backend, dtype):
+    losses = make_losses(300).to(dtype)
+    value, eta = dro_ext.robust_objective(losses, 0.5, "chi2")
+    assert value.dtype == dtype and eta.dtype == torch.float32
+    ref = reference_psi(losses.double().numpy(), 0.5, "chi2", {})
+    assert value.item() == pytest.approx(ref, rel=1e-2)
+
+
+@pytest.mark.parametrize("name,kw", CASES, ids=CASE_IDS)
+def test_nan_propagates(backend, name, kw):
+    losses = make_losses(64)
+    losses[17] = float("nan")
+    value, eta = dro_ext.robust_objective(losses, 0.5, name, **kw)
+    assert math.isnan(value.item()) and math.isnan(eta.item())
+    q = dro_ext.worst_case_weights(losses, 0.5, name, **kw)
+    assert bool(torch.isnan(q).all())
+
+
+def test_all_equal_and_single_sample(backend):
+    for name, kw in CASES:
+        for losses in (torch.tensor([2.5], dtype=torch.float64), torch.full((9,), -1.25, dtype=torch.float64)):
+            value, eta = dro_ext.robust_objective(losses, 0.2, name, **kw)
+            assert value.item() == losses[0].item() and eta.item() == losses[0].item()
+            q = dro_ext.worst_case_weights(losses, 0.2, name, **kw)
+            torch.testing.assert_close(q, torch.full_like(losses, 1.0 / losses.numel()))
+
+
+def test_native_and_fallback_agree():
+    if _backend._force_python:
+        pytest.skip("DRO_EXT_FORCE_PYTHON=1: this run covers the fallback only")
+    assert _backend.native_available(), f"native extension not loaded: {_backend.load_error()}"
+    losses = make_losses(3000)
+    for name, kw in CASES:
+        with _backend.forced_backend("native"):
+            v_native, e_native = dro_ext.robust_objective(losses, 0.2, name, **kw)
+            q_native = dro_ext.worst_case_weights(losses, 0.2, name, **kw)
+        with _backend.forced_backend("python"):
+            v_python, e_python = dro_ext.robust_objective(losses, 0.2, name, **kw)
+            q_python = dro_ext.worst_case_weights(losses, 0.2, name, **kw)
+        # 1e-10, not 1e-12: the fallback's smoothed_cvar psi* uses F.softplus, whose default threshold=20
+        # switches to the identity where log1p(exp(-s)) is still ~2e-9 (dro_ext/_divergences.py).
+        torch.testing.assert_close(v_native, v_python, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(e_native, e_python, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(q_native, q_python, rtol=1e-7, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------
+# Danskin gradient
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,kw", CASES, ids=CASE_IDS)
+def test_danskin_gradient(backend, name, kw):
+    losses = make_losses(23).requires_grad_()
+    lam = 0.4
+    value, eta = dro_ext.robust_objective(losses, lam, name, **kw)
+    assert value.requires_grad and not eta.requires_grad
+    (grad,) = torch.autograd.grad(value * 3.0, losses)
+    torch.testing.assert_close(grad, 3.0 * dro_ext.worst_case_weights(losses, lam, name, **kw), rtol=1e-12, atol=1e-15)
+    # Finite differences (central, float64) of the exact objective.
+    assert torch.autograd.gradcheck(
+        lambda l: dro_ext.robust_objective(l, lam, name, **kw)[0], (losses,), eps=1e-6, atol=1e-6, rtol=1e-5
+    )
+
+
+def test_usable_as_training_loss(backend):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1).double()
+    x, y = torch.randn(40, 3, dtype=torch.float64), torch.randn(40, dtype=torch.float64)
+    losses = (model(x).squeeze(-1) - y) ** 2
+    value, _ = dro_ext.robust_objective(losses, 0.5, "chi2")
+    value.backward(retain_graph=True)
+    q = dro_ext.worst_case_weights(losses.detach(), 0.5, "chi2")
+    expected = torch.autograd.grad((q * losses).sum(), model.weight)[0]
+    torch.testing.assert_close(model.weight.grad, expected, rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------
+# The native ops: opcheck
+# ------------------------------------------------------------------------------------------------
+
+
+def _require_native():
+    if _backend._force_python:
+        pytest.skip("DRO_EXT_FORCE_PYTHON=1: this run covers the fallback only")
+    assert _backend.native_available(), f"native extension not loaded: {_backend.load_error()}"
+
+
+@pytest.mark.parametrize("name,kw", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(name, kw, requires_grad):
+    _require_native()
+    losses = make_losses(37).requires_grad_(requires_grad)
+    args = (losses, 0.3, name, kw.get("alpha"), kw.get("k"))
+    torch.library.opcheck(torch.ops.dro_ext.robust_objective.default, args)
+    _, eta = torch.ops.dro_ext.robust_objective(*args)
+    torch.library.opcheck(
+        torch.ops.dro_ext.robust_weights.default, (losses.detach(), eta, 0.3, name, kw.get("alpha"), kw.get("k"))
+    )
+
+
+def test_compile_fullgraph():
+    _require_native()
+    losses = make_losses(100)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def f(l):
+        return dro_ext.robust_objective(l, 0.3, "smoothed_cvar", alpha=0.2)
+
+    torch.testing.assert_close(f(losses), dro_ext.robust_objective(losses, 0.3, "smoothed_cvar", alpha=0.2))
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad inputs
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,exc,word",
+    [
+        ((torch.ones(4), 0.1, "tv"), {}, ValueError, "divergence"),
+        ((torch.ones(4), 0.0, "chi2"), {}, ValueError, "lam"),
+        ((torch.ones(4), -1.0, "chi2"), {}, ValueError, "lam"),
+        ((torch.ones(4), float("nan"), "chi2"), {}, ValueError, "lam"),
+        ((torch.ones(4), 0.1, "cvar"), {}, ValueError, "alpha"),
+        ((torch.ones(4), 0.1, "smoothed_cvar"), {"alpha": 1.0}, ValueError, "alpha"),
+        ((torch.ones(4), 0.1, "kl_cvar"), {"alpha": 0.0}, ValueError, "alpha"),
+        ((torch.ones(4), 0.1, "cressie_read"), {}, ValueError, "k"),
+        ((torch.ones(4), 0.1, "cressie_read"), {"k": 1.0}, ValueError, "k"),
+        ((torch.ones(2, 3), 0.1, "chi2"), {}, ValueError, "losses"),
+        ((torch.ones(()), 0.1, "chi2"), {}, ValueError, "losses"),
+        ((torch.ones(0), 0.1, "chi2"), {}, ValueError, "losses"),
+        ((torch.ones(4, dtype=torch.int64), 0.1, "chi2"), {}, TypeError, "losses"),
+        (([1.0, 2.0], 0.1, "chi2"), {}, TypeError, "losses"),
+    ],
+)
+def test_bad_inputs(backend, args, kwargs, exc, word):
+    with pytest.raises(exc, match=word):
+        dro_ext.robust_objective(*args, **kwargs)
+    with pytest.raises(exc, match=word):
+        dro_ext.worst_case_weights(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "args,word",
+    [
+        ((torch.ones(4), 0.1, "tv", None, None), "divergence"),
+        ((torch.ones(4), -0.1, "chi2", None, None), "lam"),
+        ((torch.ones(4), 0.1, "cvar", None, None), "alpha"),
+        ((torch.ones(4), 0.1, "cressie_read", None, 0.5), "k"),
+        ((torch.ones(2, 2), 0.1, "chi2", None, None), "losses"),
+        ((torch.ones(0), 0.1, "chi2", None, None), "losses"),
+        ((torch.ones(3, dtype=torch.int32), 0.1, "chi2", None, None), "losses"),
+    ],
+)
+def test_native_op_checks(args, word):
+    _require_native()
+    with pytest.raises(ValueError, match=word):
+        torch.ops.dro_ext.robust_objective(*args)
+
+
+# ------------------------------------------------------------------------------------------------
+# weight_stats
+# ------------------------------------------------------------------------------------------------
+
+
+def test_weight_stats_from_weights(backend):
+    w = torch.tensor([1.0, 1.0, 0.0, 2.0], dtype=torch.float64)
+    stats = dro_ext.weight_stats(w, groups=torch.tensor([0, 1, 1, 0]), num_groups=3)
+    assert stats.ess.item() == pytest.approx(16.0 / 6.0)
+    assert stats.max_weight.item() == pytest.approx(0.5)
+    assert stats.zero_fraction.item() == pytest.approx(0.25)
+    torch.testing.assert_close(stats.group_mass, torch.tensor([0.75, 0.25, 0.0], dtype=torch.float64))
+    # num_groups inferred from the ids.
+    assert dro_ext.weight_stats(w, groups=torch.tensor([0, 1, 1, 0])).group_mass.shape == (2,)
+    assert dro_ext.weight_stats(w).group_mass is None
+
+
+def test_weight_stats_from_losses(backend):
+    losses = make_losses(500)
+    q = dro_ext.worst_case_weights(losses, 0.2, "cvar", alpha=0.1)
+    stats = dro_ext.weight_stats(losses=losses, lam=0.2, divergence="cvar", alpha=0.1)
+    # CVaR at alpha = 0.1: 50 samples of weight 1/50 each.
+    assert stats.ess.item() == pytest.approx(50.0)
+    assert stats.max_weight.item() == pytest.approx(1.0 / 50.0)
+    assert stats.zero_fraction.item() == pytest.approx(0.9)
+    assert stats.ess.item() == pytest.approx((q.sum() ** 2 / (q * q).sum()).item())
+    # At a given eta: the weights of dro_weights there.
+    eta = torch.tensor(1.5, dtype=torch.float64)
+    w = dro_ext.dro_weights(losses, eta, 0.2, "chi2")
+    stats = dro_ext.weight_stats(losses=losses, eta=eta, lam=0.2, divergence="chi2")
+    assert stats.ess.item() == pytest.approx((w.sum() ** 2 / (w * w).sum()).item(), rel=1e-12)
+    assert stats.max_weight.item() == pytest.approx((w.max() / w.sum()).item(), rel=1e-12)
+    assert stats.zero_fraction.item() == pytest.approx((w == 0).double().mean().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_weight_stats_random(backend, dtype):
+    w = torch.rand(70001, dtype=torch.float64)
+    w[w < 0.2] = 0.0
+    groups = torch.randint(0, 5, (w.numel(),))
+    stats = dro_ext.weight_stats(w.to(dtype), groups=groups, num_groups=5)
+    q = w / w.sum()
+    assert stats.ess.dtype == dtype and stats.group_mass.dtype == dtype
+    rtol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert stats.ess.item() == pytest.approx(1.0 / (q * q).sum().item(), rel=rtol)
+    assert stats.max_weight.item() == pytest.approx(q.max().item(), rel=rtol)
+    assert stats.zero_fraction.item() == pytest.approx((w == 0).double().mean().item(), rel=rtol)
+    expected = torch.zeros(5, dtype=torch.float64).index_add_(0, groups, q)
+    torch.testing.assert_close(stats.group_mass.double(), expected, rtol=rtol, atol=1e-7)
+    with pytest.raises(IndexError):
+        dro_ext.weight_stats(w, groups=groups, num_groups=4)
+
+
+def test_weight_stats_opcheck():
+    _require_native()
+    w = torch.rand(300, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.dro_ext.weight_stats.default, (w, torch.randint(0, 3, (300,)), 3))
+    torch.library.opcheck(torch.ops.dro_ext.weight_stats.default, (w.float(), None, 0))
+
+
+def test_weight_stats_bad_inputs():
+    w = torch.ones(4)
+    with pytest.raises(ValueError, match="not both"):
+        dro_ext.weight_stats(w, losses=w, lam=0.1)
+    with pytest.raises(ValueError, match="lam"):
+        dro_ext.weight_stats(losses=w)
+    with pytest.raises(ValueError, match="weights"):
+        dro_ext.weight_stats()
+    with pytest.raises(ValueError, match="groups"):
+        dro_ext.weight_stats(w, groups=torch.zeros(3, dtype=torch.long))
+    with pytest.raises(TypeError, match="groups"):
+        dro_ext.weight_stats(w, groups=torch.zeros(4))
+    with pytest.raises(TypeError, match="weights"):
+        dro_ext.weight_stats(torch.ones(4, dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------------------------
+# evaluate
+# ------------------------------------------------------------------------------------------------
+
+
+def test_evaluate(backend, capsys):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1)).double()
+    model.train()
+    model[2].eval()  # a mixed state, restored as it was
+    x, y = torch.randn(53, 4, dtype=torch.float64), torch.randn(53, dtype=torch.float64)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=10)
+    seen = []
+
+    def per_sample_loss(m, batch):
+        assert not torch.is_grad_enabled() and not m.training and not m[1].training
+        inputs, targets = batch
+        seen.append(inputs.shape[0])
+        return (m(inputs).squeeze(-1) - targets) ** 2
+
+    value, eta = dro_ext.evaluate(model, loader, per_sample_loss, 0.5, "kl_cvar", alpha=0.2, progress=True)
+    assert sum(seen) == 53
+    assert model.training and model[0].training and model[1].training and not model[2].training
+    model.eval()
+    with torch.no_grad():
+        losses = (model(x).squeeze(-1) - y) ** 2
+    expected = dro_ext.robust_objective(losses, 0.5, "kl_cvar", alpha=0.2)
+    torch.testing.assert_close(value, expected[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(eta, expected[1], rtol=1e-12, atol=1e-12)
+    assert not value.requires_grad
+    assert "6" in capsys.readouterr().err  # 6 batches reported (tqdm or the plain counter)
+    dro_ext.evaluate(model, loader, per_sample_loss, 0.5, "chi2", progress=False, device="cpu")
+    assert capsys.readouterr().err == ""
+
+
+def test_evaluate_rejects_non_per_sample_losses():
+    model = torch.nn.Linear(2, 1)
+    loader = [(torch.randn(5, 2), torch.randn(5))]
+    with pytest.raises(ValueError, match="per_sample_loss_fn"):
+        dro_ext.evaluate(model, loader, lambda m, b: m(b[0]).mean(), 0.1, progress=False)
+    assert model.training
+
+
+def test_non_contiguous_losses(backend):
+    base = make_losses(2 * 301)
+    strided = base[::2]
+    assert not strided.is_contiguous()
+    for name, kw in CASES:
+        torch.testing.assert_close(
+            dro_ext.robust_objective(strided, 0.3, name, **kw),
+            dro_ext.robust_objective(strided.contiguous(), 0.3, name, **kw),
+            rtol=0, atol=0,
+        )
+        torch.testing.assert_close(
+            dro_ext.worst_case_weights(strided, 0.3, name, **kw),
+            dro_ext.worst_case_weights(strided.contiguous(), 0.3, name, **kw),
+            rtol=0, atol=0,
+        )
+
+
+@pytest.mark.parametrize("name,kw", CASES, ids=CASE_IDS)
+def test_infinite_losses(backend, name, kw):
+    losses = make_losses(10)
+    losses[3] = math.inf
+    value, eta = dro_ext.robust_objective(losses, 0.5, name, **kw)
+    assert value.item() == math.inf and eta.item() == math.inf
+    losses[3] = -math.inf
+    value, eta = dro_ext.robust_objective(losses, 0.5, name, **kw)
+    assert math.isnan(value.item()) and math.isnan(eta.item())
