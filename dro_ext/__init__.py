@@ -7,9 +7,6 @@ as fused C++ (and CUDA) kernels exposed as torch custom ops, with a pure-PyTorch
 from dro_ext._backend import backend
 from dro_ext.loss import DROLoss
 from dro_ext.ops import DIVERGENCES, dro_loss, dro_weights, psi_star
-from dro_ext._backend import backend
-from dro_ext.loss import DROLoss
-from dro_ext.ops import DIVERGENCES, dro_loss, dro_weights, psi_star
 from dro_ext.optim import NormalizedSGD
 from dro_ext.robust import evaluate, robust_objective, weight_stats, worst_case_weights
 
