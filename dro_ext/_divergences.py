@@ -141,7 +141,9 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
         alpha = spec.alpha
         s = t + (math.log(alpha) - math.log1p(-alpha))
         if order == 0:
-            return (math.log1p(-alpha) + torch.nn.functional.softplus(s)) / alpha
+            # softplus(s) written out: F.softplus switches to the identity above s = 20, ~2e-9 off in float64.
+            softplus = _relu(s) + torch.log1p(torch.exp(-s.abs()))
+            return (math.log1p(-alpha) + softplus) / alpha
         p = torch.sigmoid(s)
         return p / alpha if order == 1 else p * (1.0 - p) / alpha
     raise AssertionError(name)
