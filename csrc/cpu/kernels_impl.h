@@ -106,8 +106,19 @@ std::array<double, 2> reduce_pair(const scalar_t* x, int64_t n, const Div& div, 
       V chunk_a = zero, chunk_b = zero;
       for (int64_t block = begin; block < end; block += kBlock) {
         const int64_t block_end = std::min(end, block + kBlock);
-        V sum_a = zero, sum_b = zero;
+        // Two accumulators per sum, so consecutive vectors do not wait on one addition's latency.
+        V sum_a = zero, sum_b = zero, sum_a2 = zero, sum_b2 = zero;
         int64_t i = block;
+        for (; i + 2 * V::size() <= block_end; i += 2 * V::size()) {
+          V t = (load<acc_t>(x + i, V::size()) - shift) * inv_lam;
+          V t2 = (load<acc_t>(x + i + V::size(), V::size()) - shift) * inv_lam;
+          sum_a = sum_a + derivative<A>(div, t);
+          sum_b = sum_b + derivative<B>(div, t);
+          sum_a2 = sum_a2 + derivative<A>(div, t2);
+          sum_b2 = sum_b2 + derivative<B>(div, t2);
+        }
+        sum_a = sum_a + sum_a2;
+        sum_b = sum_b + sum_b2;
         for (; i + V::size() <= block_end; i += V::size()) {
           V t = (load<acc_t>(x + i, V::size()) - shift) * inv_lam;
           sum_a = sum_a + derivative<A>(div, t);
@@ -134,6 +145,30 @@ std::array<double, 2> reduce_pair(const scalar_t* x, int64_t n, const Div& div, 
   return {static_cast<double>(total_a), static_cast<double>(total_b)};
 }
 
+// Outputs at least this large go around the cache: they will not be read back before they are evicted,
+// and a streaming store skips the read-for-ownership a cached store of a cold line costs.
+constexpr int64_t kStreamingBytes = int64_t(8) << 20;
+
+// Writes v to p, bypassing the cache where the build and the alignment allow; a task that stored this
+// way ends with store_fence().
+template <typename acc_t, typename scalar_t>
+inline void store_streaming(scalar_t* p, const Vectorized<acc_t>& v) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<acc_t, float>) {
+    if ((reinterpret_cast<uintptr_t>(p) & 31) == 0) return _mm256_stream_ps(p, v);
+  } else if constexpr (std::is_same_v<scalar_t, double> && std::is_same_v<acc_t, double>) {
+    if ((reinterpret_cast<uintptr_t>(p) & 31) == 0) return _mm256_stream_pd(p, v);
+  }
+#endif
+  store<acc_t>(p, v, Vectorized<acc_t>::size());
+}
+
+inline void store_fence() {
+#if defined(CPU_CAPABILITY_AVX2)
+  _mm_sfence();
+#endif
+}
+
 template <int64_t ORDER, typename scalar_t, typename Div>
 void map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affine affine, double multiplier) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -141,8 +176,17 @@ void map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affi
   const V shift(static_cast<acc_t>(affine.shift));
   const V inv_lam(static_cast<acc_t>(affine.inv_lam));
   const V mult(static_cast<acc_t>(multiplier));
+  const bool streaming = n * static_cast<int64_t>(sizeof(scalar_t)) >= kStreamingBytes;
   at::parallel_for(0, n, kMapGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; i += V::size()) {
+    int64_t i = begin;
+    if (streaming) {
+      for (; i + V::size() <= end; i += V::size()) {
+        V t = (load<acc_t>(x + i, V::size()) - shift) * inv_lam;
+        store_streaming<acc_t>(out + i, mult * derivative<ORDER>(div, t));
+      }
+      store_fence();
+    }
+    for (; i < end; i += V::size()) {
       const int64_t count = std::min<int64_t>(V::size(), end - i);
       V t = (load<acc_t>(x + i, count) - shift) * inv_lam;
       store<acc_t>(out + i, mult * derivative<ORDER>(div, t), count);
