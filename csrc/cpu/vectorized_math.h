@@ -5,6 +5,9 @@
 
 #include <ATen/cpu/vec/vec.h>
 
+#include <limits>
+#include <type_traits>
+
 #include "divergences.h"
 
 namespace dro_ext {
@@ -13,7 +16,17 @@ template <typename S>
 struct Math<at::vec::Vectorized<S>> {
   using V = at::vec::Vectorized<S>;
   static inline V constant(double c) { return V(static_cast<S>(c)); }
-  static inline V exp(const V& x) { return x.exp(); }
+  static inline V exp(const V& x) {
+    if constexpr (std::is_same_v<S, float>) {
+      // ATen's exp_u20 (a degree-5 polynomial, within 2 ulp) is about twice as fast as Sleef's exp.
+      // It clamps its argument, so put back what the clamp hides: inf past the overflow threshold, NaN.
+      const V overflow(88.72283935546875f);  // log(FLT_MAX), the constant exp_u20 clamps at
+      V r = V::blendv(x.exp_u20(), V(std::numeric_limits<float>::infinity()), x > overflow);
+      return V::blendv(r, x, x.isnan());
+    } else {
+      return x.exp();
+    }
+  }
   static inline V log1p(const V& x) { return x.log1p(); }
   static inline V abs(const V& x) { return x.abs(); }
   static inline V pow(const V& x, const V& y) { return x.pow(y); }
