@@ -17,6 +17,7 @@
 #include "cpu/kernels.h"
 
 #include <cmath>
+#include <type_traits>
 #include <string>
 #include <vector>
 
@@ -45,22 +46,48 @@ struct Operands {
   bool copied = false;
 };
 
-// m <- keep * m + take * g over one chunk; returns sum m^2 of the stored (rounded) m, in double so that
-// neither large nor tiny momenta overflow or underflow the norm.
+// sum m^2 over one chunk, every product and sum in double.
+template <typename scalar_t>
+C10_ALWAYS_INLINE double sum_squares_double(const scalar_t* m, int64_t n) {
+  double lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const double v = static_cast<double>(m[i + j]);
+      lanes[j] += v * v;
+    }
+  }
+  for (; i < n; ++i) lanes[0] += static_cast<double>(m[i]) * static_cast<double>(m[i]);
+  double sum = 0.0;
+  for (int j = 0; j < kLanes; ++j) sum += lanes[j];
+  return sum;
+}
+
+// m <- keep * m + take * g over one chunk; returns sum m^2 of the stored (rounded) m.
+// The squares are summed in the compute type over short blocks (kSquareBlock elements, a few additions
+// per lane) and the block sums in double: as accurate as summing in double, at the speed of float
+// arithmetic. Where float squares could have overflowed or underflowed (a huge or tiny momentum), the
+// chunk is summed again entirely in double.
+constexpr int64_t kSquareBlock = 4 * kLanes;
+
 template <typename scalar_t>
 C10_ALWAYS_INLINE double update_momentum(const scalar_t* g, scalar_t* m, int64_t n, double keep_d, double take_d) {
   using opmath_t = at::opmath_type<scalar_t>;
   const auto keep = static_cast<opmath_t>(keep_d), take = static_cast<opmath_t>(take_d);
   double lanes[kLanes] = {};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      const scalar_t stored = static_cast<scalar_t>(keep * static_cast<opmath_t>(m[i + j]) +
-                                                    take * static_cast<opmath_t>(g[i + j]));
-      m[i + j] = stored;
-      const double v = static_cast<double>(stored);
-      lanes[j] += v * v;
+  for (; i + kSquareBlock <= n; i += kSquareBlock) {
+    opmath_t block_lanes[kLanes] = {};
+    for (int64_t b = 0; b < kSquareBlock; b += kLanes) {
+      for (int j = 0; j < kLanes; ++j) {
+        const scalar_t stored = static_cast<scalar_t>(keep * static_cast<opmath_t>(m[i + b + j]) +
+                                                      take * static_cast<opmath_t>(g[i + b + j]));
+        m[i + b + j] = stored;
+        const opmath_t v = static_cast<opmath_t>(stored);
+        block_lanes[j] += v * v;
+      }
     }
+    for (int j = 0; j < kLanes; ++j) lanes[j] += static_cast<double>(block_lanes[j]);
   }
   for (; i < n; ++i) {
     const scalar_t stored =
@@ -71,6 +98,10 @@ C10_ALWAYS_INLINE double update_momentum(const scalar_t* g, scalar_t* m, int64_t
   }
   double sum = 0.0;
   for (int j = 0; j < kLanes; ++j) sum += lanes[j];
+  if constexpr (!std::is_same_v<opmath_t, double>) {
+    // Squares below ~1e-30 lose precision (or vanish) in float; above ~1e38 they overflow.
+    if (!(sum > 1e-30 && sum < 1e37) && !std::isnan(sum)) return sum_squares_double(m, n);
+  }
   return sum;
 }
 

@@ -210,7 +210,8 @@ def _foreach_step(params, grads, momenta, steps, *, lr, momentum, eps, weight_de
         torch._foreach_mul_(b_momenta, momentum)
         torch._foreach_addcmul_(b_momenta, b_grads, list(take.to(acc).unbind()))
         torch._foreach_add_(b_steps, 1.0)
-        norms = torch.stack(torch._foreach_norm(b_momenta, 2, dtype=acc)).to(torch.float64)
+        # In float64: float32 squares of tiny (< 1e-19) or huge (> 1e19) momenta under- or overflow.
+        norms = torch.stack(torch._foreach_norm(b_momenta, 2, dtype=torch.float64))
         norms_per_bucket.append(norms)
         sumsq.append(norms.square().sum())
     first_device = next(iter(buckets))[0]

@@ -124,6 +124,20 @@ def test_each_step_moves_the_group_by_lr(backend, dtype):
             assert float(d.norm()) == pytest.approx(lr, rel=rtol)
 
 
+@pytest.mark.parametrize("scale", [1e-25, 1e25])
+def test_tiny_and_huge_gradients_still_move_by_lr(backend, scale):
+    # float32 squares of 1e-25 underflow and of 1e25 overflow: the norm must still come out right.
+    lr = 0.1
+    params = make_params(SHAPES, torch.float32)
+    opt = NormalizedSGD(params, lr=lr, momentum=0.0, eps=0.0)
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.randn_like(p) * scale
+    opt.step()
+    move = math.sqrt(sum(float(((p.detach() - b).double() ** 2).sum()) for p, b in zip(params, before)))
+    assert move == pytest.approx(lr, rel=1e-5)
+
+
 @pytest.mark.parametrize("eps", [0.0, 1e-8])
 def test_zero_gradients_leave_params_unchanged(backend, eps):
     params = make_params(SHAPES)
