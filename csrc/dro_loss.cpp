@@ -12,8 +12,8 @@
 #include <torch/library.h>
 
 #include "checks.h"
-#include "cpu/huge_pages.h"
 #include "cpu/kernels.h"
+#include "cpu/output_buffer.h"
 
 namespace dro_ext {
 
@@ -41,8 +41,7 @@ std::tuple<at::Tensor, at::Tensor> dro_loss_cpu(
 // out_i = multiplier * psi*^(order)((x_i - G eta) / lam), into a fresh contiguous tensor like x.
 at::Tensor map_terms(const at::Tensor& x, const at::Tensor& eta, double multiplier, double lam,
                      const DivergenceSpec& spec, double scale, int64_t order) {
-  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
-  cpu::advise_huge_pages(out.mutable_data_ptr(), out.nbytes());
+  at::Tensor out = cpu::empty_output_like(x);
   if (x.numel() > 0) {
     const double g_eta = scale * eta.item<double>();
     cpu::cpu_kernels().map_derivative(x.view(-1), out, spec, cpu::Affine{g_eta, 1.0 / lam}, multiplier, order);

@@ -329,3 +329,24 @@ def test_numpy_reference_sanity():
         for t in (-3.0, -0.5, 0.7, 2.0):
             literal = ref.psi_star(torch.tensor(t, dtype=torch.float64), name, **case_kwargs(params)).item()
             assert np.isclose(literal, ref.numerical_conjugate(t, name, **case_kwargs(params))[0], atol=1e-7)
+
+
+def test_large_outputs_never_share_live_memory(backend):
+    # Outputs of 8 MiB and more come from a cache of freed buffers (csrc/cpu/output_buffer.h): a buffer may
+    # only be handed out again once the tensor that owned it is gone.
+    n = (1 << 21) + 3
+    inputs = [random_losses(n, torch.float32) for _ in range(4)]
+    live = [dro_ext.dro_weights(x, 0.2, 0.5, "chi2") for x in inputs[:3]]
+    assert len({w.data_ptr() for w in live}) == 3
+    snapshots = [w.clone() for w in live]
+    del live[0]  # frees one buffer for reuse
+    fresh = dro_ext.dro_weights(inputs[3], 0.2, 0.5, "chi2")
+    for w, snap in zip(live, snapshots[1:]):
+        assert torch.equal(w, snap)
+    expected = torch.relu((inputs[3].double() - 0.2) / 0.5 + 2) / 2
+    torch.testing.assert_close(fresh.double(), expected, rtol=2e-5, atol=2e-6)
+    losses = inputs[0].clone().requires_grad_()
+    for _ in range(3):  # the same N-sized gradient every step, as in training
+        (g,) = torch.autograd.grad(dro_ext.dro_loss(losses, 0.2, 0.5, "chi2"), losses)
+        torch.testing.assert_close(g.double() * n, torch.relu((losses.detach().double() - 0.2) / 0.5 + 2) / 2,
+                                   rtol=2e-5, atol=5e-5)

@@ -1,0 +1,94 @@
+// Fresh memory for the large outputs of the elementwise kernels (the gradient of the losses, the weights).
+//
+// Measured on the benchmark machine (bench/results/loss.md): writing a freshly allocated 64 MiB tensor
+// costs about twice writing one that was used before, because the first touch of every page faults into
+// the kernel, which zeroes it. Two things remove most of that cost for outputs of at least kLargeOutput:
+//  - the buffer is aligned to 2 MiB and advised to use transparent huge pages (one fault per 2 MiB);
+//  - a freed buffer is kept (at most kCachedBuffers of them) and handed to the next request of the same
+//    size, as a caching allocator does: a training loop asks for the same N-sized gradient every step,
+//    and frees the previous one before (the gradient is consumed within the backward pass).
+// DRO_EXT_CPU_BUFFER_CACHE=0 turns the cache off (then every large output is a fresh huge-page buffer).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+namespace dro_ext::cpu {
+
+class OutputBufferCache {
+ public:
+  static constexpr size_t kHugePage = size_t(2) << 20;
+  static constexpr size_t kLargeOutput = size_t(8) << 20;
+  static constexpr size_t kCachedBuffers = 2;
+
+  static OutputBufferCache& instance() {
+    // Never destroyed: tensors that outlive static destruction still return their buffers here.
+    static OutputBufferCache* cache = new OutputBufferCache();
+    return *cache;
+  }
+
+  // A buffer of `bytes` (a multiple of kHugePage), from the cache or newly allocated.
+  void* acquire(size_t bytes) {
+    if (enabled_) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto it = free_.begin(); it != free_.end(); ++it) {
+        if (it->first == bytes) {
+          void* data = it->second;
+          free_.erase(it);
+          return data;
+        }
+      }
+    }
+    void* data = std::aligned_alloc(kHugePage, bytes);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    // Advice only: where transparent huge pages are off, these are ordinary pages.
+    if (data != nullptr) (void)madvise(data, bytes, MADV_HUGEPAGE);
+#endif
+    return data;
+  }
+
+  void release(size_t bytes, void* data) {
+    if (enabled_) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (free_.size() < kCachedBuffers) {
+        free_.emplace_back(bytes, data);
+        return;
+      }
+    }
+    std::free(data);
+  }
+
+ private:
+  OutputBufferCache() {
+    const char* env = std::getenv("DRO_EXT_CPU_BUFFER_CACHE");
+    enabled_ = env == nullptr || std::strcmp(env, "0") != 0;
+  }
+  bool enabled_ = true;
+  std::mutex mutex_;
+  std::vector<std::pair<size_t, void*>> free_;
+};
+
+// An uninitialized contiguous tensor shaped and typed like x, on the CPU.
+inline at::Tensor empty_output_like(const at::Tensor& x) {
+  const size_t bytes = static_cast<size_t>(x.numel()) * x.element_size();
+  if (bytes < OutputBufferCache::kLargeOutput) return at::empty(x.sizes(), x.options());
+  const size_t rounded = (bytes + OutputBufferCache::kHugePage - 1) & ~(OutputBufferCache::kHugePage - 1);
+  auto& cache = OutputBufferCache::instance();
+  void* data = cache.acquire(rounded);
+  TORCH_CHECK(data != nullptr, "dro_ext: out of memory allocating ", rounded, " bytes");
+  return at::from_blob(data, x.sizes(), [rounded](void* p) { OutputBufferCache::instance().release(rounded, p); },
+                       x.options());
+}
+
+}  // namespace dro_ext::cpu
