@@ -46,7 +46,7 @@ def copy_bandwidth(nbytes: int, device="cpu", dtype=torch.float32) -> float:
     n = max(1, nbytes // torch.tensor([], dtype=dtype).element_size())
     src = torch.rand(n, dtype=dtype, device=device)
     dst = torch.empty_like(src)
-    t = time_fn(lambda: dst.copy_(src), device, min_reps=20)
+    t = time_fn(lambda: dst.copy_(src), device, min_reps=50, min_seconds=1.0)
     return 2 * n * src.element_size() / t["median_s"]
 
 

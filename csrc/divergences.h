@@ -34,6 +34,8 @@ struct Math {
   static C10_HOST_DEVICE inline T constant(double c) { return static_cast<T>(c); }
   static C10_HOST_DEVICE inline T exp(T x) { return ::exp(x); }
   static C10_HOST_DEVICE inline T log1p(T x) { return ::log1p(x); }
+  // log1p(x) for x in [0, 1] only, where a vector build may use a cheaper series (vectorized_math.h).
+  static C10_HOST_DEVICE inline T log1p_unit(T x) { return ::log1p(x); }
   static C10_HOST_DEVICE inline T abs(T x) { return ::fabs(x); }
   static C10_HOST_DEVICE inline T pow(T x, T y) { return ::pow(x, y); }
   // max(x, 0) that keeps NaN.
@@ -204,7 +206,7 @@ struct SmoothedCVaR {
   C10_HOST_DEVICE inline T value(T t) const {
     using M = Math<T>;
     T s = t + M::constant(shift);
-    T softplus = M::relu(s) + M::log1p(exp_neg_abs(s));
+    T softplus = M::relu(s) + M::log1p_unit(exp_neg_abs(s));
     return (M::constant(log1m_alpha) + softplus) * M::constant(inv_alpha);
   }
   template <typename T>

@@ -28,6 +28,25 @@ struct Math<at::vec::Vectorized<S>> {
     }
   }
   static inline V log1p(const V& x) { return x.log1p(); }
+  static inline V log1p_unit(const V& x) {
+    if constexpr (std::is_same_v<S, float>) {
+      // log1p(x) = 2 atanh(u) = 2 (u + u^3/3 + u^5/5 + ...) with u = x / (2 + x) in [0, 1/3] for x in [0, 1]:
+      // eight terms leave a relative error below 1e-8, cheaper than Sleef's general log1p. NaN stays NaN.
+      const V u = x / (V(2.0f) + x);
+      const V u2 = u * u;
+      V series = V(1.0f / 15.0f);
+      series = at::vec::fmadd(series, u2, V(1.0f / 13.0f));
+      series = at::vec::fmadd(series, u2, V(1.0f / 11.0f));
+      series = at::vec::fmadd(series, u2, V(1.0f / 9.0f));
+      series = at::vec::fmadd(series, u2, V(1.0f / 7.0f));
+      series = at::vec::fmadd(series, u2, V(1.0f / 5.0f));
+      series = at::vec::fmadd(series, u2, V(1.0f / 3.0f));
+      series = at::vec::fmadd(series, u2, V(1.0f));
+      return V(2.0f) * u * series;
+    } else {
+      return x.log1p();
+    }
+  }
   static inline V abs(const V& x) { return x.abs(); }
   static inline V pow(const V& x, const V& y) { return x.pow(y); }
   // blendv(a, b, mask) takes b where mask is set; a NaN compares false everywhere, so it keeps x.
