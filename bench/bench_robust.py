@@ -72,10 +72,10 @@ def scipy_bounded(l64: np.ndarray, name: str, alpha) -> float:
     return float(optimize.minimize_scalar(f, bounds=(float(l64.min()), float(l64.max())), method="bounded").fun)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="N = 2^16 only, fewer repetitions")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     sizes = (1 << 16,) if args.quick else (1 << 16, 1 << 22)
     dtypes = (torch.float32, torch.float64)
     print(machine(), f"backend={dro_ext.backend()}")

@@ -1,4 +1,4 @@
-"""Runs every benchmark in bench/ in turn: python -m bench.run [--quick]."""
+"""Runs every benchmark in bench/ in turn, each with its default (full) settings: python -m bench.run."""
 import argparse
 import importlib
 import sys
