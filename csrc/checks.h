@@ -39,6 +39,13 @@ inline void check_positive(const char* arg, double value) {
                     arg, "=", value);
 }
 
+// The arguments every loss op takes after the tensors: lam > 0 and a valid divergence with its parameters.
+inline DivergenceSpec check_divergence_args(double lam, c10::string_view divergence, std::optional<double> alpha,
+                                            std::optional<double> k) {
+  check_positive("lam", lam);
+  return parse_divergence(std::string(divergence), alpha, k);
+}
+
 inline void check_losses(const at::Tensor& losses) {
   TORCH_CHECK_VALUE(losses.dim() == 1, "dro_ext: losses must be a 1-D tensor of per-sample losses, got shape ",
                     losses.sizes());

@@ -33,7 +33,6 @@ template <typename T>
 struct Math {
   static C10_HOST_DEVICE inline T constant(double c) { return static_cast<T>(c); }
   static C10_HOST_DEVICE inline T exp(T x) { return ::exp(x); }
-  static C10_HOST_DEVICE inline T log1p(T x) { return ::log1p(x); }
   // log1p(x) for x in [0, 1] only, where a vector build may use a cheaper series (vectorized_math.h).
   static C10_HOST_DEVICE inline T log1p_unit(T x) { return ::log1p(x); }
   static C10_HOST_DEVICE inline T abs(T x) { return ::fabs(x); }
@@ -248,14 +247,6 @@ C10_HOST_DEVICE inline auto visit_divergence(const DivergenceSpec& spec, F&& f) 
     default:
       return f(Chi2<acc_t>{});
   }
-}
-
-// Evaluates the derivative of the given order (0: psi*, 1: psi*', 2: psi*'').
-template <typename Div, typename T>
-C10_HOST_DEVICE inline T psi_star_derivative(const Div& div, T t, int64_t order) {
-  if (order == 0) return div.value(t);
-  if (order == 1) return div.first(t);
-  return div.second(t);
 }
 
 }  // namespace dro_ext

@@ -24,9 +24,8 @@ std::tuple<at::Tensor, at::Tensor> dro_loss_cpu(
     std::optional<double> alpha, std::optional<double> k, double scale) {
   check_losses(losses);
   check_scalar_tensor("eta", eta, losses);
-  check_positive("lam", lam);
   check_positive("scale", scale);
-  const DivergenceSpec spec = parse_divergence(std::string(divergence), alpha, k);
+  const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
   const at::Tensor x = losses.contiguous();
   const double g_eta = scale * eta.item<double>();
   const auto sums = cpu::cpu_kernels().reduce_derivatives(x, spec, cpu::Affine{g_eta, 1.0 / lam}, 0, 1);
@@ -57,10 +56,9 @@ at::Tensor psi_star_terms_cpu(
                     "dro_ext: losses must have a floating dtype, got ", losses.scalar_type());
   check_scalar_tensor("eta", eta, losses);
   check_scalar_tensor("multiplier", multiplier, losses);
-  check_positive("lam", lam);
   check_positive("scale", scale);
   check_order(order);
-  const DivergenceSpec spec = parse_divergence(std::string(divergence), alpha, k);
+  const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
   return map_terms(losses.contiguous(), eta, multiplier.item<double>(), lam, spec, scale, order);
 }
 
@@ -72,9 +70,8 @@ std::tuple<at::Tensor, at::Tensor> dro_loss_backward_cpu(
   check_scalar_tensor("grad", grad, losses);
   check_scalar_tensor("eta", eta, losses);
   check_scalar_tensor("mean_weight", mean_weight, losses);
-  check_positive("lam", lam);
   check_positive("scale", scale);
-  const DivergenceSpec spec = parse_divergence(std::string(divergence), alpha, k);
+  const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
   const double g = grad.item<double>();
   at::Tensor grad_losses = map_terms(
       losses.contiguous(), eta, g / static_cast<double>(losses.numel()), lam, spec, scale, 1);

@@ -266,8 +266,7 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cpu(
     const at::Tensor& losses, double lam, c10::string_view divergence, std::optional<double> alpha,
     std::optional<double> k) {
   check_losses(losses);
-  check_positive("lam", lam);
-  const DivergenceSpec spec = parse_divergence(std::string(divergence), alpha, k);
+  const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
   const at::Tensor x = losses.contiguous();
   const Solution sol = solve(x, spec, lam);
   auto options = losses.options();
@@ -280,8 +279,7 @@ at::Tensor robust_weights_cpu(
     std::optional<double> alpha, std::optional<double> k) {
   check_losses(losses);
   check_scalar_tensor("eta_star", eta_star, losses);
-  check_positive("lam", lam);
-  const DivergenceSpec spec = parse_divergence(std::string(divergence), alpha, k);
+  const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
   const at::Tensor x = losses.contiguous();
   at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
   const double eta = eta_star.item<double>();

@@ -4,7 +4,6 @@ The references are independent of dro_ext: psi* and psi are written out below fr
 (numpy, float64), and Psi = min_eta L(eta) is found by scipy's bounded scalar minimizer.
 """
 import math
-import os
 
 import numpy as np
 import pytest

@@ -27,7 +27,6 @@ struct Math<at::vec::Vectorized<S>> {
       return x.exp();
     }
   }
-  static inline V log1p(const V& x) { return x.log1p(); }
   static inline V log1p_unit(const V& x) {
     if constexpr (std::is_same_v<S, float>) {
       // log1p(x) = 2 atanh(u) = 2 (u + u^3/3 + u^5/5 + ...) with u = x / (2 + x) in [0, 1/3] for x in [0, 1]:
