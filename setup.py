@@ -61,10 +61,14 @@ def extensions():
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
     debug = os.environ.get("DEBUG", "0") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
-    cxx_flags = opt + ["-Wno-unknown-pragmas", "-Wno-psabi"]
+    # -fopenmp: at::parallel_for is inlined from ATen's headers as an OpenMP parallel region, so without it
+    # every kernel silently runs on one thread (and -Wno-unknown-pragmas, needed for ATen's "#pragma unroll",
+    # hid the warning). The symbols resolve to the libgomp torch has already loaded.
+    cxx_flags = opt + ["-fopenmp", "-Wno-unknown-pragmas", "-Wno-psabi"]
     common = dict(
         name="dro_ext._C",
         include_dirs=[os.path.join(ROOT, "csrc")],
+        extra_link_args=["-fopenmp"],
         py_limited_api=True,
     )
     if with_cuda:

@@ -1,5 +1,6 @@
 """The fused DRO loss, its weights and psi*: against float64 autograd references, on both backends."""
 import math
+import pathlib
 
 import numpy as np
 import pytest
@@ -199,6 +200,17 @@ def test_deterministic_across_calls_and_thread_counts(backend):
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+def test_native_kernels_are_built_to_run_in_parallel():
+    # at::parallel_for is an OpenMP region that ATen's headers inline into our own object code. Built
+    # without -fopenmp it compiles to a serial loop: every kernel runs on one thread and no numerical test
+    # notices. That shipped once (the warning was hidden by -Wno-unknown-pragmas); this pins the flag.
+    if _backend._force_python:
+        pytest.skip("DRO_EXT_FORCE_PYTHON=1: this run covers the fallback only")
+    from dro_ext import _C
+
+    assert b"GOMP_parallel" in pathlib.Path(_C.__file__).read_bytes()
 
 
 def test_mixed_eta_dtype_and_double_losses(backend):
