@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 
 import torch
 
 import dro_ext
-from bench.common import (copy_bandwidth, cuda_peak_bytes, markdown_table, saved_tensor_bytes, time_fn,
+from bench.common import (cuda_peak_bytes, markdown_table, saved_tensor_bytes, time_fn,
                           write_results)
 
 PARAMS = {"chi2": {}, "kl": {}, "cvar": {"alpha": 0.1}, "kl_cvar": {"alpha": 0.1},
@@ -58,11 +59,12 @@ def forward_backward(loss_fn, losses, eta, name, params):
     return run
 
 
-def bench(device, sizes, divergences, min_seconds):
+def bench(device, sizes, divergences, min_seconds, rounds):
     rows = []
     for n in sizes:
-        bandwidth = copy_bandwidth(4 * n, device)
-        floor_s = 12 * n / bandwidth  # read l (fwd), read l + write grad_l (bwd)
+        # The floor's bandwidth is that of a copy of the losses, timed in the same rounds as the losses.
+        copy_src = torch.rand(n, device=device)
+        copy_dst = torch.empty_like(copy_src)
         for name in divergences:
             params = PARAMS[name]
             losses = (1 + torch.randn(n, device=device)).requires_grad_()
@@ -70,10 +72,22 @@ def bench(device, sizes, divergences, min_seconds):
             torch._dynamo.reset()
             compiled = torch.compile(eager_loss, fullgraph=True)
             impls = {"fused": fused_loss, "eager": eager_loss, "compiled": compiled}
+            runs = {impl: forward_backward(fn, losses, eta, name, params) for impl, fn in impls.items()}
+            # Interleaved rounds: each round times every implementation once (median of its repetitions), and
+            # the result is the median over rounds, so a slow spell of this shared machine hits all of them.
+            timed = dict(runs, copy=lambda: copy_dst.copy_(copy_src))
+            per_round = {impl: [] for impl in timed}
+            for _ in range(rounds):
+                for impl, run in timed.items():
+                    per_round[impl].append(time_fn(run, device, min_seconds=min_seconds / rounds,
+                                                   min_reps=3 if n >= 1 << 24 else 10))
+            bandwidth = 8 * n / statistics.median(r["median_s"] for r in per_round["copy"])
+            floor_s = 12 * n / bandwidth  # read l (fwd), read l + write grad_l (bwd)
             results = {}
             for impl, fn in impls.items():
-                run = forward_backward(fn, losses, eta, name, params)
-                t = time_fn(run, device, min_seconds=min_seconds, min_reps=5 if n >= 1 << 24 else 10)
+                run = runs[impl]
+                t = {key: statistics.median(r[key] for r in per_round[impl]) for key in ("median_s", "p25_s", "p75_s")}
+                t["reps"] = sum(r["reps"] for r in per_round[impl])
                 # Saved-tensor hooks do not see inside a compiled graph's own saved activations.
                 saved = None if impl == "compiled" else saved_tensor_bytes(
                     lambda: fn(losses, eta, name, params), exclude=(losses, eta))
@@ -111,14 +125,15 @@ def main(argv=None):
     parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 1 << 20, 1 << 24])
     parser.add_argument("--divergences", nargs="+", default=["chi2", "smoothed_cvar", "kl"], choices=list(PARAMS))
     parser.add_argument("--device", nargs="+", default=None, help="default: cpu, plus cuda when available")
-    parser.add_argument("--min-seconds", type=float, default=1.0)
+    parser.add_argument("--min-seconds", type=float, default=1.5, help="per implementation, over all rounds")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--name", default="loss")
     args = parser.parse_args(argv)
     devices = args.device or (["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
     print(f"dro_ext backend: {dro_ext.backend()}")
     rows = []
     for device in devices:
-        rows += bench(torch.device(device), args.sizes, args.divergences, args.min_seconds)
+        rows += bench(torch.device(device), args.sizes, args.divergences, args.min_seconds, args.rounds)
     write_results(args.name, rows, table(rows))
 
 

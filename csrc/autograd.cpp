@@ -13,6 +13,7 @@
 #include <ATen/ops/ones.h>
 #include <ATen/ops/sum.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
 #include "checks.h"
@@ -66,48 +67,49 @@ struct DivergenceArgs {
   }
 };
 
-class DROLossFunction : public torch::autograd::Function<DROLossFunction> {
- public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& losses, const at::Tensor& eta, double lam,
-                               c10::string_view divergence, OptDouble alpha, OptDouble k, double scale) {
-    static auto op = find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, double,
-                                                                c10::string_view, OptDouble, OptDouble, double)>(
-        "dro_ext::dro_loss");
-    auto [value, mean_weight] = [&] {
-      at::AutoDispatchBelowADInplaceOrView guard;
-      return op.call(losses, eta, lam, divergence, alpha, k, scale);
-    }();
-    ctx->save_for_backward({losses, eta, mean_weight});
-    DivergenceArgs{lam, std::string(divergence), alpha, k, scale}.save(ctx);
-    ctx->mark_non_differentiable({mean_weight});
-    return {value, mean_weight};
+// dro_loss is the op of every training step, so its backward is a hand-written autograd Node, as PyTorch's
+// generated code writes them, rather than a torch::autograd::Function: at a few thousand samples the
+// generic Function's bookkeeping (per-input VariableInfo, output wrapping, saved_data hashing) costs as much
+// as the fused kernels.
+struct DROLossBackward final : public torch::autograd::Node {
+  torch::autograd::SavedVariable losses, eta, mean_weight;
+  DivergenceArgs args;
+
+  std::string name() const override { return "DROLossBackward"; }
+
+  void release_variables() override {
+    losses.reset_data();
+    eta.reset_data();
+    mean_weight.reset_data();
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &losses = saved[0], &eta = saved[1], &mean_weight = saved[2];
-    const DivergenceArgs args = DivergenceArgs::load(ctx);
+  variable_list apply(variable_list&& grads) override {
+    const at::Tensor saved_losses = losses.unpack(), saved_eta = eta.unpack();
+    const at::Tensor saved_mean_weight = mean_weight.unpack();
     const at::Tensor& grad = grads[0];
+    variable_list out(2);
+    if (!grad.defined()) return out;  // no gradient flows into the loss: none flows out
     at::Tensor grad_losses, grad_eta;
     if (!at::GradMode::is_enabled()) {
       static auto backward_op = find_op<std::tuple<at::Tensor, at::Tensor>(
           const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, c10::string_view,
           OptDouble, OptDouble, double)>("dro_ext::dro_loss_backward");
       at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(grad_losses, grad_eta) = backward_op.call(
-          grad, losses, eta, mean_weight, args.lam, args.divergence, args.alpha, args.k, args.scale);
+      std::tie(grad_losses, grad_eta) = backward_op.call(grad, saved_losses, saved_eta, saved_mean_weight, args.lam,
+                                                         args.divergence, args.alpha, args.k, args.scale);
     } else {
       // Double backward: build the gradient from differentiable ops, recomputing the weights (the saved
       // mean weight is a constant to autograd).
-      const auto acc = mean_weight.scalar_type();
-      const at::Tensor weights = args.terms(losses, eta, at::ones({}, losses.options().dtype(acc)), 1);
-      grad_losses = weights * (grad.to(acc) / static_cast<double>(losses.size(0)));
+      const auto acc = saved_mean_weight.scalar_type();
+      const at::Tensor weights =
+          args.terms(saved_losses, saved_eta, at::ones({}, saved_losses.options().dtype(acc)), 1);
+      grad_losses = weights * (grad.to(acc) / static_cast<double>(saved_losses.size(0)));
       grad_eta = grad.to(acc) * (args.scale * (1.0 - weights.mean(acc)));
-      grad_losses = grad_losses.to(losses.scalar_type());
+      grad_losses = grad_losses.to(saved_losses.scalar_type());
     }
-    return {ctx->needs_input_grad(0) ? grad_losses : at::Tensor(),
-            ctx->needs_input_grad(1) ? grad_eta.to(eta.scalar_type()) : at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    if (should_compute_output(0)) out[0] = std::move(grad_losses);
+    if (should_compute_output(1)) out[1] = grad_eta.to(saved_eta.scalar_type());
+    return out;
   }
 };
 
@@ -156,8 +158,27 @@ class PsiStarTermsFunction : public torch::autograd::Function<PsiStarTermsFuncti
 std::tuple<at::Tensor, at::Tensor> dro_loss_autograd(const at::Tensor& losses, const at::Tensor& eta, double lam,
                                                      c10::string_view divergence, OptDouble alpha, OptDouble k,
                                                      double scale) {
-  auto out = DROLossFunction::apply(losses, eta, lam, divergence, alpha, k, scale);
-  return {out[0], out[1]};
+  static auto op = find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, double,
+                                                              c10::string_view, OptDouble, OptDouble, double)>(
+      "dro_ext::dro_loss");
+  TORCH_CHECK(!torch::autograd::isFwGradDefined(losses) && !torch::autograd::isFwGradDefined(eta),
+              "dro_ext: forward-mode AD is not implemented for dro_loss; use the fallback "
+              "(DRO_EXT_FORCE_PYTHON=1) for forward-mode derivatives");
+  auto [value, mean_weight] = [&] {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(losses, eta, lam, divergence, alpha, k, scale);
+  }();
+  if (torch::autograd::compute_requires_grad(losses, eta)) {
+    auto node = c10::make_intrusive<DROLossBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(losses, eta));
+    node->losses = torch::autograd::SavedVariable(losses, /*is_output=*/false);
+    node->eta = torch::autograd::SavedVariable(eta, /*is_output=*/false);
+    node->mean_weight = torch::autograd::SavedVariable(mean_weight, /*is_output=*/false);
+    node->args = DivergenceArgs{lam, std::string(divergence), alpha, k, scale};
+    // Only the value is differentiable; mean_weight gets no history.
+    torch::autograd::set_history(value, node);
+  }
+  return {value, mean_weight};
 }
 
 at::Tensor psi_star_terms_autograd(const at::Tensor& losses, const at::Tensor& eta, const at::Tensor& multiplier,

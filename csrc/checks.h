@@ -50,7 +50,7 @@ inline void check_losses(const at::Tensor& losses) {
   TORCH_CHECK_VALUE(losses.dim() == 1, "dro_ext: losses must be a 1-D tensor of per-sample losses, got shape ",
                     losses.sizes());
   TORCH_CHECK_VALUE(losses.numel() > 0, "dro_ext: losses must not be empty");
-  TORCH_CHECK_VALUE(at::isFloatingType(losses.scalar_type()),
+  TORCH_CHECK_TYPE(at::isFloatingType(losses.scalar_type()),
                     "dro_ext: losses must have a floating dtype (float16, bfloat16, float32, float64), got ",
                     losses.scalar_type());
 }
@@ -58,7 +58,7 @@ inline void check_losses(const at::Tensor& losses) {
 // A 0-d floating tensor on the device of `losses`.
 inline void check_scalar_tensor(const char* arg, const at::Tensor& value, const at::Tensor& losses) {
   TORCH_CHECK_VALUE(value.dim() == 0, "dro_ext: ", arg, " must be a 0-d tensor, got shape ", value.sizes());
-  TORCH_CHECK_VALUE(at::isFloatingType(value.scalar_type()), "dro_ext: ", arg, " must have a floating dtype, got ",
+  TORCH_CHECK_TYPE(at::isFloatingType(value.scalar_type()), "dro_ext: ", arg, " must have a floating dtype, got ",
                     value.scalar_type());
   TORCH_CHECK_VALUE(value.device() == losses.device(), "dro_ext: ", arg, " is on ", value.device(),
                     " but losses is on ", losses.device(), "; move them to the same device");

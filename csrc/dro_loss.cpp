@@ -8,12 +8,12 @@
 // saved for backward beyond the losses.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/scalar_tensor.h>
 #include <torch/library.h>
 
 #include "checks.h"
 #include "cpu/kernels.h"
 #include "cpu/output_buffer.h"
+#include "cpu/scalar_tensors.h"
 
 namespace dro_ext {
 
@@ -27,14 +27,14 @@ std::tuple<at::Tensor, at::Tensor> dro_loss_cpu(
   check_positive("scale", scale);
   const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
   const at::Tensor x = losses.contiguous();
-  const double g_eta = scale * eta.item<double>();
+  const double g_eta = scale * cpu::read_scalar(eta);
   const auto sums = cpu::cpu_kernels().reduce_derivatives(x, spec, cpu::Affine{g_eta, 1.0 / lam}, 0, 1);
   const double n = static_cast<double>(x.numel());
   const double value = lam * (sums[0] / n) + g_eta;
   const double mean_weight = sums[1] / n;
   auto options = losses.options();
-  return {at::scalar_tensor(value, options),
-          at::scalar_tensor(mean_weight, options.dtype(accumulate_type(losses.scalar_type())))};
+  return {cpu::make_scalar(value, options),
+          cpu::make_scalar(mean_weight, options.dtype(accumulate_type(losses.scalar_type())))};
 }
 
 // out_i = multiplier * psi*^(order)((x_i - G eta) / lam), into a fresh contiguous tensor like x.
@@ -42,7 +42,7 @@ at::Tensor map_terms(const at::Tensor& x, const at::Tensor& eta, double multipli
                      const DivergenceSpec& spec, double scale, int64_t order) {
   at::Tensor out = cpu::empty_output_like(x);
   if (x.numel() > 0) {
-    const double g_eta = scale * eta.item<double>();
+    const double g_eta = scale * cpu::read_scalar(eta);
     cpu::cpu_kernels().map_derivative(x.view(-1), out, spec, cpu::Affine{g_eta, 1.0 / lam}, multiplier, order);
   }
   return out;
@@ -52,14 +52,14 @@ at::Tensor psi_star_terms_cpu(
     const at::Tensor& losses, const at::Tensor& eta, const at::Tensor& multiplier, double lam,
     c10::string_view divergence, std::optional<double> alpha, std::optional<double> k, double scale,
     int64_t order) {
-  TORCH_CHECK_VALUE(at::isFloatingType(losses.scalar_type()),
+  TORCH_CHECK_TYPE(at::isFloatingType(losses.scalar_type()),
                     "dro_ext: losses must have a floating dtype, got ", losses.scalar_type());
   check_scalar_tensor("eta", eta, losses);
   check_scalar_tensor("multiplier", multiplier, losses);
   check_positive("scale", scale);
   check_order(order);
   const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
-  return map_terms(losses.contiguous(), eta, multiplier.item<double>(), lam, spec, scale, order);
+  return map_terms(losses.contiguous(), eta, cpu::read_scalar(multiplier), lam, spec, scale, order);
 }
 
 std::tuple<at::Tensor, at::Tensor> dro_loss_backward_cpu(
@@ -72,10 +72,10 @@ std::tuple<at::Tensor, at::Tensor> dro_loss_backward_cpu(
   check_scalar_tensor("mean_weight", mean_weight, losses);
   check_positive("scale", scale);
   const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
-  const double g = grad.item<double>();
+  const double g = cpu::read_scalar(grad);
   at::Tensor grad_losses = map_terms(
       losses.contiguous(), eta, g / static_cast<double>(losses.numel()), lam, spec, scale, 1);
-  at::Tensor grad_eta = at::scalar_tensor(g * scale * (1.0 - mean_weight.item<double>()), eta.options());
+  at::Tensor grad_eta = cpu::make_scalar(g * scale * (1.0 - cpu::read_scalar(mean_weight)), eta.options());
   return {grad_losses, grad_eta};
 }
 

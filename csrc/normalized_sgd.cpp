@@ -170,7 +170,7 @@ void check_lists(at::TensorList params, at::TensorList grads, at::TensorList mom
                     grads.size(), ", ", momenta.size(), ", ", steps.size());
   for (const auto i : c10::irange(params.size())) {
     const at::Tensor& p = params[i];
-    TORCH_CHECK_VALUE(at::isFloatingType(p.scalar_type()), "dro_ext: params[", i,
+    TORCH_CHECK_TYPE(at::isFloatingType(p.scalar_type()), "dro_ext: params[", i,
                       "] must have a floating dtype, got ", p.scalar_type());
     TORCH_CHECK_VALUE(p.device().is_cpu(), "dro_ext: params[", i, "] is on ", p.device(),
                       "; this kernel takes CPU tensors only");

@@ -321,7 +321,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weight_stats_cpu(
     const at::Tensor& weights, const std::optional<at::Tensor>& groups, int64_t num_groups) {
   TORCH_CHECK_VALUE(weights.dim() == 1, "dro_ext: weights must be a 1-D tensor, got shape ", weights.sizes());
   TORCH_CHECK_VALUE(weights.numel() > 0, "dro_ext: weights must not be empty");
-  TORCH_CHECK_VALUE(at::isFloatingType(weights.scalar_type()), "dro_ext: weights must have a floating dtype, got ",
+  TORCH_CHECK_TYPE(at::isFloatingType(weights.scalar_type()), "dro_ext: weights must have a floating dtype, got ",
                     weights.scalar_type());
   const bool with_groups = groups.has_value();
   at::Tensor g;

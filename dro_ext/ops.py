@@ -49,6 +49,9 @@ if _backend.native_available():
     # The autograd formulas of these ops are registered in C++ (csrc/autograd.cpp): a Python
     # autograd.Function would cost more than the fused kernels themselves at typical batch sizes.
 
+    # Looked up once: resolving torch.ops.dro_ext.dro_loss.default costs a few hundred ns per call.
+    _dro_loss_op = torch.ops.dro_ext.dro_loss.default
+
 
 # ---------------------------------------------------------------------------------------------------
 # The PyTorch fallback: the same formulas, composed of PyTorch ops (autograd, compile, vmap for free).
@@ -80,6 +83,24 @@ def _checked_args(losses, eta, lam, divergence, alpha, k, scale):
     return spec, as_eta(eta, losses), check_positive("lam", lam), check_positive("scale", scale)
 
 
+# Validated (divergence, alpha, k, lam, scale) tuples. A training step calls the loss with the same Python
+# numbers every time, and at a few thousand samples checking them again costs a visible share of the step.
+_checked_scalars_cache: dict = {}
+
+
+def _checked_scalars(divergence, alpha, k, lam, scale):
+    key = (divergence, alpha, k, lam, scale)
+    if not torch.compiler.is_compiling():  # the cache is a side effect torch.compile need not trace
+        try:
+            return _checked_scalars_cache[key]
+        except (KeyError, TypeError):  # TypeError: an unhashable argument, which the checks below reject
+            pass
+    checked = check_divergence(divergence, alpha, k), check_positive("lam", lam), check_positive("scale", scale)
+    if not torch.compiler.is_compiling() and len(_checked_scalars_cache) < 256:
+        _checked_scalars_cache[key] = checked
+    return checked
+
+
 def dro_loss(losses, eta, lam, divergence="chi2", *, alpha=None, k=None, scale=1.0) -> torch.Tensor:
     """The penalized DRO objective ``mean_i lam * psi*((l_i - scale*eta)/lam) + scale*eta`` (a 0-d tensor).
 
@@ -89,10 +110,14 @@ def dro_loss(losses, eta, lam, divergence="chi2", *, alpha=None, k=None, scale=1
     for float64 input). ``kl`` overflows to ``inf`` once ``(l - scale*eta)/lam`` exceeds ~88 in float32;
     use :func:`dro_ext.robust_objective` for an overflow-free value.
     """
+    if (_backend.use_native() and isinstance(losses, torch.Tensor) and isinstance(eta, torch.Tensor)
+            and eta.device == losses.device):
+        # The op checks the tensors itself, with the same errors; only the Python numbers are checked here.
+        spec, lam, scale = _checked_scalars(divergence, alpha, k, lam, scale)
+        return _dro_loss_op(losses, eta, lam, spec.name, spec.alpha, spec.k, scale)[0]
     spec, eta, lam, scale = _checked_args(losses, eta, lam, divergence, alpha, k, scale)
     if _backend.use_native():
-        value, _ = torch.ops.dro_ext.dro_loss(losses, eta, lam, spec.name, spec.alpha, spec.k, scale)
-        return value
+        return _dro_loss_op(losses, eta, lam, spec.name, spec.alpha, spec.k, scale)[0]
     return _fallback_dro_loss(losses, eta, lam, spec, scale)
 
 

@@ -213,6 +213,64 @@ def test_native_kernels_are_built_to_run_in_parallel():
     assert b"GOMP_parallel" in pathlib.Path(_C.__file__).read_bytes()
 
 
+def test_autograd_graph_rules(backend):
+    # The native backward is a hand-written autograd node: it must keep the rules every PyTorch op keeps.
+    losses = random_losses(50, torch.float32).requires_grad_()
+    eta = torch.tensor(0.2, requires_grad=True)
+    value = dro_ext.dro_loss(losses, eta, 0.5, "kl")
+    assert value.grad_fn is not None
+    value.backward()
+    with pytest.raises(RuntimeError, match="second time"):  # saved tensors are freed after backward
+        value.backward()
+
+    value = dro_ext.dro_loss(losses * 1, eta, 0.5, "kl")
+    (g_eta,) = torch.autograd.grad(value, eta)  # only eta asked for
+    weights = dro_ext.dro_weights(losses.detach(), eta.detach(), 0.5, "kl").double()
+    torch.testing.assert_close(g_eta.double(), 1 - weights.mean(), rtol=1e-5, atol=1e-6)
+
+    if backend == "native":  # the native backward reads the losses again, so it must see them unchanged
+        mutated = losses * 1
+        value = dro_ext.dro_loss(mutated, eta, 0.5, "kl")
+        with torch.no_grad():
+            mutated.add_(1.0)
+        with pytest.raises(RuntimeError, match="inplace"):
+            value.backward()
+
+    with torch.no_grad():
+        assert dro_ext.dro_loss(losses, eta, 0.5, "kl").grad_fn is None
+
+
+def test_forward_mode_ad(backend):
+    import torch.autograd.forward_ad as fwAD
+
+    losses = random_losses(7, torch.float64)
+    eta = torch.tensor(0.3, dtype=torch.float64)
+    tangent = torch.randn(7, dtype=torch.float64)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(losses, tangent)
+        if backend == "native":
+            with pytest.raises(RuntimeError, match="forward-mode AD"):
+                dro_ext.dro_loss(dual, eta, 0.5, "kl")
+            return
+        jvp = fwAD.unpack_dual(dro_ext.dro_loss(dual, eta, 0.5, "kl")).tangent
+    weights = dro_ext.dro_weights(losses, eta, 0.5, "kl")
+    torch.testing.assert_close(jvp, (weights * tangent).mean())
+
+
+def test_bad_scalars_are_rejected_after_good_ones(backend):
+    # The Python numbers are validated once per distinct value; a bad value must still fail every time.
+    losses = random_losses(5, torch.float32)
+    eta = torch.tensor(0.0)
+    dro_ext.dro_loss(losses, eta, 0.5, "cvar", alpha=0.1)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="lam"):
+            dro_ext.dro_loss(losses, eta, float("nan"), "cvar", alpha=0.1)
+        with pytest.raises(TypeError, match="alpha"):
+            dro_ext.dro_loss(losses, eta, 0.5, "cvar", alpha=[0.1])
+        with pytest.raises(TypeError, match="lam"):
+            dro_ext.dro_loss(losses, eta, torch.tensor(0.5), "cvar", alpha=0.1)
+
+
 def test_mixed_eta_dtype_and_double_losses(backend):
     losses = random_losses(33, torch.float64).requires_grad_()
     eta = torch.tensor(0.4, dtype=torch.float32, requires_grad=True)

@@ -341,20 +341,21 @@ def test_bad_inputs(backend, args, kwargs, exc, word):
 
 
 @pytest.mark.parametrize(
-    "args,word",
+    "args,exc,word",
     [
-        ((torch.ones(4), 0.1, "tv", None, None), "divergence"),
-        ((torch.ones(4), -0.1, "chi2", None, None), "lam"),
-        ((torch.ones(4), 0.1, "cvar", None, None), "alpha"),
-        ((torch.ones(4), 0.1, "cressie_read", None, 0.5), "k"),
-        ((torch.ones(2, 2), 0.1, "chi2", None, None), "losses"),
-        ((torch.ones(0), 0.1, "chi2", None, None), "losses"),
-        ((torch.ones(3, dtype=torch.int32), 0.1, "chi2", None, None), "losses"),
+        ((torch.ones(4), 0.1, "tv", None, None), ValueError, "divergence"),
+        ((torch.ones(4), -0.1, "chi2", None, None), ValueError, "lam"),
+        ((torch.ones(4), 0.1, "cvar", None, None), ValueError, "alpha"),
+        ((torch.ones(4), 0.1, "cressie_read", None, 0.5), ValueError, "k"),
+        ((torch.ones(2, 2), 0.1, "chi2", None, None), ValueError, "losses"),
+        ((torch.ones(0), 0.1, "chi2", None, None), ValueError, "losses"),
+        # A wrong dtype is a TypeError, as in the Python API.
+        ((torch.ones(3, dtype=torch.int32), 0.1, "chi2", None, None), TypeError, "losses"),
     ],
 )
-def test_native_op_checks(args, word):
+def test_native_op_checks(args, exc, word):
     _require_native()
-    with pytest.raises(ValueError, match=word):
+    with pytest.raises(exc, match=word):
         torch.ops.dro_ext.robust_objective(*args)
 
 
