@@ -177,20 +177,19 @@ void map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affi
   const V inv_lam(static_cast<acc_t>(affine.inv_lam));
   const V mult(static_cast<acc_t>(multiplier));
   const bool streaming = n * static_cast<int64_t>(sizeof(scalar_t)) >= kStreamingBytes;
-  at::parallel_for(0, n, kMapGrain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, kMapGrain, [&, div](int64_t begin, int64_t end) {
+    // Local copies: the compiler cannot keep values reached through the captured references in registers
+    // across the stores to out, and would reload every one of them per vector.
+    const V shift_v = shift, inv_lam_v = inv_lam, mult_v = mult;
+    auto term = [&](const V& xs) { return mult_v * derivative<ORDER>(div, (xs - shift_v) * inv_lam_v); };
     int64_t i = begin;
     if (streaming) {
-      for (; i + V::size() <= end; i += V::size()) {
-        V t = (load<acc_t>(x + i, V::size()) - shift) * inv_lam;
-        store_streaming<acc_t>(out + i, mult * derivative<ORDER>(div, t));
-      }
+      for (; i + V::size() <= end; i += V::size()) store_streaming<acc_t>(out + i, term(load<acc_t>(x + i, V::size())));
       store_fence();
+    } else {
+      for (; i + V::size() <= end; i += V::size()) store<acc_t>(out + i, term(load<acc_t>(x + i, V::size())), V::size());
     }
-    for (; i < end; i += V::size()) {
-      const int64_t count = std::min<int64_t>(V::size(), end - i);
-      V t = (load<acc_t>(x + i, count) - shift) * inv_lam;
-      store<acc_t>(out + i, mult * derivative<ORDER>(div, t), count);
-    }
+    if (i < end) store<acc_t>(out + i, term(load<acc_t>(x + i, end - i)), end - i);
   });
 }
 
