@@ -2,21 +2,22 @@
 one of them under torch.compile, and torch.optim.SGD(fused=True) (a lower bound: it does no norm).
 
     python -m bench.bench_optim            # ResNet-18-shaped list (11.7M) and a 100M-param list
-    python -m bench.bench_optim --quick    # ResNet-18-shaped list only, one round
+    python -m bench.bench_optim --quick    # ResNet-18-shaped list only, 10 rounds
 
 The floor is 24 bytes per float32 parameter (read g, m, p, write m, p, read m again for the norm) over
-the copy bandwidth measured on a tensor of the list's size. Peers run interleaved in rounds, each
-timing the median of many steps; the reported time is the median over the rounds.
+the copy bandwidth measured on a tensor of the list's size. Peers run interleaved step by step, in
+rounds, and each reports the median of its steps.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import time
 
 import torch
 
-from bench.common import copy_bandwidth, markdown_table, time_fn, write_results
+from bench.common import markdown_table, write_results
 from dro_ext import _backend
 from dro_ext.optim import NormalizedSGD
 
@@ -83,7 +84,7 @@ def optimizer_step(opt, grads):
     return opt.step
 
 
-def bench_size(name, shapes, rounds, min_seconds, min_reps):
+def bench_size(name, shapes, rounds):
     numel = sum(torch.Size(s).numel() for s in shapes)
     label = f"{name} ({len(shapes)} tensors, {numel / 1e6:.1f}M)"
     params, grads, momenta = make_list(shapes)
@@ -104,13 +105,23 @@ def bench_size(name, shapes, rounds, min_seconds, min_reps):
     peers["torch.optim.SGD(fused=True) (no norm)"] = optimizer_step(
         torch.optim.SGD(sgd_params, lr=LR, momentum=BETA, fused=True), grads)
 
+    # The floor's bandwidth comes from a copy of a tensor of the list's size, timed beside the steps.
+    copy_src = torch.rand(numel)
+    copy_dst = torch.empty_like(copy_src)
+    timed = dict(peers, copy=lambda: copy_dst.copy_(copy_src))
     load_before = os.getloadavg()[0]
-    bandwidth = copy_bandwidth(4 * numel)
-    floor_s = BYTES_PER_PARAM * numel / bandwidth
-    samples = {name: [] for name in peers}
+    for fn in timed.values():
+        fn()
+    # Step by step in rounds: every peer runs once per round, so a slow spell of this shared machine lands on
+    # all of them alike; each peer's time is the median of its steps.
+    samples = {name: [] for name in timed}
     for _ in range(rounds):
-        for name, fn in peers.items():
-            samples[name].append(time_fn(fn, warmup=2, min_reps=min_reps, min_seconds=min_seconds)["median_s"])
+        for name, fn in timed.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    bandwidth = 8 * numel / statistics.median(samples.pop("copy"))
+    floor_s = BYTES_PER_PARAM * numel / bandwidth
     medians = {name: statistics.median(s) for name, s in samples.items()}
     foreach_names = [n for n in peers if n.startswith("foreach ")]
     best_foreach = min(foreach_names, key=medians.get)
@@ -119,7 +130,7 @@ def bench_size(name, shapes, rounds, min_seconds, min_reps):
     for name, t in medians.items():
         rows.append({
             "list": label, "tensors": len(shapes), "params": numel, "peer": name, "median_s": t,
-            "round_medians_s": samples[name], "gb_per_s": BYTES_PER_PARAM * numel / t / 1e9,
+            "steps": len(samples[name]), "gb_per_s": BYTES_PER_PARAM * numel / t / 1e9,
             "fused_speedup": t / fused_s, "over_floor": t / floor_s, "floor_s": floor_s,
             "copy_gb_per_s": bandwidth / 1e9, "best_foreach": name == best_foreach,
             "loadavg_1m": [load_before, os.getloadavg()[0]],
@@ -129,22 +140,21 @@ def bench_size(name, shapes, rounds, min_seconds, min_reps):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="ResNet-18-shaped list only, one round")
+    parser.add_argument("--quick", action="store_true", help="ResNet-18-shaped list only, 10 rounds")
     parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads(), 1],
                         help="intra-op thread counts to run at (default: torch's default, then 1)")
     args = parser.parse_args(argv)
     if not _backend.native_available():
         raise SystemExit(f"dro_ext native ops not loaded: {_backend.load_error()}")
     torch.manual_seed(0)
-    sizes = [("resnet18", resnet18_shapes(), 10)]
+    sizes = [("resnet18", resnet18_shapes(), 10 if args.quick else 80)]
     if not args.quick:
-        sizes.append(("gpt-100M", gpt_shapes(), 5))
+        sizes.append(("gpt-100M", gpt_shapes(), 20))
     rows = []
     for threads in dict.fromkeys(args.threads):
         torch.set_num_threads(threads)
-        for label, shapes, min_reps in sizes:
-            for row in bench_size(label, shapes, rounds=1 if args.quick else 3,
-                                  min_seconds=0.3 if args.quick else 1.0, min_reps=min_reps):
+        for label, shapes, rounds in sizes:
+            for row in bench_size(label, shapes, rounds):
                 rows.append({"threads": threads, **row})
     table = []
     for r in rows:

@@ -17,6 +17,7 @@
 #include "cpu/kernels.h"
 
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <string>
 #include <vector>
@@ -70,10 +71,47 @@ C10_ALWAYS_INLINE double sum_squares_double(const scalar_t* m, int64_t n) {
 // chunk is summed again entirely in double.
 constexpr int64_t kSquareBlock = 4 * kLanes;
 
+#if defined(__GNUC__)
+// float32, the common case, is written with GCC/Clang vector types: from the scalar-lane loop below GCC
+// moved each block's float sums into double one lane at a time, which cost more than the update itself
+// and left one thread well short of memory bandwidth.
+typedef float float8 __attribute__((vector_size(32)));
+typedef double double4 __attribute__((vector_size(32)));
+
+C10_ALWAYS_INLINE double update_momentum_float(const float* g, float* m, int64_t n, float keep, float take) {
+  double4 low = {}, high = {};
+  int64_t i = 0;
+  for (; i + kSquareBlock <= n; i += kSquareBlock) {
+    float8 block = {};
+    for (int64_t b = 0; b < kSquareBlock; b += 8) {
+      float8 gv, mv;
+      std::memcpy(&gv, g + i + b, sizeof gv);  // unaligned vector loads and stores
+      std::memcpy(&mv, m + i + b, sizeof mv);
+      const float8 stored = keep * mv + take * gv;
+      std::memcpy(m + i + b, &stored, sizeof stored);
+      block += stored * stored;
+    }
+    low += __builtin_convertvector(__builtin_shufflevector(block, block, 0, 1, 2, 3), double4);
+    high += __builtin_convertvector(__builtin_shufflevector(block, block, 4, 5, 6, 7), double4);
+  }
+  const double4 total = low + high;
+  double sum = (total[0] + total[1]) + (total[2] + total[3]);
+  for (; i < n; ++i) {
+    m[i] = keep * m[i] + take * g[i];
+    sum += static_cast<double>(m[i]) * static_cast<double>(m[i]);
+  }
+  return sum;
+}
+#endif
+
 template <typename scalar_t>
-C10_ALWAYS_INLINE double update_momentum(const scalar_t* g, scalar_t* m, int64_t n, double keep_d, double take_d) {
+C10_ALWAYS_INLINE double sum_updated_momentum(const scalar_t* g, scalar_t* m, int64_t n, double keep_d,
+                                              double take_d) {
   using opmath_t = at::opmath_type<scalar_t>;
   const auto keep = static_cast<opmath_t>(keep_d), take = static_cast<opmath_t>(take_d);
+#if defined(__GNUC__)
+  if constexpr (std::is_same_v<scalar_t, float>) return update_momentum_float(g, m, n, keep, take);
+#endif
   double lanes[kLanes] = {};
   int64_t i = 0;
   for (; i + kSquareBlock <= n; i += kSquareBlock) {
@@ -98,7 +136,13 @@ C10_ALWAYS_INLINE double update_momentum(const scalar_t* g, scalar_t* m, int64_t
   }
   double sum = 0.0;
   for (int j = 0; j < kLanes; ++j) sum += lanes[j];
-  if constexpr (!std::is_same_v<opmath_t, double>) {
+  return sum;
+}
+
+template <typename scalar_t>
+C10_ALWAYS_INLINE double update_momentum(const scalar_t* g, scalar_t* m, int64_t n, double keep_d, double take_d) {
+  const double sum = sum_updated_momentum(g, m, n, keep_d, take_d);
+  if constexpr (!std::is_same_v<at::opmath_type<scalar_t>, double>) {
     // Squares below ~1e-30 lose precision (or vanish) in float; above ~1e38 they overflow.
     if (!(sum > 1e-30 && sum < 1e37) && !std::isnan(sum)) return sum_squares_double(m, n);
   }
