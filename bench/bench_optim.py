@@ -151,11 +151,15 @@ def main(argv=None):
     if not args.quick:
         sizes.append(("gpt-100M", gpt_shapes(), 20))
     rows = []
-    for threads in dict.fromkeys(args.threads):
-        torch.set_num_threads(threads)
-        for label, shapes, rounds in sizes:
-            for row in bench_size(label, shapes, rounds):
-                rows.append({"threads": threads, **row})
+    default_threads = torch.get_num_threads()
+    try:
+        for threads in dict.fromkeys(args.threads):
+            torch.set_num_threads(threads)
+            for label, shapes, rounds in sizes:
+                for row in bench_size(label, shapes, rounds):
+                    rows.append({"threads": threads, **row})
+    finally:  # bench.run runs the next benchmark in this process
+        torch.set_num_threads(default_threads)
     table = []
     for r in rows:
         table.append([r["threads"], r["list"], r["peer"] + (" (best foreach)" if r["best_foreach"] else ""),
