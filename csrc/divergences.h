@@ -208,6 +208,21 @@ struct SmoothedCVaR {
     T softplus = M::relu(s) + M::log1p_unit(exp_neg_abs(s));
     return (M::constant(log1m_alpha) + softplus) * M::constant(inv_alpha);
   }
+  // value(t) == value_linear(t) + log(value_log_factor(t)) * value_log_weight(), the factor in [1, 2]: a reduction
+  // may sum the linear part, multiply the factors over a block and take one logarithm per block instead of
+  // one log1p per sample (csrc/cpu/kernels_impl.h does).
+  static constexpr bool kValueHasLogFactor = true;
+  template <typename T>
+  C10_HOST_DEVICE inline T value_linear(T t) const {
+    using M = Math<T>;
+    return (M::constant(log1m_alpha) + M::relu(t + M::constant(shift))) * M::constant(inv_alpha);
+  }
+  template <typename T>
+  C10_HOST_DEVICE inline T value_log_factor(T t) const {
+    using M = Math<T>;
+    return M::constant(1.0) + exp_neg_abs(t + M::constant(shift));
+  }
+  C10_HOST_DEVICE inline acc_t value_log_weight() const { return inv_alpha; }
   template <typename T>
   C10_HOST_DEVICE inline T first(T t) const {
     using M = Math<T>;
