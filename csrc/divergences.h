@@ -35,7 +35,7 @@ struct Math {
   static C10_HOST_DEVICE inline T exp(T x) { return ::exp(x); }
   // log1p(x) for x in [0, 1] only, where a vector build may use a cheaper series (vectorized_math.h).
   static C10_HOST_DEVICE inline T log1p_unit(T x) { return ::log1p(x); }
-  static C10_HOST_DEVICE inline T abs(T x) { return ::fabs(x); }
+  static C10_HOST_DEVICE inline T neg_abs(T x) { return -::fabs(x); }
   static C10_HOST_DEVICE inline T pow(T x, T y) { return ::pow(x, y); }
   // max(x, 0) that keeps NaN.
   static C10_HOST_DEVICE inline T relu(T x) { return x < T(0) ? T(0) : x; }
@@ -45,6 +45,8 @@ struct Math {
   static C10_HOST_DEVICE inline T select_positive(T x, T if_pos, T if_nonpos) {
     return x > T(0) ? if_pos : (x <= T(0) ? if_nonpos : x);
   }
+  // x > 0 ? if_pos : otherwise, for an `otherwise` that is NaN wherever x is (one select fewer).
+  static C10_HOST_DEVICE inline T if_positive(T x, T if_pos, T otherwise) { return x > T(0) ? if_pos : otherwise; }
 };
 
 // psi(s) = (s - 1)^2 (see the erratum in DESIGN.md): psi*(t) = -1 + (t + 2)_+^2 / 4.
@@ -192,14 +194,15 @@ struct SmoothedCVaR {
   template <typename T>
   C10_HOST_DEVICE inline T exp_neg_abs(T s) const {
     using M = Math<T>;
-    return M::exp(-M::abs(s));
+    return M::exp(M::neg_abs(s));
   }
   // sigmoid(s) = 1 / (1 + e) for s > 0 and e / (1 + e) otherwise, with e = exp(-|s|): never overflows.
+  // A NaN s makes e NaN, so the cheaper select keeps it.
   template <typename T>
   C10_HOST_DEVICE inline T sigmoid(T s) const {
     using M = Math<T>;
     T e = exp_neg_abs(s);
-    return M::select_positive(s, M::constant(1.0), e) / (M::constant(1.0) + e);
+    return M::if_positive(s, M::constant(1.0), e) / (M::constant(1.0) + e);
   }
   template <typename T>
   C10_HOST_DEVICE inline T value(T t) const {

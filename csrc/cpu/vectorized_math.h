@@ -77,15 +77,34 @@ struct Math<at::vec::Vectorized<S>> {
       return x.log1p();
     }
   }
-  static inline V abs(const V& x) { return x.abs(); }
   static inline V pow(const V& x, const V& y) { return x.pow(y); }
+#if defined(CPU_CAPABILITY_AVX2)
+  // maxps/minps return their second operand when either is NaN: with x second, NaN passes in one instruction.
+  static inline V relu(const V& x) {
+    if constexpr (std::is_same_v<S, float>) return V(_mm256_max_ps(_mm256_setzero_ps(), x));
+    else return V(_mm256_max_pd(_mm256_setzero_pd(), x));
+  }
+  static inline V min(const V& x, const V& hi) {
+    if constexpr (std::is_same_v<S, float>) return V(_mm256_min_ps(hi, x));
+    else return V(_mm256_min_pd(hi, x));
+  }
+  static inline V neg_abs(const V& x) {  // set the sign bit
+    if constexpr (std::is_same_v<S, float>) return V(_mm256_or_ps(x, _mm256_set1_ps(-0.0f)));
+    else return V(_mm256_or_pd(x, _mm256_set1_pd(-0.0)));
+  }
+#else
   // blendv(a, b, mask) takes b where mask is set; a NaN compares false everywhere, so it keeps x.
   static inline V relu(const V& x) { return V::blendv(x, V(S(0)), x < V(S(0))); }
   static inline V min(const V& x, const V& hi) { return V::blendv(x, hi, x > hi); }
+  static inline V neg_abs(const V& x) { return -x.abs(); }
+#endif
   static inline V select_positive(const V& x, const V& if_pos, const V& if_nonpos) {
     const V zero(S(0));
     V out = V::blendv(x, if_nonpos, x <= zero);
     return V::blendv(out, if_pos, x > zero);
+  }
+  static inline V if_positive(const V& x, const V& if_pos, const V& otherwise) {
+    return V::blendv(otherwise, if_pos, x > V(S(0)));
   }
 };
 
