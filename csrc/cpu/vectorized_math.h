@@ -34,28 +34,30 @@ struct Math<at::vec::Vectorized<S>> {
 #if defined(CPU_CAPABILITY_AVX2)
   // exp(x) = 2^n e^r with n = round(x / ln 2) and r = x - n ln 2 (in two steps, so r stays exact for large
   // |x|), e^r by a degree-5 polynomial on |r| <= ln(2)/2: about 2 ulp. The kernels of the exponential
-  // divergences are bound by this function on the CPU, so every operation counts; the edge cases come
-  // from the clamp alone, with no blend:
+  // divergences are bound by this function on the CPU, so every operation counts:
+  //  - n comes from adding 1.5 * 2^23, which rounds x / ln 2 to an integer and leaves it in the low
+  //    mantissa bits, where a shift moves it into an exponent field (no float-to-int conversion);
+  //  - the result is (2 e^r) * 2^(n-1), the 2 folded into the polynomial's coefficients: past log(FLT_MAX)
+  //    that overflows to inf, as it should, and at the lower clamp 2^(n-1) has a zero exponent field,
+  //    which gives 0 (values below about 2e-38 flush to zero, as ATen's exp_u20 does);
   //  - max/min return their second operand when either is NaN, so with the constant first NaN passes the
-  //    clamp, and a NaN r makes the result NaN;
-  //  - the result is built as (e^r 2^(n-1)) * 2: past log(FLT_MAX) that overflows to inf, as it should,
-  //    and at the lower clamp 2^(n-1) has a zero exponent field, which gives 0 (values below about 2e-38
-  //    flush to zero, as ATen's exp_u20 does).
+  //    clamp, and a NaN r makes the result NaN.
   static inline V exp_float_avx2(const V& x) {
     const __m256 clamped = _mm256_max_ps(_mm256_set1_ps(-87.33654f), _mm256_min_ps(_mm256_set1_ps(89.0f), x));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 round_magic = _mm256_set1_ps(12582912.0f);  // 1.5 * 2^23
+    const __m256 shifted = _mm256_fmadd_ps(clamped, _mm256_set1_ps(1.44269504f), round_magic);
+    const __m256 n = _mm256_sub_ps(shifted, round_magic);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), clamped);  // ln 2 = 0.693359375 - 2.12194e-4
     r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(0.00828929059f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.0418978221f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.166676521f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.499991506f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.999999701f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(126));  // n - 1 + 127
-    const __m256 half_scale = _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23));
-    return V(_mm256_mul_ps(_mm256_mul_ps(p, half_scale), _mm256_set1_ps(2.0f)));
+    __m256 p = _mm256_set1_ps(2 * 0.00828929059f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2 * 0.0418978221f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2 * 0.166676521f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2 * 0.499991506f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2 * 0.999999701f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.0f));
+    const __m256i half_scale_bits =  // (n - 1 + 127) << 23, from n in the low bits of `shifted`
+        _mm256_add_epi32(_mm256_slli_epi32(_mm256_castps_si256(shifted), 23), _mm256_set1_epi32(126 << 23));
+    return V(_mm256_mul_ps(p, _mm256_castsi256_ps(half_scale_bits)));
   }
 #endif
   static inline V log1p_unit(const V& x) {
