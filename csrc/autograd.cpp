@@ -69,8 +69,8 @@ struct DivergenceArgs {
 
 // dro_loss is the op of every training step, so its backward is a hand-written autograd Node, as PyTorch's
 // generated code writes them, rather than a torch::autograd::Function: at a few thousand samples the
-// generic Function's bookkeeping (per-input VariableInfo, output wrapping, saved_data hashing) costs as much
-// as the fused kernels.
+// generic Function's bookkeeping (per-input VariableInfo, output wrapping, saved_data hashing) is a visible
+// share of the step.
 struct DROLossBackward final : public torch::autograd::Node {
   torch::autograd::SavedVariable losses, eta, mean_weight;
   DivergenceArgs args;

@@ -77,12 +77,6 @@ def _fallback_terms(losses, eta, lam, spec: Spec, scale, order):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _checked_args(losses, eta, lam, divergence, alpha, k, scale):
-    spec = check_divergence(divergence, alpha, k)
-    check_losses(losses)
-    return spec, as_eta(eta, losses), check_positive("lam", lam), check_positive("scale", scale)
-
-
 # Validated (divergence, alpha, k, lam, scale) tuples. A training step calls the loss with the same Python
 # numbers every time, and at a few thousand samples checking them again costs a visible share of the step.
 _checked_scalars_cache: dict = {}
@@ -90,15 +84,22 @@ _checked_scalars_cache: dict = {}
 
 def _checked_scalars(divergence, alpha, k, lam, scale):
     key = (divergence, alpha, k, lam, scale)
-    if not torch.compiler.is_compiling():  # the cache is a side effect torch.compile need not trace
+    caching = not torch.compiler.is_compiling()  # the cache is a side effect torch.compile need not trace
+    if caching:
         try:
             return _checked_scalars_cache[key]
         except (KeyError, TypeError):  # TypeError: an unhashable argument, which the checks below reject
             pass
     checked = check_divergence(divergence, alpha, k), check_positive("lam", lam), check_positive("scale", scale)
-    if not torch.compiler.is_compiling() and len(_checked_scalars_cache) < 256:
+    if caching and len(_checked_scalars_cache) < 256:
         _checked_scalars_cache[key] = checked
     return checked
+
+
+def _checked_args(losses, eta, lam, divergence, alpha, k, scale):
+    spec, lam, scale = _checked_scalars(divergence, alpha, k, lam, scale)
+    check_losses(losses)
+    return spec, as_eta(eta, losses), lam, scale
 
 
 def dro_loss(losses, eta, lam, divergence="chi2", *, alpha=None, k=None, scale=1.0) -> torch.Tensor:
@@ -114,11 +115,11 @@ def dro_loss(losses, eta, lam, divergence="chi2", *, alpha=None, k=None, scale=1
             and eta.device == losses.device):
         # The op checks the tensors itself, with the same errors; only the Python numbers are checked here.
         spec, lam, scale = _checked_scalars(divergence, alpha, k, lam, scale)
-        return _dro_loss_op(losses, eta, lam, spec.name, spec.alpha, spec.k, scale)[0]
-    spec, eta, lam, scale = _checked_args(losses, eta, lam, divergence, alpha, k, scale)
-    if _backend.use_native():
-        return _dro_loss_op(losses, eta, lam, spec.name, spec.alpha, spec.k, scale)[0]
-    return _fallback_dro_loss(losses, eta, lam, spec, scale)
+    else:
+        spec, eta, lam, scale = _checked_args(losses, eta, lam, divergence, alpha, k, scale)
+        if not _backend.use_native():
+            return _fallback_dro_loss(losses, eta, lam, spec, scale)
+    return _dro_loss_op(losses, eta, lam, spec.name, spec.alpha, spec.k, scale)[0]
 
 
 def dro_weights(losses, eta, lam, divergence="chi2", *, alpha=None, k=None, scale=1.0) -> torch.Tensor:
