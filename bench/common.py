@@ -2,7 +2,8 @@
 
 Every benchmark writes one row per measurement to bench/results/<name>.json and .csv and a markdown
 table with the ratios to bench/results/<name>.md. Timings are medians of many repetitions, taken side by
-side in one process; the floor is bytes that must move over the copy bandwidth measured at the same size.
+side in one process; the floor is bytes that must move over the bandwidth of a copy of the same size, timed
+in the same rounds as the implementations.
 """
 from __future__ import annotations
 
@@ -39,15 +40,6 @@ def time_fn(fn: Callable[[], object], device="cpu", *, warmup: int = 3, min_reps
         samples.append(time.perf_counter() - t0)
     q = statistics.quantiles(samples, n=4) if len(samples) >= 2 else [samples[0]] * 3
     return {"median_s": statistics.median(samples), "p25_s": q[0], "p75_s": q[2], "reps": len(samples)}
-
-
-def copy_bandwidth(nbytes: int, device="cpu", dtype=torch.float32) -> float:
-    """Measured streaming bandwidth (bytes/s) of a tensor copy of nbytes: it reads and writes nbytes."""
-    n = max(1, nbytes // torch.tensor([], dtype=dtype).element_size())
-    src = torch.rand(n, dtype=dtype, device=device)
-    dst = torch.empty_like(src)
-    t = time_fn(lambda: dst.copy_(src), device, min_reps=50, min_seconds=1.0)
-    return 2 * n * src.element_size() / t["median_s"]
 
 
 def machine() -> str:

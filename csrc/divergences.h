@@ -207,9 +207,7 @@ struct SmoothedCVaR {
   template <typename T>
   C10_HOST_DEVICE inline T value(T t) const {
     using M = Math<T>;
-    T s = t + M::constant(shift);
-    T softplus = M::relu(s) + M::log1p_unit(exp_neg_abs(s));
-    return (M::constant(log1m_alpha) + softplus) * M::constant(inv_alpha);
+    return value_linear(t) + M::log1p_unit(exp_neg_abs(t + M::constant(shift))) * M::constant(inv_alpha);
   }
   // value(t) == value_linear(t) + log(value_log_factor(t)) * value_log_weight(), the factor in [1, 2]: a reduction
   // may sum the linear part, multiply the factors over a block and take one logarithm per block instead of
