@@ -230,6 +230,23 @@ def job_fsdp(rank, world):
                 for i, (p, q) in enumerate(zip(params, ref_params)):
                     close(full(p), q, f"{what}: param {i} after step {step + 1}", **tol)
             assert len(calls) == 5, f"{what}: {len(calls)} all-reduces in 5 steps, expected one per step"
+            if norm == "global" and dtype == torch.float64:
+                # GradScaler: scaled gradients are unscaled in the step; a found inf skips it entirely.
+                grads = synthetic_grads(5, shapes, dtype)
+                for p, g in zip(ref_params, grads):
+                    p.grad = g.clone()
+                ref_opt.step()
+                set_grads(params, [g * 4.0 for g in grads], mesh)
+                opt.grad_scale, opt.found_inf = torch.tensor(4.0), torch.tensor(0.0)
+                opt.step()
+                before = [full(p).clone() for p in params]
+                opt.found_inf = torch.tensor(1.0)
+                opt.step()
+                del opt.grad_scale, opt.found_inf
+                for i, (p, q, b) in enumerate(zip(params, ref_params, before)):
+                    close(full(p), q, f"{what}: param {i} after a grad_scale step", **tol)
+                    close(full(p), b, f"{what}: param {i} moved on a found_inf step", rtol=0, atol=0)
+                    assert float(opt.state[p]["step"]) == 6.0, f"{what}: found_inf step counted"
             for i, (p, q) in enumerate(zip(params, ref_params)):
                 close(full(opt.state[p]["momentum_buffer"]), ref_opt.state[q]["momentum_buffer"],
                       f"{what}: momentum {i}", **tol)
@@ -351,6 +368,8 @@ def job_robust(rank, world):
                     close(eta, ref_eta, f"{what}: eta*", rtol=tol["rtol"] * 100, atol=tol["atol"] * 100)
                     close(grad, split(ref_grad, sizes, rank), f"{what}: grad", **tol)
                     close(q, split(ref_q, sizes, rank), f"{what}: worst_case_weights", **tol)
+                    close(dro_ext.weight_stats(q, group=group)[0], dro_ext.weight_stats(ref_q)[0],
+                          f"{what}: weight_stats(weights) ess", **tol)
                     if dtype == torch.float32:
                         continue  # zero_fraction counts float32 underflows, which depend on the rounding of eta*
                     for field, a, b in zip(ref_stats._fields, stats, ref_stats):
