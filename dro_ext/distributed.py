@@ -487,35 +487,38 @@ def sharded_normalized_sgd_step(params, grads, momenta, steps, *, lr, momentum, 
         _foreach_momentum(local_grads, local_momenta, steps, momentum=momentum, maximize=maximize,
                           grad_scale=grad_scale)
 
-    # Per-tensor sums of squares of the whole momenta: local partials, all-reduced over the shards.
-    sumsq = torch.stack([n.to(device) for n in torch._foreach_norm(local_momenta, 2, dtype=torch.float64)]).square()
+    # Per-tensor sums of squares of the whole momenta: local partials, all-reduced over the shards. Built
+    # from per-tensor device scalars (no host-made index tensors: a host-to-device copy would sync).
+    sumsq = [n.to(device).square() for n in torch._foreach_norm(local_momenta, 2, dtype=torch.float64)]
     keys = [_shard_key(p) for p in params]
     for key in dict.fromkeys(k for k in keys if k is not None):
         mesh, dims = key
-        mask = torch.tensor([k == key for k in keys], device=device)
-        partial = torch.where(mask, sumsq, torch.zeros_like(sumsq))
+        members = [i for i, k in enumerate(keys) if k == key]
+        partial = torch.stack([sumsq[i] for i in members])
         for dim in dims:
             group = mesh.get_group(dim)
-            reduced = partial.to(_collective_device(group, device))
-            _all_reduce_(reduced, dist.ReduceOp.SUM, group, "NormalizedSGD.step")
-            partial = reduced.to(device)
-        sumsq = torch.where(mask, partial, sumsq)
+            coll_device = _collective_device(group, device)
+            partial = _all_reduce_(partial.to(coll_device), dist.ReduceOp.SUM, group, "NormalizedSGD.step").to(device)
+        for j, i in enumerate(members):
+            sumsq[i] = partial[j]
+    sumsq = torch.stack(sumsq)
     norms = sumsq.sqrt() if norm == "tensor" else sumsq.sum().sqrt().expand_as(sumsq)
 
     # p <- (1 - lr wd) p - lr m / (||m|| + eps); a zero momentum does not move p.
-    lr_t = lr.to(device=device, dtype=torch.float64) if isinstance(lr, torch.Tensor) else lr
-    scale = torch.where(norms > 0, lr_t / (norms + eps), torch.zeros_like(norms))
-    decay = 1.0 - lr_t * weight_decay
+    if isinstance(lr, torch.Tensor) and lr.device.type == "cpu":
+        lr = float(lr)  # a CPU scalar is read on the host, without a device sync
+    scale = torch.where(norms > 0, lr / (norms + eps), 0.0)
+    decay = 1.0 - lr * weight_decay  # a float, or a tensor on the device of a device-resident lr
     if skip is not None:  # GradScaler found inf/NaN: the fused op skipped the momentum, skip the update too
-        scale = torch.where(skip, torch.zeros_like(scale), scale)
-        decay = torch.where(skip, torch.ones((), dtype=torch.float64, device=device), decay)
+        scale = torch.where(skip, 0.0, scale)
+        if weight_decay != 0.0:
+            if not isinstance(decay, torch.Tensor):
+                decay = torch.full((), decay, dtype=torch.float64, device=device)  # a fill, not a copy
+            decay = torch.where(skip, 1.0, decay)
     if weight_decay != 0.0:
-        if isinstance(decay, torch.Tensor):
-            torch._foreach_mul_(local_params, [decay.to(p.dtype) for p in local_params])
-        else:
-            torch._foreach_mul_(local_params, decay)
-    updates = torch._foreach_mul(local_momenta, [s.to(m.dtype) for s, m in zip(scale.unbind(), local_momenta)])
-    torch._foreach_sub_(local_params, updates)
+        torch._foreach_mul_(local_params, decay)
+    # p += m * (-scale): per-tensor device scalars, no momentum-sized temporary.
+    torch._foreach_addcmul_(local_params, local_momenta, [(-s).to(m.dtype) for s, m in zip(scale.unbind(), local_momenta)])
 
 
 def _foreach_momentum(grads, momenta, steps, *, momentum, maximize, grad_scale):

@@ -168,3 +168,25 @@ def test_example_ddp_and_fsdp2_train_the_same_model(tmp_path):
         directory.mkdir()
         printed[name] = _torchrun(directory, *flags)
     assert len(printed["ddp"]) == 2 and printed["ddp"] == printed["fsdp2_unequal"], printed
+
+
+def test_group_errors_name_the_problem():
+    """In this (non-distributed) process: group= without an initialized process group, or of a wrong type,
+    is a clear error, raised before any collective."""
+    import torch
+
+    import dro_ext
+
+    if dist.is_initialized():  # pragma: no cover - the suite never initializes a group in-process
+        pytest.skip("a process group is initialized in this process")
+    losses = torch.rand(5)
+    for call in (
+        lambda g: dro_ext.robust_objective(losses, 0.5, group=g),
+        lambda g: dro_ext.worst_case_weights(losses, 0.5, "kl", group=g),
+        lambda g: dro_ext.weight_stats(losses, group=g),
+        lambda g: dro_ext.DROLoss("chi2", 0.5, group=g)(losses),
+    ):
+        with pytest.raises(RuntimeError, match="needs torch.distributed to be initialized"):
+            call(object())
+    with pytest.raises(ValueError, match="needs num_groups"):
+        dro_ext.weight_stats(losses, groups=torch.zeros(5, dtype=torch.long), group=object())
