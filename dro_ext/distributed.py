@@ -62,6 +62,8 @@ def _collective_device(group, device: torch.device) -> torch.device:
     backend = str(dist.get_backend(group)).lower()
     if backend == "gloo":
         return torch.device("cpu")
+    if backend == "nccl" and device.type == "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())  # e.g. losses kept on the host
     return device
 
 
@@ -518,7 +520,8 @@ def sharded_normalized_sgd_step(params, grads, momenta, steps, *, lr, momentum, 
     if weight_decay != 0.0:
         torch._foreach_mul_(local_params, decay)
     # p += m * (-scale): per-tensor device scalars, no momentum-sized temporary.
-    torch._foreach_addcmul_(local_params, local_momenta, [(-s).to(m.dtype) for s, m in zip(scale.unbind(), local_momenta)])
+    steps_down = [(-s).to(m.dtype) for s, m in zip(scale.unbind(), local_momenta)]
+    torch._foreach_addcmul_(local_params, local_momenta, steps_down)
 
 
 def _foreach_momentum(grads, momenta, steps, *, momentum, maximize, grad_scale):

@@ -69,7 +69,8 @@ def _run(commands, directory: Path, timeout: float):
                 for p in procs:
                     _kill(p)
                 texts = [(directory / f"rank{i}.log").read_text()[-3000:] for i in range(len(procs))]
-                pytest.fail(f"the spawned ranks did not finish within {timeout:.0f} s (killed):\n" + "\n---\n".join(texts))
+                pytest.fail(f"the spawned ranks did not finish within {timeout:.0f} s (killed):\n"
+                            + "\n---\n".join(texts))
     finally:
         for p in procs:
             _kill(p)
