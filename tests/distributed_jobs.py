@@ -251,6 +251,29 @@ def job_fsdp(rank, world):
                 close(full(opt.state[p]["momentum_buffer"]), ref_opt.state[q]["momentum_buffer"],
                       f"{what}: momentum {i}", **tol)
 
+    # HSDP (a 2-D mesh: replicate x shard): the norm is reduced over the shard dim only, never double
+    # counted over the replicas. On 2 ranks: 2 replicas of a 1-way shard, then 1 replica of a 2-way shard.
+    for shape in ((world, 1), (1, world)):
+        mesh2 = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        ref_model, ref_eta = build_model(torch.float64)
+        model, eta = build_model(torch.float64)
+        shard(model, mesh2)
+        ref_params, params = [*ref_model.parameters(), ref_eta], [*model.parameters(), eta]
+        placements = params[0].placements
+        assert len(placements) == 2 and placements[0].is_replicate() and placements[1].is_shard(), placements
+        shapes = [p.shape for p in ref_params]
+        ref_opt = dro_ext.NormalizedSGD(ref_params, lr=0.1, momentum=0.5)
+        opt = dro_ext.NormalizedSGD(params, lr=0.1, momentum=0.5)
+        for step in range(2):
+            grads = synthetic_grads(step, shapes, torch.float64)
+            for p, g in zip(ref_params, grads):
+                p.grad = g.clone()
+            ref_opt.step()
+            set_grads(params, grads, mesh2)
+            opt.step()
+        for i, (p, q) in enumerate(zip(params, ref_params)):
+            close(full(p), q, f"HSDP mesh {shape}: param {i} after 2 steps", rtol=1e-12, atol=1e-13)
+
     # A real FSDP2 backward: DROLoss(group=) on unequal local batches, eta beside the sharded weights
     # (average_gradients reduces its gradient), follows single-process training on the whole batch.
     group = dist.group.WORLD

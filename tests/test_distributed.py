@@ -127,7 +127,8 @@ def test_droloss_group_compiles_fullgraph(suite):
 def test_fsdp2_normalized_sgd_follows_unsharded(suite):
     """FSDP2-sharded NormalizedSGD (uneven shards, one empty; eta unsharded in the same group) over 5 steps
     equals the unsharded run: global and tensor norms, fused and foreach, float64 and float32 with weight
-    decay and maximize; one all-reduce per step; FSDP2 training with DROLoss(group=) on unequal batches
+    decay and maximize; GradScaler unscale and skip; one all-reduce per step; HSDP (2-D mesh) reduces over
+    the shard dim only; FSDP2 training with DROLoss(group=) on unequal batches
     equals single-process training; a torch.distributed.checkpoint round trip of the sharded state
     resumes bit for bit."""
     _check(suite, "fsdp")
