@@ -27,7 +27,7 @@ import dro_ext  # noqa: E402
 from dro_ext import _backend  # noqa: E402
 from dro_ext import distributed as dro_dist  # noqa: E402
 
-COLLECTIVE_TIMEOUT = 20.0
+COLLECTIVE_TIMEOUT = 60.0  # generous: the test machine may be heavily shared
 PARAMS = {"cvar": {"alpha": 0.3}, "kl_cvar": {"alpha": 0.2}, "smoothed_cvar": {"alpha": 0.25},
           "cressie_read": {"k": 1.5}}
 BACKENDS = ("native", "python") if _backend.native_available() and not _backend._force_python else ("python",)
