@@ -25,8 +25,8 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 JOBS_SCRIPT = ROOT / "tests" / "distributed_jobs.py"
 WORLD = 2
-# Wall-clock bounds. The machine this suite runs on may be shared and loaded; on two quiet cores the
-# combined job takes ~20 s and the rank-death test ~5 s.
+# Wall-clock bounds, wide because the machine may be shared: the whole file used about 40 s of CPU in all
+# (both ranks, every job, the example runs) and took 90-120 s of wall time on 2 cores shared with a load of 10-200.
 SUITE_TIMEOUT = float(os.environ.get("DRO_EXT_DIST_TIMEOUT", "300"))
 SHORT_TIMEOUT = float(os.environ.get("DRO_EXT_DIST_SHORT_TIMEOUT", "150"))
 
