@@ -490,7 +490,9 @@ def sharded_normalized_sgd_step(params, grads, momenta, steps, *, lr, momentum, 
                           grad_scale=grad_scale)
 
     # Per-tensor sums of squares of the whole momenta: local partials, all-reduced over the shards. Built
-    # from per-tensor device scalars (no host-made index tensors: a host-to-device copy would sync).
+    # from per-tensor device scalars (no host-made index tensors: a host-to-device copy would sync). In
+    # float64, as the foreach step does: float32 squares of tiny or huge momenta under- or overflow. On the
+    # CPU this converts each float32 shard (measured as the largest part of the sharded step there).
     sumsq = [n.to(device).square() for n in torch._foreach_norm(local_momenta, 2, dtype=torch.float64)]
     keys = [_shard_key(p) for p in params]
     for key in dict.fromkeys(k for k in keys if k is not None):
