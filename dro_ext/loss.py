@@ -14,18 +14,32 @@ class DROLoss(nn.Module):
     ``eta`` is a 0-d ``nn.Parameter``: put the module's parameters in the optimizer beside the model's,
     and minimizing the loss jointly over both minimizes the DRO objective (paper eq. 2.1). ``scale`` is
     the paper's G (Theorem 2.2's rescaling of eta).
+
+    Under ``DistributedDataParallel`` (or FSDP2) ``eta`` is a parameter like any other and its gradient
+    is averaged over the ranks; with equal local batch sizes the averaged gradients (model and eta) are
+    exactly those of this loss on the concatenated batch. For unequal local batches pass ``group`` (a
+    process group, e.g. ``torch.distributed.group.WORLD``): each rank's loss is then multiplied by
+    ``world_size * n_local / N`` (N from one all-reduce of a scalar per call, see
+    :func:`dro_ext.distributed.batch_scale`), so that the averaged gradients are again those of the
+    concatenated batch; the mean over the ranks of the returned values is the loss of that batch.
     """
 
-    def __init__(self, divergence="chi2", lam=0.1, *, alpha=None, k=None, scale=1.0, eta_init=0.0):
+    def __init__(self, divergence="chi2", lam=0.1, *, alpha=None, k=None, scale=1.0, eta_init=0.0, group=None):
         super().__init__()
         spec = check_divergence(divergence, alpha, k)
         self.divergence, self.alpha, self.k = spec
         self.lam = check_positive("lam", lam)
         self.scale = check_positive("scale", scale)
         self.eta = nn.Parameter(torch.tensor(float(eta_init)))
+        self.group = group
 
     def forward(self, losses: torch.Tensor) -> torch.Tensor:
-        return dro_loss(losses, self.eta, self.lam, self.divergence, alpha=self.alpha, k=self.k, scale=self.scale)
+        value = dro_loss(losses, self.eta, self.lam, self.divergence, alpha=self.alpha, k=self.k, scale=self.scale)
+        if self.group is None:
+            return value
+        from dro_ext.distributed import batch_scale
+
+        return value * batch_scale(losses.shape[0], self.group, losses.device).to(value.dtype)
 
     def extra_repr(self) -> str:
         params = "".join(f", {n}={v}" for n, v in (("alpha", self.alpha), ("k", self.k)) if v is not None)

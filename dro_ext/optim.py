@@ -16,6 +16,7 @@ import torch
 from torch.optim import Optimizer
 
 from dro_ext import _backend
+from dro_ext import distributed as _distributed
 
 __all__ = ["NormalizedSGD", "DEFAULT_EPS"]
 
@@ -172,6 +173,12 @@ class NormalizedSGD(Optimizer):
             params, grads, momenta, steps = [], [], [], []
             self._init_group(group, params, grads, momenta, steps)
             if not params:
+                continue
+            if _distributed.has_dtensor(params):  # FSDP2: local shards, one all-reduce for the norm
+                _distributed.sharded_normalized_sgd_step(
+                    params, grads, momenta, steps, lr=group["lr"], momentum=group["momentum"], eps=group["eps"],
+                    weight_decay=group["weight_decay"], norm=group["norm"], maximize=group["maximize"],
+                    grad_scale=grad_scale, found_inf=found_inf, fused=self._use_fused(group, params))
                 continue
             step_fn = _fused_step if self._use_fused(group, params) else _foreach_step
             step_fn(params, grads, momenta, steps, lr=group["lr"], momentum=group["momentum"], eps=group["eps"],

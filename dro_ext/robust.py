@@ -214,7 +214,9 @@ class _RobustObjective(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------
 
 
-def robust_objective(losses, lam, divergence="chi2", *, alpha=None, k=None) -> tuple[torch.Tensor, torch.Tensor]:
+def robust_objective(
+    losses, lam, divergence="chi2", *, alpha=None, k=None, group=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The robust objective ``Psi = min_eta mean_i lam*psi*((l_i - eta)/lam) + eta`` and its minimizer.
 
     Returns ``(value, eta_star)``: ``value`` is 0-d in the dtype of ``losses``; ``eta_star`` is 0-d in the
@@ -226,7 +228,12 @@ def robust_objective(losses, lam, divergence="chi2", *, alpha=None, k=None) -> t
     If ``losses`` requires grad, ``value`` is differentiable: by Danskin's theorem its gradient is the
     worst-case distribution :func:`worst_case_weights` (times the incoming gradient), so it can serve as a
     training loss. ``eta_star`` carries no gradient.
+
+    ``group`` (a torch.distributed process group): ``losses`` is this rank's share, and every rank gets
+    the answer on the losses of all the ranks concatenated, from all-reduces (dro_ext.distributed).
     """
+    if group is not None:
+        return _distributed().robust_objective(losses, lam, divergence, alpha=alpha, k=k, group=group)
     spec = check_divergence(divergence, alpha, k)
     check_losses(losses)
     lam = check_positive("lam", lam)
@@ -235,13 +242,16 @@ def robust_objective(losses, lam, divergence="chi2", *, alpha=None, k=None) -> t
     return _RobustObjective.apply(losses, lam, spec)
 
 
-def worst_case_weights(losses, lam, divergence="chi2", *, alpha=None, k=None) -> torch.Tensor:
+def worst_case_weights(losses, lam, divergence="chi2", *, alpha=None, k=None, group=None) -> torch.Tensor:
     """The worst-case distribution ``q_i = psi*'((l_i - eta*)/lam) / N`` over the samples (sums to one).
 
     For ``cvar`` the samples above ``eta*`` get ``1/(alpha N)`` each and the samples equal to ``eta*``
     share the remaining mass equally (fractional when ``alpha*N`` is not an integer). Shape ``(N,)``,
-    dtype of ``losses``; no gradient flows through it.
+    dtype of ``losses``; no gradient flows through it. With ``group``, this rank's share of the
+    distribution over the losses of every rank (the shares sum to one over the ranks).
     """
+    if group is not None:
+        return _distributed().worst_case_weights(losses, lam, divergence, alpha=alpha, k=k, group=group)
     spec = check_divergence(divergence, alpha, k)
     check_losses(losses)
     lam = check_positive("lam", lam)
@@ -273,6 +283,7 @@ def weight_stats(
     scale=1.0,
     groups=None,
     num_groups=None,
+    group=None,
 ) -> WeightStats:
     """Effective sample size, max weight, zero fraction and per-group mass of a sample weighting.
 
@@ -282,12 +293,16 @@ def weight_stats(
     None. ``groups`` is an optional integer tensor of group ids in ``[0, num_groups)``, one per sample;
     pass ``num_groups`` to avoid a device sync (ids outside ``[0, num_groups)`` raise IndexError). One
     pass over the weights in the native op (four small reductions in the fallback); never differentiable.
+    ``group`` (a process group): the statistics of the weights (or losses) of every rank together.
     """
     with torch.no_grad():
         if weights is not None:
             if losses is not None or eta is not None:
                 raise ValueError("dro_ext: give either weights or losses (+ eta), not both")
-            check_losses_like("weights", weights)
+            if group is None:
+                check_losses_like("weights", weights)
+            else:
+                _distributed()._check_local_losses(weights, "weights")
             w = weights
         else:
             if losses is None:
@@ -295,7 +310,7 @@ def weight_stats(
             if lam is None:
                 raise ValueError("dro_ext: weight_stats with losses needs lam > 0, got lam=None")
             if eta is None:
-                w = worst_case_weights(losses, lam, divergence, alpha=alpha, k=k)
+                w = worst_case_weights(losses, lam, divergence, alpha=alpha, k=k, group=group)
             else:
                 w = dro_weights(losses.detach(), eta, lam, divergence, alpha=alpha, k=k, scale=scale)
         w = w.detach()
@@ -306,11 +321,15 @@ def weight_stats(
                 raise ValueError(f"dro_ext: groups must have shape {tuple(w.shape)}, got {tuple(groups.shape)}")
             if groups.device != w.device:
                 raise ValueError(f"dro_ext: groups is on {groups.device} but the weights are on {w.device}")
+            if num_groups is None and group is not None:
+                raise ValueError("dro_ext: weight_stats with group= and groups needs num_groups")
             if num_groups is None:
                 num_groups = int(groups.max().item()) + 1
             num_groups = int(num_groups)
             if num_groups <= 0:
                 raise ValueError(f"dro_ext: num_groups must be > 0, got num_groups={num_groups}")
+        if group is not None:
+            return _distributed().weight_stats(w, groups, num_groups, group)
         if _native_for(w):
             ess, max_weight, zero_fraction, group_mass = torch.ops.dro_ext.weight_stats(
                 w, groups, num_groups if groups is not None else 0
@@ -327,6 +346,12 @@ def weight_stats(
             group_mass.index_add_(0, groups.long(), w.to(torch.float64))
             group_mass = (group_mass / total.to(torch.float64)).to(w.dtype)
         return WeightStats(ess, max_weight, zero_fraction, group_mass)
+
+
+def _distributed():
+    from dro_ext import distributed
+
+    return distributed
 
 
 def check_losses_like(name: str, t) -> None:
@@ -388,6 +413,7 @@ def evaluate(
     k=None,
     device=None,
     progress=True,
+    group=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``Psi`` over a whole dataset: ``robust_objective`` of the per-sample losses of every batch.
 
@@ -395,7 +421,9 @@ def evaluate(
     ``lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none")``). The model runs in eval mode under
     ``torch.no_grad()``; only the N losses are kept; the train/eval mode of every submodule is restored
     afterwards. ``device`` moves each batch (tensors in tuples, lists and dicts) there first. Returns
-    ``(value, eta_star)`` as :func:`robust_objective` does.
+    ``(value, eta_star)`` as :func:`robust_objective` does. With ``group``, each rank evaluates its own
+    loader (e.g. with a ``DistributedSampler``, which pads with repeated samples unless the dataset
+    divides evenly) and every rank gets ``Psi`` over the losses of all the ranks.
     """
     spec = check_divergence(divergence, alpha, k)
     lam = check_positive("lam", lam)
@@ -418,5 +446,7 @@ def evaluate(
         for module, training in modes:
             module.training = training
     if not chunks:
-        raise ValueError("dro_ext: evaluate got an empty loader (no losses to evaluate)")
-    return robust_objective(torch.cat(chunks), lam, spec.name, alpha=spec.alpha, k=spec.k)
+        if group is None:
+            raise ValueError("dro_ext: evaluate got an empty loader (no losses to evaluate)")
+        chunks.append(torch.empty(0, device=device))  # this rank holds none; the others may
+    return robust_objective(torch.cat(chunks), lam, spec.name, alpha=spec.alpha, k=spec.k, group=group)

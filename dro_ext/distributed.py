@@ -1,0 +1,537 @@
+"""dro_ext on torch.distributed: the same answers as one process, without gathering data to one rank.
+
+Three pieces, each reached from the public API by a keyword or by the parameters' type:
+
+- ``DROLoss(..., group=pg)``: the loss of each rank is rescaled by ``world_size * n_local / N`` (``N``
+  from one all-reduce of a scalar), so that the gradients DDP (or FSDP2) averages over the ranks are those
+  of the objective on the concatenated batch, whatever the local batch sizes. See :func:`batch_scale`.
+- ``NormalizedSGD`` on DTensor (FSDP2) parameters: :func:`sharded_normalized_sgd_step` updates the local
+  shards and takes the norm of the whole, unsharded momentum from one all-reduce of per-tensor sums of
+  squares per param group (on the device: no host sync). Plain tensors (DDP, or ``eta`` beside sharded
+  weights) are replicated and counted once; they add no collective.
+- ``robust_objective``, ``worst_case_weights``, ``weight_stats`` and ``evaluate`` with ``group=``: each
+  rank holds its own losses; every sum, max and count is all-reduced (scalars, or one small vector), never
+  the losses themselves, and every rank gets the single-process answer on the concatenated losses.
+
+Every rank must make the same calls with the same arguments (lam, divergence, ...), as with any
+collective. Every rank takes the same branches of the solvers because all-reduce results are identical on
+every rank. A collective that fails (a rank died, or the process group's timeout passed) raises a
+RuntimeError that names the dro_ext function it came from.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import struct
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from dro_ext._divergences import Spec, accumulate_dtype, check_divergence, check_positive
+from dro_ext._divergences import psi_star as _psi_star_torch
+
+__all__ = [
+    "average_gradients",
+    "batch_scale",
+    "robust_objective",
+    "sharded_normalized_sgd_step",
+    "weight_stats",
+    "worst_case_weights",
+]
+
+# ---------------------------------------------------------------------------------------------------
+# Process groups and collectives
+# ---------------------------------------------------------------------------------------------------
+
+
+def check_group(group, where: str):
+    """The process group, after checking torch.distributed is initialized (a clear error otherwise)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"dro_ext.{where}: group= needs torch.distributed to be initialized "
+                           f"(call torch.distributed.init_process_group first)")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"dro_ext.{where}: group must be a torch.distributed.ProcessGroup "
+                        f"(e.g. torch.distributed.group.WORLD), got {type(group).__name__}")
+    return group
+
+
+def _collective_device(group, device: torch.device) -> torch.device:
+    # gloo reduces CPU tensors (and CUDA ones through a host copy); NCCL needs CUDA tensors. The small
+    # vectors reduced here go where the group's backend wants them.
+    backend = str(dist.get_backend(group)).lower()
+    if backend == "gloo":
+        return torch.device("cpu")
+    if backend == "nccl" and device.type == "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())  # e.g. losses kept on the host
+    return device
+
+
+def _all_reduce_(tensor: torch.Tensor, op, group, where: str) -> torch.Tensor:
+    try:
+        dist.all_reduce(tensor, op=op, group=group)
+    except RuntimeError as exc:  # DistBackendError and the gloo/NCCL errors derive from RuntimeError
+        raise RuntimeError(
+            f"dro_ext.{where}: an all-reduce over the process group failed (a rank exited, crashed or did "
+            f"not call {where} with the same arguments, or the group's timeout passed): {exc}"
+        ) from exc
+    return tensor
+
+
+class _Reducer:
+    """Sums and maxima of Python floats over the ranks of a group, as float64 Python floats."""
+
+    def __init__(self, group, device: torch.device, where: str):
+        self.group, self.where = group, where
+        self.device = _collective_device(group, device)
+
+    def _reduce(self, values, op) -> list[float]:
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        return _all_reduce_(t, op, self.group, self.where).tolist()
+
+    def sum(self, *values) -> list[float]:
+        return self._reduce(values, dist.ReduceOp.SUM)
+
+    def max(self, *values) -> list[float]:
+        return self._reduce(values, dist.ReduceOp.MAX)
+
+    def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """An all-reduced (summed) copy of a small tensor, on the tensor's device."""
+        out = t.detach().to(self.device, copy=True)
+        return _all_reduce_(out, dist.ReduceOp.SUM, self.group, self.where).to(t.device)
+
+
+# ---------------------------------------------------------------------------------------------------
+# DROLoss with unequal local batches
+# ---------------------------------------------------------------------------------------------------
+
+
+def batch_scale(num_local: int, group, device) -> torch.Tensor:
+    """``world_size * n_local / N`` as a 0-d float64 tensor on ``device``: one all-reduce of a scalar.
+
+    The DRO objective of the concatenated batch is the sample-weighted mean of the local objectives,
+    ``L = sum_r (n_r/N) L_r`` (the ``scale*eta`` term included, since the weights sum to one), so scaling
+    each rank's loss by ``R n_r / N`` makes DDP's (or FSDP2's) average over the R ranks the gradient of
+    ``L``, for the model and for ``eta`` alike. With equal local batches the factor is 1.
+
+    The all-reduce is a functional collective (``torch.distributed._functional_collectives``), which
+    ``torch.compile`` traces; the factor carries no gradient.
+    """
+    from torch.distributed import _functional_collectives as funcol
+
+    check_group(group, "DROLoss")
+    coll_device = _collective_device(group, torch.device(device))
+    count = torch.full((), float(num_local), dtype=torch.float64, device=coll_device)
+    total = funcol.all_reduce(count, "sum", group)
+    world = dist.get_world_size(group)
+    return (count * world / total).to(device)
+
+
+def average_gradients(params, group) -> None:
+    """Average the gradients of plain (replicated) parameters over the ranks: one all-reduce in all.
+
+    FSDP2 (``fully_shard``) reduces the gradients of the parameters it manages, but it cannot manage a
+    0-d parameter such as ``DROLoss.eta``, which then stays a plain tensor whose gradient is local to
+    each rank. Call this after ``backward()`` on those parameters (e.g. ``dro_loss.parameters()``);
+    under DDP it is not needed (DDP averages every parameter it wraps). DTensor parameters and
+    parameters without a gradient are left alone.
+    """
+    group = check_group(group, "average_gradients")
+    grads = [p.grad for p in params if p.grad is not None and not has_dtensor([p]) and not has_dtensor([p.grad])]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1).to(torch.float64) for g in grads])
+    device = flat.device
+    flat = _all_reduce_(flat.to(_collective_device(group, device)), dist.ReduceOp.SUM, group, "average_gradients")
+    flat = flat.to(device) / dist.get_world_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The robust objective over the losses of every rank
+# ---------------------------------------------------------------------------------------------------
+
+_MAX_ITERATIONS = 100
+# Thresholds per round of the distributed selection: the count vector of one round is one all-reduce,
+# and each round narrows the search over the 2^64 float64 bit patterns by this factor (8 rounds at most).
+_SELECTION_FANOUT = 255
+
+
+def _check_local_losses(losses, name="losses") -> None:
+    # As check_losses, except that one rank may hold no losses (the concatenation must not be empty).
+    if not isinstance(losses, torch.Tensor):
+        raise TypeError(f"dro_ext: {name} must be a torch.Tensor, got {type(losses).__name__}")
+    if losses.dim() != 1:
+        raise ValueError(f"dro_ext: {name} must be a 1-D tensor of per-sample losses, got shape "
+                         f"{tuple(losses.shape)}")
+    if not losses.is_floating_point():
+        raise TypeError(f"dro_ext: {name} must have a floating dtype, got {losses.dtype}")
+
+
+def _ordered_keys(x: torch.Tensor) -> torch.Tensor:
+    """int64 keys in the order of the float64 values (-0.0 and 0.0 share a key; no NaN in x)."""
+    bits = (x + 0.0).view(torch.int64)  # + 0.0 turns -0.0 into 0.0
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFFFFFFFFFF, bits)
+
+
+def _key_to_float(key: int) -> float:
+    bits = key if key >= 0 else key ^ 0x7FFFFFFFFFFFFFFF
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+def _float_to_key(value: float) -> int:
+    bits = struct.unpack("<q", struct.pack("<d", value + 0.0))[0]
+    return bits if bits >= 0 else bits ^ 0x7FFFFFFFFFFFFFFF
+
+
+def _kth_largest(x: torch.Tensor, j: int, lo: float, hi: float, reducer: _Reducer) -> float:
+    """The j-th largest of the losses of every rank (exact), by a search over the float64 bit patterns.
+
+    Each round counts, for 255 thresholds, the losses at or above each (a binary search in the sorted
+    local keys) and all-reduces the 255 counts: about 8 rounds, nothing N-sized leaves a rank.
+    """
+    keys = torch.sort(_ordered_keys(x)).values
+    n_local = keys.numel()
+    # Invariant: count(key >= a) >= j > count(key >= b); the answer is the largest such a.
+    a, b = _float_to_key(lo), _float_to_key(hi) + 1
+    while b - a > 1:
+        width = b - a
+        steps = min(_SELECTION_FANOUT, width - 1)
+        thresholds = sorted({a + (width * i) // (steps + 1) for i in range(1, steps + 1)} - {a})
+        t = torch.tensor(thresholds, dtype=torch.int64, device=keys.device)
+        local = n_local - torch.searchsorted(keys, t, side="left")
+        counts = reducer.sum_tensor(local.to(torch.float64)).tolist()
+        for threshold, count in zip(thresholds, counts):
+            if count >= j:
+                a = threshold
+            else:
+                b = threshold
+                break
+    return _key_to_float(a)
+
+
+class _Solution(NamedTuple):
+    value: float
+    eta: float
+    n: int        # the number of losses over every rank
+    tail: float   # alpha * N for cvar (else 0)
+
+
+def _tail_size(alpha: float, n: int) -> float:
+    from dro_ext.robust import _tail_size as tail_size
+
+    return tail_size(alpha, n)
+
+
+def _solve(x: torch.Tensor, lam: float, spec: Spec, reducer: _Reducer) -> _Solution:
+    """(Psi, eta*) of the losses of every rank; x holds this rank's losses in float64.
+
+    The algorithms of the single-process fallback (robust._solve_torch), step for step, with every sum,
+    count and extremum all-reduced: every rank then holds the same numbers and takes the same branches.
+    """
+    n_local = x.numel()
+    nan_local = bool(torch.isnan(x).any()) if n_local else False
+    if n_local and not nan_local:
+        lo_t, hi_t = torch.aminmax(x)
+        lo_local, hi_local = lo_t.item(), hi_t.item()
+    else:
+        lo_local, hi_local = math.inf, -math.inf
+    n_f, nan_count = reducer.sum(n_local, float(nan_local))
+    neg_lo, hi = reducer.max(-lo_local, hi_local)
+    n, lo = int(n_f), -neg_lo
+    if n == 0:
+        raise ValueError(f"dro_ext.{reducer.where}: the losses of every rank together are empty")
+    tail = _tail_size(spec.alpha, n) if spec.name == "cvar" else 0.0
+    if nan_count > 0 or lo == -math.inf:
+        return _Solution(math.nan, math.nan, n, tail)
+    if hi == math.inf:
+        return _Solution(math.inf, math.inf, n, tail)
+    if lo == hi:
+        return _Solution(lo, lo, n, tail)
+    if spec.name == "kl":
+        (s,) = reducer.sum(torch.exp((x - hi) / lam).sum().item())
+        eta = hi + lam * math.log(s / n)
+        return _Solution(eta, eta, n, tail)
+    if spec.name == "cvar":
+        j = min(n, max(1, math.ceil(tail)))
+        eta = _kth_largest(x, j, lo, hi, reducer)
+        above = x > eta
+        sum_above, n_above = reducer.sum(x[above].sum().item(), above.sum().item())
+        return _Solution((sum_above + (tail - n_above) * eta) / tail, eta, n, tail)
+    chi2 = spec.name == "chi2"
+    tol = 4.0 * 2.220446049250313e-16 * max(abs(lo), abs(hi), lam)
+    a, b, eta = lo, hi, lo
+    step_before_last = last_step = b - a
+    previous_active, last_was_newton, converged = -1.0, False, False
+    for _ in range(_MAX_ITERATIONS):
+        t = (x - eta) / lam
+        s1, s2 = reducer.sum(_psi_star_torch(t, spec, 1).sum().item(), _psi_star_torch(t, spec, 2).sum().item())
+        g = s1 / n - 1.0
+        if math.isnan(g):
+            return _Solution(math.nan, math.nan, n, tail)
+        if g == 0.0:
+            converged = True
+            break
+        if g > 0.0:
+            a = eta
+        else:
+            b = eta
+        if chi2 and last_was_newton and s2 == previous_active:
+            converged = True
+            break
+        previous_active = s2
+        try:
+            newton = lam * g * n / s2 if chi2 else lam * math.log(s1 / n) * (s1 / s2)
+        except (ValueError, ZeroDivisionError, OverflowError):
+            newton = math.nan
+        nxt = eta + newton
+        use_newton = math.isfinite(nxt) and a < nxt < b and (chi2 or abs(newton) <= 0.5 * abs(step_before_last))
+        if not use_newton:
+            nxt = 0.5 * (a + b)
+        step_before_last, last_step = last_step, nxt - eta
+        eta, last_was_newton = nxt, use_newton
+        if abs(last_step) <= tol or b - a <= tol:
+            converged = True
+            break
+    if chi2 and converged:
+        # The exact root on the segment where the same samples are active (psi*' linear there).
+        active = x > eta - 2.0 * lam
+        sum_active, count = reducer.sum(x[active].sum().item(), active.sum().item())
+        if count > 0:
+            exact = (sum_active + 2.0 * lam * (count - n)) / count
+            if lo <= exact <= hi:
+                eta = exact
+    (total,) = reducer.sum(_psi_star_torch((x - eta) / lam, spec, 0).sum().item())
+    return _Solution(lam * total / n + eta, eta, n, tail)
+
+
+def _weights(x: torch.Tensor, solution: _Solution, lam: float, spec: Spec, reducer: _Reducer) -> torch.Tensor:
+    """This rank's share of the worst-case distribution at eta* (float64; sums to one over every rank)."""
+    eta = solution.eta
+    if spec.name == "cvar":
+        above, at = x > eta, x == eta
+        n_above, n_at = reducer.sum(above.sum().item(), at.sum().item())
+        boundary = max(1.0 - n_above / solution.tail, 0.0) / n_at if n_at > 0 else 0.0
+        # The last branch is reached only when x or eta is NaN, and x + eta is NaN then.
+        return torch.where(above, 1.0 / solution.tail, torch.where(at, boundary, torch.where(x < eta, 0.0, x + eta)))
+    w = _psi_star_torch((x - eta) / lam, spec, 1)
+    (total,) = reducer.sum(w.sum().item())
+    return w / total
+
+
+class _DistributedRobustObjective(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, losses, lam, spec, group):
+        reducer = _Reducer(group, losses.device, "robust_objective")
+        x = losses.detach().to(torch.float64)
+        solution = _solve(x, lam, spec, reducer)
+        eta_t = torch.tensor(solution.eta, dtype=accumulate_dtype(losses.dtype), device=losses.device)
+        ctx.save_for_backward(losses)
+        ctx.args = (lam, spec, group, solution)
+        ctx.mark_non_differentiable(eta_t)
+        return torch.tensor(solution.value, dtype=losses.dtype, device=losses.device), eta_t
+
+    @staticmethod
+    def backward(ctx, grad_value, _grad_eta):
+        # Danskin: d Psi / d l_i = q_i, this rank's share of the worst-case distribution. Every rank's
+        # value is the same Psi, so each rank backpropagates into its own losses only.
+        (losses,) = ctx.saved_tensors
+        lam, spec, group, solution = ctx.args
+        reducer = _Reducer(group, losses.device, "robust_objective (backward)")
+        q = _weights(losses.detach().to(torch.float64), solution, lam, spec, reducer)
+        return (q * grad_value.to(torch.float64)).to(losses.dtype), None, None, None
+
+
+def robust_objective(losses, lam, divergence="chi2", *, alpha=None, k=None, group):
+    """:func:`dro_ext.robust_objective` of the losses of every rank of ``group`` (see that function).
+
+    Collectives: two scalar all-reduces (count and range), then ``kl`` one, ``cvar`` about 8 of a
+    255-vector (the exact selection of the tail boundary) and one of two scalars, the iterative solvers
+    one of two scalars per iteration (about 5 to 40). The backward pass adds one or two.
+    """
+    spec = check_divergence(divergence, alpha, k)
+    _check_local_losses(losses)
+    lam = check_positive("lam", lam)
+    group = check_group(group, "robust_objective")
+    return _DistributedRobustObjective.apply(losses, lam, spec, group)
+
+
+def worst_case_weights(losses, lam, divergence="chi2", *, alpha=None, k=None, group):
+    """This rank's share of :func:`dro_ext.worst_case_weights` over the losses of every rank.
+
+    The returned weights (dtype of ``losses``) sum to one over all the ranks together.
+    """
+    spec = check_divergence(divergence, alpha, k)
+    _check_local_losses(losses)
+    lam = check_positive("lam", lam)
+    group = check_group(group, "worst_case_weights")
+    reducer = _Reducer(group, losses.device, "worst_case_weights")
+    x = losses.detach().to(torch.float64)
+    solution = _solve(x, lam, spec, reducer)
+    return _weights(x, solution, lam, spec, reducer).to(losses.dtype)
+
+
+def weight_stats(w: torch.Tensor, groups, num_groups, group):
+    """:class:`dro_ext.robust.WeightStats` of the weights of every rank (``w``: this rank's, checked).
+
+    One all-reduce (sum) of ``[sum w, sum w^2, #zeros, n, #NaN, per-group sums...]`` and one (max) of the
+    largest weight. NaN anywhere gives NaN statistics everywhere.
+    """
+    from dro_ext.robust import WeightStats
+
+    group = check_group(group, "weight_stats")
+    reducer = _Reducer(group, w.device, "weight_stats")
+    acc = accumulate_dtype(w.dtype)
+    x = w.detach().to(torch.float64)
+    width = int(num_groups) if groups is not None else 0
+    sums = torch.zeros(5 + width, dtype=torch.float64, device=x.device)
+    if x.numel():
+        sums[0], sums[1] = x.sum(), (x * x).sum()
+        sums[2], sums[3], sums[4] = (x == 0).sum(), x.numel(), torch.isnan(x).sum()
+        if groups is not None:
+            if int(groups.min()) < 0 or int(groups.max()) >= width:
+                raise IndexError(f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={width}")
+            sums[5:].index_add_(0, groups.long(), x)
+    local_max = x.max().item() if x.numel() else -math.inf
+    sums = reducer.sum_tensor(sums)
+    (largest,) = reducer.max(local_max)
+    total, total_sq, zeros, n, nans = sums[:5].tolist()
+    if n == 0:
+        raise ValueError("dro_ext.weight_stats: the weights of every rank together are empty")
+    if nans > 0:
+        largest = math.nan  # the MAX all-reduce of gloo and NCCL need not propagate NaN
+    make = lambda v: torch.tensor(v, dtype=acc, device=w.device)  # noqa: E731
+    group_mass = (sums[5:] / total).to(acc) if groups is not None else None
+    return WeightStats(make(total * total / total_sq), make(largest / total), make(zeros / n), group_mass)
+
+
+# ---------------------------------------------------------------------------------------------------
+# NormalizedSGD on DTensor (FSDP2) parameters
+# ---------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return None
+    return DTensor
+
+
+def has_dtensor(params) -> bool:
+    dtensor = _dtensor_type()
+    return dtensor is not None and any(isinstance(p, dtensor) for p in params)
+
+
+def _local(t):
+    dtensor = _dtensor_type()
+    return t.to_local() if isinstance(t, dtensor) else t
+
+
+def _shard_key(p):
+    """(mesh, sharded mesh dims) of a DTensor sharded on some mesh dim, else None (replicated/plain)."""
+    dtensor = _dtensor_type()
+    if not isinstance(p, dtensor):
+        return None
+    for placement in p.placements:
+        if placement.is_partial():
+            raise ValueError("dro_ext.NormalizedSGD: a parameter or gradient is a DTensor with a Partial "
+                             "placement (not reduced yet); reduce it before the optimizer step")
+    dims = tuple(i for i, placement in enumerate(p.placements) if placement.is_shard())
+    return (p.device_mesh, dims) if dims else None
+
+
+def _check_grad_layout(p, g, index: int) -> None:
+    dtensor = _dtensor_type()
+    if isinstance(p, dtensor) != isinstance(g, dtensor) or (
+            isinstance(p, dtensor) and (tuple(p.placements) != tuple(g.placements) or p.device_mesh != g.device_mesh)):
+        where = f"{tuple(g.placements)}" if isinstance(g, dtensor) else "a plain tensor"
+        what = f"{tuple(p.placements)}" if isinstance(p, dtensor) else "a plain tensor"
+        raise ValueError(f"dro_ext.NormalizedSGD: parameter {index} is {what} but its gradient is {where}; "
+                         f"the sharded step needs the gradient laid out as its parameter")
+
+
+def sharded_normalized_sgd_step(params, grads, momenta, steps, *, lr, momentum, eps, weight_decay, norm, maximize,
+                                grad_scale, found_inf, fused: bool):
+    """One NormalizedSGD step over a param group holding DTensor (FSDP2-sharded) parameters.
+
+    The update is elementwise, so it runs on the local shards (``to_local()``, which shares storage with
+    the DTensor). Only the norm spans ranks: the per-tensor sums of squares of the local momenta
+    (float64) are all-reduced, once per param group (once per distinct mesh when a group mixes meshes),
+    over the mesh dims each tensor is sharded on; plain tensors and replicated DTensors are whole on every
+    rank and counted once. Both ``norm="global"`` and ``norm="tensor"`` read the same reduced vector.
+
+    With the fused op the momentum pass is the native kernel on the local shards (first-step rule,
+    ``maximize``, ``grad_scale`` and ``found_inf`` read where it runs), called with ``lr = 0`` so that it
+    leaves the parameters as they are; the update with the reduced norm is a second, ``torch._foreach``
+    pass. No host sync on that path.
+    """
+    for i, (p, g) in enumerate(zip(params, grads)):
+        _check_grad_layout(p, g, i)
+    local_params = [_local(p) for p in params]
+    local_grads = [_local(g) for g in grads]
+    local_momenta = [_local(m) for m in momenta]
+    device = local_params[0].device
+    skip = None
+    if fused:
+        zero_lr = torch.zeros((), dtype=torch.float64)
+        torch.ops.dro_ext.normalized_sgd_step_(local_params, local_grads, local_momenta, steps, zero_lr, momentum,
+                                               0.0, 0.0, "tensor", maximize, grad_scale, found_inf)
+        if found_inf is not None:
+            skip = found_inf.to(device=device).reshape(()).ne(0)
+    else:
+        if found_inf is not None and bool(found_inf.ne(0).any()):
+            return
+        _foreach_momentum(local_grads, local_momenta, steps, momentum=momentum, maximize=maximize,
+                          grad_scale=grad_scale)
+
+    # Per-tensor sums of squares of the whole momenta: local partials, all-reduced over the shards. Built
+    # from per-tensor device scalars (no host-made index tensors: a host-to-device copy would sync). In
+    # float64, as the foreach step does: float32 squares of tiny or huge momenta under- or overflow. On the
+    # CPU this converts each float32 shard (measured as the largest part of the sharded step there).
+    sumsq = [n.to(device).square() for n in torch._foreach_norm(local_momenta, 2, dtype=torch.float64)]
+    keys = [_shard_key(p) for p in params]
+    for key in dict.fromkeys(k for k in keys if k is not None):
+        mesh, dims = key
+        members = [i for i, k in enumerate(keys) if k == key]
+        partial = torch.stack([sumsq[i] for i in members])
+        for dim in dims:
+            group = mesh.get_group(dim)
+            coll_device = _collective_device(group, device)
+            partial = _all_reduce_(partial.to(coll_device), dist.ReduceOp.SUM, group, "NormalizedSGD.step").to(device)
+        for j, i in enumerate(members):
+            sumsq[i] = partial[j]
+    sumsq = torch.stack(sumsq)
+    norms = sumsq.sqrt() if norm == "tensor" else sumsq.sum().sqrt().expand_as(sumsq)
+
+    # p <- (1 - lr wd) p - lr m / (||m|| + eps); a zero momentum does not move p.
+    if isinstance(lr, torch.Tensor) and lr.device.type == "cpu":
+        lr = float(lr)  # a CPU scalar is read on the host, without a device sync
+    scale = torch.where(norms > 0, lr / (norms + eps), 0.0)
+    decay = 1.0 - lr * weight_decay  # a float, or a tensor on the device of a device-resident lr
+    if skip is not None:  # GradScaler found inf/NaN: the fused op skipped the momentum, skip the update too
+        scale = torch.where(skip, 0.0, scale)
+        if weight_decay != 0.0:
+            if not isinstance(decay, torch.Tensor):
+                decay = torch.full((), decay, dtype=torch.float64, device=device)  # a fill, not a copy
+            decay = torch.where(skip, 1.0, decay)
+    if weight_decay != 0.0:
+        torch._foreach_mul_(local_params, decay)
+    # p += m * (-scale): per-tensor device scalars, no momentum-sized temporary.
+    steps_down = [(-s).to(m.dtype) for s, m in zip(scale.unbind(), local_momenta)]
+    torch._foreach_addcmul_(local_params, local_momenta, steps_down)
+
+
+def _foreach_momentum(grads, momenta, steps, *, momentum, maximize, grad_scale):
+    """m <- beta m + (1 - beta) g (m <- g on the first step) on plain tensors; steps += 1."""
+    grad_mul = -1.0 if maximize else 1.0
+    for g, m, step in zip(grads, momenta, steps):
+        take = grad_mul * (1.0 - momentum * step.clamp_max(1.0).to(torch.float64))
+        if grad_scale is not None:
+            take = take / grad_scale.to(device=m.device, dtype=torch.float64)
+        m.mul_(momentum).add_(g * take.to(m.dtype).to(m.device))
+        step.add_(1.0)

@@ -1,0 +1,500 @@
+"""The bodies of tests/test_distributed.py: each job runs in every rank of a gloo group of CPU processes.
+
+    python tests/distributed_jobs.py JOB RANK WORLD_SIZE STORE_FILE
+
+The group meets through a FileStore (no TCP port to pick, so parallel tests cannot clash). Each rank
+checks its own results against the single-process answer on the concatenated data, which it computes
+itself (every rank can rebuild every rank's data from the seed), and exits non-zero on the first failed
+check, with the reason on stderr. Collectives time out after COLLECTIVE_TIMEOUT seconds.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dro_ext  # noqa: E402
+from dro_ext import _backend  # noqa: E402
+from dro_ext import distributed as dro_dist  # noqa: E402
+
+COLLECTIVE_TIMEOUT = 60.0  # generous: the test machine may be heavily shared
+PARAMS = {"cvar": {"alpha": 0.3}, "kl_cvar": {"alpha": 0.2}, "smoothed_cvar": {"alpha": 0.25},
+          "cressie_read": {"k": 1.5}}
+BACKENDS = ("native", "python") if _backend.native_available() and not _backend._force_python else ("python",)
+
+
+def close(actual, expected, what, *, rtol=1e-12, atol=1e-12):
+    actual = torch.as_tensor(actual, dtype=torch.float64)
+    expected = torch.as_tensor(expected, dtype=torch.float64)
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+    if not torch.allclose(actual, expected, rtol=rtol, atol=atol, equal_nan=True):
+        diff = (actual - expected).abs().max().item()
+        raise AssertionError(f"{what}: max |diff| {diff:.3e}\n  got      {actual}\n  expected {expected}")
+
+
+def split(full: torch.Tensor, sizes, rank):
+    begin = sum(sizes[:rank])
+    return full[begin:begin + sizes[rank]]
+
+
+# ---------------------------------------------------------------------------------------------------
+# DDP: DROLoss gradients and NormalizedSGD trajectories equal single-process ones on the whole batch
+# ---------------------------------------------------------------------------------------------------
+
+
+class Net(nn.Module):
+    def __init__(self, divergence, lam=0.5, group=None, **params):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.body = nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+        self.dro = dro_ext.DROLoss(divergence, lam, eta_init=0.3, group=group, **params).double()
+
+    def forward(self, x, y):
+        return self.dro(F.cross_entropy(self.body(x), y, reduction="none"))
+
+
+def grads_of(module):
+    return {name: p.grad.detach().clone() for name, p in module.named_parameters()}
+
+
+def job_ddp(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(7)
+    x_all, y_all = torch.randn(16, 7, generator=gen, dtype=torch.float64), torch.randint(0, 3, (16,), generator=gen)
+    for backend in BACKENDS:
+        with _backend.forced_backend(backend):
+            for divergence in dro_ext.DIVERGENCES:
+                params = PARAMS.get(divergence, {})
+                for sizes, use_group in (((8, 8), False), ((11, 5), True), ((11, 5), False)):
+                    n = sum(sizes)
+                    reference = Net(divergence, **params)
+                    reference(x_all[:n], y_all[:n]).backward()
+                    expected = grads_of(reference)
+                    ddp = DDP(Net(divergence, group=group if use_group else None, **params))
+                    x, y = split(x_all[:n], sizes, rank), split(y_all[:n], sizes, rank)
+                    value = ddp(x, y)
+                    value.backward()
+                    got = grads_of(ddp.module)
+                    what = f"DDP {backend} {divergence} sizes={sizes} group={use_group}"
+                    if sizes[0] == sizes[1] or use_group:
+                        for name in expected:
+                            close(got[name], expected[name], f"{what}: grad of {name}")
+                        # The mean over the ranks of the returned values is the loss of the whole batch.
+                        mean_value = value.detach().clone()
+                        dist.all_reduce(mean_value)
+                        close(mean_value / world, reference(x_all[:n], y_all[:n]).detach(), f"{what}: value")
+                    else:
+                        # Without group= unequal batches get the wrong gradient: the check above can fail.
+                        assert any(not torch.allclose(got[name], expected[name]) for name in expected), what
+
+    # NormalizedSGD under DDP: no collective of its own, the trajectory of the whole batch (unequal batches).
+    sizes = (11, 5)
+    reference = Net("cvar", alpha=0.3)
+    ddp = DDP(Net("cvar", alpha=0.3, group=group))
+    for backend in BACKENDS:
+        with _backend.forced_backend(backend):
+            ref_opt = dro_ext.NormalizedSGD(reference.parameters(), lr=0.05, momentum=0.8, weight_decay=0.01)
+            opt = dro_ext.NormalizedSGD(ddp.parameters(), lr=0.05, momentum=0.8, weight_decay=0.01)
+            calls = []
+            original = dist.all_reduce
+            for step in range(3):
+                ref_opt.zero_grad()
+                reference(x_all, y_all).backward()
+                ref_opt.step()
+                opt.zero_grad()
+                ddp(split(x_all, sizes, rank), split(y_all, sizes, rank)).backward()
+                dist.all_reduce = lambda *a, **kw: calls.append(a) or original(*a, **kw)
+                try:
+                    opt.step()
+                finally:
+                    dist.all_reduce = original
+            assert not calls, f"NormalizedSGD.step issued {len(calls)} all-reduces under DDP"
+            for (name, p), q in zip(ddp.module.named_parameters(), reference.parameters()):
+                close(p, q, f"DDP + NormalizedSGD ({backend}) after 3 steps: {name}", rtol=1e-10, atol=1e-12)
+
+    # A NaN loss on one rank: every rank's gradients, then parameters, are NaN (no silent divergence).
+    ddp = DDP(Net("chi2"))
+    opt = dro_ext.NormalizedSGD(ddp.parameters(), lr=0.05)
+    x, y = split(x_all, (8, 8), rank).clone(), split(y_all, (8, 8), rank)
+    if rank == 1:
+        x[3, 2] = float("nan")
+    ddp(x, y).backward()
+    opt.step()
+    for name, p in ddp.module.named_parameters():
+        assert torch.isnan(p.grad).any(), f"rank {rank}: the NaN loss of rank 1 left {name}.grad finite"
+        assert torch.isnan(p).any(), f"rank {rank}: the NaN loss of rank 1 left {name} finite"
+
+
+def job_loss_compile(rank, world):
+    # DROLoss(group=) under torch.compile(fullgraph=True): the count all-reduce is a functional collective.
+    group = dist.group.WORLD
+    torch.manual_seed(rank)
+    losses = torch.rand(5 + 3 * rank, dtype=torch.float64, requires_grad=True)
+    module = dro_ext.DROLoss("chi2", 0.5, eta_init=0.2, group=group).double()
+    eager = module(losses)
+    (g_eager,) = torch.autograd.grad(eager, losses)
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    value = compiled(losses)
+    (g_compiled,) = torch.autograd.grad(value, losses)
+    close(value, eager, "compiled DROLoss(group=) value")
+    close(g_compiled, g_eager, "compiled DROLoss(group=) grad")
+    close(dro_dist.batch_scale(5 + 3 * rank, group, "cpu"), 2 * (5 + 3 * rank) / 13.0, "batch_scale")
+
+
+# ---------------------------------------------------------------------------------------------------
+# FSDP2: NormalizedSGD on sharded parameters (eta unsharded in the same group) follows the unsharded run
+# ---------------------------------------------------------------------------------------------------
+
+
+def build_model(dtype):
+    torch.manual_seed(99)
+    # Odd sizes: shards of unequal length, and rank 1 holds an empty shard of the last layer.
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 1)).to(dtype)
+    eta = nn.Parameter(torch.tensor(0.25, dtype=dtype))
+    return model, eta
+
+
+def shard(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def synthetic_grads(step, shapes, dtype):
+    gen = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) for shape in shapes]
+
+
+def set_grads(params, full_grads, mesh):
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for p, g in zip(params, full_grads):
+        p.grad = distribute_tensor(g, mesh, p.placements) if isinstance(p, DTensor) else g.clone()
+
+
+def full(p):
+    from torch.distributed.tensor import DTensor
+
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+
+
+def job_fsdp(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    configs = [(b, norm, torch.float64, 0.0, False) for b in BACKENDS for norm in ("global", "tensor")]
+    configs += [(b, "global", torch.float32, 0.05, True) for b in BACKENDS]
+    for backend, norm, dtype, weight_decay, maximize in configs:
+        what = f"FSDP2 NormalizedSGD {backend} norm={norm} {dtype} wd={weight_decay} maximize={maximize}"
+        tol = dict(rtol=1e-12, atol=1e-13) if dtype == torch.float64 else dict(rtol=2e-6, atol=2e-6)
+        with _backend.forced_backend(backend):
+            ref_model, ref_eta = build_model(dtype)
+            model, eta = build_model(dtype)
+            shard(model, mesh)
+            ref_params = [*ref_model.parameters(), ref_eta]
+            params = [*model.parameters(), eta]
+            shapes = [p.shape for p in ref_params]
+            kw = dict(lr=0.1, momentum=0.7, norm=norm, weight_decay=weight_decay, maximize=maximize)
+            ref_opt = dro_ext.NormalizedSGD(ref_params, **kw)
+            opt = dro_ext.NormalizedSGD(params, **kw)
+            calls = []
+            original = dist.all_reduce
+            for step in range(5):
+                grads = synthetic_grads(step, shapes, dtype)
+                for p, g in zip(ref_params, grads):
+                    p.grad = g.clone()
+                ref_opt.step()
+                set_grads(params, grads, mesh)
+                dist.all_reduce = lambda *a, **k: calls.append(a) or original(*a, **k)
+                try:
+                    opt.step()
+                finally:
+                    dist.all_reduce = original
+                for i, (p, q) in enumerate(zip(params, ref_params)):
+                    close(full(p), q, f"{what}: param {i} after step {step + 1}", **tol)
+            assert len(calls) == 5, f"{what}: {len(calls)} all-reduces in 5 steps, expected one per step"
+            if norm == "global" and dtype == torch.float64:
+                # GradScaler: scaled gradients are unscaled in the step; a found inf skips it entirely.
+                grads = synthetic_grads(5, shapes, dtype)
+                for p, g in zip(ref_params, grads):
+                    p.grad = g.clone()
+                ref_opt.step()
+                set_grads(params, [g * 4.0 for g in grads], mesh)
+                opt.grad_scale, opt.found_inf = torch.tensor(4.0), torch.tensor(0.0)
+                opt.step()
+                before = [full(p).clone() for p in params]
+                opt.found_inf = torch.tensor(1.0)
+                opt.step()
+                del opt.grad_scale, opt.found_inf
+                for i, (p, q, b) in enumerate(zip(params, ref_params, before)):
+                    close(full(p), q, f"{what}: param {i} after a grad_scale step", **tol)
+                    close(full(p), b, f"{what}: param {i} moved on a found_inf step", rtol=0, atol=0)
+                    assert float(opt.state[p]["step"]) == 6.0, f"{what}: found_inf step counted"
+            for i, (p, q) in enumerate(zip(params, ref_params)):
+                close(full(opt.state[p]["momentum_buffer"]), ref_opt.state[q]["momentum_buffer"],
+                      f"{what}: momentum {i}", **tol)
+
+    # HSDP (a 2-D mesh: replicate x shard): the norm is reduced over the shard dim only, never double
+    # counted over the replicas. On 2 ranks: 2 replicas of a 1-way shard, then 1 replica of a 2-way shard.
+    for shape in ((world, 1), (1, world)):
+        mesh2 = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        ref_model, ref_eta = build_model(torch.float64)
+        model, eta = build_model(torch.float64)
+        shard(model, mesh2)
+        ref_params, params = [*ref_model.parameters(), ref_eta], [*model.parameters(), eta]
+        placements = params[0].placements
+        assert len(placements) == 2 and placements[0].is_replicate() and placements[1].is_shard(), placements
+        shapes = [p.shape for p in ref_params]
+        ref_opt = dro_ext.NormalizedSGD(ref_params, lr=0.1, momentum=0.5)
+        opt = dro_ext.NormalizedSGD(params, lr=0.1, momentum=0.5)
+        for step in range(2):
+            grads = synthetic_grads(step, shapes, torch.float64)
+            for p, g in zip(ref_params, grads):
+                p.grad = g.clone()
+            ref_opt.step()
+            set_grads(params, grads, mesh2)
+            opt.step()
+        for i, (p, q) in enumerate(zip(params, ref_params)):
+            close(full(p), q, f"HSDP mesh {shape}: param {i} after 2 steps", rtol=1e-12, atol=1e-13)
+
+    # A real FSDP2 backward: DROLoss(group=) on unequal local batches, eta beside the sharded weights
+    # (average_gradients reduces its gradient), follows single-process training on the whole batch.
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(5)
+    x_all, y_all = torch.randn(13, 6, generator=gen, dtype=torch.float64), torch.rand(13, generator=gen).double()
+    sizes = (9, 4)
+    for backend in BACKENDS:
+        with _backend.forced_backend(backend):
+            ref_model, _ = build_model(torch.float64)
+            model, _ = build_model(torch.float64)
+            shard(model, mesh)
+            ref_dro = dro_ext.DROLoss("kl", 0.7, eta_init=0.1).double()
+            dro = dro_ext.DROLoss("kl", 0.7, eta_init=0.1, group=group).double()
+            ref_opt = dro_ext.NormalizedSGD([*ref_model.parameters(), *ref_dro.parameters()], lr=0.05)
+            opt = dro_ext.NormalizedSGD([*model.parameters(), *dro.parameters()], lr=0.05)
+            x, y = split(x_all, sizes, rank), split(y_all, sizes, rank)
+            for step in range(3):
+                ref_opt.zero_grad()
+                ref_dro((ref_model(x_all).squeeze(1) - y_all) ** 2).backward()
+                ref_opt.step()
+                opt.zero_grad()
+                dro((model(x).squeeze(1) - y) ** 2).backward()
+                dro_dist.average_gradients(dro.parameters(), group)
+                opt.step()
+            for i, (p, q) in enumerate(zip([*model.parameters(), dro.eta], [*ref_model.parameters(), ref_dro.eta])):
+                close(full(p), q, f"FSDP2 training ({backend}): param {i} after 3 steps", rtol=1e-10, atol=1e-12)
+
+    # torch.distributed.checkpoint round trip of the sharded optimizer state: 2 steps, save, load into a
+    # fresh model and optimizer, 3 more steps == 5 uninterrupted steps.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    directory = sys.argv[4] + ".ckpt"
+    runs = []
+    for resume in (False, True):
+        model, eta = build_model(torch.float64)
+        shard(model, mesh)
+        holder = nn.ParameterDict({"eta": eta})
+        net = nn.ModuleDict({"model": model, "dro": holder})
+        opt = dro_ext.NormalizedSGD(net.parameters(), lr=0.1, momentum=0.6)
+        params = list(net.parameters())
+        shapes = [full(p).shape for p in params]
+        for step in range(5):
+            if resume and step == 2:
+                model_sd, optim_sd = get_state_dict(net, opt)
+                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+                model, eta = build_model(torch.float64)
+                model[0].weight.data.fill_(123.0)  # a fresh model that must be overwritten by the load
+                shard(model, mesh)
+                net = nn.ModuleDict({"model": model, "dro": nn.ParameterDict({"eta": eta})})
+                opt = dro_ext.NormalizedSGD(net.parameters(), lr=0.1, momentum=0.6)
+                model_sd, optim_sd = get_state_dict(net, opt)
+                state = {"model": model_sd, "optim": optim_sd}
+                dcp.load(state, checkpoint_id=directory)
+                set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+                params = list(net.parameters())
+            set_grads(params, synthetic_grads(step, shapes, torch.float64), mesh)
+            opt.step()
+        runs.append([full(p) for p in params])
+    for i, (a, b) in enumerate(zip(*runs)):
+        close(a, b, f"DCP round trip: param {i}", rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# robust_objective, worst_case_weights, weight_stats and evaluate over the losses of every rank
+# ---------------------------------------------------------------------------------------------------
+
+
+def job_robust(rank, world):
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(11)
+    base = torch.randn(57, generator=gen, dtype=torch.float64).exp()
+    ties = torch.tensor([0.5, 1.0, 1.0, 1.0, 2.0, 2.0, 0.5, 1.0, 3.0, 1.0, -0.0, 0.0], dtype=torch.float64)
+    cases = {
+        "unequal": (base, (37, 20)),
+        "one rank empty": (base[:23], (23, 0)),
+        "ties": (ties, (5, 7)),
+        "equal": (base[:40] * 30 - 10, (20, 20)),
+    }
+    group_ids_all = torch.randint(0, 4, (57,), generator=gen)
+    # The distributed path is the same on both backends (float64 torch ops); the single-process answers
+    # it must equal come from each backend.
+    for divergence in dro_ext.DIVERGENCES:
+        params = PARAMS.get(divergence, {})
+        for case, (all_losses, sizes) in cases.items():
+            for dtype, lam in ((torch.float64, 0.3), (torch.float64, 2.0), (torch.float32, 0.3)):
+                tol = dict(rtol=1e-12, atol=1e-13) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)
+                x_all = all_losses.to(dtype)
+                x = split(x_all, sizes, rank).clone().requires_grad_(True)
+                value, eta = dro_ext.robust_objective(x, lam, divergence, group=group, **params)
+                # Danskin: each rank's losses get their share of the worst-case distribution.
+                (grad,) = torch.autograd.grad(value * 3.0, x)
+                q = dro_ext.worst_case_weights(x, lam, divergence, group=group, **params)
+                ids_all = group_ids_all[:x_all.numel()]
+                ids = split(ids_all, sizes, rank)
+                stats = dro_ext.weight_stats(losses=x, lam=lam, divergence=divergence, groups=ids, num_groups=4,
+                                             group=group, **params)
+                stats_at = None
+                if min(sizes) > 0:  # dro_weights needs losses on every rank
+                    stats_at = dro_ext.weight_stats(losses=x, eta=0.7, lam=lam, divergence=divergence, group=group,
+                                                    **params)
+                for backend in BACKENDS:
+                    what = f"{backend} {divergence} {case} {dtype} lam={lam}"
+                    with _backend.forced_backend(backend):
+                        x_ref = x_all.clone().requires_grad_(True)
+                        ref_value, ref_eta = dro_ext.robust_objective(x_ref, lam, divergence, **params)
+                        (ref_grad,) = torch.autograd.grad(ref_value * 3.0, x_ref)
+                        ref_q = dro_ext.worst_case_weights(x_ref, lam, divergence, **params)
+                        ref_stats = dro_ext.weight_stats(losses=x_ref, lam=lam, divergence=divergence, groups=ids_all,
+                                                         num_groups=4, **params)
+                        ref_stats_at = dro_ext.weight_stats(losses=x_ref, eta=0.7, lam=lam, divergence=divergence,
+                                                            **params)
+                    assert value.dtype == ref_value.dtype and eta.dtype == ref_eta.dtype, what
+                    close(value, ref_value, f"{what}: value", **tol)
+                    close(eta, ref_eta, f"{what}: eta*", rtol=tol["rtol"] * 100, atol=tol["atol"] * 100)
+                    close(grad, split(ref_grad, sizes, rank), f"{what}: grad", **tol)
+                    close(q, split(ref_q, sizes, rank), f"{what}: worst_case_weights", **tol)
+                    close(dro_ext.weight_stats(q, group=group)[0], dro_ext.weight_stats(ref_q)[0],
+                          f"{what}: weight_stats(weights) ess", **tol)
+                    if dtype == torch.float32:
+                        continue  # zero_fraction counts float32 underflows, which depend on the rounding of eta*
+                    for field, a, b in zip(ref_stats._fields, stats, ref_stats):
+                        close(a, b, f"{what}: weight_stats {field}", **tol)
+                    if stats_at is not None:
+                        for field, a, b in zip(ref_stats._fields[:3], stats_at, ref_stats_at):
+                            close(a, b, f"{what}: weight_stats at eta {field}", **tol)
+
+    # evaluate: each rank its own loader (rank 1's loader holds nothing in the second round).
+    torch.manual_seed(3)  # the same model on every rank
+    model = nn.Linear(3, 1).double()
+    gen = torch.Generator().manual_seed(3)
+    data = [(torch.randn(n, 3, generator=gen, dtype=torch.float64), torch.randn(n, generator=gen, dtype=torch.float64))
+            for n in (4, 7, 5)]
+    loss_fn = lambda m, b: (m(b[0]).squeeze(1) - b[1]) ** 2  # noqa: E731
+    for mine in ((data[:1], data[1:]), (data, [])):
+        got = dro_ext.evaluate(model, mine[rank], loss_fn, 0.5, "cvar", alpha=0.3, progress=False, group=group)
+        ref = dro_ext.evaluate(model, data, loss_fn, 0.5, "cvar", alpha=0.3, progress=False)
+        # A rank whose loader is empty has no dtype to follow: it gets the default dtype (float32 here).
+        tol = dict(rtol=1e-12, atol=0) if got[0].dtype == torch.float64 else dict(rtol=1e-6, atol=0)
+        assert got[0].dtype == (torch.float64 if mine[rank] else torch.get_default_dtype()), got[0].dtype
+        close(got[0], ref[0], "evaluate value", **tol)
+        close(got[1], ref[1], "evaluate eta*", **tol)
+
+    # NaN on one rank: every rank gets NaN (value, eta*, weights, stats).
+    for divergence in dro_ext.DIVERGENCES:
+        params = PARAMS.get(divergence, {})
+        x = split(base, (37, 20), rank).clone()
+        if rank == 1:
+            x[4] = float("nan")
+        value, eta = dro_ext.robust_objective(x, 0.5, divergence, group=group, **params)
+        assert torch.isnan(value) and torch.isnan(eta), f"rank {rank} {divergence}: NaN on rank 1 gave {value}"
+        q = dro_ext.worst_case_weights(x, 0.5, divergence, group=group, **params)
+        assert torch.isnan(q).all(), f"rank {rank} {divergence}: NaN on rank 1 left weights finite"
+        stats = dro_ext.weight_stats(losses=x, eta=0.5, lam=0.5, divergence=divergence, group=group, **params)
+        assert all(torch.isnan(s) for s in stats[:2]), f"rank {rank} {divergence}: stats {stats}"
+
+    # Errors name the argument.
+    try:
+        dro_ext.robust_objective(torch.ones(3), 0.5, group="world")
+    except TypeError as exc:
+        assert "group must be a torch.distributed.ProcessGroup" in str(exc), exc
+    else:
+        raise AssertionError("group='world' was accepted")
+
+
+# ---------------------------------------------------------------------------------------------------
+# A rank that dies: the survivors get a clear error, not a hang
+# ---------------------------------------------------------------------------------------------------
+
+
+def job_dies(rank, world):
+    losses = torch.rand(10, dtype=torch.float64)
+    dro_ext.robust_objective(losses, 0.5, "chi2", group=dist.group.WORLD)  # a healthy first call
+    dist.barrier()
+    if rank == 1:
+        os._exit(3)  # dies without a word, as a crashed or killed process would
+    try:
+        dro_ext.robust_objective(losses, 0.5, "smoothed_cvar", alpha=0.2, group=dist.group.WORLD)
+    except RuntimeError as exc:
+        message = str(exc)
+        assert "dro_ext.robust_objective" in message and "all-reduce over the process group failed" in message, message
+        print("SURVIVOR-RAISED:", message.splitlines()[0][:200], flush=True)
+        os._exit(0)  # the group is broken: skip destroy_process_group, which would wait on the dead peer
+    raise AssertionError("rank 0 finished robust_objective although rank 1 is dead")
+
+
+JOBS = {"ddp": job_ddp, "loss_compile": job_loss_compile, "fsdp": job_fsdp, "robust": job_robust, "dies": job_dies}
+
+
+def main():
+    """Runs the comma-separated jobs in order; RESULTS (optional) gets one JSON line per job and rank.
+
+    On the first failure the rank records it and exits at once: its peers then fail fast in their next
+    collective instead of running the later jobs against a broken group.
+    """
+    jobs, rank, world, store_file = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    results = sys.argv[5] if len(sys.argv) > 5 else None
+
+    def record(job, status, detail="", seconds=0.0):
+        if results is not None:
+            with open(results, "a") as f:
+                f.write(json.dumps({"job": job, "rank": rank, "status": status, "detail": detail,
+                                    "seconds": round(seconds, 2)}) + "\n")
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_file, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
+    for job in jobs:
+        start = time.perf_counter()
+        try:
+            JOBS[job](rank, world)
+            dist.barrier()
+        except BaseException:
+            record(job, "failed", traceback.format_exc(), time.perf_counter() - start)
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        record(job, "passed", "", time.perf_counter() - start)
+        print(f"rank {rank}: {job} passed in {time.perf_counter() - start:.1f} s", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
