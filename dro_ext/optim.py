@@ -143,6 +143,10 @@ class NormalizedSGD(Optimizer):
                 # the GradScaler skip are decided where the kernel runs, not on the host.
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif state["step"].device != p.device:
+                # load_state_dict leaves "step" where it was saved (e.g. a CPU checkpoint for a CUDA model);
+                # the fused kernel reads and counts it beside its parameter. Moved once, not every step.
+                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
             params.append(p)
             grads.append(p.grad)
             momenta.append(state["momentum_buffer"])
