@@ -39,6 +39,11 @@ def plot_figure(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(2, 2, figsize=FIGURE_SIZE_INCHES, dpi=FIGURE_DPI)
     for ax, (key, title, ylabel, series) in zip(axes.flat, PANELS):
         result = results[key]
+        runs = [run for name, _ in series for run in result["runs"][name]]
+        # The axis spans the finite values but stops at 30x the starting value: a diverging run would
+        # otherwise squash every other curve into a line (it is marked with an x at the top instead).
+        top = 30 * max(run.curve[0] for run in runs)
+        bottom = min(v for run in runs for v in run.curve if math.isfinite(v) and v > 0) / 3
         for (name, label), color in zip(series, COLORS):
             best = result["best"][name]
             for run in result["runs"][name]:
@@ -49,9 +54,8 @@ def plot_figure(results: dict, path: Path) -> None:
                 else:
                     ax.plot(epochs, values, color=color, linewidth=0.8, alpha=0.25)
                 if run.diverged:
-                    last = next((v for v in reversed(values[:-1]) if math.isfinite(v)), None)
-                    if last is not None:
-                        ax.plot(len(run.curve) - 2, last, marker="x", color=color, alpha=0.6)
+                    ax.plot(len(run.curve) - 1, top / 1.5, marker="x", color=color, alpha=0.6)
+        ax.set_ylim(bottom, top)
         ax.set_yscale("log")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("epoch")
@@ -132,7 +136,11 @@ def _optimization_cell(c: dict, baseline: str, method: str) -> str:
 
 
 def _accuracy_cell(c: dict, method: str) -> str:
-    spread = f"; seed-to-seed spread of a class's accuracy {c['seed_spread']:.1f} points" if c["seed_spread"] else ""
+    spread = ""
+    if c["seed_spread"]:
+        spread = f"; seed-to-seed spread of a class's accuracy {c['seed_spread']:.1f} points"
+        if abs(c["mean_gain"]) < c["seed_spread"]:
+            spread += " (the mean gain is within it)"
     return (f"{method} better on {c['classes_improved']}/{c['num_classes']} classes; mean gain {c['mean_gain']:+.1f} "
             f"points; worst class (digit {c['worst_class']}) {c['worst_class_gain']:+.1f}; largest gain on digit "
             f"{c['largest_gain_class']} ({c['gains'][c['largest_gain_class']]:+.1f}); {c['seeds']} seeds{spread}")
