@@ -212,7 +212,7 @@ def test_update_readme_replaces_only_the_marked_block(tmp_path):
     figure = tmp_path / "docs" / "figure.png"
     fake_claims = {"a": {"tasks": {}}, **{k: {} for k in "bcd"}}
     meta = {"date_utc": "2026-01-02 03:04", "machine": {"description": "test box"}, "device": "cpu",
-            "seconds_total": 12.0, "command": "python -m dro_ext.demo"}
+            "seconds_total": 12.0, "cpu_seconds_total": 10.0, "command": "python -m dro_ext.demo"}
     original = report.claims_table
     report.claims_table = lambda c: "| claims |\n"
     try:

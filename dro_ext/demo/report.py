@@ -167,7 +167,8 @@ def report_markdown(results: dict, claims: dict, meta: dict) -> str:
         "",
         f"Run on {meta['date_utc']} (UTC), {meta['machine']['description']}, device `{meta['device']}`, "
         f"backend `{meta['versions']['dro_ext_backend']}`, seed {meta['seed']}, "
-        f"{'quick' if meta['quick'] else 'full'} settings; took {meta['seconds_total']:.0f} s.",
+        f"{'quick' if meta['quick'] else 'full'} settings; took {meta['seconds_total']:.0f} s "
+        f"({meta['cpu_seconds_total']:.0f} s of CPU time).",
         f"Command: `{meta['command']}`",
         "",
         "## Claims",
@@ -252,7 +253,7 @@ def update_readme(readme: Path, claims: dict, meta: dict, figure: Path) -> None:
     block = "\n".join([
         README_BEGIN,
         f"Full run of {meta['date_utc'][:10]} on {meta['machine']['description']}, device `{meta['device']}`, "
-        f"{meta['seconds_total']:.0f} s (`{meta['command']}`):",
+        f"{meta['seconds_total']:.0f} s wall, {meta['cpu_seconds_total']:.0f} s CPU (`{meta['command']}`):",
         "",
         f"![training curves]({rel})",
         "",
