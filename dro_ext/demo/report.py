@@ -160,6 +160,17 @@ def claims_table(claims: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
+def grid_edge_notes(results: dict) -> list:
+    """A line per best learning rate at an end of its grid: the search may not have found the best rate."""
+    notes = []
+    for key, result in results.items():
+        grid = result["grid"]
+        for name, best in result["best"].items():
+            if best.lr in (grid[0], grid[-1]):
+                notes.append(f"- Note: the best learning rate of {name} in {key} ({best.lr:g}) is at an end of the grid.")
+    return notes or ["Every best learning rate lies inside its grid."]
+
+
 def report_markdown(results: dict, claims: dict, meta: dict) -> str:
     settings = meta["settings"]
     lines = [
@@ -206,6 +217,8 @@ def report_markdown(results: dict, claims: dict, meta: dict) -> str:
         f"  {settings['digits_epochs']} epochs; grid {list(settings['digits_grid'])}. CVaR and smoothed CVaR both train with",
         "  SGD+momentum (Section 3.3: SGD suffices for smoothed CVaR) and are judged by the CVaR objective.",
         f"- The tables average {settings['table_seeds']} seeds (model init and batch order) at the chosen learning rates.",
+        "",
+        *grid_edge_notes(results),
         "",
         "Scale: the paper trains ResNet-18 on AFAD-Full (160K images) and imbalanced CIFAR-10 for 100-200 epochs;",
         "this demo keeps its settings and shrinks the data and the model so that it runs in minutes on a CPU.",
