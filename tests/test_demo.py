@@ -145,6 +145,24 @@ def test_same_seed_gives_the_same_numbers_whatever_the_thread_count():
     assert numbers(6) != one_thread
 
 
+def test_native_ops_and_fallback_train_alike():
+    """The demo on the compiled ops and on the PyTorch fallback: the same curves to float32 rounding."""
+    from dro_ext import _backend
+
+    if _backend._force_python:
+        pytest.skip("DRO_EXT_FORCE_PYTHON=1: the native ops are disabled in this run")
+    settings = experiments.Settings.quick()
+    curves = {}
+    for name in ("native", "python"):
+        with _backend.forced_backend(name):
+            results = (experiments.example_3_1(settings, seed=0), experiments.digits_chi2(settings, seed=0))
+        curves[name] = [run.curve for result in results for runs in result["runs"].values() for run in runs]
+    native = torch.tensor([v for curve in curves["native"] for v in curve], dtype=torch.float64)
+    python = torch.tensor([v for curve in curves["python"] for v in curve], dtype=torch.float64)
+    assert native.isfinite().sum() > len(native) // 2
+    torch.testing.assert_close(native, python, rtol=1e-4, atol=0, equal_nan=True)
+
+
 # --- the method's claim (a) on small fixed-seed problems -----------------------------------------------------
 
 

@@ -40,7 +40,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="torch CPU threads (default 1: these models are too small to gain from more)")
     parser.add_argument("--readme", type=Path, default=None,
                         help="also rewrite this README's demo block with the figure and the claims table")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    return args
 
 
 def machine_description(device: str) -> dict:
@@ -70,7 +73,12 @@ def versions() -> dict:
 
 def run_demo(out: Path, *, quick: bool = False, device: str = "cpu", seed: int = 0, threads: int = 1,
              command: str = "python -m dro_ext.demo") -> dict:
-    """Run every experiment, assess the claims and write the outputs; returns ``(paths, claims, meta)``."""
+    """Run every experiment, assess the claims and write the outputs; returns ``(paths, claims, meta)``.
+
+    Sets this process's torch thread count and ``torch.use_deterministic_algorithms(True)``.
+    """
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available to torch on this machine")
     if device == "cuda":
