@@ -22,6 +22,12 @@ build: $(STAMP)
 test: $(STAMP)
 	$(PYTHON) -m pytest -q tests
 
+# The paper's experiments at laptop scale (~5 min on 2 CPU cores): figure, tables, report.md and
+# results.json in demo_out/. Options pass through, e.g. `make demo DEMO_ARGS="--device cuda --seed 1"`.
+.PHONY: demo
+demo: $(STAMP)
+	$(PYTHON) -m dro_ext.demo --out demo_out $(DEMO_ARGS)
+
 bench: $(STAMP)
 	$(PYTHON) -m bench.run
 

@@ -1,0 +1,275 @@
+"""The paper's experiments (Section 5) at laptop scale, one function per experiment.
+
+Each function trains with :class:`dro_ext.DROLoss` and either ``torch.optim.SGD`` with momentum (the
+baseline) or :class:`dro_ext.NormalizedSGD` (Algorithm 1), picks each optimizer's learning rate from a
+grid by the speed of optimization, and returns every run's curve of the exact objective per epoch.
+
+- :func:`example_3_1`: the paper's Example 3.1, a scalar non-convex loss whose chi2-DRO objective is
+  quartic, so that its smoothness and gradient noise grow with ``x``.
+- :func:`age_regression`: chi2-DRO regression of an imbalanced target with a small MLP (Figure 1a).
+- :func:`digits_chi2`: chi2-DRO classification of imbalanced digits (Figure 1b, Table 2).
+- :func:`digits_cvar`: CVaR against smoothed CVaR on the same digits, both judged by the CVaR objective
+  (Figure 1d, Table 3).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dro_ext
+from dro_ext.demo.data import PAPER_RHO, load_imbalanced_digits, make_age_regression
+from dro_ext.demo.training import Run, fixed_batches, lr_search, make_optimizer, shuffled_batches, train
+
+# The paper's DRO settings (Section 5.1): lam = 0.1 and the CVaR level alpha = 0.02 in every experiment.
+LAM = 0.1
+ALPHA = 0.02
+
+
+@dataclass
+class Settings:
+    """Sizes of the runs. :meth:`full` is the default demo (~5 minutes on 2 CPU cores), :meth:`quick` a
+    smoke run of a few seconds that exercises every code path."""
+
+    example_epochs: int
+    example_steps_per_epoch: int
+    example_grid: tuple
+    regression_samples: int
+    regression_epochs: int
+    regression_grid: tuple
+    digits_epochs: int
+    digits_grid: tuple
+    table_seeds: int  # the per-class test accuracies are averaged over this many seeds at the chosen lr
+
+    @classmethod
+    def full(cls) -> "Settings":
+        return cls(
+            example_epochs=100, example_steps_per_epoch=10, example_grid=lr_grid(1e-4, 1.0),
+            regression_samples=4000, regression_epochs=100, regression_grid=lr_grid(1e-9, 1e-1),
+            digits_epochs=100, digits_grid=lr_grid(1e-4, 1.0),
+            table_seeds=5,
+        )
+
+    @classmethod
+    def quick(cls) -> "Settings":
+        return cls(
+            example_epochs=5, example_steps_per_epoch=4, example_grid=(1e-3, 1e-1),
+            regression_samples=600, regression_epochs=3, regression_grid=(1e-7, 1e-2),
+            digits_epochs=3, digits_grid=(1e-2, 1e-1),
+            table_seeds=2,
+        )
+
+
+def lr_grid(low: float, high: float) -> tuple:
+    """Learning rates 1, 3, 10, 30, ... times ``low`` up to ``high`` (about half a decade apart). Every
+    optimizer of a comparison gets the same grid, wide enough to hold each one's best rate inside it."""
+    rates, decade = [], low
+    while decade <= high * (1 + 1e-9):
+        rates += [decade] + ([3 * decade] if 3 * decade <= high * (1 + 1e-9) else [])
+        decade *= 10
+    return tuple(float(f"{r:.3g}") for r in rates)
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Example 3.1
+# ---------------------------------------------------------------------------------------------------
+
+EXAMPLE_LAM = 1.0  # Example 3.1 fixes lam = 1
+EXAMPLE_X0 = 10.0
+
+
+class Example31(nn.Module):
+    """``l(x; xi) = x^2 (1 + xi/(x^2 + 1))^2`` with one scalar parameter ``x``; ``forward(xi)`` gives one
+    loss per noise sample."""
+
+    def __init__(self, x0: float = EXAMPLE_X0):
+        super().__init__()
+        self.x = nn.Parameter(torch.tensor(x0))
+
+    def forward(self, xi: torch.Tensor) -> torch.Tensor:
+        x2 = self.x ** 2
+        return x2 * (1 + xi / (x2 + 1)) ** 2
+
+
+def example_3_1(settings: Settings, seed: int, device: str = "cpu") -> dict:
+    """SGD with momentum against normalized momentum on Example 3.1, chi2 DRO, from ``x = 10``.
+
+    xi is Rademacher, so the population is two equally likely points and the exact
+    ``Psi(x) = min_eta L(x, eta)`` is :func:`dro_ext.robust_objective` of the two losses ``l(x; -1)``,
+    ``l(x; +1)``. An epoch is ``example_steps_per_epoch`` steps on fresh batches of 128 draws of xi.
+    """
+    both_signs = torch.tensor([-1.0, 1.0], device=device)
+
+    def run_one(optimizer_name: str, lr: float) -> Run:
+        torch.manual_seed(seed)
+        model = Example31().to(device)
+        criterion = dro_ext.DROLoss("chi2", lam=EXAMPLE_LAM).to(device)
+        optimizer = make_optimizer(optimizer_name, [*model.parameters(), *criterion.parameters()], lr)
+        noise = _generator(seed)
+
+        def epoch_batches():
+            for _ in range(settings.example_steps_per_epoch):
+                yield (torch.randint(0, 2, (128,), generator=noise) * 2.0 - 1.0).to(device)
+
+        def judge() -> float:
+            with torch.no_grad():
+                return dro_ext.robust_objective(model(both_signs), EXAMPLE_LAM, "chi2")[0].item()
+
+        run = Run(optimizer_name, lr, seed)
+        train(model, criterion, optimizer, epoch_batches, lambda m, xi: m(xi), judge,
+              settings.example_epochs, run, desc=f"Example 3.1 {optimizer_name} lr={lr:g}")
+        run.extra["x_final"] = model.x.item()
+        return run
+
+    return _compare(run_one, ("sgd", "nsgd"), settings.example_grid)
+
+
+def _compare(run_one, optimizers, grid) -> dict:
+    """Grid-search every optimizer; keep all the runs and name the best learning rate of each."""
+    result = {"grid": list(grid), "best": {}, "runs": {}}
+    for name in optimizers:
+        best, runs = lr_search(run_one, name, grid)
+        result["best"][name] = best
+        result["runs"][name] = runs
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# Regression on an imbalanced target
+# ---------------------------------------------------------------------------------------------------
+
+
+def small_mlp(n_in: int, n_out: int, hidden: int = 64) -> nn.Module:
+    """Two hidden ReLU layers: small enough to train in a second on a CPU, non-convex all the same."""
+    return nn.Sequential(nn.Linear(n_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, n_out))
+
+
+def squared_error(model: nn.Module, batch) -> torch.Tensor:
+    """Per-sample loss of the regression (reduction="none"): what DROLoss reweights."""
+    x, age = batch
+    return (model(x).squeeze(-1) - age) ** 2
+
+
+def age_regression(settings: Settings, seed: int, device: str = "cpu") -> dict:
+    """chi2-DRO regression (lam = 0.1) of the synthetic ages with a small MLP: SGD+momentum vs NormalizedSGD."""
+    data = make_age_regression(settings.regression_samples, seed=seed)
+    x, y = data.x_train.to(device), data.y_train.to(device)
+    whole_train = fixed_batches(x, y)
+    x_test, y_test = data.x_test.to(device), data.y_test.to(device)
+
+    def run_one(optimizer_name: str, lr: float) -> Run:
+        torch.manual_seed(seed)
+        model = small_mlp(x.shape[1], 1).to(device)
+        criterion = dro_ext.DROLoss("chi2", lam=LAM).to(device)
+        optimizer = make_optimizer(optimizer_name, [*model.parameters(), *criterion.parameters()], lr)
+        order = _generator(seed)
+
+        def judge() -> float:
+            psi, _ = dro_ext.evaluate(model, whole_train, squared_error, LAM, "chi2", progress=False)
+            return psi.item()
+
+        run = Run(optimizer_name, lr, seed)
+        train(model, criterion, optimizer, lambda: shuffled_batches(x, y, order), squared_error, judge,
+              settings.regression_epochs, run, desc=f"regression {optimizer_name} lr={lr:g}")
+        with torch.no_grad():
+            model.eval()
+            run.extra["test_mae_years"] = (model(x_test).squeeze(-1) - y_test).abs().mean().item()
+        return run
+
+    result = _compare(run_one, ("sgd", "nsgd"), settings.regression_grid)
+    result["n_train"], result["n_test"] = len(x), len(x_test)
+    result["band_18_30_fraction"] = ((data.y_train >= 18) & (data.y_train <= 30)).float().mean().item()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# Imbalanced digits: chi2 (SGD+momentum vs NormalizedSGD) and CVaR vs smoothed CVaR
+# ---------------------------------------------------------------------------------------------------
+
+
+def cross_entropy(model: nn.Module, batch) -> torch.Tensor:
+    x, label = batch
+    return F.cross_entropy(model(x), label, reduction="none")
+
+
+def per_class_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int = 10) -> list:
+    """Test accuracy (%) of each class."""
+    model.eval()
+    with torch.no_grad():
+        correct = (model(x).argmax(1) == y).float()
+    return [100.0 * correct[y == c].mean().item() for c in range(num_classes)]
+
+
+def _digits_runner(data, seed: int, device: str, divergence: str, judge_by, epochs: int):
+    """A ``run_one(optimizer, lr, seed)`` for the digits: trains with ``DROLoss(divergence)``, judges the
+    training set by ``judge_by = (divergence, alpha)`` each epoch and records the per-class test accuracy."""
+    x, y = data.x_train.to(device), data.y_train.to(device)
+    x_test, y_test = data.x_test.to(device), data.y_test.to(device)
+    whole_train = fixed_batches(x, y)
+    alpha = ALPHA if divergence in ("cvar", "smoothed_cvar") else None
+
+    def run_one(optimizer_name: str, lr: float, run_seed: int = seed) -> Run:
+        torch.manual_seed(run_seed)
+        model = small_mlp(x.shape[1], 10, hidden=128).to(device)
+        criterion = dro_ext.DROLoss(divergence, lam=LAM, alpha=alpha).to(device)
+        optimizer = make_optimizer(optimizer_name, [*model.parameters(), *criterion.parameters()], lr)
+        order = _generator(run_seed)
+
+        def judge() -> float:
+            psi, _ = dro_ext.evaluate(model, whole_train, cross_entropy, LAM, judge_by[0], alpha=judge_by[1],
+                                      progress=False)
+            return psi.item()
+
+        run = Run(optimizer_name, lr, run_seed)
+        train(model, criterion, optimizer, lambda: shuffled_batches(x, y, order), cross_entropy, judge, epochs,
+              run, desc=f"digits {divergence} {optimizer_name} lr={lr:g}")
+        run.extra["divergence"] = divergence
+        run.extra["test_accuracy_per_class"] = per_class_accuracy(model, x_test, y_test)
+        return run
+
+    return run_one
+
+
+def _repeat_best(run_one, best: Run, seeds) -> list:
+    """The chosen learning rate again on further seeds (model init and batch order), for the tables."""
+    return [best] + [run_one(best.optimizer, best.lr, s) for s in seeds if s != best.seed]
+
+
+def _digits_data_summary(data) -> dict:
+    return {
+        "rho": list(PAPER_RHO),
+        "train_per_class": torch.bincount(data.y_train, minlength=10).tolist(),
+        "test_per_class": torch.bincount(data.y_test, minlength=10).tolist(),
+    }
+
+
+def digits_chi2(settings: Settings, seed: int, device: str = "cpu") -> dict:
+    """chi2-DRO classification of the imbalanced digits: SGD+momentum vs NormalizedSGD, Psi each epoch."""
+    data = load_imbalanced_digits(seed=seed)
+    run_one = _digits_runner(data, seed, device, "chi2", judge_by=("chi2", None), epochs=settings.digits_epochs)
+    result = _compare(run_one, ("sgd", "nsgd"), settings.digits_grid)
+    seeds = range(seed, seed + settings.table_seeds)
+    result["table_runs"] = {name: _repeat_best(run_one, result["best"][name], seeds) for name in ("sgd", "nsgd")}
+    result["data"] = _digits_data_summary(data)
+    return result
+
+
+def digits_cvar(settings: Settings, seed: int, device: str = "cpu") -> dict:
+    """CVaR against smoothed CVaR (alpha = 0.02) on the imbalanced digits, both trained with SGD+momentum
+    (Section 3.3: SGD suffices for smoothed CVaR) and both judged by the CVaR objective each epoch."""
+    data = load_imbalanced_digits(seed=seed)
+    result = {"grid": list(settings.digits_grid), "best": {}, "runs": {}, "table_runs": {}}
+    seeds = range(seed, seed + settings.table_seeds)
+    for divergence in ("cvar", "smoothed_cvar"):
+        run_one = _digits_runner(data, seed, device, divergence, judge_by=("cvar", ALPHA), epochs=settings.digits_epochs)
+        best, runs = lr_search(run_one, "sgd", settings.digits_grid)
+        result["best"][divergence], result["runs"][divergence] = best, runs
+        result["table_runs"][divergence] = _repeat_best(run_one, best, seeds)
+    result["data"] = _digits_data_summary(data)
+    return result

@@ -1,0 +1,257 @@
+"""The demo (python -m dro_ext.demo): outputs well-formed, deterministic, and the method's claims on small problems.
+
+The claim tests run the demo's own experiment functions on small fixed-seed problems, on the same learning
+rate grids as the full demo, and compare the lowest final Psi each optimizer reaches over that grid.
+"""
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dro_ext.demo import claims, experiments, report
+from dro_ext.demo.training import Run
+
+REPO = Path(__file__).resolve().parents[1]
+CLAIM_SEEDS = (0, 1, 2)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # The demo's models are tiny: with several intra-op threads on a busy machine each step waits on the
+    # others (the CLI sets --threads 1 for the same reason). Determinism across thread counts is tested below.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _strict_json(text):
+    def reject(constant):
+        raise ValueError(f"non-standard JSON constant {constant}")
+    return json.loads(text, parse_constant=reject)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One `python -m dro_ext.demo --quick` in a fresh process (it sets torch's global determinism flag)."""
+    out = tmp_path_factory.mktemp("demo_quick")
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "dro_ext.demo", "--quick", "--seed", "3", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc
+
+
+def test_quick_run_writes_every_output(quick_run):
+    out, proc = quick_run
+    assert sorted(p.name for p in out.iterdir()) == ["figure.png", "report.md", "results.json", "tables.md"]
+    for key in "abcd":
+        assert f"claim ({key}) reproduced:" in proc.stdout
+
+
+def test_results_json_holds_every_curve_seed_and_version(quick_run):
+    out, _ = quick_run
+    payload = _strict_json((out / "results.json").read_text())
+    meta, results = payload["meta"], payload["experiments"]
+    settings = experiments.Settings.quick()
+    assert meta["seed"] == 3 and meta["quick"] is True and meta["device"] == "cpu"
+    assert meta["seeds_of_table_runs"] == [3, 4]
+    for key in ("python", "torch", "dro_ext", "dro_ext_backend", "numpy", "scikit-learn", "matplotlib"):
+        assert meta["versions"][key]
+    assert meta["machine"]["cpu"] and meta["machine"]["logical_cpus"] >= 1
+    expected = {
+        "example_3_1": (("sgd", "nsgd"), settings.example_grid, settings.example_epochs),
+        "regression": (("sgd", "nsgd"), settings.regression_grid, settings.regression_epochs),
+        "digits_chi2": (("sgd", "nsgd"), settings.digits_grid, settings.digits_epochs),
+        "digits_cvar": (("cvar", "smoothed_cvar"), settings.digits_grid, settings.digits_epochs),
+    }
+    for name, (methods, grid, epochs) in expected.items():
+        result = results[name]
+        assert result["grid"] == list(grid)
+        for method in methods:
+            runs = result["runs"][method]
+            assert [r["lr"] for r in runs] == list(grid)
+            for run in runs:
+                assert len(run["curve"]) == epochs + 1 or run["diverged"], (name, method, run["lr"])
+                assert all(v is None or (isinstance(v, float) and v >= 0) for v in run["curve"])
+                assert run["seed"] == 3
+            assert result["best"][method]["lr"] in grid
+    for name, methods in (("digits_chi2", ("sgd", "nsgd")), ("digits_cvar", ("cvar", "smoothed_cvar"))):
+        for method in methods:
+            table_runs = results[name]["table_runs"][method]
+            assert [r["seed"] for r in table_runs] == [3, 4]
+            for run in table_runs:
+                assert len(run["extra"]["test_accuracy_per_class"]) == 10
+                assert all(0 <= a <= 100 for a in run["extra"]["test_accuracy_per_class"])
+    assert set(payload["claims"]) == {"a", "b", "c", "d"}
+
+
+def test_figure_is_a_png_of_the_expected_size(quick_run):
+    import matplotlib.image
+
+    out, _ = quick_run
+    image = matplotlib.image.imread(out / "figure.png")
+    width, height = (int(s * report.FIGURE_DPI) for s in report.FIGURE_SIZE_INCHES)
+    assert image.shape[:2] == (height, width)
+    assert image[..., :3].std() > 0.05  # something is drawn
+
+
+def test_report_names_every_claim_with_a_verdict(quick_run):
+    out, _ = quick_run
+    text = (out / "report.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| (")]
+    for key in "abcd":
+        keyed = [row for row in rows if row.startswith(f"| ({key})")]
+        assert keyed, f"claim ({key}) missing from report.md"
+        for row in keyed:
+            assert row.rstrip(" |").rsplit("| ", 1)[1] in ("yes", "partly", "no"), row
+    assert rows[0].startswith("| (a) Example 3.1") and len(rows) == 6
+    assert "![training curves](figure.png)" in text
+    tables = (out / "tables.md").read_text()
+    assert tables.count("| Class |") == 2 and tables.count("| Test acc (") == 4
+    assert text.count("| Class |") == 2
+
+
+def _tiny(**changes):
+    return dataclasses.replace(experiments.Settings.quick(), **changes)
+
+
+def test_same_seed_gives_the_same_numbers_whatever_the_thread_count():
+    settings = _tiny(example_epochs=3, regression_epochs=2, digits_epochs=2, table_seeds=1)
+    threads = torch.get_num_threads()
+
+    def numbers(seed):
+        ex = experiments.example_3_1(settings, seed=seed)
+        reg = experiments.age_regression(settings, seed=seed)
+        dig = experiments.digits_cvar(settings, seed=seed)
+        curves = [r.curve for result in (ex, reg, dig) for runs in result["runs"].values() for r in runs]
+        accuracies = [r.extra["test_accuracy_per_class"] for runs in dig["table_runs"].values() for r in runs]
+        return repr(curves + accuracies)  # repr: exact floats, and NaN (a diverged run) compares equal to itself
+
+    try:
+        torch.set_num_threads(1)
+        one_thread = numbers(5)
+        torch.set_num_threads(2)
+        two_threads = numbers(5)
+    finally:
+        torch.set_num_threads(threads)
+    assert one_thread == two_threads
+    assert numbers(6) != one_thread
+
+
+def test_native_ops_and_fallback_train_alike():
+    """The demo on the compiled ops and on the PyTorch fallback: the same curves to float32 rounding."""
+    from dro_ext import _backend
+
+    if _backend._force_python:
+        pytest.skip("DRO_EXT_FORCE_PYTHON=1: the native ops are disabled in this run")
+    settings = experiments.Settings.quick()
+    curves = {}
+    for name in ("native", "python"):
+        with _backend.forced_backend(name):
+            results = (experiments.example_3_1(settings, seed=0), experiments.digits_chi2(settings, seed=0))
+        curves[name] = [run.curve for result in results for runs in result["runs"].values() for run in runs]
+    native = torch.tensor([v for curve in curves["native"] for v in curve], dtype=torch.float64)
+    python = torch.tensor([v for curve in curves["python"] for v in curve], dtype=torch.float64)
+    assert native.isfinite().sum() > len(native) // 2
+    torch.testing.assert_close(native, python, rtol=1e-4, atol=0, equal_nan=True)
+
+
+# --- the method's claim (a) on small fixed-seed problems -----------------------------------------------------
+
+
+def _lowest_final(result, optimizer):
+    return min(run.final for run in result["runs"][optimizer])
+
+
+@pytest.mark.parametrize("seed", CLAIM_SEEDS)
+def test_normalized_momentum_reaches_lower_psi_on_example_3_1(seed):
+    """Example 3.1 from x = 10, 10 epochs of 10 steps, the demo's grid: the best NSGD run ends below the best SGD run."""
+    settings = _tiny(example_epochs=10, example_steps_per_epoch=10, example_grid=experiments.Settings.full().example_grid)
+    result = experiments.example_3_1(settings, seed=seed)
+    sgd, nsgd = _lowest_final(result, "sgd"), _lowest_final(result, "nsgd")
+    assert nsgd < sgd, (seed, sgd, nsgd)
+
+
+@pytest.mark.parametrize("seed", CLAIM_SEEDS)
+def test_normalized_momentum_reaches_lower_psi_on_regression(seed):
+    """The imbalanced-age regression with 1000 samples and 40 epochs, the demo's grid."""
+    settings = _tiny(regression_samples=1000, regression_epochs=40,
+                     regression_grid=experiments.Settings.full().regression_grid)
+    result = experiments.age_regression(settings, seed=seed)
+    sgd, nsgd = _lowest_final(result, "sgd"), _lowest_final(result, "nsgd")
+    assert nsgd < sgd, (seed, sgd, nsgd)
+
+
+# --- the pieces the report is built from ----------------------------------------------------------------------
+
+
+def test_lr_grid_is_one_three_steps_inclusive():
+    assert experiments.lr_grid(1e-4, 1.0) == (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
+    assert experiments.lr_grid(1e-9, 1e-8) == (1e-9, 3e-9, 1e-8)
+
+
+def _run(curve, optimizer="sgd", lr=0.1, diverged=False, accuracy=None):
+    run = Run(optimizer, lr, 0, list(curve), diverged)
+    if accuracy is not None:
+        run.extra["test_accuracy_per_class"] = accuracy
+    return run
+
+
+def test_compare_optimization_verdicts():
+    slow, fast = _run([10, 8, 6, 5]), _run([10, 2, 1, 0.5], "nsgd")
+    c = claims.compare_optimization(slow, fast, [slow], [fast])
+    assert c["verdict"] == "yes" and c["final_ratio"] == pytest.approx(10) and c["epochs_to_baseline_final"] == 1
+    assert claims.compare_optimization(fast, slow, [fast], [slow])["verdict"] == "no"
+    late = _run([10, 9, 8, 0.1], "nsgd")  # ends lower but slower on average
+    assert claims.compare_optimization(fast, late, [fast], [late])["verdict"] == "partly"
+    diverged = _run([10, math.nan], diverged=True)
+    c = claims.compare_optimization(diverged, fast, [diverged], [fast])
+    assert c["verdict"] == "yes" and c["baseline_diverged_lrs"] == [0.1]
+
+
+def test_compare_accuracy_marks_the_baselines_worst_class():
+    base = [_run([1], accuracy=[90, 50, 80]), _run([1], accuracy=[92, 54, 80])]
+    better = [_run([1], accuracy=[91, 60, 81]), _run([1], accuracy=[93, 62, 83])]
+    c = claims.compare_accuracy(base, better)
+    assert c["worst_class"] == 1 and c["worst_class_gain"] == pytest.approx(9)
+    assert c["classes_improved"] == 3 and c["verdict"] == "yes" and c["largest_gain_class"] == 1
+    mixed = [_run([1], accuracy=[88, 60, 81]), _run([1], accuracy=[88, 62, 83])]  # class 0 worse
+    assert claims.compare_accuracy(base, mixed)["verdict"] == "partly"
+    assert claims.compare_accuracy(better, base)["verdict"] == "no"
+
+
+def test_update_readme_replaces_only_the_marked_block(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.README_BEGIN}\nold\n{report.README_END}\noutro\n")
+    (tmp_path / "docs").mkdir()
+    figure = tmp_path / "docs" / "figure.png"
+    fake_claims = {"a": {"tasks": {}}, **{k: {} for k in "bcd"}}
+    meta = {"date_utc": "2026-01-02 03:04", "machine": {"description": "test box"}, "device": "cpu",
+            "seconds_total": 12.0, "cpu_seconds_total": 10.0, "command": "python -m dro_ext.demo"}
+    original = report.claims_table
+    report.claims_table = lambda c: "| claims |\n"
+    try:
+        report.update_readme(readme, fake_claims, meta, figure)
+    finally:
+        report.claims_table = original
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text
+    assert "![training curves](docs/figure.png)" in text and "2026-01-02 on test box" in text
+    readme.write_text("no markers")
+    with pytest.raises(ValueError, match="demo-claims"):
+        report.update_readme(readme, fake_claims, meta, figure)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where no CUDA device exists")
+def test_device_cuda_without_a_gpu_says_so(tmp_path):
+    from dro_ext.demo.__main__ import run_demo
+
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        run_demo(tmp_path, quick=True, device="cuda")
