@@ -18,6 +18,9 @@
 
 #include <cstdint>
 
+// visit_divergence (divergences.h) is host+device; here it is only ever called on the host with host lambdas,
+// which nvcc would warn about once per instantiation (warning 20014).
+#pragma nv_diag_suppress 20014
 #include "divergences.h"
 
 namespace dro_ext::cuda {

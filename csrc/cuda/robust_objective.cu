@@ -16,7 +16,7 @@
 //                     with groups, a radix sort by group id and one block per group summing its segment in
 //                     a fixed order, then ONE host read of the bad-id flag to raise IndexError as the CPU does.
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -606,7 +606,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weight_stats_cuda(
   });
   if (!with_groups) return {ess, max_weight, zero_fraction, at::empty({0}, options)};
 
-  TORCH_CHECK(n <= INT_MAX, "dro_ext: weight_stats with groups on CUDA supports at most 2^31 - 1 weights, got ", n);
+  TORCH_CHECK(n <= INT_MAX && num_groups <= INT_MAX,
+              "dro_ext: weight_stats with groups on CUDA supports at most 2^31 - 1 weights and groups, got ", n,
+              " weights and num_groups=", num_groups);
   // The one host read: ids outside [0, num_groups) raise IndexError, as on the CPU.
   TORCH_CHECK_INDEX(bad_id.item<int>() == 0, "dro_ext: groups holds an id outside [0, num_groups) with num_groups=",
                     num_groups);
