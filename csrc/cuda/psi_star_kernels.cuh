@@ -2,7 +2,7 @@
 //  - derivative_partials: per-block sums of (psi*^(A)(t_i), psi*^(B)(t_i)), t_i = (l_i - shift) / lam, the
 //    shift read on the device; one launch, one partial per block (combined by a one-block second stage);
 //  - map_derivative: out_i = multiplier * psi*^(order)(t_i), the multiplier read on the device.
-// The math comes from csrc/divergences.h through visit_divergence; nothing here knows a formula.
+// The math comes from csrc/divergences.h (its functors, picked by launch_for_divergence); nothing here knows a formula.
 #pragma once
 
 #include <ATen/Dispatch.h>
@@ -46,7 +46,7 @@ void launch_derivative_partials(const at::Tensor& x, const DivergenceSpec& spec,
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* data = x.const_data_ptr<scalar_t>();
     auto* out = reinterpret_cast<Pair<acc_t>*>(partials.mutable_data_ptr<acc_t>());
-    visit_divergence<acc_t>(spec, [&](const auto& div) {
+    launch_for_divergence<acc_t>(spec, [&](const auto& div) {
       derivative_partials_kernel<A, B><<<blocks, kThreads, 0, stream>>>(data, n, div, shift, 1.0 / lam, skip, out);
       DRO_EXT_CUDA_CHECK_LAUNCH();
     });
@@ -111,7 +111,7 @@ inline void launch_map_derivative(const at::Tensor& x, at::Tensor& out, const Di
     scalar_t* result = out.mutable_data_ptr<scalar_t>();
     const bool aligned = reinterpret_cast<uintptr_t>(data) % 16 == 0 && reinterpret_cast<uintptr_t>(result) % 16 == 0;
     const int blocks = map_blocks<scalar_t>(n);
-    visit_divergence<acc_t>(spec, [&](const auto& div) {
+    launch_for_divergence<acc_t>(spec, [&](const auto& div) {
       if (aligned) {
         map_derivative_kernel<true><<<blocks, kThreads, 0, stream>>>(data, result, n, div, shift, 1.0 / lam, mult,
                                                                       divisor, order, eta_grad);

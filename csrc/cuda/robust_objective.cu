@@ -365,7 +365,7 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
       using acc_t = at::opmath_type<scalar_t>;
       auto* out = reinterpret_cast<Pair<acc_t>*>(partials.mutable_data_ptr<acc_t>());
       const scalar_t* data = x.const_data_ptr<scalar_t>();
-      visit_divergence<acc_t>(spec, [&](const auto& div) {
+      launch_for_divergence<acc_t>(spec, [&](const auto& div) {
         for (int it = 0; it < kMaxIterations; ++it) {
           newton_iteration_kernel<<<blocks, kThreads, 0, stream>>>(data, n, div, lam, chi2, state, out);
           DRO_EXT_CUDA_CHECK_LAUNCH();
