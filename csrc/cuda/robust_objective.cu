@@ -4,12 +4,16 @@
 //   robust_objective  kl: a max pass, then one sum pass at shift max l (a device logsumexp);
 //                     cvar: a device radix sort of the losses (CUB), then one pass over the top ceil(alpha N)
 //                       for the tail mean with the fractional boundary sample;
-//                     chi2 and the others: the CPU's safeguarded Newton iteration with its state in device
-//                       memory. Each iteration is ONE launch: every block sums (psi*', psi*'') over its part,
-//                       and the last block to finish (an integer counter, no float atomics) combines the
-//                       partials in a fixed order and takes the Newton/bisection step on the device. The
-//                       budget is a fixed kMaxIterations launches; once the device-side test has converged
-//                       the remaining launches return at once. chi2 then solves its final segment exactly.
+//                     chi2 and the others: multisection on g(eta) = mean psi*'((l - eta)/lam) - 1, which is
+//                       non-increasing with g(min l) >= 0 >= g(max l), the bracket in device memory. Each pass
+//                       is ONE launch: every block sums psi*' at the kSplit points that cut the bracket into
+//                       kSplit + 1 equal parts, and the last block to finish (an integer counter, no float
+//                       atomics) combines the partials in a fixed order and keeps the part where g changes sign.
+//                       The bracket shrinks by kSplit + 1 per pass, so the CPU's convergence test (width <= 4 eps
+//                       max(|l|, lam)) holds after a number of passes known in advance (8 for float32 sums, 17
+//                       for float64): that is the fixed budget, plus two. eta* is then interpolated linearly
+//                       between the bracket ends, and chi2 (piecewise linear) solves its final segment exactly.
+//                       The CPU's Newton steps would need ~100 launches of budget to be as sure of converging.
 //                     No host round trip at all: the result stays on the device until the caller reads it.
 //   robust_weights    one reduction (the normalizer, or cvar's counts) and one elementwise pass.
 //   weight_stats      one pass over the weights (sum, sum of squares, max, zeros, NaN and bad-id flags);
@@ -32,21 +36,28 @@ namespace dro_ext::cuda {
 
 namespace {
 
-constexpr int kMaxIterations = 100;  // the CPU's budget
+// Interior points per multisection pass: each pass shrinks the bracket 8-fold for 7 evaluations of psi*' per
+// loss, which is memory-bound on current GPUs.
+constexpr int kSplit = 7;
+
+// Passes that take a bracket of width <= 2 max|l| below 4 eps max(|l|, lam), i.e. shrink it by 1/(2 eps),
+// plus two for rounding.
+int pass_budget(double eps) {
+  return static_cast<int>(std::ceil(std::log(1.0 / (2.0 * eps)) / std::log(kSplit + 1.0))) + 2;
+}
 
 // The solver's state, in device memory, written by one thread of one block at a time.
 struct SolverState {
   double lo, hi;  // min and max of the losses
-  double a, b;    // the bracket of eta*
+  double a, b;    // the bracket of eta*: g(a) >= 0 >= g(b)
+  double ga, gb;  // g at the bracket ends (NaN until evaluated)
   double eta, value;
-  double step_before_last, last_step, previous_active;
   double tol;
   int finished;        // (eta, value) is the final result: later passes return at once
-  int newton_idle;     // the Newton iteration is not running (not started, converged or out of budget)
+  int search_idle;     // the multisection is not running (not started, converged or out of budget)
   int skip_segment;    // chi2's exact segment solve does not apply (not chi2, or not converged)
-  int last_was_newton;
-  int iterations;
-  unsigned int blocks_done;  // last-block-done counter of the Newton kernel, reset by that block
+  int passes;
+  unsigned int blocks_done;  // last-block-done counter of the multisection kernel, reset by that block
 };
 
 // alpha * N, snapped to the nearest integer when it is one up to rounding (as csrc/robust_objective.cpp).
@@ -88,7 +99,7 @@ __global__ void __launch_bounds__(kThreads) min_max_kernel(const scalar_t* __res
 template <typename acc_t>
 __global__ void __launch_bounds__(kThreads) init_solver_kernel(const MinMax<acc_t>* __restrict__ partials, int count,
                                                                SolverState* state, double lam, double eps,
-                                                               bool iterative, bool chi2) {
+                                                               bool iterative) {
   const acc_t inf = std::numeric_limits<acc_t>::infinity();
   const MinMax<acc_t> m = reduce_partials(partials, count, MinMax<acc_t>{inf, -inf, 0}, MinMaxOp());
   if (threadIdx.x != 0) return;
@@ -107,20 +118,17 @@ __global__ void __launch_bounds__(kThreads) init_solver_kernel(const MinMax<acc_
     s.eta = s.value = lo;
   } else {
     s.finished = 0;
-    s.eta = lo;  // Newton starts at the left end (the CPU's warm start is a speed-up for its host loop only)
+    s.eta = 0.5 * (lo + hi);
     s.value = nan;
   }
   s.a = lo;
   s.b = hi;
-  s.step_before_last = s.last_step = hi - lo;
-  s.previous_active = -1.0;
-  s.tol = 4.0 * eps * fmax(fmax(fabs(lo), fabs(hi)), lam);
-  s.newton_idle = s.finished || !iterative;
+  s.ga = s.gb = nan;
+  s.tol = 4.0 * eps * fmax(fmax(fabs(lo), fabs(hi)), lam);  // the CPU's convergence tolerance
+  s.search_idle = s.finished || !iterative;
   s.skip_segment = 1;
-  s.last_was_newton = 0;
-  s.iterations = 0;
+  s.passes = 0;
   s.blocks_done = 0u;
-  (void)chi2;
   *state = s;
 }
 
@@ -191,54 +199,93 @@ __global__ void __launch_bounds__(kThreads) cvar_finalize_kernel(const Pair<doub
   state->finished = 1;
 }
 
-// One step of the CPU's solve_newton loop, on the sums s = (sum psi*', sum psi*'') at state->eta.
-__device__ void newton_step(SolverState* st, double s0, double s1, double n, double lam, bool chi2) {
-  const double nan = std::numeric_limits<double>::quiet_NaN();
-  st->iterations += 1;
-  const double g = s0 / n - 1.0;
-  auto stop = [&](bool converged) {
-    st->newton_idle = 1;
-    st->skip_segment = !(chi2 && converged);
-  };
-  if (isnan(g)) {
-    st->eta = st->value = nan;
-    st->finished = 1;
-    stop(false);
-    return;
-  }
-  if (g == 0.0) return stop(true);
-  if (g > 0.0) {
-    st->a = st->eta;
-  } else {
-    st->b = st->eta;
-  }
-  // chi2: the last Newton step solved the linear piece of this same active set, so eta is its root.
-  if (chi2 && st->last_was_newton && s1 == st->previous_active) return stop(true);
-  st->previous_active = s1;
-  const double newton = chi2 ? lam * g * n / s1 : lam * log(s0 / n) * (s0 / s1);
-  double next = st->eta + newton;
-  const bool use_newton = isfinite(next) && next > st->a && next < st->b &&
-                          (chi2 || fabs(newton) <= 0.5 * fabs(st->step_before_last));
-  if (!use_newton) next = 0.5 * (st->a + st->b);
-  st->step_before_last = st->last_step;
-  st->last_step = next - st->eta;
-  st->eta = next;
-  st->last_was_newton = use_newton;
-  if (fabs(st->last_step) <= st->tol || st->b - st->a <= st->tol) return stop(true);
-  if (st->iterations >= kMaxIterations) stop(false);
+// The kSplit points of a pass: a + (b - a) j / (kSplit + 1), j = 1..kSplit, formed identically by every block
+// and by the step that reads their sums.
+__device__ __forceinline__ double split_point(double a, double b, int j) {
+  return a + (b - a) * static_cast<double>(j + 1) / static_cast<double>(kSplit + 1);
 }
 
-// One Newton iteration in one launch: block partials of (psi*', psi*'') at state->eta, then the last block
-// to finish combines them in block order and steps. Returns at once when the iteration is idle.
+template <typename T>
+struct SplitSums {
+  T v[kSplit];
+};
+
+struct SplitSumsOp {
+  template <typename T>
+  __device__ __forceinline__ SplitSums<T> operator()(const SplitSums<T>& x, const SplitSums<T>& y) const {
+    SplitSums<T> out;
+#pragma unroll
+    for (int j = 0; j < kSplit; ++j) out.v[j] = x.v[j] + y.v[j];
+    return out;
+  }
+};
+
+// eta inside [a, b] by linear interpolation of g between the ends (exact on a linear piece), else the midpoint.
+__device__ __forceinline__ double interpolate(double a, double b, double ga, double gb) {
+  if (isfinite(ga) && isfinite(gb) && ga > gb) return fmin(fmax(a + (b - a) * (ga / (ga - gb)), a), b);
+  return 0.5 * (a + b);
+}
+
+// One multisection step on sums[j] = sum psi*'((l - p_j)/lam) at the split points p_j of the current bracket.
+__device__ void multisection_step(SolverState* st, const double* sums, double n, bool chi2, int budget) {
+  st->passes += 1;
+  const double a = st->a, b = st->b;
+  double na = a, nb = b, nga = st->ga, ngb = st->gb;
+  auto stop = [&](bool converged) {
+    st->search_idle = 1;
+    st->skip_segment = !(chi2 && converged);
+  };
+  for (int j = 0; j < kSplit; ++j) {
+    const double p = split_point(a, b, j);
+    const double g = sums[j] / n - 1.0;
+    if (isnan(g)) {
+      st->eta = st->value = std::numeric_limits<double>::quiet_NaN();
+      st->finished = 1;
+      return stop(false);
+    }
+    if (g == 0.0) {
+      st->eta = p;
+      return stop(true);
+    }
+    if (g > 0.0) {
+      na = p;
+      nga = g;
+    } else {
+      nb = p;
+      ngb = g;
+      break;
+    }
+  }
+  st->a = na;
+  st->b = nb;
+  st->ga = nga;
+  st->gb = ngb;
+  st->eta = interpolate(na, nb, nga, ngb);
+  if (nb - na <= st->tol) return stop(true);
+  if (st->passes >= budget) stop(false);
+}
+
+// One multisection pass in one launch: block partials of sum psi*' at the kSplit points, then the last block to
+// finish combines them in block order and steps. Returns at once when the search is idle.
 template <typename scalar_t, typename Div>
-__global__ void __launch_bounds__(kThreads) newton_iteration_kernel(
-    const scalar_t* __restrict__ x, int64_t n, Div div, double lam, bool chi2, SolverState* state,
-    Pair<at::opmath_type<scalar_t>>* __restrict__ partials) {
+__global__ void __launch_bounds__(kThreads) multisection_kernel(
+    const scalar_t* __restrict__ x, int64_t n, Div div, double lam, bool chi2, int budget, SolverState* state,
+    SplitSums<at::opmath_type<scalar_t>>* __restrict__ partials) {
   using acc_t = at::opmath_type<scalar_t>;
-  if (state->newton_idle) return;
-  const acc_t shift = static_cast<acc_t>(state->eta);
-  const Pair<acc_t> s = thread_derivative_sums<1, 2>(x, n, div, shift, static_cast<acc_t>(1.0 / lam));
-  const Pair<acc_t> block = block_reduce(s, PairSum());
+  if (state->search_idle) return;
+  const double a = state->a, b = state->b;
+  acc_t shift[kSplit];
+#pragma unroll
+  for (int j = 0; j < kSplit; ++j) shift[j] = static_cast<acc_t>(split_point(a, b, j));
+  const acc_t inv_lam = static_cast<acc_t>(1.0 / lam);
+  SplitSums<acc_t> s;
+#pragma unroll
+  for (int j = 0; j < kSplit; ++j) s.v[j] = acc_t(0);
+  for_each_element<acc_t>(x, n, [&](acc_t l) {
+#pragma unroll
+    for (int j = 0; j < kSplit; ++j) s.v[j] += div.first((l - shift[j]) * inv_lam);
+  });
+  const SplitSums<acc_t> block = block_reduce(s, SplitSumsOp());
   __shared__ bool is_last;
   if (threadIdx.x == 0) {
     partials[blockIdx.x] = block;
@@ -248,16 +295,20 @@ __global__ void __launch_bounds__(kThreads) newton_iteration_kernel(
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  Pair<acc_t> v{acc_t(0), acc_t(0)};
+  SplitSums<acc_t> v;
+#pragma unroll
+  for (int j = 0; j < kSplit; ++j) v.v[j] = acc_t(0);
   for (int i = threadIdx.x; i < static_cast<int>(gridDim.x); i += kThreads) {
-    // Bypass L1: the partials were written by other SMs during this launch.
-    v.a += __ldcg(&partials[i].a);
-    v.b += __ldcg(&partials[i].b);
+#pragma unroll
+    for (int j = 0; j < kSplit; ++j) v.v[j] += __ldcg(&partials[i].v[j]);  // bypass L1: written by other SMs
   }
-  const Pair<acc_t> total = block_reduce(v, PairSum());
+  const SplitSums<acc_t> total = block_reduce(v, SplitSumsOp());
   if (threadIdx.x == 0) {
     state->blocks_done = 0u;
-    newton_step(state, static_cast<double>(total.a), static_cast<double>(total.b), static_cast<double>(n), lam, chi2);
+    double sums[kSplit];
+#pragma unroll
+    for (int j = 0; j < kSplit; ++j) sums[j] = static_cast<double>(total.v[j]);
+    multisection_step(state, sums, static_cast<double>(n), chi2, budget);
   }
 }
 
@@ -325,7 +376,7 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
     auto* mm = reinterpret_cast<MinMax<acc_t>*>(minmax.mutable_data_ptr<acc_t>());
     min_max_kernel<<<blocks, kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(), n, mm);
     DRO_EXT_CUDA_CHECK_LAUNCH();
-    init_solver_kernel<acc_t><<<1, kThreads, 0, stream>>>(mm, blocks, state, lam, eps, iterative, chi2);
+    init_solver_kernel<acc_t><<<1, kThreads, 0, stream>>>(mm, blocks, state, lam, eps, iterative);
     DRO_EXT_CUDA_CHECK_LAUNCH();
   });
 
@@ -361,13 +412,15 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
                                                      static_cast<int>(tail_partials.size(0)), boundary, state, tail);
     DRO_EXT_CUDA_CHECK_LAUNCH();
   } else {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_cuda_newton", [&] {
+    const int budget = pass_budget(eps);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_cuda_multisection", [&] {
       using acc_t = at::opmath_type<scalar_t>;
-      auto* out = reinterpret_cast<Pair<acc_t>*>(partials.mutable_data_ptr<acc_t>());
+      at::Tensor split_partials = at::empty({blocks, kSplit}, partials.options());
+      auto* out = reinterpret_cast<SplitSums<acc_t>*>(split_partials.mutable_data_ptr<acc_t>());
       const scalar_t* data = x.const_data_ptr<scalar_t>();
       launch_for_divergence<acc_t>(spec, [&](const auto& div) {
-        for (int it = 0; it < kMaxIterations; ++it) {
-          newton_iteration_kernel<<<blocks, kThreads, 0, stream>>>(data, n, div, lam, chi2, state, out);
+        for (int pass = 0; pass < budget; ++pass) {
+          multisection_kernel<<<blocks, kThreads, 0, stream>>>(data, n, div, lam, chi2, budget, state, out);
           DRO_EXT_CUDA_CHECK_LAUNCH();
         }
       });
