@@ -4,14 +4,17 @@
 #   scripts/gpu_check.sh DIR [PHASES]        (or: make gpu-check OUT=DIR [PHASES=...])
 #
 # PHASES is a '+'-separated subset of build, test, suite, sanitize, bench (default: all of them). A machine
-# with little time on it can run the check in two halves of under ten minutes each, e.g.
-#   scripts/gpu_check.sh DIR build+test          # build for the visible card, the CUDA tests
-#   scripts/gpu_check.sh DIR suite+sanitize+bench
+# with little time on it (~13 minutes of device time in all) can run the check in two halves of about six
+# minutes each, back to back while the machine is still warm (a fresh machine rebuilds first, ~2 minutes):
+#   scripts/gpu_check.sh DIR build+test              # build for the visible card, the CUDA tests
+#   scripts/gpu_check.sh DIR suite+sanitize+bench    # the rest of the suite, compute-sanitizer, benchmarks
 # Every phase after `build` first makes sure the extension in this checkout runs on this card (and builds it
 # if not, e.g. on a fresh machine). Each step runs under `timeout`; a failed step is recorded and the script
 # goes on. DIR/summary.txt lists every step with its exit status, time and log; the script exits non-zero
 # if any step failed. Step time limits (seconds) can be changed through the environment: BUILD_S, TEST_S,
-# SUITE_S, MEMCHECK_S, RACECHECK_S, BENCH_S.
+# SUITE_S, MEMCHECK_S, RACECHECK_S, BENCH_S; BENCH_ARGS adds arguments to the benchmark run (e.g. --quick).
+# PACK_TO=FILE.tar.gz packs DIR into one archive at the end, for a runner that returns only a few files:
+#   PACK_TO=$OUT/gpu_check_1.tar.gz scripts/gpu_check.sh /tmp/gpu_check build+test; cp /tmp/gpu_check/summary.txt $OUT/
 set -uo pipefail
 
 if [[ $# -lt 1 ]]; then
@@ -27,12 +30,13 @@ export PATH="$CUDA_HOME/bin:$PATH"
 SUMMARY="$OUT_DIR/summary.txt"
 FAILED=0
 
-BUILD_S="${BUILD_S:-420}"
-TEST_S="${TEST_S:-300}"
-SUITE_S="${SUITE_S:-240}"
-MEMCHECK_S="${MEMCHECK_S:-150}"
-RACECHECK_S="${RACECHECK_S:-150}"
-BENCH_S="${BENCH_S:-300}"
+BUILD_S="${BUILD_S:-240}"
+TEST_S="${TEST_S:-180}"
+SUITE_S="${SUITE_S:-90}"
+MEMCHECK_S="${MEMCHECK_S:-90}"
+RACECHECK_S="${RACECHECK_S:-90}"
+BENCH_S="${BENCH_S:-150}"
+BENCH_ARGS="${BENCH_ARGS:-}"
 
 has_phase() { [[ "+$PHASES+" == *"+$1+"* ]]; }
 
@@ -107,13 +111,21 @@ if ! runs_here; then
 fi
 
 CUDA_TESTS=(tests/test_cuda_*.py)
+# A hung kernel fails its test after a minute (with every thread's stack in the log) instead of the whole step.
+per_test=()
+if "$PYTHON" -c "import pytest_timeout" 2>/dev/null; then per_test=(--timeout=90 --timeout-method=thread); fi
 if has_phase test; then
-  step cuda_tests "$TEST_S" "$PYTHON" -m pytest -q -rs --durations=15 --junitxml="$OUT_DIR/cuda_tests.xml" "${CUDA_TESTS[@]}"
+  step cuda_tests "$TEST_S" env PYTHONUNBUFFERED=1 "$PYTHON" -m pytest -q -rs --durations=15 "${per_test[@]}" \
+    --junitxml="$OUT_DIR/cuda_tests.xml" "${CUDA_TESTS[@]}"
 fi
 if has_phase suite; then
   ignores=()
   for f in "${CUDA_TESTS[@]}"; do ignores+=("--ignore=$f"); done
-  step suite "$SUITE_S" "$PYTHON" -m pytest -q -rs --junitxml="$OUT_DIR/suite.xml" tests "${ignores[@]}"
+  # The CPU tests spread over the cores where pytest-xdist is installed.
+  parallel=()
+  if "$PYTHON" -c "import xdist" 2>/dev/null; then parallel=(-n 8); fi
+  step suite "$SUITE_S" env PYTHONUNBUFFERED=1 "$PYTHON" -m pytest -q -rs "${parallel[@]}" "${per_test[@]}" \
+    --junitxml="$OUT_DIR/suite.xml" tests "${ignores[@]}"
 fi
 if has_phase sanitize; then
   if command -v compute-sanitizer >/dev/null 2>&1; then
@@ -129,9 +141,13 @@ if has_phase sanitize; then
 fi
 if has_phase bench; then
   mkdir -p "$OUT_DIR/bench"
-  step bench "$BENCH_S" "$PYTHON" -m bench.run --device cuda --out "$OUT_DIR/bench"
+  # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
+  step bench "$BENCH_S" "$PYTHON" -m bench.run --device cuda --out "$OUT_DIR/bench" $BENCH_ARGS
 fi
 
 echo "# done $(date -u +%Y-%m-%dT%H:%M:%SZ), $([[ $FAILED -eq 0 ]] && echo 'all steps passed' || echo 'SOME STEPS FAILED')" >>"$SUMMARY"
 cat "$SUMMARY"
+if [[ -n "${PACK_TO:-}" ]]; then
+  tar czf "$PACK_TO" -C "$(dirname "$OUT_DIR")" "$(basename "$OUT_DIR")" && echo "packed $OUT_DIR into $PACK_TO"
+fi
 exit $FAILED
