@@ -30,7 +30,10 @@ def main():
     failures = []
     for dtype in DTYPES:
         acc = torch.float64 if dtype == torch.float64 else torch.float32
-        for n, offset in ((1, 0), (7, 1), (4099, 3), (70001, 0)):
+        # Every dtype on a misaligned odd size; the single-sample and the multi-block sizes in float32 only,
+        # which keeps the run short under the sanitizers (each kernel launch costs milliseconds there).
+        sizes = ((7, 1), (4099, 3)) + (((1, 0), (70001, 0)) if dtype == torch.float32 else ())
+        for n, offset in sizes:
             x = inputs(n, dtype, offset)
             eta = torch.tensor(0.7, dtype=acc, device="cuda")
             one = torch.tensor(1.0, dtype=acc, device="cuda")
