@@ -123,7 +123,7 @@ if has_phase suite; then
   for f in "${CUDA_TESTS[@]}"; do ignores+=("--ignore=$f"); done
   # The CPU tests spread over the cores where pytest-xdist is installed.
   parallel=()
-  if "$PYTHON" -c "import xdist" 2>/dev/null; then parallel=(-n 8); fi
+  if "$PYTHON" -c "import xdist" 2>/dev/null; then parallel=(-n 4); fi
   step suite "$SUITE_S" env PYTHONUNBUFFERED=1 "$PYTHON" -m pytest -q -rs "${parallel[@]}" "${per_test[@]}" \
     --junitxml="$OUT_DIR/suite.xml" tests "${ignores[@]}"
 fi
