@@ -5,7 +5,7 @@ TORCH_VERSION ?= 2.14.1
 export CUDA_HOME ?= /usr/local/cuda
 STAMP := build/.setup-done
 
-.PHONY: setup build test bench bench-loss cmake clean
+.PHONY: setup build test bench bench-loss cmake clean gpu-check
 
 # Dependencies, then the extension (C++ CPU kernels; CUDA ones too when a toolkit is present).
 $(STAMP): setup.py pyproject.toml
@@ -41,6 +41,12 @@ cmake: $(STAMP)
 	cmake --build build/cmake -j2
 	$(PYTHON) -c "import torch; torch.ops.load_library('build/cmake/libdro_ext_ops.so'); \
 	  v, w = torch.ops.dro_ext.dro_loss(torch.arange(5.), torch.tensor(1.), 0.5, 'chi2'); print('cmake build loads:', v.item(), w.item())"
+
+# On a GPU machine: build for the visible card, CUDA tests, the suite, compute-sanitizer and the GPU benchmarks,
+# every log into OUT (scripts/gpu_check.sh; PHASES=build+test, then PHASES=suite+sanitize+bench, splits it in two).
+gpu-check:
+	@test -n "$(OUT)" || (echo "usage: make gpu-check OUT=DIR [PHASES=build+test+suite+sanitize+bench]" >&2; exit 2)
+	PYTHON=$(PYTHON) scripts/gpu_check.sh "$(OUT)" $(PHASES)
 
 clean:
 	rm -rf build dro_ext/*.so *.egg-info

@@ -80,16 +80,26 @@ if _backend.native_available():
         return scalar, scalar.clone(), scalar.clone(), weights.new_empty((width,), dtype=acc)
 
 
-def _native_for(losses: torch.Tensor) -> bool:
-    """The native op is used when loaded, selected, and it has a kernel for the losses' device."""
+# Device types with native kernels, asked of the dispatcher once per type (a constant for torch.compile).
+_NATIVE_DEVICE_TYPES: dict = {"cpu": True}
+
+
+def _native_for_device_type(device_type: str) -> bool:
+    """The native ops are in use and have kernels for this device type (CUDA: when the build compiled them)."""
     if not _backend.use_native():
         return False
-    if losses.device.type == "cpu":
-        return True
-    try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key("dro_ext::robust_objective", losses.device.type.upper())
-    except Exception:  # pragma: no cover - unknown dispatch key names
-        return False
+    if device_type not in _NATIVE_DEVICE_TYPES:
+        try:
+            _NATIVE_DEVICE_TYPES[device_type] = torch._C._dispatch_has_kernel_for_dispatch_key(
+                "dro_ext::robust_objective", device_type.upper())
+        except Exception:  # pragma: no cover - unknown dispatch key names
+            _NATIVE_DEVICE_TYPES[device_type] = False
+    return _NATIVE_DEVICE_TYPES[device_type]
+
+
+def _native_for(losses: torch.Tensor) -> bool:
+    """The native op is used when loaded, selected, and it has a kernel for the losses' device."""
+    return _native_for_device_type(losses.device.type)
 
 
 # ---------------------------------------------------------------------------------------------------

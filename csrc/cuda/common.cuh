@@ -1,0 +1,244 @@
+// Device helpers shared by the CUDA kernels of the loss and the robust objective: scalars read on the device,
+// the launch configuration, vectorized grid-stride loops and deterministic block reductions.
+//
+// Determinism: every reduction here is a fixed tree. Each thread sums a fixed set of elements (the grid size
+// depends on N only, never on the card or the run), CUB's BlockReduce combines the threads of a block in a
+// fixed order, and a second stage (one block) combines the per-block partials in a fixed order. No float
+// atomics anywhere, so results are bitwise identical run to run.
+#pragma once
+
+#include <ATen/OpMathType.h>
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cub/cub.cuh>
+
+#include <cstdint>
+
+#include "divergences.h"
+
+namespace dro_ext::cuda {
+
+constexpr int kThreads = 256;
+// At most this many blocks per reduction: about one wave of 256-thread blocks on an H100 (132 SMs x 8),
+// and few enough partials for one block to combine. A constant, so the summation tree depends on N only.
+constexpr int64_t kMaxReduceBlocks = 1024;
+constexpr int64_t kMaxMapBlocks = 65535 * 4;
+
+// A 0-d floating tensor read on the device: the pointer and its dtype, so that no kernel is instantiated
+// per dtype of eta/grad/multiplier and nothing is copied to the host.
+struct ScalarRef {
+  const void* ptr;
+  int kind;  // 0 float, 1 double, 2 half, 3 bfloat16
+
+  __device__ __forceinline__ double read() const {
+    switch (kind) {
+      case 1:
+        return *static_cast<const double*>(ptr);
+      case 2:
+        return static_cast<double>(static_cast<float>(*static_cast<const c10::Half*>(ptr)));
+      case 3:
+        return static_cast<double>(static_cast<float>(*static_cast<const c10::BFloat16*>(ptr)));
+      default:
+        return static_cast<double>(*static_cast<const float*>(ptr));
+    }
+  }
+};
+
+inline int scalar_kind(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kDouble: return 1;
+    case at::kHalf: return 2;
+    case at::kBFloat16: return 3;
+    default: return 0;
+  }
+}
+
+inline ScalarRef scalar_ref(const at::Tensor& t) {
+  TORCH_INTERNAL_ASSERT(t.dim() == 0 && t.is_cuda());
+  const auto type = t.scalar_type();
+  TORCH_CHECK_TYPE(type == at::kFloat || type == at::kDouble || type == at::kHalf || type == at::kBFloat16,
+                   "dro_ext: expected a float16, bfloat16, float32 or float64 scalar, got ", type);
+  return ScalarRef{t.const_data_ptr(), scalar_kind(t)};
+}
+
+inline ScalarRef scalar_ref(const double* device_ptr) { return ScalarRef{device_ptr, 1}; }
+
+// A 0-d floating output tensor written on the device, whatever its dtype.
+struct ScalarOut {
+  void* ptr;
+  int kind;  // as ScalarRef
+
+  __device__ __forceinline__ void write(double v) const {
+    switch (kind) {
+      case 1: *static_cast<double*>(ptr) = v; break;
+      case 2: *static_cast<c10::Half*>(ptr) = c10::Half(static_cast<float>(v)); break;
+      case 3: *static_cast<c10::BFloat16*>(ptr) = c10::BFloat16(static_cast<float>(v)); break;
+      default: *static_cast<float*>(ptr) = static_cast<float>(v); break;
+    }
+  }
+};
+
+inline ScalarOut scalar_out(at::Tensor& t) {
+  TORCH_INTERNAL_ASSERT(t.dim() == 0 && t.is_cuda() && at::isFloatingType(t.scalar_type()));
+  return ScalarOut{t.mutable_data_ptr(), scalar_kind(t)};
+}
+
+// shift = scale * (*ref) + offset, in double, read once per thread (the CPU kernels form G*eta in double too).
+struct ShiftRef {
+  ScalarRef ref;
+  double scale;
+  double offset;
+  __device__ __forceinline__ double read() const { return scale * ref.read() + offset; }
+};
+
+// visit_divergence for host code that launches kernels: divergences.h's visit_divergence is host+device, and
+// nvcc warns (20014) for each host lambda it is instantiated with. Same mapping of the kind to its functor.
+template <typename acc_t, typename F>
+void launch_for_divergence(const DivergenceSpec& spec, F&& f) {
+  switch (spec.kind) {
+    case Divergence::KL: return f(KL<acc_t>{});
+    case Divergence::CVaR: return f(CVaR<acc_t>(spec.alpha));
+    case Divergence::KLCVaR: return f(KLCVaR<acc_t>(spec.alpha));
+    case Divergence::CressieRead: return f(CressieRead<acc_t>(spec.k));
+    case Divergence::SmoothedCVaR: return f(SmoothedCVaR<acc_t>(spec.alpha));
+    case Divergence::Chi2:
+    default: return f(Chi2<acc_t>{});
+  }
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Elements per 16-byte vector of scalar_t.
+template <typename scalar_t>
+__host__ __device__ constexpr int vec_size() {
+  return 16 / static_cast<int>(sizeof(scalar_t));
+}
+
+template <typename scalar_t, int N>
+struct alignas(sizeof(scalar_t) * N) AlignedVec {
+  scalar_t v[N];
+};
+
+// Blocks for a reduction over n elements of scalar_t: enough for every thread to load a few vectors,
+// at most kMaxReduceBlocks.
+template <typename scalar_t>
+int reduce_blocks(int64_t n) {
+  const int64_t per_block = int64_t(kThreads) * vec_size<scalar_t>() * 4;
+  return static_cast<int>(std::max<int64_t>(1, std::min(kMaxReduceBlocks, ceil_div(n, per_block))));
+}
+
+template <typename scalar_t>
+int map_blocks(int64_t n) {
+  const int64_t per_block = int64_t(kThreads) * vec_size<scalar_t>();
+  return static_cast<int>(std::max<int64_t>(1, std::min(kMaxMapBlocks, ceil_div(n, per_block))));
+}
+
+// Calls f(acc_t(x_i)) for the elements this thread owns in a grid-stride loop over all of x: 16-byte
+// vector loads over the aligned body, scalar loads for the (< one vector) head before it and tail after it.
+// Works for any element-aligned x (a view at an odd offset included).
+template <typename acc_t, typename scalar_t, typename F>
+__device__ __forceinline__ void for_each_element(const scalar_t* __restrict__ x, int64_t n, F&& f) {
+  constexpr int kVec = vec_size<scalar_t>();
+  using Vec = AlignedVec<scalar_t, kVec>;
+  const int64_t misalign = static_cast<int64_t>((reinterpret_cast<uintptr_t>(x) / sizeof(scalar_t)) % kVec);
+  const int64_t head = misalign == 0 ? 0 : (n < kVec - misalign ? n : kVec - misalign);
+  const int64_t body = (n - head) / kVec;
+  const int64_t tail_begin = head + body * kVec;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const Vec* vx = reinterpret_cast<const Vec*>(x + head);
+  for (int64_t v = tid; v < body; v += stride) {
+    const Vec data = vx[v];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) f(static_cast<acc_t>(data.v[j]));
+  }
+  if (tid < head) f(static_cast<acc_t>(x[tid]));
+  if (tail_begin + tid < n) f(static_cast<acc_t>(x[tail_begin + tid]));
+}
+
+template <typename T>
+struct Pair {
+  T a;
+  T b;
+};
+
+struct PairSum {
+  template <typename T>
+  __device__ __forceinline__ Pair<T> operator()(const Pair<T>& x, const Pair<T>& y) const {
+    return Pair<T>{x.a + y.a, x.b + y.b};
+  }
+};
+
+// The block-wide combination of v under op, valid in thread 0. Safe to call repeatedly in one kernel.
+template <typename T, typename Op>
+__device__ __forceinline__ T block_reduce(const T& v, Op op) {
+  using Reduce = cub::BlockReduce<T, kThreads>;
+  __shared__ typename Reduce::TempStorage storage;
+  __syncthreads();  // a previous call's readers are done with storage
+  return Reduce(storage).Reduce(v, op);
+}
+
+// Combines count partials in a fixed order with one block: thread j takes j, j + kThreads, ... then the block
+// tree. Valid in thread 0.
+template <typename T, typename Op>
+__device__ __forceinline__ T reduce_partials(const T* partials, int count, T identity, Op op) {
+  T v = identity;
+  for (int i = threadIdx.x; i < count; i += kThreads) v = op(v, partials[i]);
+  return block_reduce(v, op);
+}
+
+// The k-th derivative of psi* (0: the value).
+template <int ORDER, typename Div, typename T>
+__device__ __forceinline__ T derivative(const Div& div, T t) {
+  if constexpr (ORDER == 0) {
+    return div.value(t);
+  } else if constexpr (ORDER == 1) {
+    return div.first(t);
+  } else {
+    return div.second(t);
+  }
+}
+
+template <typename Div, typename T>
+__device__ __forceinline__ T derivative(const Div& div, T t, int order) {
+  return order == 0 ? div.value(t) : (order == 1 ? div.first(t) : div.second(t));
+}
+
+// CONTRACTS.md rule 1: the per-element term of the loss VALUE, in one place. The value is
+//   L = lam * mean_i value_term(div, t_i, l_i, inv_lam) + value_offset(G eta)
+// Today: value_term = psi*(t) and the offset is G eta (as the CPU kernels). After the numerics merge
+// (psi*(t) = t + excess(t)): value_term = l * inv_lam + div.excess(t) and value_offset = 0.
+template <typename Div, typename T>
+__device__ __forceinline__ T value_term(const Div& div, T t, T /*l*/, T /*inv_lam*/) {
+  return div.value(t);
+}
+__host__ __device__ inline double value_offset(double g_eta) { return g_eta; }
+
+// Per-thread partial sums of (derivative A, derivative B) of psi* at t_i = (x_i - shift) * inv_lam over the
+// elements this thread owns; A == 0 is the loss value term.
+template <int A, int B, typename scalar_t, typename Div>
+__device__ __forceinline__ Pair<at::opmath_type<scalar_t>> thread_derivative_sums(
+    const scalar_t* __restrict__ x, int64_t n, const Div& div, at::opmath_type<scalar_t> shift,
+    at::opmath_type<scalar_t> inv_lam) {
+  using acc_t = at::opmath_type<scalar_t>;
+  Pair<acc_t> s{acc_t(0), acc_t(0)};
+  for_each_element<acc_t>(x, n, [&](acc_t l) {
+    const acc_t t = (l - shift) * inv_lam;
+    if constexpr (A == 0) {
+      s.a += value_term(div, t, l, inv_lam);
+    } else {
+      s.a += derivative<A>(div, t);
+    }
+    s.b += derivative<B>(div, t);
+  });
+  return s;
+}
+
+// Launch checks on the current stream (no sync).
+#define DRO_EXT_CUDA_CHECK_LAUNCH() C10_CUDA_KERNEL_LAUNCH_CHECK()
+
+}  // namespace dro_ext::cuda

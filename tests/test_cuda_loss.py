@@ -1,0 +1,292 @@
+"""The loss ops on CUDA (csrc/cuda/dro_loss.cu): the float64 reference matrix, agreement with the CPU kernels,
+bitwise determinism, zero host syncs, CUDA-graph capture, torch.compile(mode="reduce-overhead") and opcheck.
+
+Skipped (with the reason shown) where no CUDA device is visible; scripts/gpu_check.sh runs them on a GPU.
+"""
+import pytest
+import torch
+
+import dro_ext
+import reference as ref
+from dro_ext import _backend
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (run scripts/gpu_check.sh on a GPU)"),
+    pytest.mark.skipif(not _backend.native_available(), reason="the dro_ext extension is not built"),
+]
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+SIZES = [1, 7, 65537, 2**24 + 3]
+# contiguous; strided (every other element of a buffer); offset (contiguous, but one element past a 16-byte
+# boundary, so the vectorized loops take their scalar head and tail).
+LAYOUTS = ["contiguous", "strided", "offset"]
+DEVICE = "cuda"
+
+
+def case_kwargs(params):
+    return dict(alpha=params.get("alpha"), k=params.get("k"))
+
+
+def make_losses(n, dtype, layout, device=DEVICE):
+    values = (1.0 + torch.randn(n, dtype=torch.float64, device=device)).to(dtype)
+    if layout == "contiguous":
+        return values
+    if layout == "strided":
+        buffer = torch.empty(2 * n, dtype=dtype, device=device)
+        buffer[::2] = values
+        view = buffer[::2]
+        assert not view.is_contiguous() or n == 1
+        return view
+    buffer = torch.empty(n + 1, dtype=dtype, device=device)
+    buffer[1:] = values
+    return buffer[1:]
+
+
+@pytest.fixture(autouse=True)
+def _native_backend():
+    if _backend._force_python:
+        pytest.skip("DRO_EXT_FORCE_PYTHON=1: the CUDA kernels are not in use")
+    with _backend.forced_backend("native"):
+        yield
+
+
+def test_loss_ops_have_cuda_kernels():
+    for op in ("dro_loss", "dro_loss_backward", "psi_star_terms"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"dro_ext::{op}", "CUDA"), op
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_loss_and_gradients_match_float64_reference(name, params, n, dtype, layout):
+    if n == SIZES[-1] and layout != "contiguous" and dtype != torch.float32:
+        pytest.skip("the 2^24+3 size runs every layout in float32 and every dtype contiguous (time on the GPU)")
+    lam, scale = 0.7, 1.3
+    losses = make_losses(n, dtype, layout).requires_grad_()
+    eta = torch.tensor(0.6, device=DEVICE, requires_grad=True)
+    value = dro_ext.dro_loss(losses, eta, lam, name, scale=scale, **params)
+    assert value.dtype == dtype and value.dim() == 0 and value.is_cuda
+    grad_l, grad_eta = torch.autograd.grad(value, (losses, eta))
+    assert grad_l.dtype == dtype and grad_eta.dtype == torch.float32 and grad_l.shape == losses.shape
+
+    # The float64 reference sees exactly the rounded inputs the op saw; on the CPU up to 65537 samples, on
+    # the device (still float64, the same formulas) for 2^24+3, where the CPU reference would dominate the run.
+    ref_device = "cpu" if n <= 65537 else DEVICE
+    l64 = losses.detach().to(ref_device, torch.float64).requires_grad_()
+    e64 = eta.detach().to(ref_device, torch.float64).requires_grad_()
+    expected = ref.dro_loss(l64, e64, lam, name, scale=scale, **case_kwargs(params))
+    exp_l, exp_eta = torch.autograd.grad(expected, (l64, e64))
+
+    tol = ref.tolerances(dtype)
+    torch.testing.assert_close(value.double().cpu(), expected.cpu(), **tol)
+    w_tol = dict(tol, atol=5e-5) if dtype == torch.float32 else tol
+    torch.testing.assert_close(grad_l.double().cpu() * n, exp_l.cpu() * n, **w_tol)
+    eta_tol = dict(rtol=1e-5, atol=1e-5) if dtype != torch.float64 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad_eta.double().cpu(), exp_eta.cpu(), **eta_tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_cuda_matches_cpu_kernels(name, params, dtype):
+    # Same inputs, same accumulate dtype: the CUDA and CPU kernels differ only in summation order.
+    losses = make_losses(100_003, dtype, "contiguous")
+    eta = torch.tensor(0.4, device=DEVICE)
+    args = (0.5, name, params.get("alpha"), params.get("k"), 1.2)
+    value, mean_w = torch.ops.dro_ext.dro_loss(losses, eta, *args)
+    value_cpu, mean_w_cpu = torch.ops.dro_ext.dro_loss(losses.cpu(), eta.cpu(), *args)
+    tol = ref.tolerances(dtype)
+    torch.testing.assert_close(value.cpu(), value_cpu, **tol)
+    torch.testing.assert_close(mean_w.cpu(), mean_w_cpu, **ref.tolerances(mean_w.dtype))
+    grad = torch.tensor(1.7, device=DEVICE)
+    g_l, g_eta = torch.ops.dro_ext.dro_loss_backward(grad, losses, eta, mean_w, *args)
+    g_l_cpu, g_eta_cpu = torch.ops.dro_ext.dro_loss_backward(grad.cpu(), losses.cpu(), eta.cpu(), mean_w.cpu(), *args)
+    torch.testing.assert_close(g_l.cpu(), g_l_cpu, **tol)
+    torch.testing.assert_close(g_eta.cpu(), g_eta_cpu, **ref.tolerances(torch.float32))
+
+
+@pytest.mark.parametrize("order", [0, 1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_psi_star_terms_match_cpu(name, params, dtype, order):
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    for shape, layout in (((), "contiguous"), ((3, 5, 7), "contiguous"), ((1001,), "offset"), ((1001,), "strided")):
+        t = make_losses(int(torch.tensor(shape).prod()), dtype, layout).reshape(shape) if layout == "contiguous" \
+            else make_losses(shape[0], dtype, layout)
+        eta = torch.tensor(0.3, dtype=acc, device=DEVICE)
+        mult = torch.tensor(0.9, dtype=torch.float64, device=DEVICE)
+        args = (0.8, name, params.get("alpha"), params.get("k"), 1.1, order)
+        got = torch.ops.dro_ext.psi_star_terms(t, eta, mult, *args)
+        want = torch.ops.dro_ext.psi_star_terms(t.cpu(), eta.cpu(), mult.cpu(), *args)
+        assert got.shape == t.shape and got.dtype == dtype and got.is_contiguous()
+        torch.testing.assert_close(got.cpu(), want, **ref.tolerances(dtype))
+
+
+def test_psi_star_and_weights_public_api_on_cuda():
+    t = torch.linspace(-3, 3, 97, device=DEVICE)
+    for name, params in ref.CASES:
+        torch.testing.assert_close(dro_ext.psi_star(t, name, **params).cpu(),
+                                   ref.psi_star(t.cpu().double(), name, **case_kwargs(params)).float(),
+                                   rtol=2e-5, atol=2e-6)
+        w = dro_ext.dro_weights(t, 0.2, 0.5, name, **params)
+        assert w.is_cuda
+        torch.testing.assert_close(w.cpu(), dro_ext.dro_weights(t.cpu(), 0.2, 0.5, name, **params))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64], ids=str)
+def test_bitwise_deterministic_over_10_runs(dtype):
+    losses = make_losses(2**20 + 5, dtype, "offset")
+    eta = torch.tensor(0.2, device=DEVICE, requires_grad=True)
+    for name, params in ref.CASES:
+        runs = []
+        for _ in range(10):
+            l = losses.detach().requires_grad_()
+            value = dro_ext.dro_loss(l, eta, 0.5, name, **params)
+            g_l, g_eta = torch.autograd.grad(value, (l, eta))
+            runs.append((value, g_l, g_eta))
+        for run in runs[1:]:
+            for a, b in zip(runs[0], run):
+                assert torch.equal(a, b), name
+
+
+def test_forward_and_backward_never_sync():
+    losses = make_losses(100_001, torch.float32, "contiguous").requires_grad_()
+    eta = torch.tensor(0.1, device=DEVICE, requires_grad=True)
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for name, params in ref.CASES:
+            value = dro_ext.dro_loss(losses, eta, 0.5, name, **params)
+            value.backward()
+            w = dro_ext.dro_weights(losses.detach(), eta.detach(), 0.5, name, **params)
+            del w
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert losses.grad is not None and eta.grad is not None
+
+
+@pytest.mark.parametrize("name,params", [("chi2", {}), ("smoothed_cvar", {"alpha": 0.1}), ("cressie_read", {"k": 1.5})],
+                         ids=["chi2", "smoothed_cvar", "cressie_read"])
+def test_cuda_graph_capture_and_replay_match_eager(name, params):
+    n = 65537
+    static_losses = make_losses(n, torch.float32, "contiguous").requires_grad_()
+    eta = torch.tensor(0.3, device=DEVICE, requires_grad=True)
+
+    def step():
+        value = dro_ext.dro_loss(static_losses, eta, 0.5, name, **params)
+        g_l, g_eta = torch.autograd.grad(value, (static_losses, eta))
+        return value, g_l, g_eta
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm up the caching allocator outside the capture
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    for trial in range(3):
+        fresh = make_losses(n, torch.float32, "contiguous")
+        with torch.no_grad():
+            static_losses.copy_(fresh)
+            eta.fill_(0.1 * trial)
+        graph.replay()
+        eager = step()
+        for got, want in zip(static_out, eager):
+            assert torch.equal(got, want)
+
+
+def test_compile_reduce_overhead_training_step():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).to(DEVICE)
+    criterion = dro_ext.DROLoss("kl_cvar", lam=0.5, alpha=0.2, eta_init=0.1).to(DEVICE)
+    x, y = torch.randn(4096, 8, device=DEVICE), torch.randn(4096, device=DEVICE)
+
+    def loss_fn(x, y):
+        return criterion((model(x).squeeze(1) - y) ** 2)
+
+    eager = loss_fn(x, y)
+    eager.backward()
+    eager_grads = [p.grad.clone() for p in list(model.parameters()) + [criterion.eta]]
+    compiled = torch.compile(loss_fn, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # the first calls record the CUDA graph, later ones replay it
+        for p in list(model.parameters()) + [criterion.eta]:
+            p.grad = None
+        loss = compiled(x, y)
+        loss.backward()
+        torch.testing.assert_close(loss, eager)
+        for p, e in zip(list(model.parameters()) + [criterion.eta], eager_grads):
+            torch.testing.assert_close(p.grad, e)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_opcheck_on_cuda(name, params, dtype):
+    differentiable = dtype == torch.float64
+    losses = (1 + torch.randn(65, dtype=torch.float64, device=DEVICE)).to(dtype).requires_grad_(differentiable)
+    eta = torch.tensor(0.2, dtype=dtype, device=DEVICE, requires_grad=differentiable)
+    torch.library.opcheck(torch.ops.dro_ext.dro_loss.default,
+                          (losses, eta, 0.5, name, params.get("alpha"), params.get("k"), 1.5))
+    mult = torch.tensor(0.7, dtype=dtype, device=DEVICE, requires_grad=True)
+    for order in (0, 1, 2):
+        torch.library.opcheck(torch.ops.dro_ext.psi_star_terms.default,
+                              (losses.detach().requires_grad_(differentiable and order < 2),
+                               eta.detach().requires_grad_(differentiable and order < 2), mult, 0.5, name,
+                               params.get("alpha"), params.get("k"), 1.5, order))
+    _, mean_w = torch.ops.dro_ext.dro_loss(losses.detach(), eta.detach(), 0.5, name, params.get("alpha"),
+                                           params.get("k"), 1.5)
+    torch.library.opcheck(torch.ops.dro_ext.dro_loss_backward.default,
+                          (torch.tensor(1.0, dtype=dtype, device=DEVICE), losses.detach(), eta.detach(), mean_w,
+                           0.5, name, params.get("alpha"), params.get("k"), 1.5))
+
+
+def test_gradcheck_float64_on_cuda():
+    for name, params in ref.CASES:
+        losses = (1 + torch.randn(17, dtype=torch.float64, device=DEVICE)).requires_grad_()
+        eta = torch.tensor(0.4, dtype=torch.float64, device=DEVICE, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda l, e: dro_ext.dro_loss(l, e, 0.6, name, **params), (losses, eta))
+
+
+def test_nan_propagates():
+    for name, params in ref.CASES:
+        losses = torch.tensor([0.5, float("nan"), 1.0], device=DEVICE, requires_grad=True)
+        value = dro_ext.dro_loss(losses, 0.1, 0.5, name, **params)
+        assert torch.isnan(value).item(), name
+        (g,) = torch.autograd.grad(value, losses)
+        assert torch.isnan(g[1]).item(), name
+
+
+def test_bad_inputs_name_the_argument():
+    losses = torch.randn(5, device=DEVICE)
+    with pytest.raises(ValueError, match="eta"):
+        torch.ops.dro_ext.dro_loss(losses, torch.tensor(0.1), 0.5, "chi2")  # eta on the CPU
+    with pytest.raises(ValueError, match="lam"):
+        torch.ops.dro_ext.dro_loss(losses, torch.tensor(0.1, device=DEVICE), -1.0, "chi2")
+    with pytest.raises(ValueError, match="alpha"):
+        torch.ops.dro_ext.dro_loss(losses, torch.tensor(0.1, device=DEVICE), 0.5, "cvar")
+    with pytest.raises(ValueError, match="losses"):
+        torch.ops.dro_ext.dro_loss(losses.reshape(5, 1), torch.tensor(0.1, device=DEVICE), 0.5, "chi2")
+    with pytest.raises(TypeError, match="losses"):
+        torch.ops.dro_ext.dro_loss(torch.ones(5, dtype=torch.int32, device=DEVICE),
+                                   torch.tensor(0.1, device=DEVICE), 0.5, "chi2")
+    with pytest.raises(ValueError, match="order"):
+        torch.ops.dro_ext.psi_star_terms(losses, torch.tensor(0.1, device=DEVICE), torch.tensor(1.0, device=DEVICE),
+                                         0.5, "chi2", None, None, 1.0, 3)
+
+
+def test_runs_on_the_tensors_device_and_current_stream():
+    if torch.cuda.device_count() > 1:
+        losses = make_losses(1000, torch.float32, "contiguous", device="cuda:1")
+        value = dro_ext.dro_loss(losses, torch.tensor(0.1, device="cuda:1"), 0.5, "kl")
+        assert value.device == losses.device
+    stream = torch.cuda.Stream()
+    losses = make_losses(1000, torch.float32, "contiguous")
+    eta = torch.tensor(0.1, device=DEVICE)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        value = dro_ext.dro_loss(losses, eta, 0.5, "kl")
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.testing.assert_close(value.cpu(), dro_ext.dro_loss(losses.cpu(), eta.cpu(), 0.5, "kl"))

@@ -1,0 +1,266 @@
+"""The robust objective ops on CUDA (csrc/cuda/robust_objective.cu) against the float64 CPU kernels (which
+tests/test_robust.py checks against scalar minimization): every divergence, size, dtype and layout; the
+worst-case weights and weight_stats; bitwise determinism; no host sync; opcheck.
+
+Skipped (with the reason shown) where no CUDA device is visible; scripts/gpu_check.sh runs them on a GPU.
+"""
+import pytest
+import torch
+
+import dro_ext
+import reference as ref
+from dro_ext import _backend
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (run scripts/gpu_check.sh on a GPU)"),
+    pytest.mark.skipif(not _backend.native_available(), reason="the dro_ext extension is not built"),
+]
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+SIZES = [1, 7, 65537, 2**24 + 3]
+LAYOUTS = ["contiguous", "strided", "offset"]
+DEVICE = "cuda"
+
+
+def make_losses(n, dtype, layout, spread=1.0):
+    values = (1.0 + spread * torch.randn(n, dtype=torch.float64, device=DEVICE)).to(dtype)
+    if layout == "contiguous":
+        return values
+    if layout == "strided":
+        buffer = torch.zeros(2 * n, dtype=dtype, device=DEVICE)
+        buffer[::2] = values
+        return buffer[::2]
+    buffer = torch.zeros(n + 1, dtype=dtype, device=DEVICE)
+    buffer[1:] = values
+    return buffer[1:]
+
+
+@pytest.fixture(autouse=True)
+def _native_backend():
+    if _backend._force_python:
+        pytest.skip("DRO_EXT_FORCE_PYTHON=1: the CUDA kernels are not in use")
+    with _backend.forced_backend("native"):
+        yield
+
+
+def reference_objective(losses, lam, name, params):
+    """(Psi, eta*) of the float64 CPU kernel on exactly the (rounded) values the CUDA op saw."""
+    return torch.ops.dro_ext.robust_objective(losses.detach().cpu().double(), lam, name, params.get("alpha"),
+                                              params.get("k"))
+
+
+def value_tolerance(dtype):
+    # Psi is rounded to the losses' dtype; its sums accumulate in float32 (float64 for float64).
+    return {torch.float16: dict(rtol=2e-3, atol=2e-3), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
+            torch.float32: dict(rtol=2e-5, atol=2e-5), torch.float64: dict(rtol=1e-10, atol=1e-10)}[dtype]
+
+
+def eta_tolerance(dtype, lam):
+    # eta* solves mean psi*'((l - eta)/lam) = 1 to the rounding of t in the accumulate dtype: a few ulps times lam.
+    if dtype == torch.float64:
+        return dict(rtol=1e-9, atol=1e-9 * (1 + lam))
+    return dict(rtol=1e-4, atol=2e-4 * (1 + lam))
+
+
+def test_robust_ops_have_cuda_kernels():
+    for op in ("robust_objective", "robust_weights", "weight_stats"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"dro_ext::{op}", "CUDA"), op
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_objective_and_weights_match_float64_cpu(name, params, n, dtype, layout):
+    if n == SIZES[-1] and layout != "contiguous" and dtype != torch.float32:
+        pytest.skip("the 2^24+3 size runs every layout in float32 and every dtype contiguous (time on the GPU)")
+    lam = 0.5
+    losses = make_losses(n, dtype, layout)
+    value, eta = dro_ext.robust_objective(losses, lam, name, **params)
+    assert value.is_cuda and eta.is_cuda and value.dtype == dtype
+    assert eta.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    want_value, want_eta = reference_objective(losses, lam, name, params)
+    torch.testing.assert_close(value.double().cpu(), want_value.to(torch.float64), **value_tolerance(dtype))
+    if name == "cvar":  # eta* is a sample: exact
+        assert eta.double().cpu() == want_eta
+    else:
+        torch.testing.assert_close(eta.double().cpu(), want_eta, **eta_tolerance(dtype, lam))
+
+    q = dro_ext.worst_case_weights(losses, lam, name, **params)
+    assert q.is_cuda and q.dtype == dtype and q.shape == losses.shape
+    if dtype == torch.float16 and n > 65537:
+        return  # q ~ 1/n is below float16's subnormal spacing: nothing meaningful left to compare
+    q_ref = torch.ops.dro_ext.robust_weights(losses.cpu().double(), want_eta, lam, name, params.get("alpha"),
+                                             params.get("k"))
+    # Compare n * q (O(1) per sample) where q is not in a low-precision dtype whose rounding dominates.
+    q_tol = dict(rtol=2e-3, atol=2e-3) if dtype in (torch.float32, torch.float64) else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(q.double().cpu() * n, q_ref * n, **q_tol)
+    total = q.double().sum().item()
+    assert abs(total - 1.0) <= (1e-4 if dtype in (torch.float32, torch.float64) else 2e-2) * max(1.0, n / 65537)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_robust_weights_at_a_given_eta_match_cpu(name, params, dtype):
+    losses = make_losses(100_003, dtype, "offset")
+    eta = torch.tensor(1.1, dtype=dtype, device=DEVICE)
+    args = (0.4, name, params.get("alpha"), params.get("k"))
+    got = torch.ops.dro_ext.robust_weights(losses, eta, *args)
+    want = torch.ops.dro_ext.robust_weights(losses.cpu(), eta.cpu(), *args)
+    torch.testing.assert_close(got.cpu() * losses.numel(), want * losses.numel(), **ref.tolerances(dtype))
+
+
+@pytest.mark.parametrize(
+    "values,alpha",
+    [([1.0, 2.0, 3.0, 4.0, 5.0], 0.3), ([1.0, 2.0, 2.0, 2.0, 5.0], 0.5), ([3.0, 3.0, 3.0, 1.0], 0.25),
+     ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0], 0.3), ([5.0, 1.0], 0.99)],
+)
+def test_cvar_ties_and_fractional_tail_match_cpu(values, alpha):
+    for dtype in (torch.float32, torch.float64):
+        losses = torch.tensor(values, dtype=dtype, device=DEVICE)
+        value, eta = dro_ext.robust_objective(losses, 1.0, "cvar", alpha=alpha)
+        want_value, want_eta = dro_ext.robust_objective(losses.cpu(), 1.0, "cvar", alpha=alpha)
+        assert eta.cpu() == want_eta
+        torch.testing.assert_close(value.cpu(), want_value)
+        q = dro_ext.worst_case_weights(losses, 1.0, "cvar", alpha=alpha)
+        torch.testing.assert_close(q.cpu(), dro_ext.worst_case_weights(losses.cpu(), 1.0, "cvar", alpha=alpha))
+
+
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_special_values_match_cpu(name, params):
+    inf, nan = float("inf"), float("nan")
+    for values in ([1.0, nan, 2.0], [1.0, -inf, 2.0], [1.0, inf, 2.0], [2.5], [2.5, 2.5, 2.5], [0.0, 1e3, 1.0]):
+        losses = torch.tensor(values, device=DEVICE)
+        got = dro_ext.robust_objective(losses, 0.5, name, **params)
+        want = reference_objective(losses, 0.5, name, params)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.cpu().double(), w, equal_nan=True, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lam", [0.01, 0.05, 10.0])
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_extreme_lambda_and_spread_match_cpu(name, params, lam):
+    losses = make_losses(50_001, torch.float64, "contiguous", spread=20.0)
+    got_value, got_eta = dro_ext.robust_objective(losses, lam, name, **params)
+    want_value, want_eta = reference_objective(losses, lam, name, params)
+    torch.testing.assert_close(got_value.cpu(), want_value, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(got_eta.cpu(), want_eta, **eta_tolerance(torch.float64, lam))
+
+
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_danskin_gradient_is_the_worst_case_distribution(name, params):
+    losses = make_losses(4097, torch.float64, "contiguous").requires_grad_()
+    value, _ = dro_ext.robust_objective(losses, 0.3, name, **params)
+    (g,) = torch.autograd.grad(value, losses)
+    torch.testing.assert_close(g, dro_ext.worst_case_weights(losses.detach(), 0.3, name, **params))
+
+
+def test_bitwise_deterministic_over_10_runs():
+    losses = make_losses(2**20 + 7, torch.float32, "offset")
+    groups = torch.randint(0, 37, (losses.numel(),), device=DEVICE)
+    for name, params in ref.CASES:
+        runs = [(*dro_ext.robust_objective(losses, 0.5, name, **params),
+                 dro_ext.worst_case_weights(losses, 0.5, name, **params)) for _ in range(10)]
+        for run in runs[1:]:
+            for a, b in zip(runs[0], run):
+                assert torch.equal(a, b), name
+        q = runs[0][2]
+        stats = [dro_ext.weight_stats(q, groups=groups, num_groups=37) for _ in range(10)]
+        for s in stats[1:]:
+            for a, b in zip(stats[0], s):
+                assert torch.equal(a, b), name
+
+
+def test_robust_objective_never_syncs():
+    losses = make_losses(300_001, torch.float32, "contiguous")
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        results = []
+        for name, params in ref.CASES:
+            value, eta = dro_ext.robust_objective(losses, 0.5, name, **params)
+            q = torch.ops.dro_ext.robust_weights(losses, eta, 0.5, name, params.get("alpha"), params.get("k"))
+            stats = torch.ops.dro_ext.weight_stats(q, None, 0)
+            results.append((value, eta, q, stats))
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert all(torch.isfinite(r[0]).item() for r in results)
+
+
+def test_cuda_graph_capture_and_replay_match_eager():
+    # No host round trip anywhere in the solve, so the whole of it (every divergence) can be captured.
+    n = 30_011
+    static_losses = make_losses(n, torch.float32, "contiguous")
+    for name, params in ref.CASES:
+        def solve():
+            value, eta = dro_ext.robust_objective(static_losses, 0.5, name, **params)
+            q = torch.ops.dro_ext.robust_weights(static_losses, eta, 0.5, name, params.get("alpha"), params.get("k"))
+            return value, eta, q
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            solve()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = solve()
+        for _ in range(2):
+            static_losses.copy_(make_losses(n, torch.float32, "contiguous"))
+            graph.replay()
+            for got, want in zip(static_out, solve()):
+                assert torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_weight_stats_match_cpu(dtype):
+    w = torch.rand(70_001, dtype=torch.float64, device=DEVICE).to(dtype)
+    w[::7] = 0
+    groups = torch.randint(0, 13, (w.numel(),), device=DEVICE, dtype=torch.int32)
+    got = dro_ext.weight_stats(w, groups=groups, num_groups=13)
+    want = dro_ext.weight_stats(w.cpu(), groups=groups.cpu(), num_groups=13)
+    for g, e in zip(got, want):
+        assert g.is_cuda and g.dtype == e.dtype
+        torch.testing.assert_close(g.cpu(), e, rtol=1e-5, atol=1e-6)
+    plain = dro_ext.weight_stats(w)
+    assert plain.group_mass is None
+    torch.testing.assert_close(plain.ess.cpu(), want.ess, rtol=1e-5, atol=1e-6)
+    # A group that no sample belongs to has mass 0; a NaN weight makes max_weight NaN.
+    sparse = dro_ext.weight_stats(w[:100], groups=torch.full((100,), 2, device=DEVICE), num_groups=5)
+    assert sparse.group_mass.cpu().tolist() == pytest.approx([0.0, 0.0, 1.0, 0.0, 0.0])
+    w_nan = w.clone()
+    w_nan[3] = float("nan")
+    assert torch.isnan(torch.ops.dro_ext.weight_stats(w_nan, None, 0)[1]).item()
+
+
+def test_weight_stats_bad_group_id_raises_index_error():
+    w = torch.rand(10, device=DEVICE)
+    with pytest.raises(IndexError, match="num_groups"):
+        torch.ops.dro_ext.weight_stats(w, torch.arange(10, device=DEVICE), 5)
+    with pytest.raises(IndexError, match="num_groups"):
+        torch.ops.dro_ext.weight_stats(w, torch.full((10,), -1, device=DEVICE), 5)
+
+
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_opcheck_on_cuda(name, params):
+    losses = (1 + torch.randn(33, dtype=torch.float64, device=DEVICE)).requires_grad_()
+    args = (0.5, name, params.get("alpha"), params.get("k"))
+    torch.library.opcheck(torch.ops.dro_ext.robust_objective.default, (losses, *args))
+    _, eta = torch.ops.dro_ext.robust_objective(losses.detach(), *args)
+    torch.library.opcheck(torch.ops.dro_ext.robust_weights.default, (losses.detach(), eta, *args))
+    w = torch.rand(33, device=DEVICE)
+    torch.library.opcheck(torch.ops.dro_ext.weight_stats.default, (w, None, 0))
+    torch.library.opcheck(torch.ops.dro_ext.weight_stats.default, (w, torch.randint(0, 4, (33,), device=DEVICE), 4))
+
+
+def test_bad_inputs_name_the_argument():
+    losses = torch.randn(5, device=DEVICE)
+    with pytest.raises(ValueError, match="eta_star"):
+        torch.ops.dro_ext.robust_weights(losses, torch.tensor(0.1), 0.5, "chi2", None, None)
+    with pytest.raises(ValueError, match="lam"):
+        torch.ops.dro_ext.robust_objective(losses, 0.0, "chi2", None, None)
+    with pytest.raises(ValueError, match="k"):
+        torch.ops.dro_ext.robust_objective(losses, 0.5, "cressie_read", None, None)
+    with pytest.raises(ValueError, match="groups"):
+        torch.ops.dro_ext.weight_stats(losses, torch.zeros(5, dtype=torch.long), 2)  # groups on the CPU
