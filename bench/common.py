@@ -128,7 +128,7 @@ def interleaved_rounds(timed: dict[str, Callable[[], object]], timer: Timer, *, 
     per_round = {key: [] for key in timed}
     for round_index in range(rounds):
         for key, fn in timed.items():
-            per_round[key].append(time_fn(fn, timer, warmup=warmup if round_index == 0 else 1,
+            per_round[key].append(time_fn(fn, timer, warmup=warmup if round_index == 0 else min(warmup, 1),
                                           min_reps=min_reps, min_seconds=min_seconds / rounds))
     out = {}
     for key, results in per_round.items():
