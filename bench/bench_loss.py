@@ -86,6 +86,13 @@ def floor_copy(n: int, device):
 def bench_case(name, params, n, device, timer, impls, *, rounds, min_seconds) -> list[dict]:
     losses, eta = make_inputs(n, device)
     runs = {impl: forward_backward(fn, losses, eta, name, params) for impl, fn in impls.items()}
+    try:
+        runs["compiled"]()
+    except Exception as exc:  # noqa: BLE001 - e.g. no working compiler for the device: report, run the rest
+        progress(f"[loss] {case_label(name, params)} N={n}: torch.compile failed ({type(exc).__name__}: "
+                 f"{str(exc).splitlines()[0] if str(exc) else ''}); compiled left out")
+        impls = {k: v for k, v in impls.items() if k != "compiled"}
+        del runs["compiled"]
     copy = copy_pair(n, device)
     timed = dict(runs, copy=copy)
     stats = interleaved_rounds(timed, timer, rounds=rounds, min_seconds=min_seconds,
