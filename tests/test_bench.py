@@ -13,10 +13,12 @@ import time
 import pytest
 import torch
 
-from bench import common
-from bench.common import CASES, HostEvent, Timer, case_label, interleaved_rounds, time_fn
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # bench/ is not an installed package: `pytest tests` (not `python -m pytest`) finds it here
+    sys.path.insert(0, ROOT)
+
+from bench import common  # noqa: E402
+from bench.common import CASES, HostEvent, Timer, case_label, interleaved_rounds, time_fn  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------- timer
