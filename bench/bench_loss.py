@@ -1,28 +1,32 @@
 """Fused DRO loss, forward + backward, side by side with the eager PyTorch composition of the same formula
-and that composition under torch.compile.
+and that composition under torch.compile, for every divergence.
 
-    python -m bench.bench_loss [--sizes 4096 1048576 16777216] [--divergences chi2 smoothed_cvar] [--device cpu]
+    python -m bench.bench_loss [--sizes 4096 1048576 16777216] [--divergences chi2 kl] [--device cpu|cuda]
+    python -m bench.bench_loss --quick        # N = 4096 and 2^16, 2 short rounds: well under a minute
 
-Writes bench/results/loss.{json,csv,md}: one row per (device, divergence, N, implementation) with the
-median time, the achieved bandwidth over the bytes that must move (read l forward; read l and write
+Writes <out>/loss.{json,csv,md,png} (loss_<card>.* on CUDA): one row per (case, N, implementation) with
+the median time, the achieved bandwidth over the bytes that must move (read l forward; read l and write
 grad_l backward: 12 bytes per float32 sample), that floor over the copy bandwidth measured at the same
-size, and the bytes each implementation keeps alive for backward beyond the losses themselves.
+size on the same device, the bytes each implementation keeps alive for backward beyond the losses
+themselves and, on CUDA, the peak memory a forward + backward allocates.
 """
 from __future__ import annotations
 
 import argparse
 import math
-import statistics
 
 import torch
 
 import dro_ext
-from bench.common import (cuda_peak_bytes, markdown_table, saved_tensor_bytes, time_fn,
-                          write_results)
+from bench.common import (CASES, Timer, add_common_arguments, case_label, check_device, console_table, copy_pair,
+                          cuda_peak_bytes, device_info, interleaved_rounds, loadavg, markdown_table, progress,
+                          result_name, saved_tensor_bytes, select_cases, write_report)
 
-PARAMS = {"chi2": {}, "kl": {}, "cvar": {"alpha": 0.1}, "kl_cvar": {"alpha": 0.1},
-          "cressie_read": {"k": 2.0}, "smoothed_cvar": {"alpha": 0.1}}
 LAM = 0.5
+BYTES_PER_SAMPLE = 12  # float32: read l forward, read l + write grad_l backward
+IMPLS = ("fused", "eager", "compiled")
+FULL_SIZES = (4096, 1 << 20, 1 << 24)
+QUICK_SIZES = (4096, 1 << 16)
 
 
 def eager_psi_star(t, name, alpha=None, k=None):
@@ -59,82 +63,119 @@ def forward_backward(loss_fn, losses, eta, name, params):
     return run
 
 
-def bench(device, sizes, divergences, min_seconds, rounds):
+def make_inputs(n: int, device, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    losses = (1 + torch.randn(n, generator=gen)).to(device).requires_grad_()
+    eta = torch.tensor(0.5, device=device, requires_grad=True)
+    return losses, eta
+
+
+def make_impls(dynamic: bool = False) -> dict:
+    """The three implementations; the compiled one is fresh (dynamo reset), so each (case, N) gets the
+    static-shape code a user with a fixed batch size gets (dynamic=True: one graph for every N)."""
+    torch._dynamo.reset()
+    return {"fused": fused_loss, "eager": eager_loss,
+            "compiled": torch.compile(eager_loss, fullgraph=True, dynamic=True if dynamic else None)}
+
+
+def floor_copy(n: int, device):
+    """A copy that moves the floor's bytes: 1.5 N float32 read and written is 12 bytes per sample."""
+    return copy_pair(n * BYTES_PER_SAMPLE // 8, device)
+
+
+def bench_case(name, params, n, device, timer, impls, *, rounds, min_seconds) -> list[dict]:
+    losses, eta = make_inputs(n, device)
+    runs = {impl: forward_backward(fn, losses, eta, name, params) for impl, fn in impls.items()}
+    try:
+        runs["compiled"]()
+    except Exception as exc:  # noqa: BLE001 - e.g. no working compiler for the device: report, run the rest
+        progress(f"[loss] {case_label(name, params)} N={n}: torch.compile failed ({type(exc).__name__}: "
+                 f"{str(exc).splitlines()[0] if str(exc) else ''}); compiled left out")
+        impls = {k: v for k, v in impls.items() if k != "compiled"}
+        del runs["compiled"]
+    copy = copy_pair(n, device)
+    timed = dict(runs, copy=copy)
+    stats = interleaved_rounds(timed, timer, rounds=rounds, min_seconds=min_seconds,
+                               min_reps=3 if n >= 1 << 24 else 10)
+    bandwidth = 8 * n / stats["copy"]["median_s"]
+    floor_s = BYTES_PER_SAMPLE * n / bandwidth
+    fused_s = stats["fused"]["median_s"]
     rows = []
-    for n in sizes:
-        # The floor's bandwidth is that of a copy of the losses, timed in the same rounds as the losses.
-        copy_src = torch.rand(n, device=device)
-        copy_dst = torch.empty_like(copy_src)
-        for name in divergences:
-            params = PARAMS[name]
-            losses = (1 + torch.randn(n, device=device)).requires_grad_()
-            eta = torch.tensor(0.5, device=device, requires_grad=True)
-            torch._dynamo.reset()
-            compiled = torch.compile(eager_loss, fullgraph=True)
-            impls = {"fused": fused_loss, "eager": eager_loss, "compiled": compiled}
-            runs = {impl: forward_backward(fn, losses, eta, name, params) for impl, fn in impls.items()}
-            # Interleaved rounds: each round times every implementation once (median of its repetitions), and
-            # the result is the median over rounds, so a slow spell of this shared machine hits all of them.
-            timed = dict(runs, copy=lambda: copy_dst.copy_(copy_src))
-            per_round = {impl: [] for impl in timed}
-            for _ in range(rounds):
-                for impl, run in timed.items():
-                    per_round[impl].append(time_fn(run, device, min_seconds=min_seconds / rounds,
-                                                   min_reps=3 if n >= 1 << 24 else 10))
-            bandwidth = 8 * n / statistics.median(r["median_s"] for r in per_round["copy"])
-            floor_s = 12 * n / bandwidth  # read l (fwd), read l + write grad_l (bwd)
-            results = {}
-            for impl, fn in impls.items():
-                run = runs[impl]
-                t = {key: statistics.median(r[key] for r in per_round[impl]) for key in ("median_s", "p25_s", "p75_s")}
-                t["reps"] = sum(r["reps"] for r in per_round[impl])
-                # Saved-tensor hooks do not see inside a compiled graph's own saved activations.
-                saved = None if impl == "compiled" else saved_tensor_bytes(
-                    lambda: fn(losses, eta, name, params), exclude=(losses, eta))
-                peak = cuda_peak_bytes(run, device)
-                results[impl] = t["median_s"]
-                rows.append({
-                    "device": str(device), "divergence": name, "n": n, "dtype": "float32", "impl": impl,
-                    "median_ms": 1e3 * t["median_s"], "p25_ms": 1e3 * t["p25_s"], "p75_ms": 1e3 * t["p75_s"],
-                    "reps": t["reps"], "achieved_GBps": 12 * n / t["median_s"] / 1e9,
-                    "copy_bandwidth_GBps": bandwidth / 1e9, "floor_ms": 1e3 * floor_s,
-                    "x_floor": t["median_s"] / floor_s, "saved_for_backward_bytes": saved,
-                    "cuda_peak_bytes": peak,
-                })
-            for row in rows[-len(impls):]:
-                row["fused_speedup"] = row["median_ms"] / (1e3 * results["fused"])
-            print(f"{device} {name:>14} n={n:>9}: " + "  ".join(
-                f"{k}={1e3 * v:.3f}ms" for k, v in results.items()) + f"  floor={1e3 * floor_s:.3f}ms", flush=True)
+    for impl, fn in impls.items():
+        t = stats[impl]
+        # Saved-tensor hooks do not see inside a compiled graph's own saved activations.
+        saved = None if impl == "compiled" else saved_tensor_bytes(
+            lambda: fn(losses, eta, name, params), exclude=(losses, eta))
+        rows.append({
+            "device": str(device), "case": case_label(name, params), "divergence": name, **params, "n": n,
+            "dtype": "float32", "impl": impl, "median_ms": 1e3 * t["median_s"], "p25_ms": 1e3 * t["p25_s"],
+            "p75_ms": 1e3 * t["p75_s"], "reps": t["reps"], "ns_per_sample": 1e9 * t["median_s"] / n,
+            "achieved_GBps": BYTES_PER_SAMPLE * n / t["median_s"] / 1e9, "copy_bandwidth_GBps": bandwidth / 1e9,
+            "floor_ms": 1e3 * floor_s, "x_floor": t["median_s"] / floor_s, "fused_speedup": t["median_s"] / fused_s,
+            "saved_for_backward_bytes": saved, "cuda_peak_bytes": cuda_peak_bytes(runs[impl], device),
+        })
     return rows
 
 
-def table(rows):
-    header = ["device", "divergence", "N", "impl", "median ms", "GB/s", "x floor", "fused speedup",
-              "saved bytes"]
-    body = [[r["device"], r["divergence"], r["n"], r["impl"], r["median_ms"], r["achieved_GBps"], r["x_floor"],
+def bench(device, sizes, cases, *, rounds, min_seconds, dynamic=False) -> list[dict]:
+    timer = Timer(device)
+    rows = []
+    total = len(sizes) * len(cases)
+    impls = None
+    for i, ((name, params), n) in enumerate(((c, n) for c in cases for n in sizes), 1):
+        if not dynamic or n == sizes[0]:
+            impls = make_impls(dynamic)
+        case_rows = bench_case(name, params, n, device, timer, impls, rounds=rounds, min_seconds=min_seconds)
+        rows += case_rows
+        progress(f"[loss {i}/{total}] {case_label(name, params):>22} N={n:>9}: " + "  ".join(
+            f"{r['impl']} {r['median_ms']:.3f} ms" for r in case_rows) + f"  floor {case_rows[0]['floor_ms']:.3f} ms")
+    return rows
+
+
+HEADER = ["case", "N", "impl", "median ms", "ns/sample", "GB/s", "x floor", "x fused", "saved bytes"]
+
+
+def table_rows(rows):
+    return [[r["case"], r["n"], r["impl"], r["median_ms"], r["ns_per_sample"], r["achieved_GBps"], r["x_floor"],
              r["fused_speedup"], r["saved_for_backward_bytes"]] for r in rows]
-    return (markdown_table(header, body) + "\n\n`x floor` is the time over (12 bytes per sample / copy "
-            "bandwidth at the same size); `fused speedup` is that row's time over the fused op's time; "
-            "`saved bytes` is what autograd keeps for backward beyond the losses and eta (not measurable inside "
-            "a compiled graph; on CUDA the JSON also has the peak allocated memory of a forward+backward, "
-            "`cuda_peak_bytes`).")
 
 
-def main(argv=None):
+NOTE = ("Forward + backward of the loss at lam = 0.5, float32. `x floor` is the time over (12 bytes per sample / "
+        "copy bandwidth at the same size, timed in the same interleaved rounds); `x fused` is that row's time over "
+        "the fused op's time; `saved bytes` is what autograd keeps for backward beyond the losses and eta (not "
+        "measurable inside a compiled graph; on CUDA the JSON also has the peak allocated memory of a "
+        "forward + backward, `cuda_peak_bytes`).")
+
+
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 1 << 20, 1 << 24])
-    parser.add_argument("--divergences", nargs="+", default=["chi2", "smoothed_cvar", "kl"], choices=list(PARAMS))
-    parser.add_argument("--device", nargs="+", default=None, help="default: cpu, plus cuda when available")
-    parser.add_argument("--min-seconds", type=float, default=1.5, help="per implementation, over all rounds")
-    parser.add_argument("--rounds", type=int, default=3)
+    add_common_arguments(parser, quick_help="N = 4096 and 2^16, 2 short rounds, one dynamic-shape compile per case")
+    parser.add_argument("--sizes", type=int, nargs="+", default=None)
+    parser.add_argument("--divergences", nargs="+", default=None, choices=sorted({c[0] for c in CASES}))
+    parser.add_argument("--min-seconds", type=float, default=None, help="per implementation, over all rounds")
+    parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--name", default="loss")
     args = parser.parse_args(argv)
-    devices = args.device or (["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-    print(f"dro_ext backend: {dro_ext.backend()}")
-    rows = []
-    for device in devices:
-        rows += bench(torch.device(device), args.sizes, args.divergences, args.min_seconds, args.rounds)
-    write_results(args.name, rows, table(rows))
+    device = check_device(args.device)
+    sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
+    rounds = args.rounds or (2 if args.quick else 3)
+    min_seconds = args.min_seconds or (0.04 if args.quick else 1.5)
+    settings = {"sizes": list(sizes), "rounds": rounds, "min_seconds": min_seconds, "quick": args.quick,
+                "compile": "dynamic shapes, one graph per case" if args.quick else "static shapes, per (case, N)",
+                "backend": dro_ext.backend()}
+    info = device_info(device)
+    load_before = loadavg()
+    rows = bench(device, sizes, select_cases(args.divergences), rounds=rounds, min_seconds=min_seconds,
+                 dynamic=args.quick)
+    name = result_name(args.name, info)
+    paths = write_report(args.out, name, rows, markdown_table(HEADER, table_rows(rows)) + "\n\n" + NOTE, info,
+                          load=(load_before, loadavg()), note=args.note, settings=settings)
+    if not args.no_plot:
+        from bench.plots import plot_loss
+        paths["png"] = plot_loss(rows, paths["md"][:-3] + ".png", title=f"{name}: {info.get('card', info['host_cpu'])}")
+    print(console_table(HEADER, table_rows(rows)))
+    progress(f"[loss] wrote {', '.join(paths.values())}")
+    return paths
 
 
 if __name__ == "__main__":

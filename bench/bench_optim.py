@@ -1,28 +1,29 @@
 """NormalizedSGD step throughput: the fused native op against foreach implementations of Algorithm 1,
-one of them under torch.compile, and torch.optim.SGD(fused=True) (a lower bound: it does no norm).
+one of them under torch.compile, and torch.optim.SGD (fused=True and foreach=True; a lower bound: SGD
+does no norm).
 
-    python -m bench.bench_optim            # ResNet-18-shaped list (11.7M) and a 100M-param list
-    python -m bench.bench_optim --quick    # ResNet-18-shaped list only, 10 rounds
+    python -m bench.bench_optim [--device cpu|cuda]   # ResNet-18-shaped list (11.7M) and a 100M-param list
+    python -m bench.bench_optim --quick               # ResNet-18-shaped list only, 5 rounds, default threads
 
 The floor is 24 bytes per float32 parameter (read g, m, p, write m, p, read m again for the norm) over
-the copy bandwidth measured on a tensor of the list's size. Peers run interleaved step by step, in
-rounds, and each reports the median of its steps.
+the copy bandwidth measured on a tensor of the list's size on the same device. Peers run interleaved step
+by step, in rounds, and each reports the median of its steps. Writes <out>/optim.{json,csv,md,png}
+(optim_<card>.* on CUDA).
 """
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import time
 
 import torch
 
-from bench.common import markdown_table, write_results
+from bench.common import (Timer, add_common_arguments, check_device, console_table, copy_pair, cuda_peak_bytes,
+                          device_info, loadavg, markdown_table, progress, result_name, summarize, write_report)
 from dro_ext import _backend
-from dro_ext.optim import NormalizedSGD
+from dro_ext.optim import _FUSED_DEVICE_TYPES, NormalizedSGD
 
 LR, BETA, EPS = 0.01, 0.9, 1e-8
 BYTES_PER_PARAM = 24
+FUSED = "NormalizedSGD fused"
 
 
 def resnet18_shapes():
@@ -47,10 +48,10 @@ def gpt_shapes(vocab=20000, d=768, layers=12):
     return shapes + [(d,), (d,)]
 
 
-def make_list(shapes):
-    params = [torch.randn(s) for s in shapes]
-    grads = [torch.randn(s) for s in shapes]
-    momenta = [torch.randn(s) for s in shapes]
+def make_list(shapes, device="cpu"):
+    params = [torch.randn(s, device=device) for s in shapes]
+    grads = [torch.randn(s, device=device) for s in shapes]
+    momenta = [torch.randn(s, device=device) for s in shapes]
     return params, grads, momenta
 
 
@@ -84,98 +85,159 @@ def optimizer_step(opt, grads):
     return opt.step
 
 
-def bench_size(name, shapes, rounds):
+PEERS = (FUSED, "NormalizedSGD foreach (fallback)", "foreach lerp_tensor", "foreach lerp_item", "foreach mul_add_item",
+         "torch.compile(foreach lerp_tensor)", "torch.optim.SGD(fused=True) (no norm)",
+         "torch.optim.SGD(foreach=True) (no norm)")
+_FOREACH = {f"foreach {fn.__name__[len('foreach_'):]}": fn
+            for fn in (foreach_lerp_tensor, foreach_lerp_item, foreach_mul_add_item)}
+
+
+def make_peer(name, params, grads, momenta):
+    """One peer's step as a zero-argument function on its own copy of the list (params, momenta)."""
+    if name in _FOREACH:
+        fn, ps, ms = _FOREACH[name], [p.clone() for p in params], [m.clone() for m in momenta]
+        return lambda: fn(ps, grads, ms)
+    if name == "torch.compile(foreach lerp_tensor)":
+        compiled = torch.compile(foreach_lerp_tensor, fullgraph=True)
+        ps, ms = [p.clone() for p in params], [m.clone() for m in momenta]
+        return lambda: compiled(ps, grads, ms)
+    copies = [torch.nn.Parameter(p.clone()) for p in params]
+    if name == FUSED:
+        return optimizer_step(NormalizedSGD(copies, lr=LR, momentum=BETA, eps=EPS, fused=True), grads)
+    if name == "NormalizedSGD foreach (fallback)":
+        return optimizer_step(NormalizedSGD(copies, lr=LR, momentum=BETA, eps=EPS, foreach=True), grads)
+    if name == "torch.optim.SGD(fused=True) (no norm)":
+        return optimizer_step(torch.optim.SGD(copies, lr=LR, momentum=BETA, fused=True), grads)
+    if name == "torch.optim.SGD(foreach=True) (no norm)":
+        return optimizer_step(torch.optim.SGD(copies, lr=LR, momentum=BETA, foreach=True), grads)
+    raise ValueError(f"unknown peer {name!r}")
+
+
+def fused_available(device) -> bool:
+    return torch.device(device).type in _FUSED_DEVICE_TYPES
+
+
+def make_peers(params, grads, momenta, device) -> tuple[dict, list[str]]:
+    """Every peer that runs here; notes say which could not and why."""
+    peers, notes = {}, []
+    for name in PEERS:
+        if name == FUSED and not fused_available(device):
+            notes.append(f"{FUSED}: no {torch.device(device).type} kernel in this build (skipped)")
+            continue
+        # A peer that cannot run here (torch.compile without a working compiler for the device, say) is
+        # reported and left out rather than ending the benchmark.
+        try:
+            peers[name] = make_peer(name, params, grads, momenta)
+            peers[name]()
+        except Exception as exc:  # noqa: BLE001 - any failure of a peer is reported in the table notes
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            notes.append(f"{name}: {type(exc).__name__}: {first_line} (skipped)")
+            peers.pop(name, None)
+    return peers, notes
+
+
+def bench_size(name, shapes, rounds, device, timer):
     numel = sum(torch.Size(s).numel() for s in shapes)
     label = f"{name} ({len(shapes)} tensors, {numel / 1e6:.1f}M)"
-    params, grads, momenta = make_list(shapes)
-    peers = {}
-    fused_params = [torch.nn.Parameter(p.clone()) for p in params]
-    peers["NormalizedSGD fused"] = optimizer_step(NormalizedSGD(fused_params, lr=LR, momentum=BETA, eps=EPS,
-                                                                fused=True), grads)
-    fallback_params = [torch.nn.Parameter(p.clone()) for p in params]
-    peers["NormalizedSGD foreach (fallback)"] = optimizer_step(
-        NormalizedSGD(fallback_params, lr=LR, momentum=BETA, eps=EPS, foreach=True), grads)
-    for fn in (foreach_lerp_tensor, foreach_lerp_item, foreach_mul_add_item):
-        ps, ms = [p.clone() for p in params], [m.clone() for m in momenta]
-        peers[f"foreach {fn.__name__[len('foreach_'):]}"] = (lambda fn, ps, ms: lambda: fn(ps, grads, ms))(fn, ps, ms)
-    compiled = torch.compile(foreach_lerp_tensor, fullgraph=True)
-    ps_c, ms_c = [p.clone() for p in params], [m.clone() for m in momenta]
-    peers["torch.compile(foreach lerp_tensor)"] = lambda: compiled(ps_c, grads, ms_c)
-    sgd_params = [torch.nn.Parameter(p.clone()) for p in params]
-    peers["torch.optim.SGD(fused=True) (no norm)"] = optimizer_step(
-        torch.optim.SGD(sgd_params, lr=LR, momentum=BETA, fused=True), grads)
-
+    params, grads, momenta = make_list(shapes, device)
+    peers, notes = make_peers(params, grads, momenta, device)
     # The floor's bandwidth comes from a copy of a tensor of the list's size, timed beside the steps.
-    copy_src = torch.rand(numel)
-    copy_dst = torch.empty_like(copy_src)
-    timed = dict(peers, copy=lambda: copy_dst.copy_(copy_src))
-    load_before = os.getloadavg()[0]
+    timed = dict(peers, copy=copy_pair(numel, device))
+    load_before = loadavg()
     for fn in timed.values():
         fn()
-    # Step by step in rounds: every peer runs once per round, so a slow spell of this shared machine lands on
+    timer.synchronize()
+    # Step by step in rounds: every peer runs once per round, so a slow spell of a shared machine lands on
     # all of them alike; each peer's time is the median of its steps.
-    samples = {name: [] for name in timed}
+    samples = {peer: [] for peer in timed}
     for _ in range(rounds):
-        for name, fn in timed.items():
-            t0 = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - t0)
-    bandwidth = 8 * numel / statistics.median(samples.pop("copy"))
+        for peer, fn in timed.items():
+            samples[peer].append(timer.once(fn))
+    bandwidth = 8 * numel / summarize(samples.pop("copy"))["median_s"]
     floor_s = BYTES_PER_PARAM * numel / bandwidth
-    medians = {name: statistics.median(s) for name, s in samples.items()}
+    stats = {peer: summarize(s) for peer, s in samples.items()}
     foreach_names = [n for n in peers if n.startswith("foreach ")]
-    best_foreach = min(foreach_names, key=medians.get)
-    fused_s = medians["NormalizedSGD fused"]
+    best_foreach = min(foreach_names, key=lambda n: stats[n]["median_s"])
+    reference = FUSED if FUSED in stats else best_foreach
     rows = []
-    for name, t in medians.items():
+    for peer, t in stats.items():
         rows.append({
-            "list": label, "tensors": len(shapes), "params": numel, "peer": name, "median_s": t,
-            "steps": len(samples[name]), "gb_per_s": BYTES_PER_PARAM * numel / t / 1e9,
-            "fused_speedup": t / fused_s, "over_floor": t / floor_s, "floor_s": floor_s,
-            "copy_gb_per_s": bandwidth / 1e9, "best_foreach": name == best_foreach,
-            "loadavg_1m": [load_before, os.getloadavg()[0]],
+            "device": str(device), "list": label, "tensors": len(shapes), "params": numel, "peer": peer,
+            "median_s": t["median_s"], "p25_s": t["p25_s"], "p75_s": t["p75_s"], "steps": t["reps"],
+            "gb_per_s": BYTES_PER_PARAM * numel / t["median_s"] / 1e9,
+            "fused_speedup": t["median_s"] / stats[reference]["median_s"], "over_floor": t["median_s"] / floor_s,
+            "floor_s": floor_s, "copy_gb_per_s": bandwidth / 1e9, "best_foreach": peer == best_foreach,
+            "loadavg_1m": [load_before, loadavg()], "cuda_peak_bytes": cuda_peak_bytes(peers[peer], device),
         })
-    return rows
+    return rows, notes
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="ResNet-18-shaped list only, 10 rounds")
-    parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads(), 1],
-                        help="intra-op thread counts to run at (default: torch's default, then 1)")
+HEADER = ["threads", "list", "peer", "ms/step", "GB/s", "x fused", "x floor"]
+
+
+def table_rows(rows):
+    return [[r["threads"], r["list"], r["peer"] + (" (best foreach)" if r["best_foreach"] else ""),
+             r["median_s"] * 1e3, r["gb_per_s"], r["fused_speedup"], r["over_floor"]] for r in rows]
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(parser, quick_help="ResNet-18-shaped list only, 5 rounds, default thread count")
+    parser.add_argument("--threads", type=int, nargs="+", default=None,
+                        help="CPU intra-op thread counts to run at (default: torch's default, then 1)")
+    parser.add_argument("--rounds", type=int, default=None, help="steps per peer (default 80 / 20 by list size)")
+    parser.add_argument("--name", default="optim")
     args = parser.parse_args(argv)
+    device = check_device(args.device)
     if not _backend.native_available():
         raise SystemExit(f"dro_ext native ops not loaded: {_backend.load_error()}")
     torch.manual_seed(0)
-    sizes = [("resnet18", resnet18_shapes(), 10 if args.quick else 80)]
+    sizes = [("resnet18", resnet18_shapes(), args.rounds or (5 if args.quick else 80))]
     if not args.quick:
-        sizes.append(("gpt-100M", gpt_shapes(), 20))
-    rows = []
+        sizes.append(("gpt-100M", gpt_shapes(), args.rounds or 20))
     default_threads = torch.get_num_threads()
+    if device.type == "cpu":
+        threads_list = args.threads or ([default_threads] if args.quick else [default_threads, 1])
+    else:
+        threads_list = [default_threads]  # the host threads do not change a GPU step
+    info = device_info(device)
+    timer = Timer(device)
+    load_before = loadavg()
+    rows, notes = [], []
+    total = len(threads_list) * len(sizes)
     try:
-        for threads in dict.fromkeys(args.threads):
+        for i, (threads, (label, shapes, rounds)) in enumerate(
+                ((t, s) for t in dict.fromkeys(threads_list) for s in sizes), 1):
             torch.set_num_threads(threads)
-            for label, shapes, rounds in sizes:
-                for row in bench_size(label, shapes, rounds):
-                    rows.append({"threads": threads, **row})
+            size_rows, size_notes = bench_size(label, shapes, rounds, device, timer)
+            rows += [{"threads": threads, **row} for row in size_rows]
+            notes += [n for n in size_notes if n not in notes]
+            progress(f"[optim {i}/{total}] {size_rows[0]['list']}, {threads} threads: " + "  ".join(
+                f"{r['peer']} {1e3 * r['median_s']:.2f} ms" for r in size_rows))
     finally:  # bench.run runs the next benchmark in this process
         torch.set_num_threads(default_threads)
-    table = []
-    for r in rows:
-        table.append([r["threads"], r["list"], r["peer"] + (" (best foreach)" if r["best_foreach"] else ""),
-                      r["median_s"] * 1e3, r["gb_per_s"], r["fused_speedup"], r["over_floor"]])
     bandwidths = ", ".join(f"{r['list']} at {r['threads']} threads: {r['copy_gb_per_s']:.1f} GB/s" for r in rows
-                           if r["peer"] == "NormalizedSGD fused")
-    loads = ", ".join("{:.1f}-{:.1f}".format(*r["loadavg_1m"]) for r in rows if r["peer"] == "NormalizedSGD fused")
+                           if r["best_foreach"])
+    loads = ", ".join("{:.1f}-{:.1f}".format(*r["loadavg_1m"]) for r in rows if r["best_foreach"])
+    reference = FUSED if any(r["peer"] == FUSED for r in rows) else "the best foreach"
     note = (f"Time per step (ms); GB/s counts {BYTES_PER_PARAM} bytes per parameter; 'x fused' is the peer's "
-            f"time over the fused step's; 'x floor' is the time over {BYTES_PER_PARAM} B/param at the measured "
+            f"time over {reference}'s; 'x floor' is the time over {BYTES_PER_PARAM} B/param at the measured "
             f"copy bandwidth ({bandwidths}). The copy's bandwidth counts read + write bytes only (the "
             f"cache also reads the destination before writing it) and a copy keeps fewer streams in flight than "
-            f"a step, so a step can beat this floor (x floor < 1). The machine is shared: 1-minute load "
-            f"average during each list (before, after): {loads} on {os.cpu_count()} cores.")
-    md = markdown_table(["threads", "list", "peer", "ms/step", "GB/s", "x fused", "x floor"], table) + "\n\n" + note
-    write_results("optim", rows, md)
-    print(md)
+            f"a step, so a step can beat this floor (x floor < 1). torch.optim.SGD does no norm: a lower bound. "
+            f"1-minute load average during each list (before, after): {loads} on {info['cores']} cores."
+            + "".join(f" {n}." for n in notes))
+    name = result_name(args.name, info)
+    settings = {"rounds": [s[2] for s in sizes], "threads": threads_list, "quick": args.quick}
+    paths = write_report(args.out, name, rows, markdown_table(HEADER, table_rows(rows)) + "\n\n" + note, info,
+                          load=(load_before, loadavg()), note=args.note, settings=settings)
+    if not args.no_plot:
+        from bench.plots import plot_optim
+        paths["png"] = plot_optim(rows, paths["md"][:-3] + ".png",
+                                  title=f"{name}: {info.get('card', info['host_cpu'])}")
+    print(console_table(HEADER, table_rows(rows)))
+    progress(f"[optim] wrote {', '.join(paths.values())}")
+    return paths
 
 
 if __name__ == "__main__":

@@ -1,15 +1,20 @@
 """The exact robust objective Psi = min_eta L(eta): dro_ext.robust_objective against the two ways it is
-computed today, side by side in one run on the same losses.
+computed today, side by side in one run on the same losses, for every divergence.
 
-- ``bisection``: the Python loop fast-dro-style libraries use: per iteration one torch reduction of the
-  weights psi*'((l - eta)/lam) and a host-side ``.item()`` convergence test, tolerance 1e-4 on eta;
+- ``bisection``: the Python loop DRO libraries use (daniellevy/fast-dro's RobustLoss solves its dual with
+  one): per iteration one torch reduction of the weights psi*'((l - eta)/lam) and a host-side ``.item()``
+  convergence test, tolerance 1e-4 on eta. fast-dro itself is not on PyPI (``pip download fast-dro``
+  finds no distribution) and its code is not vendored here, so the loop stands in for it;
 - ``scipy``: ``scipy.optimize.minimize_scalar(method="bounded")`` (default xatol) on the float64 dual in
-  numpy.
+  numpy, on the host.
 
-Accuracy is |Psi - reference| where the reference is an independent float64 computation: brentq on the
-optimality condition mean psi*'((l - eta)/lam) = 1 to xtol 1e-15 in numpy, then L(eta) with math.fsum.
+Accuracy is |Psi - reference| where the reference is an independent float64 computation in numpy: closed
+forms for kl (log-sum-exp) and cvar (the tail mean with the fractional boundary sample), otherwise brentq
+on the optimality condition mean psi*'((l - eta)/lam) = 1 to xtol 1e-15, then L(eta) with math.fsum.
 
-    python -m bench.bench_robust [--quick]
+    python -m bench.bench_robust [--device cpu|cuda] [--quick]
+
+Writes <out>/robust.{json,csv,md,png} (robust_<card>.* on CUDA).
 """
 from __future__ import annotations
 
@@ -18,108 +23,212 @@ import math
 
 import numpy as np
 import torch
-from scipy import optimize
+from scipy import optimize, special
 
 import dro_ext
-from bench.common import machine, markdown_table, time_fn, write_results
-from dro_ext._divergences import check_divergence, psi_star
+from bench.bench_loss import eager_psi_star
+from bench.common import (CASES, Timer, add_common_arguments, case_label, check_device, console_table,
+                          device_info, interleaved_rounds, loadavg, markdown_table, progress, result_name,
+                          select_cases, write_report)
 
 LAM = 0.1
-ALPHA = 0.1
-CASES = (("chi2", {}), ("smoothed_cvar", {"alpha": ALPHA}), ("kl_cvar", {"alpha": ALPHA}))
+FULL_SIZES = (1 << 16, 1 << 22)
+QUICK_SIZES = (1 << 12,)
+METHODS = ("dro_ext", "bisection (torch, tol 1e-4)", "scipy bounded (numpy f64)")
 
 
-# numpy float64 psi* and psi*' of the benchmarked divergences, written independently of dro_ext.
-def np_psi_star(t, name, alpha, order):
+# ---------------------------------------------------------------------------------------------------
+# float64 reference, in numpy, written independently of dro_ext
+# ---------------------------------------------------------------------------------------------------
+
+def np_psi_star(t, name, params, order):
+    alpha, k = params.get("alpha"), params.get("k")
     if name == "chi2":
         u = np.maximum(t + 2.0, 0.0)
         return u * u / 4.0 - 1.0 if order == 0 else u / 2.0
-    if name == "smoothed_cvar":
-        s = t + math.log(alpha / (1.0 - alpha))
-        if order == 0:
-            return (math.log1p(-alpha) + np.logaddexp(0.0, s)) / alpha
-        return 1.0 / (1.0 + np.exp(-s)) / alpha
+    if name == "kl":
+        return np.expm1(t) if order == 0 else np.exp(t)
+    if name == "cvar":
+        return np.maximum(t, 0.0) / alpha if order == 0 else (t > 0) / alpha
     if name == "kl_cvar":
         cut = -math.log(alpha)
         if order == 0:
             return np.expm1(np.minimum(t, cut)) + np.maximum(t - cut, 0.0) / alpha
         return np.exp(np.minimum(t, cut))
+    if name == "cressie_read":
+        u = np.maximum(1.0 + (k - 1.0) * t, 0.0)
+        return (u ** (k / (k - 1.0)) - 1.0) / k if order == 0 else u ** (1.0 / (k - 1.0))
+    if name == "smoothed_cvar":
+        s = t + math.log(alpha / (1.0 - alpha))
+        if order == 0:
+            return (math.log1p(-alpha) + np.logaddexp(0.0, s)) / alpha
+        return special.expit(s) / alpha
     raise ValueError(name)
 
 
-def reference(l64: np.ndarray, name: str, alpha) -> float:
+def reference(l64: np.ndarray, name: str, params: dict) -> float:
+    n = l64.size
+    if name == "kl":  # mean exp((l - eta)/lam) = 1 and then L(eta) = eta
+        return LAM * (float(special.logsumexp(l64 / LAM)) - math.log(n))
+    if name == "cvar":  # the mean of the top alpha*n losses, the boundary sample counted fractionally
+        tail = params["alpha"] * n
+        whole = int(math.floor(tail))
+        top = np.sort(l64)[::-1]
+        extra = (tail - whole) * top[whole] if whole < n else 0.0
+        return (math.fsum(top[:whole]) + extra) / tail
     lo, hi = float(l64.min()), float(l64.max())
-    g = lambda eta: float(np.mean(np_psi_star((l64 - eta) / LAM, name, alpha, 1))) - 1.0
+    g = lambda eta: math.fsum(np_psi_star((l64 - eta) / LAM, name, params, 1)) / n - 1.0
     eta = optimize.brentq(g, lo, hi, xtol=1e-15, rtol=4 * np.finfo(float).eps, maxiter=500)
-    return LAM * math.fsum(np_psi_star((l64 - eta) / LAM, name, alpha, 0)) / l64.size + eta
+    return LAM * math.fsum(np_psi_star((l64 - eta) / LAM, name, params, 0)) / n + eta
 
 
-def bisection_loop(losses: torch.Tensor, spec, tol: float = 1e-4) -> float:
-    """The fast-dro-style loop: a torch reduction and a host-side test per iteration."""
+# ---------------------------------------------------------------------------------------------------
+# The peers
+# ---------------------------------------------------------------------------------------------------
+
+def torch_weight(t, name, params):
+    """psi*'(t) in PyTorch, as a DRO library writes it."""
+    alpha, k = params.get("alpha"), params.get("k")
+    if name == "chi2":
+        return torch.clamp(t + 2, min=0) / 2
+    if name == "kl":
+        return torch.exp(t)
+    if name == "cvar":
+        return (t > 0).to(t.dtype) / alpha
+    if name == "kl_cvar":
+        return torch.exp(torch.clamp(t, max=-math.log(alpha)))
+    if name == "cressie_read":
+        return torch.clamp((k - 1) * t + 1, min=0) ** (1 / (k - 1))
+    if name == "smoothed_cvar":
+        return torch.sigmoid(t + math.log(alpha / (1 - alpha))) / alpha
+    raise ValueError(name)
+
+
+def bisection_loop(losses: torch.Tensor, name: str, params: dict, tol: float = 1e-4) -> float:
+    """A torch reduction and a host-side test per iteration. kl works in log space (logsumexp), as a
+    careful library does: exp((l - eta)/lam) overflows float32 at lam = 0.1."""
+    n = losses.numel()
     lo, hi = losses.min().item(), losses.max().item()
     while hi - lo > tol:
         mid = 0.5 * (lo + hi)
-        if psi_star((losses - mid) / LAM, spec, 1).mean().item() > 1.0:
+        t = (losses - mid) / LAM
+        if name == "kl":
+            too_heavy = (torch.logsumexp(t, 0) - math.log(n)).item() > 0.0
+        else:
+            too_heavy = torch_weight(t, name, params).mean().item() > 1.0
+        if too_heavy:
             lo = mid
         else:
             hi = mid
     eta = 0.5 * (lo + hi)
-    return (LAM * psi_star((losses - eta) / LAM, spec, 0).mean() + eta).item()
+    t = (losses - eta) / LAM
+    if name == "kl":
+        return LAM * math.expm1((torch.logsumexp(t, 0) - math.log(n)).item()) + eta
+    return (LAM * eager_psi_star(t, name, **params).mean() + eta).item()
 
 
-def scipy_bounded(l64: np.ndarray, name: str, alpha) -> float:
-    f = lambda eta: LAM * float(np.mean(np_psi_star((l64 - eta) / LAM, name, alpha, 0))) + eta
-    return float(optimize.minimize_scalar(f, bounds=(float(l64.min()), float(l64.max())), method="bounded").fun)
+def scipy_bounded(l64: np.ndarray, name: str, params: dict) -> float:
+    def dual(eta):
+        with np.errstate(over="ignore"):
+            return LAM * float(np.mean(np_psi_star((l64 - eta) / LAM, name, params, 0))) + eta
+    return float(optimize.minimize_scalar(dual, bounds=(float(l64.min()), float(l64.max())), method="bounded").fun)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="N = 2^16 only, fewer repetitions")
-    args = parser.parse_args(argv)
-    sizes = (1 << 16,) if args.quick else (1 << 16, 1 << 22)
+def make_methods(losses, name, params) -> dict:
+    l64 = losses.detach().double().cpu().numpy()
+    return {
+        METHODS[0]: lambda: float(dro_ext.robust_objective(losses, LAM, name, **params)[0]),
+        METHODS[1]: lambda: bisection_loop(losses, name, params),
+        METHODS[2]: lambda: scipy_bounded(l64, name, params),
+    }
+
+
+def lognormal_losses(n: int, seed: int = 0) -> torch.Tensor:
+    """Lognormal per-sample losses, like the cross-entropy losses of a trained classifier."""
+    return torch.exp(torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 0.75)
+
+
+def bench(device, sizes, cases, *, rounds, min_seconds, quick=False) -> list[dict]:
+    timer = Timer(device)
+    rows = []
     dtypes = (torch.float32, torch.float64)
-    print(machine(), f"backend={dro_ext.backend()}")
-    rows, table = [], []
-    gen = torch.Generator().manual_seed(0)
+    total = len(sizes) * len(dtypes) * len(cases)
+    step = 0
     for n in sizes:
-        # Lognormal per-sample losses, like cross-entropy losses of a trained classifier.
-        base = torch.exp(torch.randn(n, generator=gen, dtype=torch.float64) * 0.75)
+        base = lognormal_losses(n)
+        big = n > (1 << 20)
         for dtype in dtypes:
-            losses = base.to(dtype)
-            l64 = losses.double().numpy()
-            for name, kw in CASES:
-                spec = check_divergence(name, **kw)
-                alpha = kw.get("alpha")
-                ref = reference(l64, name, alpha)
-                big = n > (1 << 20)
-                results = {}
-                value = float(dro_ext.robust_objective(losses, LAM, name, **kw)[0])
-                results["dro_ext"] = (time_fn(lambda: dro_ext.robust_objective(losses, LAM, name, **kw),
-                                              min_reps=10 if big else 30, min_seconds=1.0), value)
-                value = bisection_loop(losses, spec)
-                results["bisection (torch, tol 1e-4)"] = (
-                    time_fn(lambda: bisection_loop(losses, spec), warmup=1, min_reps=5 if big else 20,
-                            min_seconds=1.0), value)
-                value = scipy_bounded(l64, name, alpha)
-                results["scipy bounded (numpy f64)"] = (
-                    time_fn(lambda: scipy_bounded(l64, name, alpha), warmup=1, min_reps=3 if big else 10,
-                            min_seconds=0.5), value)
-                ours = results["dro_ext"][0]["median_s"]
-                for method, (timing, value) in results.items():
-                    err = abs(value - ref)
-                    row = {"divergence": name, "n": n, "dtype": str(dtype).replace("torch.", ""), "method": method,
-                           "median_ms": 1e3 * timing["median_s"], "p25_ms": 1e3 * timing["p25_s"],
-                           "p75_ms": 1e3 * timing["p75_s"], "reps": timing["reps"],
-                           "time_vs_dro_ext": timing["median_s"] / ours, "psi": value, "reference": ref,
-                           "abs_error": err}
-                    rows.append(row)
-                    table.append([name, f"2^{int(math.log2(n))}", row["dtype"], method, row["median_ms"],
-                                  row["time_vs_dro_ext"], f"{err:.1e}"])
-                    print(table[-1], flush=True)
-    header = ["divergence", "N", "dtype", "method", "median ms", "time / dro_ext", "abs error"]
-    note = (f"lam={LAM}, alpha={ALPHA}, lognormal losses; reference: float64 brentq (xtol 1e-15) + fsum; "
-            "the bisection loop and scipy run on the same losses; `time / dro_ext` > 1 means dro_ext is faster.")
-    write_results("robust", rows, note + "\n\n" + markdown_table(header, table))
+            losses = base.to(device=device, dtype=dtype)
+            l64 = losses.double().cpu().numpy()
+            for name, params in cases:
+                step += 1
+                ref = reference(l64, name, params)
+                methods = make_methods(losses, name, params)
+                # This first call of each method is its warm-up too (at 2^22 the loop takes seconds a call).
+                values = {method: fn() for method, fn in methods.items()}
+                stats = interleaved_rounds(methods, timer, rounds=rounds, min_seconds=min_seconds,
+                                           min_reps=1 if big else (3 if quick else 10), warmup=0)
+                ours = stats[METHODS[0]]["median_s"]
+                label = case_label(name, params)
+                for method, t in stats.items():
+                    rows.append({
+                        "device": str(device), "case": label, "divergence": name, **params, "n": n,
+                        "dtype": str(dtype).replace("torch.", ""), "method": method,
+                        "median_ms": 1e3 * t["median_s"], "p25_ms": 1e3 * t["p25_s"], "p75_ms": 1e3 * t["p75_s"],
+                        "reps": t["reps"], "time_vs_dro_ext": t["median_s"] / ours, "psi": values[method],
+                        "reference": ref, "abs_error": abs(values[method] - ref),
+                    })
+                progress(f"[robust {step}/{total}] {label:>22} N=2^{int(math.log2(n))} {rows[-1]['dtype']}: " +
+                         "  ".join(f"{r['method'].split(' ')[0]} {r['median_ms']:.3f} ms (err {r['abs_error']:.1e})"
+                                   for r in rows[-len(stats):]))
+    return rows
+
+
+HEADER = ["case", "N", "dtype", "method", "median ms", "time / dro_ext", "abs error"]
+
+
+def table_rows(rows):
+    return [[r["case"], f"2^{int(math.log2(r['n']))}", r["dtype"], r["method"], r["median_ms"], r["time_vs_dro_ext"],
+             f"{r['abs_error']:.1e}"] for r in rows]
+
+
+NOTE = (f"lam={LAM}, lognormal losses (exp(0.75 z)); reference: float64 closed forms (kl, cvar) or brentq "
+        "(xtol 1e-15) + fsum; the three methods run on the same losses in interleaved rounds; `time / dro_ext` > 1 "
+        "means dro_ext is faster. Peer: daniellevy/fast-dro's RobustLoss is not installable (not on PyPI: "
+        "`pip download fast-dro` finds no distribution) and its code is not vendored, so it is not run here; "
+        "the bisection loop is the algorithm such libraries use (one reduction and a host-side test per "
+        "iteration). scipy runs on the host in float64 whatever the device.")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(parser, quick_help="N = 2^12 only, 2 short rounds")
+    parser.add_argument("--sizes", type=int, nargs="+", default=None)
+    parser.add_argument("--divergences", nargs="+", default=None, choices=sorted({c[0] for c in CASES}))
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--min-seconds", type=float, default=None, help="per method, over all rounds")
+    parser.add_argument("--name", default="robust")
+    args = parser.parse_args(argv)
+    device = check_device(args.device)
+    sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
+    rounds = args.rounds or (2 if args.quick else 3)
+    min_seconds = args.min_seconds or (0.02 if args.quick else 1.0)
+    info = device_info(device)
+    load_before = loadavg()
+    rows = bench(device, sizes, select_cases(args.divergences), rounds=rounds, min_seconds=min_seconds,
+                 quick=args.quick)
+    name = result_name(args.name, info)
+    settings = {"sizes": list(sizes), "rounds": rounds, "min_seconds": min_seconds, "quick": args.quick,
+                "backend": dro_ext.backend()}
+    paths = write_report(args.out, name, rows, NOTE + "\n\n" + markdown_table(HEADER, table_rows(rows)), info,
+                          load=(load_before, loadavg()), note=args.note, settings=settings)
+    if not args.no_plot:
+        from bench.plots import plot_robust
+        paths["png"] = plot_robust(rows, paths["md"][:-3] + ".png",
+                                   title=f"{name}: {info.get('card', info['host_cpu'])}, robust_objective vs peers")
+    print(console_table(HEADER, table_rows(rows)))
+    progress(f"[robust] wrote {', '.join(paths.values())}")
+    return paths
 
 
 if __name__ == "__main__":

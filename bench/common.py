@@ -1,9 +1,14 @@
-"""Timing, bandwidth and reporting helpers shared by the benchmarks.
+"""Timing, device description, reporting and console helpers shared by the benchmarks.
 
-Every benchmark writes one row per measurement to bench/results/<name>.json and .csv and a markdown
-table with the ratios to bench/results/<name>.md. Timings are medians of many repetitions, taken side by
-side in one process; the floor is bytes that must move over the bandwidth of a copy of the same size, timed
-in the same rounds as the implementations.
+Every benchmark writes one row per measurement to <out>/<name>.json and .csv, a markdown table with the
+ratios to <out>/<name>.md and a plot to <out>/<name>.png (default out: bench/results). On CUDA the name
+carries the card (loss_h100.md). Timings are medians of many repetitions, taken side by side in one
+process in interleaved rounds; the floor is the bytes that must move over the bandwidth of a copy of the
+same size on the same device, timed in the same rounds as the implementations.
+
+CPU and CUDA share one timing path: :class:`Timer` brackets a call with two events, torch.cuda.Event on
+CUDA and :class:`HostEvent` (the same interface on the host clock) on the CPU, so the code that runs on a
+GPU is the code the CPU tests exercise.
 """
 from __future__ import annotations
 
@@ -11,7 +16,10 @@ import csv
 import json
 import os
 import platform
+import re
 import statistics
+import subprocess
+import sys
 import time
 from typing import Callable
 
@@ -19,44 +27,127 @@ import torch
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
+# The divergences every benchmark covers: cressie_read at the piecewise-linear k = 2 and at a
+# non-integer k, the alpha ones at alpha = 0.1.
+CASES = (
+    ("chi2", {}),
+    ("kl", {}),
+    ("cvar", {"alpha": 0.1}),
+    ("kl_cvar", {"alpha": 0.1}),
+    ("cressie_read", {"k": 2.0}),
+    ("cressie_read", {"k": 1.5}),
+    ("smoothed_cvar", {"alpha": 0.1}),
+)
 
-def synchronize(device: torch.device | str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+
+def case_label(name: str, params: dict) -> str:
+    """'chi2', 'cvar alpha=0.1', 'cressie_read k=1.5': one string per case, for tables, plots and groups."""
+    return " ".join([name] + [f"{key}={value:g}" for key, value in params.items()])
 
 
-def time_fn(fn: Callable[[], object], device="cpu", *, warmup: int = 3, min_reps: int = 10, min_seconds: float = 0.5,
-            max_reps: int = 1000) -> dict:
-    """Median wall time of fn() over repetitions (at least min_reps and min_seconds in all)."""
-    for _ in range(warmup):
+def select_cases(divergences=None) -> list[tuple[str, dict]]:
+    """The cases whose divergence name is in divergences (all of them when None)."""
+    return [case for case in CASES if divergences is None or case[0] in divergences]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------------
+
+class HostEvent:
+    """torch.cuda.Event's timing interface on the host clock (perf_counter): record, synchronize and
+    elapsed_time in milliseconds. CPU work is synchronous, so recording the time is all there is."""
+
+    def __init__(self, enable_timing: bool = True):
+        self._time = None
+
+    def record(self, stream=None) -> None:
+        self._time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "HostEvent") -> float:
+        if self._time is None or end._time is None:
+            raise RuntimeError("HostEvent.elapsed_time: both events must be recorded first")
+        return (end._time - self._time) * 1e3
+
+
+class Timer:
+    """Times one call of a function on a device: events recorded around it, then the end event waited
+    for. On CUDA that is the kernels' time on the stream (plus any host gap the stream sat idle through,
+    as a host-side sync in the function costs), not the launch time."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            self._event = lambda: torch.cuda.Event(enable_timing=True)
+        elif self.device.type == "cpu":
+            self._event = HostEvent
+        else:
+            raise ValueError(f"bench: device must be cpu or cuda, got {device!r}")
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def once(self, fn: Callable[[], object]) -> float:
+        """Seconds one fn() takes. The device is idle before (synchronized) and after (end event)."""
+        start, end = self._event(), self._event()
+        start.record()
         fn()
-    synchronize(device)
-    samples = []
-    start = time.perf_counter()
-    while len(samples) < max_reps and (len(samples) < min_reps or time.perf_counter() - start < min_seconds):
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        samples.append(time.perf_counter() - t0)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+def summarize(samples: list[float]) -> dict:
     q = statistics.quantiles(samples, n=4) if len(samples) >= 2 else [samples[0]] * 3
     return {"median_s": statistics.median(samples), "p25_s": q[0], "p75_s": q[2], "reps": len(samples)}
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    desc = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
-    if torch.cuda.is_available():
-        desc += f"; {torch.cuda.get_device_name()}"
-    return desc
+def time_fn(fn: Callable[[], object], timer: Timer | str | torch.device = "cpu", *, warmup: int = 3,
+            min_reps: int = 10, min_seconds: float = 0.5, max_reps: int = 1000) -> dict:
+    """Median time of fn() over repetitions (at least min_reps and min_seconds of wall time in all)."""
+    timer = timer if isinstance(timer, Timer) else Timer(timer)
+    for _ in range(warmup):
+        fn()
+    timer.synchronize()
+    samples = []
+    start = time.perf_counter()
+    while len(samples) < max_reps and (len(samples) < min_reps or time.perf_counter() - start < min_seconds):
+        samples.append(timer.once(fn))
+    return summarize(samples)
 
+
+def interleaved_rounds(timed: dict[str, Callable[[], object]], timer: Timer, *, rounds: int, min_seconds: float,
+                       min_reps: int, warmup: int = 3) -> dict[str, dict]:
+    """Times every function of `timed` once per round (the median of its repetitions in that round) and
+    returns, per function, the median over rounds: a slow spell of a shared machine hits all of them
+    alike instead of the one that happened to run then. min_seconds is per function over all rounds."""
+    per_round = {key: [] for key in timed}
+    for round_index in range(rounds):
+        for key, fn in timed.items():
+            per_round[key].append(time_fn(fn, timer, warmup=warmup if round_index == 0 else min(warmup, 1),
+                                          min_reps=min_reps, min_seconds=min_seconds / rounds))
+    out = {}
+    for key, results in per_round.items():
+        out[key] = {stat: statistics.median(r[stat] for r in results) for stat in ("median_s", "p25_s", "p75_s")}
+        out[key]["reps"] = sum(r["reps"] for r in results)
+    return out
+
+
+def copy_pair(numel: int, device) -> Callable[[], object]:
+    """A copy of numel float32 between two buffers of the device (device to device on CUDA): 8 bytes
+    move per element, read and write. Its bandwidth is the floor's."""
+    src = torch.rand(numel, device=device)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------------
 
 def saved_tensor_bytes(fn: Callable[[], torch.Tensor], exclude: tuple = ()) -> int:
     """Bytes autograd keeps alive for backward when fn() runs, not counting the tensors in exclude
@@ -80,21 +171,119 @@ def saved_tensor_bytes(fn: Callable[[], torch.Tensor], exclude: tuple = ()) -> i
 
 
 def cuda_peak_bytes(fn: Callable[[], object], device) -> int | None:
-    """Peak CUDA memory allocated while fn() runs, above what was allocated before (None off CUDA)."""
+    """Peak CUDA memory allocated while fn() runs (torch.cuda.max_memory_allocated), above what was
+    allocated before; None off CUDA."""
     if torch.device(device).type != "cuda":
         return None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
     fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
 
 
-def write_results(name: str, rows: list[dict], table_md: str) -> None:
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    base = os.path.join(RESULTS_DIR, name)
-    meta = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+# ---------------------------------------------------------------------------------------------------
+# What ran where
+# ---------------------------------------------------------------------------------------------------
+
+def card_tag(card_name: str) -> str:
+    """A short file-name tag for a GPU: 'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA A100-SXM4-80GB' ->
+    'a100', 'NVIDIA GeForce RTX 4090' -> 'rtx4090'."""
+    words = re.sub(r"\b(NVIDIA|GeForce|Tesla|Quadro|AMD|Radeon)\b", " ", card_name, flags=re.I).split()
+    if not words:
+        return "gpu"
+    tag = re.split(r"[-_]", words[0])[0]
+    if tag.lower() in ("rtx", "gtx", "titan", "pro") and len(words) > 1:
+        tag += re.split(r"[-_]", words[1])[0]
+    return re.sub(r"[^a-z0-9]", "", tag.lower()) or "gpu"
+
+
+def cuda_driver_version() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            match = re.search(r"Kernel Module\s+(\S+)", f.read())
+            if match:
+                return match.group(1)
+    except OSError:
+        pass
+    return "unknown"
+
+
+def host_cpu() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return cpu
+
+
+def device_info(device) -> dict:
+    """The machine a benchmark ran on, for result headers and file names."""
+    device = torch.device(device)
+    info = {"device": device.type, "host_cpu": host_cpu(), "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(card=props.name, card_tag=card_tag(props.name), driver=cuda_driver_version(),
+                    cuda_runtime=torch.version.cuda, compute_capability=f"{props.major}.{props.minor}",
+                    memory_gib=round(props.total_memory / 2**30, 1))
+    return info
+
+
+def describe(info: dict) -> str:
+    host = f"{info['host_cpu']}, {info['cores']} cores, {info['threads']} threads"
+    if info["device"] == "cuda":
+        return (f"{info['card']} (driver {info['driver']}, CUDA runtime {info['cuda_runtime']}, "
+                f"sm_{info['compute_capability'].replace('.', '')}, {info['memory_gib']} GiB); host {host}; "
+                f"torch {info['torch']}")
+    return f"{host}; torch {info['torch']}"
+
+
+def result_name(base: str, info: dict) -> str:
+    """'loss' on the CPU, 'loss_h100' on an H100."""
+    return base if info["device"] == "cpu" else f"{base}_{info['card_tag']}"
+
+
+def loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def synchronize(device: torch.device | str) -> None:
+    Timer(device).synchronize()
+
+
+def machine(device="cpu") -> str:
+    """One line naming the machine (kept for benchmarks written against the first version of this module)."""
+    return describe(device_info(device))
+
+
+def write_results(name: str, rows: list[dict], table_md: str, out_dir: str = RESULTS_DIR, device="cpu") -> dict:
+    """The first version's signature: <out_dir>/<name>.{json,csv,md} on the described device."""
+    return write_report(out_dir, name, rows, table_md, device_info(device), load=(loadavg(), loadavg()))
+
+
+def write_report(out_dir: str, name: str, rows: list[dict], table_md: str, info: dict, *,
+                 load: tuple = (None, None), note: str = "", settings: dict | None = None) -> dict[str, str]:
+    """<out_dir>/<name>.json (meta + rows), .csv (rows) and .md (header + table); returns the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, name)
+    meta = {"machine": describe(info), "info": info, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "loadavg_1m": list(load), "note": note, "settings": settings or {}}
     with open(base + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     keys = sorted({k for r in rows for k in r})
@@ -102,14 +291,61 @@ def write_results(name: str, rows: list[dict], table_md: str) -> None:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
+    header = f"# {name}\n\nMachine: {meta['machine']}. Date: {meta['date']}."
+    if load[0] is not None and load[1] is not None:
+        header += f" 1-minute load average {load[0]:.1f} before, {load[1]:.1f} after, on {info['cores']} cores."
+    if settings:
+        header += " Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()) + "."
+    if note:
+        header += f"\n\n{note}"
     with open(base + ".md", "w") as f:
-        f.write(f"# {name}\n\nMachine: {meta['machine']}. Date: {meta['date']}.\n\n{table_md}\n")
+        f.write(f"{header}\n\n{table_md}\n")
+    return {"json": base + ".json", "csv": base + ".csv", "md": base + ".md"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tables and progress
+# ---------------------------------------------------------------------------------------------------
+
+def fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return "-" if v is None else str(v)
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
-    def fmt(v):
-        return f"{v:.3g}" if isinstance(v, float) else str(v)
-
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def console_table(header: list[str], rows: list[list]) -> str:
+    """The same table with aligned columns, for a terminal: text left, numbers right."""
+    cells = [[fmt(v) for v in r] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(header)]
+    numeric = [all(isinstance(r[i], (int, float)) or r[i] is None for r in rows) for i in range(len(header))]
+
+    def line(values):
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in cells])
+
+
+def progress(message: str) -> None:
+    """One line per benchmark case on stderr, so a long run shows where it is (stdout keeps the tables)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def add_common_arguments(parser, *, quick_help: str) -> None:
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default cpu)")
+    parser.add_argument("--out", default=RESULTS_DIR, help="folder for the results (default bench/results)")
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--note", default="", help="free text for the table header (e.g. what else ran)")
+    parser.add_argument("--no-plot", action="store_true", help="tables only")
+
+
+def check_device(device: str) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench: --device cuda, but torch.cuda.is_available() is False on this machine")
+    return device

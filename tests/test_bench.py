@@ -1,0 +1,189 @@
+"""The benchmark harness (bench/): its timer on both code paths, file naming and headers by device, and
+the `--quick` run end to end into a temporary folder (every case present in the JSON, readable PNGs).
+Timings themselves are never asserted: the harness is tested, not the machine."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # bench/ is not an installed package: `pytest tests` (not `python -m pytest`) finds it here
+    sys.path.insert(0, ROOT)
+
+from bench import common  # noqa: E402
+from bench.common import CASES, HostEvent, Timer, case_label, interleaved_rounds, time_fn  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------- timer
+def test_host_event_measures_the_interval_in_milliseconds():
+    start, end = HostEvent(), HostEvent()
+    start.record()
+    time.sleep(0.02)
+    end.record()
+    end.synchronize()
+    assert 20.0 <= start.elapsed_time(end) < 2000.0
+
+
+def test_host_event_refuses_an_unrecorded_interval():
+    with pytest.raises(RuntimeError, match="recorded"):
+        HostEvent().elapsed_time(HostEvent())
+
+
+def test_timer_once_returns_seconds_of_the_call():
+    assert 0.015 <= Timer("cpu").once(lambda: time.sleep(0.015)) < 2.0
+
+
+def test_timer_rejects_other_devices():
+    with pytest.raises(ValueError, match="cpu or cuda"):
+        Timer("meta")
+
+
+class _FakeCudaEvent(HostEvent):
+    """Stands in for torch.cuda.Event: counts what the CUDA path of Timer calls."""
+    made = 0
+    synchronized = 0
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing, "CUDA events only time when created with enable_timing=True"
+        super().__init__()
+        type(self).made += 1
+
+    def synchronize(self):
+        type(self).synchronized += 1
+
+
+def test_timer_cuda_path_uses_timing_events_and_waits_for_the_end_event(monkeypatch):
+    # No GPU here: the CUDA branch runs against a stand-in with torch.cuda.Event's interface.
+    synced = []
+    monkeypatch.setattr(torch.cuda, "Event", _FakeCudaEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    _FakeCudaEvent.made = _FakeCudaEvent.synchronized = 0
+    timer = Timer("cuda")
+    stats = time_fn(lambda: time.sleep(0.001), timer, warmup=2, min_reps=4, min_seconds=0.0)
+    assert stats["reps"] == 4 and stats["median_s"] >= 0.001
+    assert _FakeCudaEvent.made == 2 * 4 and _FakeCudaEvent.synchronized == 4
+    assert synced == [torch.device("cuda")]  # once after the warm-up
+
+
+def test_time_fn_honours_min_reps_and_max_reps():
+    calls = []
+    stats = time_fn(lambda: calls.append(1), "cpu", warmup=2, min_reps=7, min_seconds=0.0)
+    assert stats["reps"] == 7 and len(calls) == 9
+    assert stats["p25_s"] <= stats["median_s"] <= stats["p75_s"]
+    stats = time_fn(lambda: None, "cpu", warmup=0, min_reps=1, min_seconds=10.0, max_reps=5)
+    assert stats["reps"] == 5
+
+
+def test_interleaved_rounds_alternate_the_functions():
+    order = []
+    timed = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    stats = interleaved_rounds(timed, Timer("cpu"), rounds=3, min_seconds=0.0, min_reps=2, warmup=1)
+    # Per round: a's warm-up + 2 reps, then b's; three rounds, so b runs between a's rounds.
+    assert order == (["a"] * 3 + ["b"] * 3) * 3
+    assert stats["a"]["reps"] == stats["b"]["reps"] == 6
+
+
+# ------------------------------------------------------------------------------- naming and headers
+@pytest.mark.parametrize("name, tag", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                       ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA GeForce RTX 4090", "rtx4090"),
+                                       ("Tesla V100-PCIE-16GB", "v100"), ("NVIDIA", "gpu")])
+def test_card_tag(name, tag):
+    assert common.card_tag(name) == tag
+
+
+def test_cuda_result_names_and_header_carry_the_card_driver_and_torch(tmp_path):
+    info = dict(common.device_info("cpu"), device="cuda", card="NVIDIA H100 80GB HBM3", card_tag="h100",
+                driver="580.65.06", cuda_runtime="13.0", compute_capability="9.0", memory_gib=79.2)
+    assert common.result_name("loss", info) == "loss_h100"
+    assert common.result_name("loss", common.device_info("cpu")) == "loss"
+    paths = common.write_report(str(tmp_path), "loss_h100", [{"x": 1.5}], "| x |", info, load=(1.0, 2.0))
+    header = open(paths["md"]).read().splitlines()[2]
+    for text in ("NVIDIA H100 80GB HBM3", "driver 580.65.06", "sm_90", f"torch {torch.__version__}", "load average"):
+        assert text in header
+    assert json.load(open(paths["json"]))["meta"]["info"]["card_tag"] == "h100"
+
+
+def test_console_table_aligns_columns():
+    text = common.console_table(["case", "ms"], [["chi2", 1.5], ["smoothed_cvar alpha=0.1", 12.25]])
+    lines = text.splitlines()
+    assert len({len(line) for line in lines}) == 1  # numbers right-aligned to one width
+    assert lines[2].startswith("chi2 ") and lines[3].endswith("12.2")
+
+
+# ------------------------------------------------------------------------------- the --quick run
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_quick")
+    proc = subprocess.run([sys.executable, "-m", "bench.run", "--quick", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out, proc
+
+
+def _rows(out, name):
+    with open(out / f"{name}.json") as f:
+        data = json.load(f)
+    assert data["meta"]["settings"]["quick"] is True and data["meta"]["machine"]
+    return data["rows"]
+
+
+def test_quick_loss_json_has_every_case_size_and_implementation(quick_run):
+    out, _ = quick_run
+    rows = _rows(out, "loss")
+    from bench.bench_loss import IMPLS, QUICK_SIZES
+    expected = {(case_label(*c), n, impl) for c in CASES for n in QUICK_SIZES for impl in IMPLS}
+    assert {(r["case"], r["n"], r["impl"]) for r in rows} == expected and len(rows) == len(expected)
+    for r in rows:
+        assert r["median_ms"] > 0 and math.isfinite(r["median_ms"]) and r["floor_ms"] > 0
+        assert r["p25_ms"] <= r["median_ms"] <= r["p75_ms"]
+        assert r["cuda_peak_bytes"] is None  # CPU run
+    assert all(r["fused_speedup"] == 1.0 for r in rows if r["impl"] == "fused")
+
+
+def test_quick_optim_json_has_every_peer(quick_run):
+    out, _ = quick_run
+    rows = _rows(out, "optim")
+    from bench.bench_optim import PEERS
+    assert [r["peer"] for r in rows] == list(PEERS)
+    assert all(r["gb_per_s"] > 0 and r["copy_gb_per_s"] > 0 for r in rows)
+    assert sum(r["best_foreach"] for r in rows) == 1
+
+
+def test_quick_robust_json_has_every_case_dtype_and_method(quick_run):
+    out, _ = quick_run
+    rows = _rows(out, "robust")
+    from bench.bench_robust import METHODS, QUICK_SIZES
+    expected = {(case_label(*c), n, d, m) for c in CASES for n in QUICK_SIZES for d in ("float32", "float64")
+                for m in METHODS}
+    assert {(r["case"], r["n"], r["dtype"], r["method"]) for r in rows} == expected and len(rows) == len(expected)
+    for r in rows:
+        assert math.isfinite(r["abs_error"]) and r["median_ms"] > 0
+        # Every method solves the same problem: float32 input within 1e-4 on eta of the float64 reference.
+        assert r["abs_error"] <= 1e-3 * max(1.0, abs(r["reference"])), r
+
+
+@pytest.mark.parametrize("name", ["loss", "optim", "robust"])
+def test_quick_writes_table_csv_and_png(quick_run, name):
+    out, proc = quick_run
+    md = (out / f"{name}.md").read_text()
+    assert md.startswith(f"# {name}\n") and "Machine:" in md and "|---|" in md
+    with open(out / f"{name}.csv") as f:
+        assert sum(1 for _ in f) == len(_rows(out, name)) + 1
+    from matplotlib.image import imread
+    image = imread(out / f"{name}.png")
+    assert image.ndim == 3 and image.shape[0] >= 300 and image.shape[1] >= 500
+    assert image[..., :3].std() > 0.05  # something is drawn, not a blank canvas
+
+
+def test_quick_prints_progress_on_stderr_and_tables_on_stdout(quick_run):
+    _, proc = quick_run
+    assert "[loss 1/" in proc.stderr and "[optim 1/" in proc.stderr and "[robust 1/" in proc.stderr
+    assert "case" in proc.stdout and "ms/step" in proc.stdout
+    assert not any(line.startswith(("[loss", "[optim", "[robust")) for line in proc.stdout.splitlines())
