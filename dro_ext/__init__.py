@@ -5,6 +5,7 @@ of Jin et al., "Non-convex Distributionally Robust Optimization: Non-asymptotic 
 as fused C++ (and CUDA) kernels exposed as torch custom ops, with a pure-PyTorch fallback.
 """
 from dro_ext._backend import backend
+from dro_ext.cross_entropy import DROCrossEntropyLoss, DROLinearCrossEntropyLoss, dro_cross_entropy, dro_linear_cross_entropy  # noqa: E501
 from dro_ext.loss import DROLoss
 from dro_ext.ops import DIVERGENCES, dro_loss, dro_weights, psi_star
 from dro_ext.optim import NormalizedSGD
