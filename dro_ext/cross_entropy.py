@@ -224,11 +224,17 @@ def _chunk_fallback_(logits, targets, eta, inv_count, lam, spec, scale, ignore_i
     return sums
 
 
-def default_chunk_size(rows: int, hidden: int, vocab: int) -> int:
-    """Rows per chunk: a chunk's logits about as large as the hidden states (rows x hidden), a power of two
-    of at least 64 rows so that the matmuls stay efficient, and never more than the batch."""
-    ratio = max(1, math.ceil(vocab / max(1, hidden)))
-    return max(1, min(rows, max(64, 1 << max(0, math.ceil(rows / ratio) - 1).bit_length())))
+def default_chunk_size(rows: int, hidden: int, vocab: int, element_size: int = 4) -> int:
+    """Rows per chunk of dro_linear_cross_entropy, a power of two, at most the batch: the larger of
+     - about N / ceil(V / H) rows, so that a chunk's logits are about as large as the hidden states, and
+     - about 32 MiB of logits: every chunk reads and writes the whole weight gradient once (its addmm), so too
+       small a chunk turns the (V, H) accumulation into the bottleneck."""
+    def pow2_floor(x):
+        return 1 << max(0, int(x).bit_length() - 1)
+
+    matched = pow2_floor(max(1, math.ceil(rows / max(1, math.ceil(vocab / max(1, hidden))))))
+    by_bytes = pow2_floor(max(1, (32 << 20) // max(1, vocab * element_size)))
+    return max(1, min(rows, max(matched, by_bytes)))
 
 
 @torch.library.custom_op("dro_ext::linear_cross_entropy_with_grads", mutates_args=())
@@ -308,15 +314,14 @@ def _linear_backward(ctx, grad_value, *unused):
     out = [None] * 17
     if grad_value is None:
         return tuple(out)
-    # In place: the forward's gradients are the backward's only use of them, and a copy would double the
-    # memory of grad_weight (vocab x hidden). A second backward through the same graph (retain_graph) fails
-    # autograd's version check on them instead of returning a twice-scaled gradient.
+    # Out of place, so that a second backward through a retained graph (and gradcheck's reentrancy check)
+    # sees the forward's gradients unchanged.
     if ctx.needs_input_grad[0]:
-        out[0] = grad_hidden.mul_(grad_value)
+        out[0] = grad_hidden * grad_value
     if ctx.needs_input_grad[1]:
-        out[1] = grad_weight.mul_(grad_value)
+        out[1] = grad_weight * grad_value
     if ctx.needs_input_grad[2]:
-        out[2] = grad_bias.mul_(grad_value)
+        out[2] = grad_bias * grad_value
     if ctx.needs_input_grad[4]:
         out[4] = (grad_value.to(mean_weight.dtype) * (ctx.scale * (1.0 - mean_weight))).to(ctx.eta_dtype)
     return tuple(out)
@@ -359,7 +364,7 @@ def dro_linear_cross_entropy(hidden, weight, targets, eta, lam, divergence="chi2
     h, y = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     rows = h.shape[0]
     if chunk_size is None:
-        chunk_size = default_chunk_size(rows, h.shape[1], weight.shape[0])
+        chunk_size = default_chunk_size(rows, h.shape[1], weight.shape[0], h.element_size())
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"dro_ext: chunk_size must be a positive int or None, got chunk_size={chunk_size!r}")
     native = _backend.use_native()
