@@ -23,6 +23,7 @@
 
 #include "checks.h"
 #include "cpu/cross_entropy_kernels.h"
+#include "cpu/output_buffer.h"
 #include "cpu/scalar_tensors.h"
 #include "cross_entropy_checks.h"
 
@@ -76,7 +77,9 @@ at::Tensor dro_cross_entropy_backward_cpu(const at::Tensor& grad, const at::Tens
   check_label_smoothing(label_smoothing);
   const at::Tensor x = logits.contiguous(), y = targets.contiguous();
   count_kept_rows_cpu(y, x.size(1), ignore_index);  // the targets index the logits: check them again
-  at::Tensor grad_logits = at::empty(x.sizes(), x.options());
+  // From the repository's buffer cache: a training loop asks for the same N x C gradient every step, and
+  // first-touching fresh pages costs about as much as the pass itself (csrc/cpu/output_buffer.h).
+  at::Tensor grad_logits = cpu::empty_output_like(x);
   cpu::cross_entropy_kernels().backward(x, y, lse.contiguous(), row_weight.contiguous(), grad_logits, ignore_index,
                                         label_smoothing, cpu::read_scalar(grad));
   return grad_logits;
