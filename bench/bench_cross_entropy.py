@@ -1,0 +1,233 @@
+"""Fused DRO cross-entropy, forward + backward, side by side with its peers, with the peak memory of each.
+
+    python -m bench.bench_cross_entropy [--quick] [--device cpu|cuda] [--rounds 3]
+
+Two cases (float32 on the CPU; bfloat16 and the GPU sizes of issue 11 on CUDA):
+  - logits:  dro_cross_entropy(logits (N, C), targets, eta) against the eager composition
+             F.cross_entropy(reduction="none") + dro_ext.dro_loss, that composition under torch.compile, and plain
+             mean cross-entropy (the non-robust cost). Gradients with respect to logits and eta.
+  - linear:  dro_linear_cross_entropy(hidden (N, H), weight (V, H), targets, eta) against F.linear +
+             F.cross_entropy(reduction="none") + dro_loss, that under torch.compile, and F.linear + mean
+             cross-entropy. Gradients with respect to hidden, weight and eta.
+
+Times are medians over interleaved rounds (each round times every implementation once, so a slow spell of a shared
+machine hits all of them). Peak extra memory is what one forward+backward needs above its inputs, gradients
+included: on the CPU the resident-set high-water mark of a fresh subprocess per implementation (after a warm-up
+run, with glibc told to return large blocks to the system at once, so the high-water mark is the real peak); on
+CUDA torch.cuda.max_memory_allocated. Writes bench/results/cross_entropy.{json,csv,md} (cross_entropy_<card> on
+CUDA).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import dro_ext
+from bench.common import markdown_table, synchronize, time_fn, write_results
+
+LAM, DIVERGENCE = 0.5, "chi2"
+IMPLS = ("fused", "eager", "compiled", "mean_ce")
+CASES = {
+    # name: (kind, sizes, dtype) per device; --quick shrinks them for a smoke run.
+    "cpu": {"logits": dict(n=4096, c=32000, dtype="float32"),
+            "linear": dict(n=2048, h=1024, v=32000, dtype="float32")},
+    "cuda": {"logits": dict(n=16384, c=128256, dtype="bfloat16"),
+             "linear": dict(n=16384, h=4096, v=128256, dtype="bfloat16")},
+}
+QUICK = {"logits": dict(n=512, c=4096), "linear": dict(n=256, h=128, v=4096)}
+
+
+def eager_logits_loss(logits, targets, eta):
+    return dro_ext.dro_loss(F.cross_entropy(logits.float(), targets, reduction="none"), eta, LAM, DIVERGENCE)
+
+
+def eager_linear_loss(hidden, weight, targets, eta):
+    return eager_logits_loss(F.linear(hidden, weight), targets, eta)
+
+
+def make_case(kind, sizes, device):
+    """The inputs and, per implementation, a function running one forward + backward."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    dtype = getattr(torch, sizes["dtype"])
+    eta = torch.tensor(float(torch.log(torch.tensor(float(sizes.get("c", sizes.get("v")))))), device=device,
+                       requires_grad=True)
+    if kind == "logits":
+        n, c = sizes["n"], sizes["c"]
+        logits = torch.randn(n, c, generator=g).to(device=device, dtype=dtype).requires_grad_()
+        targets = torch.randint(0, c, (n,), generator=g).to(device)
+        inputs = (logits, targets, eta)
+        wrt = (logits, eta)
+        fns = {
+            "fused": lambda x, y, e: dro_ext.dro_cross_entropy(x, y, e, LAM, DIVERGENCE),
+            "eager": eager_logits_loss,
+            "compiled": torch.compile(eager_logits_loss, fullgraph=True),
+            "mean_ce": lambda x, y, e: F.cross_entropy(x, y),
+        }
+    else:
+        n, h, v = sizes["n"], sizes["h"], sizes["v"]
+        hidden = (torch.randn(n, h, generator=g) / h**0.5).to(device=device, dtype=dtype).requires_grad_()
+        weight = torch.randn(v, h, generator=g).to(device=device, dtype=dtype).requires_grad_()
+        targets = torch.randint(0, v, (n,), generator=g).to(device)
+        inputs = (hidden, weight, targets, eta)
+        wrt = (hidden, weight, eta)
+        fns = {
+            "fused": lambda x, w, y, e: dro_ext.dro_linear_cross_entropy(x, w, y, e, LAM, DIVERGENCE),
+            "eager": eager_linear_loss,
+            "compiled": torch.compile(eager_linear_loss, fullgraph=True),
+            "mean_ce": lambda x, w, y, e: F.cross_entropy(F.linear(x, w), y),
+        }
+
+    def runner(impl):
+        fn = fns[impl]
+        targets_wrt = wrt if impl != "mean_ce" else wrt[:-1]  # plain cross-entropy has no eta
+
+        def run():
+            value = fn(*inputs)
+            return torch.autograd.grad(value, targets_wrt)
+        return run
+    return {impl: runner(impl) for impl in IMPLS}
+
+
+def case_sizes(kind, device, quick):
+    sizes = dict(CASES[device.type][kind])
+    if quick:
+        sizes.update(QUICK[kind])
+    return sizes
+
+
+def describe(kind, sizes):
+    dims = f"N={sizes['n']}, C={sizes['c']}" if kind == "logits" else f"N={sizes['n']}, H={sizes['h']}, V={sizes['v']}"
+    return f"{dims}, {sizes['dtype']}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Peak memory
+# ---------------------------------------------------------------------------------------------------
+
+
+def _status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def probe_cpu_memory(kind, impl, quick):
+    """Runs in a fresh process: peak resident memory of one forward+backward above the resident memory before it."""
+    runs = make_case(kind, case_sizes(kind, torch.device("cpu"), quick), "cpu")
+    run = runs[impl]
+    out = run()  # warm-up: compiles, loads kernels, builds the thread pool
+    del out
+    baseline = _status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current resident size
+    out = run()
+    peak = _status_kib("VmHWM")
+    del out
+    return 1024 * (peak - baseline)
+
+
+def cpu_peak_bytes(kind, impl, quick):
+    # DRO_EXT_CPU_BUFFER_CACHE=0: a buffer the extension keeps from the warm-up run would be resident before the
+    # measured run and hide from its peak.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072",
+               DRO_EXT_CPU_BUFFER_CACHE="0")
+    cmd = [sys.executable, "-m", "bench.bench_cross_entropy", "--probe", kind, impl] + (["--quick"] if quick else [])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])["peak_extra_bytes"]
+
+
+def cuda_peak_bytes(run):
+    out = run()
+    del out
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = run()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak
+
+
+# ---------------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------------
+
+
+def bench(device, quick, rounds, min_seconds):
+    rows = []
+    for kind in ("logits", "linear"):
+        sizes = case_sizes(kind, device, quick)
+        torch._dynamo.reset()
+        runs = make_case(kind, sizes, device)
+        per_round = {impl: [] for impl in IMPLS}
+        for _ in range(rounds):
+            for impl in IMPLS:
+                per_round[impl].append(time_fn(runs[impl], device, warmup=1, min_reps=1,
+                                               min_seconds=min_seconds / rounds))
+        if device.type == "cuda":
+            peaks = {impl: cuda_peak_bytes(runs[impl]) for impl in IMPLS}
+        else:
+            del runs  # the probes run in fresh processes; free this one's inputs first
+            peaks = {impl: cpu_peak_bytes(kind, impl, quick) for impl in IMPLS}
+        times = {impl: statistics.median(r["median_s"] for r in per_round[impl]) for impl in IMPLS}
+        for impl in IMPLS:
+            rows.append({
+                "device": str(device), "case": kind, "sizes": describe(kind, sizes), "divergence": DIVERGENCE,
+                "impl": impl, "median_ms": 1e3 * times[impl],
+                "p25_ms": 1e3 * statistics.median(r["p25_s"] for r in per_round[impl]),
+                "p75_ms": 1e3 * statistics.median(r["p75_s"] for r in per_round[impl]),
+                "reps": sum(r["reps"] for r in per_round[impl]),
+                "time_vs_fused": times[impl] / times["fused"],
+                "peak_extra_MiB": peaks[impl] / 2**20,
+                "memory_vs_eager": peaks[impl] / peaks["eager"] if peaks["eager"] else None,
+            })
+        print(f"{device} {kind} ({describe(kind, sizes)}): " + "  ".join(
+            f"{impl}={1e3 * times[impl]:.1f}ms/{peaks[impl] / 2**20:.0f}MiB" for impl in IMPLS), flush=True)
+    return rows
+
+
+def table(rows):
+    header = ["device", "case", "sizes", "impl", "median ms", "time / fused", "peak extra MiB", "memory / eager"]
+    body = [[r["device"], r["case"], r["sizes"], r["impl"], r["median_ms"], r["time_vs_fused"], r["peak_extra_MiB"],
+             r["memory_vs_eager"]] for r in rows]
+    return (markdown_table(header, body) + "\n\nForward + backward (gradients to the logits or to hidden and weight, "
+            "and to eta), divergence chi2, lam 0.5. `eager` is F.cross_entropy(reduction=\"none\") + dro_ext.dro_loss "
+            "(after F.linear for the linear case), `compiled` that under torch.compile(fullgraph=True), `mean_ce` "
+            "plain mean cross-entropy (no DRO, no eta). `time / fused` is that row's time over the fused op's; "
+            "`peak extra` is the memory one forward+backward needs above its inputs, gradients included (CPU: "
+            "resident-set high-water mark in a fresh process per implementation; CUDA: max_memory_allocated).")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--min-seconds", type=float, default=3.0, help="per implementation, over all rounds")
+    parser.add_argument("--probe", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
+    parser.add_argument("--name", default=None)
+    args = parser.parse_args(argv)
+    if args.probe:
+        print(json.dumps({"peak_extra_bytes": probe_cpu_memory(*args.probe, args.quick)}))
+        return
+    device = torch.device(args.device)
+    print(f"dro_ext backend: {dro_ext.backend()}", flush=True)
+    rows = bench(device, args.quick, args.rounds, args.min_seconds)
+    name = args.name or ("cross_entropy" if device.type == "cpu" else
+                         "cross_entropy_" + torch.cuda.get_device_name().split()[-1].lower())
+    write_results(name, rows, table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+// The fused DRO cross-entropy on the CPU, written once over at::vec::Vectorized and compiled once per SIMD
+// capability. The including file defines DRO_EXT_CAPABILITY_AVX2 (or not) before including this.
+#pragma once
+
+#if defined(DRO_EXT_CAPABILITY_AVX2)
+#pragma GCC target("avx2,fma,f16c")
+// The target pragma enables the instructions but not the feature macros that ATen's and Sleef's headers
+// test, so state them here; nothing outside this translation unit sees them.
+#ifndef __AVX__
+#define __AVX__ 1
+#endif
+#ifndef __AVX2__
+#define __AVX2__ 1
+#endif
+#ifndef __FMA__
+#define __FMA__ 1
+#endif
+#ifndef __F16C__
+#define __F16C__ 1
+#endif
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#else
+#define CPU_CAPABILITY DEFAULT
+#endif
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cpu/cross_entropy_kernels.h"
+#include "cpu/vectorized_math.h"
+#include "cross_entropy_terms.h"
+
+namespace dro_ext::cpu {
+namespace {
+
+using at::vec::Vectorized;
+
+// Rows are reduced in groups of this many, whatever the thread count, so that the sums are bitwise
+// repeatable; a row is read in blocks of kRowBlock elements, which stay in L1 between the block's max and
+// its sum of exponentials (one pass over memory, the online logsumexp at block granularity).
+constexpr int64_t kRowsPerGroup = 16;
+constexpr int64_t kRowBlock = 2048;
+// Work per task, in logits, below which a group is not split off to another thread.
+constexpr int64_t kGrainElements = 1 << 16;
+
+template <typename acc_t, typename scalar_t>
+inline Vectorized<acc_t> load_as(const scalar_t* p, int64_t count) {
+  using V = Vectorized<acc_t>;
+  if constexpr (std::is_same_v<acc_t, scalar_t>) {
+    return count >= V::size() ? V::loadu(p) : V::loadu(p, count);
+  } else {
+    alignas(64) acc_t buf[V::size()] = {};
+    for (int64_t i = 0; i < std::min<int64_t>(count, V::size()); ++i) buf[i] = static_cast<acc_t>(p[i]);
+    return V::loadu(buf);
+  }
+}
+
+template <typename acc_t, typename scalar_t>
+inline void store_as(scalar_t* p, const Vectorized<acc_t>& v, int64_t count) {
+  using V = Vectorized<acc_t>;
+  if constexpr (std::is_same_v<acc_t, scalar_t>) {
+    v.store(p, static_cast<int>(std::min<int64_t>(count, V::size())));
+  } else {
+    alignas(64) acc_t buf[V::size()];
+    v.store(buf);
+    for (int64_t i = 0; i < std::min<int64_t>(count, V::size()); ++i) p[i] = static_cast<scalar_t>(buf[i]);
+  }
+}
+
+template <typename acc_t>
+inline acc_t lane_sum(const Vectorized<acc_t>& v) {
+  alignas(64) acc_t buf[Vectorized<acc_t>::size()];
+  v.store(buf);
+  acc_t s = 0;
+  for (int64_t i = 0; i < Vectorized<acc_t>::size(); ++i) s += buf[i];
+  return s;
+}
+
+// The largest lane, NaN if any lane is NaN.
+template <typename acc_t>
+inline acc_t lane_max(const Vectorized<acc_t>& v) {
+  alignas(64) acc_t buf[Vectorized<acc_t>::size()];
+  v.store(buf);
+  acc_t m = buf[0];
+  for (int64_t i = 1; i < Vectorized<acc_t>::size(); ++i) m = (buf[i] > m || std::isnan(buf[i])) ? buf[i] : m;
+  return m;
+}
+
+template <typename acc_t>
+struct RowStats {
+  acc_t lse;    // logsumexp of the row
+  acc_t total;  // sum of the row (only when label smoothing needs its mean)
+};
+
+// The row's logsumexp in one pass over memory: per block, its max (vector maximum, which keeps NaN), then the
+// running sum of exponentials rescaled to the new max once per block, then the block's exponentials.
+template <typename acc_t, typename scalar_t>
+RowStats<acc_t> row_stats(const scalar_t* x, int64_t num_classes, bool want_total) {
+  using V = Vectorized<acc_t>;
+  using M = Math<V>;
+  constexpr int64_t W = V::size();
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  acc_t running_max = neg_inf, running_sum = 0, total = 0;
+  for (int64_t block = 0; block < num_classes; block += kRowBlock) {
+    const int64_t n = std::min(kRowBlock, num_classes - block);
+    const scalar_t* p = x + block;
+    V vmax(neg_inf), vmax2(neg_inf);
+    int64_t j = 0;
+    for (; j + 2 * W <= n; j += 2 * W) {
+      vmax = at::vec::maximum(vmax, load_as<acc_t>(p + j, W));
+      vmax2 = at::vec::maximum(vmax2, load_as<acc_t>(p + j + W, W));
+    }
+    for (; j + W <= n; j += W) vmax = at::vec::maximum(vmax, load_as<acc_t>(p + j, W));
+    if (j < n) vmax = at::vec::maximum(vmax, V::set(V(neg_inf), load_as<acc_t>(p + j, n - j), n - j));
+    const acc_t block_max = lane_max(at::vec::maximum(vmax, vmax2));
+    const acc_t new_max = (block_max > running_max || std::isnan(block_max)) ? block_max : running_max;
+    running_sum *= std::exp(running_max - new_max);  // 0 * 0 on the first block
+    running_max = new_max;
+    const V shift(new_max), zero(acc_t(0));
+    V sum = zero, sum2 = zero, row = zero, row2 = zero;
+    j = 0;
+    for (; j + 2 * W <= n; j += 2 * W) {
+      const V a = load_as<acc_t>(p + j, W), b = load_as<acc_t>(p + j + W, W);
+      sum = sum + M::exp(a - shift);
+      sum2 = sum2 + M::exp(b - shift);
+      if (want_total) {
+        row = row + a;
+        row2 = row2 + b;
+      }
+    }
+    for (; j + W <= n; j += W) {
+      const V a = load_as<acc_t>(p + j, W);
+      sum = sum + M::exp(a - shift);
+      if (want_total) row = row + a;
+    }
+    if (j < n) {
+      const V a = load_as<acc_t>(p + j, n - j);  // zero beyond the row
+      sum = sum + V::set(zero, M::exp(a - shift), n - j);
+      if (want_total) row = row + a;
+    }
+    running_sum += lane_sum(sum + sum2);
+    if (want_total) total += lane_sum(row + row2);
+  }
+  return {running_max + std::log(running_sum), total};
+}
+
+// out_j = c * exp(x_j - lse) - c * eps / C, then out_y = c * (p_y - eps / C - (1 - eps)) from the x_y read
+// before the row was overwritten (out may be x itself).
+template <typename acc_t, typename scalar_t>
+void write_row_gradient(const scalar_t* x, scalar_t* out, int64_t num_classes, int64_t target, acc_t lse, acc_t c,
+                        acc_t smoothing) {
+  using V = Vectorized<acc_t>;
+  using M = Math<V>;
+  constexpr int64_t W = V::size();
+  const acc_t x_target = static_cast<acc_t>(x[target]);
+  const acc_t uniform = c * smoothing / static_cast<acc_t>(num_classes);
+  const V vlse(lse), vc(c), vuniform(uniform);
+  int64_t j = 0;
+  for (; j + W <= num_classes; j += W) store_as<acc_t>(out + j, vc * M::exp(load_as<acc_t>(x + j, W) - vlse) - vuniform, W);
+  if (j < num_classes) {
+    const int64_t n = num_classes - j;
+    store_as<acc_t>(out + j, vc * M::exp(load_as<acc_t>(x + j, n) - vlse) - vuniform, n);
+  }
+  out[target] = static_cast<scalar_t>(c * std::exp(x_target - lse) - uniform - c * (acc_t(1) - smoothing));
+}
+
+template <typename scalar_t>
+inline void zero_row(scalar_t* out, int64_t num_classes) {
+  std::fill(out, out + num_classes, scalar_t(0));
+}
+
+inline int64_t group_grain(int64_t num_classes) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, kRowsPerGroup * num_classes));
+}
+
+template <typename scalar_t>
+std::array<double, 2> forward_typed(const at::Tensor& logits, const at::Tensor& targets, const CrossEntropyConfig& cfg,
+                                    at::Tensor* lse_out, at::Tensor* weight_out, at::Tensor* grad_out,
+                                    double inv_count) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t rows = logits.size(0), num_classes = logits.size(1);
+  const scalar_t* x = logits.const_data_ptr<scalar_t>();
+  const int64_t* y = targets.const_data_ptr<int64_t>();
+  acc_t* lse = lse_out ? lse_out->mutable_data_ptr<acc_t>() : nullptr;
+  acc_t* row_weight = weight_out ? weight_out->mutable_data_ptr<acc_t>() : nullptr;
+  // grad may alias x: rows are disjoint between tasks, and a row is read before it is written.
+  scalar_t* grad = grad_out ? grad_out->data_ptr<scalar_t>() : nullptr;
+  const acc_t smoothing = static_cast<acc_t>(cfg.label_smoothing);
+  const bool smoothed = cfg.label_smoothing != 0.0;
+  const DROTermParams<acc_t> params{static_cast<acc_t>(cfg.g_eta), static_cast<acc_t>(1.0 / cfg.lam),
+                                    static_cast<acc_t>(cfg.lam)};
+  const acc_t scale = static_cast<acc_t>(inv_count);
+  const int64_t groups = (rows + kRowsPerGroup - 1) / kRowsPerGroup;
+  std::vector<acc_t> group_value(groups), group_weight(groups);
+  visit_divergence<acc_t>(cfg.spec, [&](const auto& div) {
+    at::parallel_for(0, groups, group_grain(num_classes), [&](int64_t group_begin, int64_t group_end) {
+      for (int64_t g = group_begin; g < group_end; ++g) {
+        acc_t value_sum = 0, weight_sum = 0;
+        for (int64_t i = g * kRowsPerGroup; i < std::min(rows, (g + 1) * kRowsPerGroup); ++i) {
+          const scalar_t* row = x + i * num_classes;
+          const int64_t target = y[i];
+          if (target == cfg.ignore_index) {
+            if (lse) lse[i] = 0;
+            if (row_weight) row_weight[i] = 0;
+            if (grad) zero_row(grad + i * num_classes, num_classes);
+            continue;
+          }
+          const RowStats<acc_t> stats = row_stats<acc_t>(row, num_classes, smoothed);
+          const acc_t x_target = static_cast<acc_t>(row[target]);
+          // F.cross_entropy: (1 - eps) (lse - x_y) + eps (lse - mean_j x_j).
+          const acc_t loss = smoothed ? stats.lse - (acc_t(1) - smoothing) * x_target -
+                                            smoothing * (stats.total / static_cast<acc_t>(num_classes))
+                                      : stats.lse - x_target;
+          const acc_t t = dro_argument(loss, params);
+          const acc_t w = div.first(t);
+          value_sum += value_term(div, t, loss, params);
+          weight_sum += w;
+          if (lse) lse[i] = stats.lse;
+          if (row_weight) row_weight[i] = scale * w;
+          if (grad) write_row_gradient<acc_t>(row, grad + i * num_classes, num_classes, target, stats.lse, scale * w,
+                                              smoothing);
+        }
+        group_value[g] = value_sum;
+        group_weight[g] = weight_sum;
+      }
+    });
+  });
+  acc_t value = 0, weight = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    value += group_value[g];
+    weight += group_weight[g];
+  }
+  return {static_cast<double>(value), static_cast<double>(weight)};
+}
+
+template <typename scalar_t>
+void backward_typed(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse_in,
+                    const at::Tensor& weight_in, at::Tensor& grad_out, int64_t ignore_index, double label_smoothing,
+                    double grad_value) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t rows = logits.size(0), num_classes = logits.size(1);
+  const scalar_t* x = logits.const_data_ptr<scalar_t>();
+  const int64_t* y = targets.const_data_ptr<int64_t>();
+  const acc_t* lse = lse_in.const_data_ptr<acc_t>();
+  const acc_t* row_weight = weight_in.const_data_ptr<acc_t>();
+  scalar_t* grad = grad_out.mutable_data_ptr<scalar_t>();
+  const acc_t smoothing = static_cast<acc_t>(label_smoothing), g = static_cast<acc_t>(grad_value);
+  at::parallel_for(0, rows, group_grain(num_classes) * kRowsPerGroup, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (y[i] == ignore_index) {
+        zero_row(grad + i * num_classes, num_classes);
+      } else {
+        write_row_gradient<acc_t>(x + i * num_classes, grad + i * num_classes, num_classes, y[i], lse[i],
+                                  g * row_weight[i], smoothing);
+      }
+    }
+  });
+}
+
+std::array<double, 2> cross_entropy_forward_impl(const at::Tensor& logits, const at::Tensor& targets,
+                                                 const CrossEntropyConfig& cfg, at::Tensor* lse,
+                                                 at::Tensor* row_weight, at::Tensor* grad, double inv_count) {
+  TORCH_INTERNAL_ASSERT(logits.dim() == 2 && logits.is_contiguous() && targets.is_contiguous());
+  std::array<double, 2> out{};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dro_cross_entropy", [&] {
+    out = forward_typed<scalar_t>(logits, targets, cfg, lse, row_weight, grad, inv_count);
+  });
+  return out;
+}
+
+void cross_entropy_backward_impl(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
+                                 const at::Tensor& row_weight, at::Tensor& grad, int64_t ignore_index,
+                                 double label_smoothing, double grad_value) {
+  TORCH_INTERNAL_ASSERT(logits.dim() == 2 && logits.is_contiguous() && grad.is_contiguous());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dro_cross_entropy_backward", [&] {
+    backward_typed<scalar_t>(logits, targets, lse, row_weight, grad, ignore_index, label_smoothing, grad_value);
+  });
+}
+
+}  // namespace
+}  // namespace dro_ext::cpu

@@ -1,0 +1,131 @@
+// The fused DRO cross-entropy: schemas of its ops and their CPU entry points.
+//
+//   dro_cross_entropy(logits (N, C), targets (N,), eta, ...) -> (value, mean_weight, lse, row_weight)
+//       l_i = F.cross_entropy(logits, targets, reduction="none", ignore_index, label_smoothing)[i],
+//       t_i = (l_i - G eta) / lam, w_i = psi*'(t_i), over the n rows whose target is not ignore_index:
+//       value = (1/n) sum_i lam psi*(t_i) + G eta      (0 when n == 0)
+//       mean_weight = (1/n) sum_i w_i                   (1 when n == 0, so that dL/deta = G (1 - 1) = 0)
+//       lse_i = logsumexp_j logits_ij, row_weight_i = w_i / n (both 0 on ignored rows; accumulate dtype)
+//   dro_cross_entropy_backward(grad, logits, targets, lse, row_weight) -> grad_logits
+//       grad_logits_i = grad * row_weight_i * (softmax_i - q_i), q_i = (1 - eps) onehot(y_i) + eps / C:
+//       one pass, from the logits and the 2N floats the forward saved; nothing N x C is kept.
+//   dro_cross_entropy_chunk_(logits, targets, eta, inv_count, ...) -> sums (2,)
+//       The building block of dro_linear_cross_entropy (dro_ext/cross_entropy.py): for a chunk of rows,
+//       {sum_i value_term_i, sum_i w_i} over its kept rows, and (compute_grad) the logits overwritten in
+//       place by inv_count * w_i * (softmax_i - q_i), the chunk's share of the gradient. The weights need only
+//       the row's own loss and eta, so the gradient is final as soon as the row's loss is known.
+//
+// Autograd is registered in Python (dro_ext/cross_entropy.py): each call moves N x C logits, so the
+// microseconds of a Python backward are lost in the noise, unlike for the O(N) dro_loss.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include "checks.h"
+#include "cpu/cross_entropy_kernels.h"
+#include "cpu/output_buffer.h"
+#include "cpu/scalar_tensors.h"
+#include "cross_entropy_checks.h"
+
+namespace dro_ext {
+
+namespace {
+
+// The rows whose target is not ignore_index; fails naming the first target out of range.
+int64_t count_kept_rows_cpu(const at::Tensor& targets, int64_t num_classes, int64_t ignore_index) {
+  const int64_t* y = targets.const_data_ptr<int64_t>();
+  int64_t kept = 0;
+  for (int64_t i = 0; i < targets.numel(); ++i) {
+    if (y[i] == ignore_index) continue;
+    TORCH_CHECK_INDEX(y[i] >= 0 && y[i] < num_classes, "dro_ext: targets must be class indices in [0, ", num_classes,
+                      ") or ignore_index=", ignore_index, ", got targets[", i, "]=", y[i]);
+    ++kept;
+  }
+  return kept;
+}
+
+cpu::CrossEntropyConfig make_config(const DivergenceSpec& spec, const at::Tensor& eta, double lam, double scale,
+                                    int64_t ignore_index, double label_smoothing) {
+  return {spec, scale * cpu::read_scalar(eta), lam, ignore_index, label_smoothing};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dro_cross_entropy_cpu(
+    const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& eta, double lam,
+    c10::string_view divergence, std::optional<double> alpha, std::optional<double> k, double scale,
+    int64_t ignore_index, double label_smoothing) {
+  check_cross_entropy_inputs(logits, targets, eta, scale, label_smoothing);
+  const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
+  const at::Tensor x = logits.contiguous(), y = targets.contiguous();
+  const int64_t kept = count_kept_rows_cpu(y, x.size(1), ignore_index);
+  const auto acc_options = logits.options().dtype(accumulate_type(logits.scalar_type()));
+  at::Tensor lse = at::empty({x.size(0)}, acc_options), row_weight = at::empty({x.size(0)}, acc_options);
+  const double inv_count = kept > 0 ? 1.0 / static_cast<double>(kept) : 0.0;
+  const auto sums = cpu::cross_entropy_kernels().forward(
+      x, y, make_config(spec, eta, lam, scale, ignore_index, label_smoothing), &lse, &row_weight, nullptr, inv_count);
+  const double value = kept > 0 ? sums[0] * inv_count : 0.0;
+  const double mean_weight = kept > 0 ? sums[1] * inv_count : 1.0;
+  return {cpu::make_scalar(value, logits.options()), cpu::make_scalar(mean_weight, acc_options), lse, row_weight};
+}
+
+at::Tensor dro_cross_entropy_backward_cpu(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& targets,
+                                          const at::Tensor& lse, const at::Tensor& row_weight, int64_t ignore_index,
+                                          double label_smoothing) {
+  check_cross_entropy_logits_targets(logits, targets);
+  check_scalar_beside_logits("grad", grad, logits);
+  check_row_vector("lse", lse, logits);
+  check_row_vector("row_weight", row_weight, logits);
+  check_label_smoothing(label_smoothing);
+  const at::Tensor x = logits.contiguous(), y = targets.contiguous();
+  count_kept_rows_cpu(y, x.size(1), ignore_index);  // the targets index the logits: check them again
+  // From the repository's buffer cache: a training loop asks for the same N x C gradient every step, and
+  // first-touching fresh pages costs about as much as the pass itself (csrc/cpu/output_buffer.h).
+  at::Tensor grad_logits = cpu::empty_output_like(x);
+  cpu::cross_entropy_kernels().backward(x, y, lse.contiguous(), row_weight.contiguous(), grad_logits, ignore_index,
+                                        label_smoothing, cpu::read_scalar(grad));
+  return grad_logits;
+}
+
+at::Tensor dro_cross_entropy_chunk_cpu(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& eta,
+                                       const at::Tensor& inv_count, double lam, c10::string_view divergence,
+                                       std::optional<double> alpha, std::optional<double> k, double scale,
+                                       int64_t ignore_index, double label_smoothing, bool compute_grad) {
+  check_cross_entropy_inputs(logits, targets, eta, scale, label_smoothing);
+  check_scalar_beside_logits("inv_count", inv_count, logits);
+  TORCH_CHECK_VALUE(logits.is_contiguous(), "dro_ext: dro_cross_entropy_chunk_ overwrites logits in place, so they "
+                    "must be contiguous");
+  const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
+  const at::Tensor y = targets.contiguous();
+  count_kept_rows_cpu(y, logits.size(1), ignore_index);
+  at::Tensor grad = logits;  // the gradient overwrites the logits
+  const auto sums = cpu::cross_entropy_kernels().forward(
+      logits, y, make_config(spec, eta, lam, scale, ignore_index, label_smoothing), nullptr, nullptr,
+      compute_grad ? &grad : nullptr, cpu::read_scalar(inv_count));
+  at::Tensor out = at::empty({2}, logits.options().dtype(accumulate_type(logits.scalar_type())));
+  out[0].fill_(sums[0]);
+  out[1].fill_(sums[1]);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dro_ext, m) {
+  m.def(
+      "dro_cross_entropy(Tensor logits, Tensor targets, Tensor eta, float lam, str divergence, float? alpha=None, "
+      "float? k=None, float scale=1.0, int ignore_index=-100, float label_smoothing=0.0) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "dro_cross_entropy_backward(Tensor grad, Tensor logits, Tensor targets, Tensor lse, Tensor row_weight, "
+      "int ignore_index=-100, float label_smoothing=0.0) -> Tensor");
+  m.def(
+      "dro_cross_entropy_chunk_(Tensor(a!) logits, Tensor targets, Tensor eta, Tensor inv_count, float lam, "
+      "str divergence, float? alpha=None, float? k=None, float scale=1.0, int ignore_index=-100, "
+      "float label_smoothing=0.0, bool compute_grad=True) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dro_ext, CPU, m) {
+  m.impl("dro_cross_entropy", &dro_cross_entropy_cpu);
+  m.impl("dro_cross_entropy_backward", &dro_cross_entropy_backward_cpu);
+  m.impl("dro_cross_entropy_chunk_", &dro_cross_entropy_chunk_cpu);
+}
+
+}  // namespace dro_ext

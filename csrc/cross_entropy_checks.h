@@ -1,0 +1,61 @@
+// Argument checks of the cross-entropy ops, shared by the CPU and CUDA entry points: each failure names the
+// argument. (Targets out of range are found by the kernels' callers: on the host for the CPU, by a device
+// assertion on CUDA, as PyTorch's own nll_loss does.)
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include "checks.h"
+
+namespace dro_ext {
+
+inline void check_label_smoothing(double label_smoothing) {
+  TORCH_CHECK_VALUE(label_smoothing >= 0.0 && label_smoothing <= 1.0,
+                    "dro_ext: label_smoothing must be in [0, 1], got label_smoothing=", label_smoothing);
+}
+
+inline void check_cross_entropy_logits_targets(const at::Tensor& logits, const at::Tensor& targets) {
+  TORCH_CHECK_VALUE(logits.dim() == 2, "dro_ext: logits must be a 2-D tensor (N, C), got shape ", logits.sizes());
+  TORCH_CHECK_VALUE(logits.size(1) > 0, "dro_ext: logits must have at least one class, got shape ", logits.sizes());
+  TORCH_CHECK_TYPE(at::isFloatingType(logits.scalar_type()),
+                   "dro_ext: logits must have a floating dtype (float16, bfloat16, float32, float64), got ",
+                   logits.scalar_type());
+  TORCH_CHECK_TYPE(targets.scalar_type() == at::kLong, "dro_ext: targets must be int64 class indices, got ",
+                   targets.scalar_type());
+  TORCH_CHECK_VALUE(targets.dim() == 1 && targets.size(0) == logits.size(0),
+                    "dro_ext: targets must have shape (N,) = (", logits.size(0), ",) to match logits of shape ",
+                    logits.sizes(), ", got ", targets.sizes());
+  TORCH_CHECK_VALUE(targets.device() == logits.device(), "dro_ext: targets is on ", targets.device(),
+                    " but logits is on ", logits.device(), "; move them to the same device");
+}
+
+// A 1-D tensor of one accumulate-dtype value per row of logits, on its device.
+inline void check_row_vector(const char* arg, const at::Tensor& value, const at::Tensor& logits) {
+  TORCH_CHECK_VALUE(value.dim() == 1 && value.size(0) == logits.size(0), "dro_ext: ", arg, " must have shape (",
+                    logits.size(0), ",), got ", value.sizes());
+  TORCH_CHECK_TYPE(value.scalar_type() == accumulate_type(logits.scalar_type()), "dro_ext: ", arg, " must be ",
+                   accumulate_type(logits.scalar_type()), " for ", logits.scalar_type(), " logits, got ",
+                   value.scalar_type());
+  TORCH_CHECK_VALUE(value.device() == logits.device(), "dro_ext: ", arg, " is on ", value.device(),
+                    " but logits is on ", logits.device(), "; move them to the same device");
+}
+
+// A 0-d floating tensor on the device of the logits.
+inline void check_scalar_beside_logits(const char* arg, const at::Tensor& value, const at::Tensor& logits) {
+  TORCH_CHECK_VALUE(value.dim() == 0, "dro_ext: ", arg, " must be a 0-d tensor, got shape ", value.sizes());
+  TORCH_CHECK_TYPE(at::isFloatingType(value.scalar_type()), "dro_ext: ", arg, " must have a floating dtype, got ",
+                   value.scalar_type());
+  TORCH_CHECK_VALUE(value.device() == logits.device(), "dro_ext: ", arg, " is on ", value.device(),
+                    " but logits is on ", logits.device(), "; move them to the same device");
+}
+
+inline void check_cross_entropy_inputs(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& eta,
+                                       double scale, double label_smoothing) {
+  check_cross_entropy_logits_targets(logits, targets);
+  check_scalar_beside_logits("eta", eta, logits);
+  check_positive("scale", scale);
+  check_label_smoothing(label_smoothing);
+}
+
+}  // namespace dro_ext

@@ -1,0 +1,37 @@
+// The per-row DRO terms of the fused cross-entropy, shared by the CPU and CUDA kernels (host + device).
+//
+// With l_i the cross-entropy of row i, t_i = (l_i - G eta) / lam and w_i = psi*'(t_i), the objective over
+// the n kept rows is  L = (1/n) sum_i value_term(div, t_i, l_i)  and its gradient with respect to row i's
+// logits is (w_i / n) (softmax_i - q_i), q_i the (label-smoothed) target distribution.
+#pragma once
+
+#include <c10/macros/Macros.h>
+
+#include "divergences.h"
+
+namespace dro_ext {
+
+// The scalar constants every row needs.
+template <typename acc_t>
+struct DROTermParams {
+  acc_t g_eta;    // G * eta
+  acc_t inv_lam;  // 1 / lam
+  acc_t lam;
+};
+
+// t_i = (l_i - G eta) / lam.
+template <typename acc_t>
+C10_HOST_DEVICE inline acc_t dro_argument(acc_t loss, const DROTermParams<acc_t>& p) {
+  return (loss - p.g_eta) * p.inv_lam;
+}
+
+// Row i's share of the value: lam * psi*(t_i) + G eta, whose mean over the kept rows is the objective.
+// The ONE place the value term is formed (CONTRACTS.md rule 1): the precise form is
+// `loss + p.lam * div.excess(t)`, to which the integrator switches once divergences.h has excess().
+template <typename acc_t, typename Div>
+C10_HOST_DEVICE inline acc_t value_term(const Div& div, acc_t t, acc_t loss, const DROTermParams<acc_t>& p) {
+  (void)loss;
+  return p.lam * div.value(t) + p.g_eta;
+}
+
+}  // namespace dro_ext

@@ -1,0 +1,373 @@
+// CUDA kernels of the fused DRO cross-entropy ops (schemas in csrc/cross_entropy.cpp).
+//
+// One block per row: each thread keeps an online logsumexp (running max and rescaled sum of exponentials) over
+// its strided share of the row, and CUB's BlockReduce merges the threads' pairs in a fixed order. Thread 0 then
+// forms the row's loss, t, w and value term (csrc/cross_entropy_terms.h, the same code as the CPU), and the block
+// writes the row's gradient when asked. The DRO sums over rows are a second, single-block pass with a fixed
+// summation order: no float atomics, bitwise repeatable. eta, the upstream gradient and inv_count are read on the
+// device (no .item(), no host sync), everything runs on the current stream, so the ops are graph-capturable.
+// Targets out of range trip a device assertion, as PyTorch's own nll_loss does.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/macros/Macros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cub/cub.cuh>
+
+#include <cmath>
+#include <limits>
+
+#include "checks.h"
+#include "cross_entropy_checks.h"
+#include "cross_entropy_terms.h"
+#include "divergences.h"
+
+namespace dro_ext::cuda_cross_entropy {
+namespace {
+
+constexpr int kRowThreads = 256;
+constexpr int kReduceThreads = 512;
+
+// A 0-d floating tensor read on the device, whatever its dtype, so nothing is copied to the host.
+struct DeviceScalar {
+  const void* ptr;
+  int kind;  // 0 float, 1 double, 2 half, 3 bfloat16
+
+  __device__ __forceinline__ double read() const {
+    switch (kind) {
+      case 1: return *static_cast<const double*>(ptr);
+      case 2: return static_cast<double>(static_cast<float>(*static_cast<const c10::Half*>(ptr)));
+      case 3: return static_cast<double>(static_cast<float>(*static_cast<const c10::BFloat16*>(ptr)));
+      default: return static_cast<double>(*static_cast<const float*>(ptr));
+    }
+  }
+};
+
+DeviceScalar device_scalar(const at::Tensor& t) {
+  int kind = 0;
+  switch (t.scalar_type()) {
+    case at::kDouble: kind = 1; break;
+    case at::kHalf: kind = 2; break;
+    case at::kBFloat16: kind = 3; break;
+    default: kind = 0;
+  }
+  return {t.const_data_ptr(), kind};
+}
+
+// The parameters of the DRO terms, before eta is known (it is read on the device).
+struct TermArgs {
+  double scale;  // G
+  double lam;
+  int64_t ignore_index;
+  double label_smoothing;
+};
+
+// (running max, sum of exp(x - max)) of a set of numbers; merging two is associative up to rounding, and
+// BlockReduce applies it in a fixed tree.
+template <typename acc_t>
+struct MaxSum {
+  acc_t max;
+  acc_t sum;
+};
+
+template <typename acc_t>
+__device__ __forceinline__ MaxSum<acc_t> merge(const MaxSum<acc_t>& a, const MaxSum<acc_t>& b) {
+  if (a.max != a.max || b.max != b.max) {  // NaN anywhere: the row's loss is NaN
+    const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
+    return {nan, nan};
+  }
+  if (a.max == -std::numeric_limits<acc_t>::infinity()) return b;
+  if (b.max == -std::numeric_limits<acc_t>::infinity()) return a;
+  const acc_t m = a.max > b.max ? a.max : b.max;
+  return {m, a.sum * ::exp(a.max - m) + b.sum * ::exp(b.max - m)};
+}
+
+template <typename acc_t>
+struct MergeOp {
+  __device__ __forceinline__ MaxSum<acc_t> operator()(const MaxSum<acc_t>& a, const MaxSum<acc_t>& b) const {
+    return merge(a, b);
+  }
+};
+
+// The row's logsumexp and (when smoothing) its sum, in one pass over global memory; valid in thread 0.
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ void row_logsumexp(const scalar_t* row, int64_t num_classes, bool want_total, acc_t& lse,
+                                              acc_t& total) {
+  using MaxSumReduce = cub::BlockReduce<MaxSum<acc_t>, kRowThreads>;
+  using SumReduce = cub::BlockReduce<acc_t, kRowThreads>;
+  __shared__ typename MaxSumReduce::TempStorage max_sum_storage;
+  __shared__ typename SumReduce::TempStorage sum_storage;
+  MaxSum<acc_t> mine{-std::numeric_limits<acc_t>::infinity(), acc_t(0)};
+  acc_t row_sum = 0;
+  for (int64_t j = threadIdx.x; j < num_classes; j += kRowThreads) {
+    const acc_t x = static_cast<acc_t>(row[j]);
+    if (x > mine.max) {
+      mine.sum = mine.sum * ::exp(mine.max - x) + acc_t(1);
+      mine.max = x;
+    } else {
+      mine.sum += ::exp(x - mine.max);  // a NaN x makes the sum NaN
+    }
+    row_sum += x;
+  }
+  if (mine.sum != mine.sum) mine.max = mine.sum;  // carry a NaN into the max, which merge() tests
+  const MaxSum<acc_t> all = MaxSumReduce(max_sum_storage).Reduce(mine, MergeOp<acc_t>());
+  if (want_total) total = SumReduce(sum_storage).Sum(row_sum);
+  lse = all.max + ::log(all.sum);
+}
+
+// grad_j = c exp(x_j - lse) - c eps / C, and at the target c (p_y - eps / C - (1 - eps)) from x_target read before
+// the row was overwritten (grad may be the row itself).
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ void write_row_gradient(const scalar_t* row, scalar_t* grad, int64_t num_classes,
+                                                   int64_t target, acc_t x_target, acc_t lse, acc_t c,
+                                                   acc_t smoothing) {
+  const acc_t uniform = c * smoothing / static_cast<acc_t>(num_classes);
+  for (int64_t j = threadIdx.x; j < num_classes; j += kRowThreads) {
+    grad[j] = static_cast<scalar_t>(c * ::exp(static_cast<acc_t>(row[j]) - lse) - uniform);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    grad[target] = static_cast<scalar_t>(c * ::exp(x_target - lse) - uniform - c * (acc_t(1) - smoothing));
+  }
+}
+
+template <typename scalar_t>
+__device__ __forceinline__ void zero_row(scalar_t* grad, int64_t num_classes) {
+  for (int64_t j = threadIdx.x; j < num_classes; j += kRowThreads) grad[j] = scalar_t(0);
+}
+
+// Per row: lse_i, w_i (raw), value_term_i (0 on ignored rows); and, when grad != nullptr, the row's gradient
+// inv_count * w_i * (softmax_i - q_i) (grad may alias logits).
+template <typename scalar_t, typename acc_t, typename Div>
+__global__ void __launch_bounds__(kRowThreads)
+row_forward_kernel(const scalar_t* logits, const int64_t* targets, int64_t num_classes, Div div, TermArgs args,
+                   DeviceScalar eta, DeviceScalar inv_count, acc_t* lse_out, acc_t* weight_out, acc_t* value_out,
+                   scalar_t* grad) {
+  const int64_t i = blockIdx.x;
+  const scalar_t* row = logits + i * num_classes;
+  const int64_t target = targets[i];
+  __shared__ acc_t shared_lse, shared_c, shared_x_target;
+  if (target == args.ignore_index) {
+    if (threadIdx.x == 0) {
+      if (lse_out) lse_out[i] = 0;
+      weight_out[i] = 0;
+      value_out[i] = 0;
+    }
+    if (grad) zero_row(grad + i * num_classes, num_classes);
+    return;
+  }
+  CUDA_KERNEL_ASSERT(target >= 0 && target < num_classes && "dro_ext: targets must be in [0, C) or ignore_index");
+  const acc_t smoothing = static_cast<acc_t>(args.label_smoothing);
+  const bool smoothed = args.label_smoothing != 0.0;
+  // Read before any thread may overwrite the row with its gradient.
+  if (threadIdx.x == 0) shared_x_target = static_cast<acc_t>(row[target]);
+  acc_t lse = 0, total = 0;
+  row_logsumexp<scalar_t, acc_t>(row, num_classes, smoothed, lse, total);
+  if (threadIdx.x == 0) {
+    const acc_t x_target = shared_x_target;
+    // F.cross_entropy: (1 - eps) (lse - x_y) + eps (lse - mean_j x_j).
+    const acc_t loss = smoothed ? lse - (acc_t(1) - smoothing) * x_target -
+                                      smoothing * (total / static_cast<acc_t>(num_classes))
+                                : lse - x_target;
+    const acc_t g_eta = static_cast<acc_t>(args.scale * eta.read());
+    const DROTermParams<acc_t> params{g_eta, static_cast<acc_t>(1.0 / args.lam), static_cast<acc_t>(args.lam)};
+    const acc_t t = dro_argument(loss, params);
+    const acc_t w = div.first(t);
+    if (lse_out) lse_out[i] = lse;
+    weight_out[i] = w;
+    value_out[i] = value_term(div, t, loss, params);
+    shared_lse = lse;
+    shared_c = static_cast<acc_t>(inv_count.read()) * w;
+  }
+  if (grad == nullptr) return;
+  __syncthreads();
+  write_row_gradient<scalar_t, acc_t>(row, grad + i * num_classes, num_classes, target, shared_x_target, shared_lse,
+                                      shared_c, smoothing);
+}
+
+// One block: the DRO sums over the rows in a fixed order. Each thread sums rows tid, tid + T, ... in order and
+// BlockReduce combines the threads in a fixed tree. Then either
+//  - (finalize) value = sum value_term / n (0 if n == 0), mean_weight = sum w / n (1 if n == 0), and the
+//    raw weights are scaled in place to w_i / n; or
+//  - (sums) sums[0] = sum value_term, sums[1] = sum w, for the chunk op.
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kReduceThreads)
+reduce_rows_kernel(const int64_t* targets, int64_t rows, int64_t ignore_index, const acc_t* value_terms,
+                   acc_t* weights, scalar_t* value_out, acc_t* mean_weight_out, acc_t* sums_out) {
+  using Reduce = cub::BlockReduce<acc_t, kReduceThreads>;
+  using CountReduce = cub::BlockReduce<int64_t, kReduceThreads>;
+  __shared__ typename Reduce::TempStorage storage;
+  __shared__ typename CountReduce::TempStorage count_storage;
+  __shared__ acc_t shared_inv_count;
+  acc_t value_sum = 0, weight_sum = 0;
+  int64_t kept = 0;
+  for (int64_t i = threadIdx.x; i < rows; i += kReduceThreads) {
+    if (targets[i] == ignore_index) continue;
+    value_sum += value_terms[i];
+    weight_sum += weights[i];
+    ++kept;
+  }
+  const acc_t total_value = Reduce(storage).Sum(value_sum);
+  __syncthreads();
+  const acc_t total_weight = Reduce(storage).Sum(weight_sum);
+  const int64_t total_kept = CountReduce(count_storage).Sum(kept);
+  if (sums_out != nullptr) {
+    if (threadIdx.x == 0) {
+      sums_out[0] = total_value;
+      sums_out[1] = total_weight;
+    }
+    return;
+  }
+  if (threadIdx.x == 0) {
+    const acc_t inv = total_kept > 0 ? acc_t(1) / static_cast<acc_t>(total_kept) : acc_t(0);
+    *value_out = static_cast<scalar_t>(total_kept > 0 ? total_value * inv : acc_t(0));
+    *mean_weight_out = total_kept > 0 ? total_weight * inv : acc_t(1);
+    shared_inv_count = inv;
+  }
+  __syncthreads();
+  const acc_t inv = shared_inv_count;
+  for (int64_t i = threadIdx.x; i < rows; i += kReduceThreads) weights[i] *= inv;
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kRowThreads)
+row_backward_kernel(const scalar_t* logits, const int64_t* targets, int64_t num_classes, const acc_t* lse,
+                    const acc_t* row_weight, DeviceScalar grad_value, int64_t ignore_index, double label_smoothing,
+                    scalar_t* grad) {
+  const int64_t i = blockIdx.x;
+  const int64_t target = targets[i];
+  scalar_t* out = grad + i * num_classes;
+  if (target == ignore_index) {
+    zero_row(out, num_classes);
+    return;
+  }
+  CUDA_KERNEL_ASSERT(target >= 0 && target < num_classes && "dro_ext: targets must be in [0, C) or ignore_index");
+  const scalar_t* row = logits + i * num_classes;
+  const acc_t c = static_cast<acc_t>(grad_value.read()) * row_weight[i];
+  write_row_gradient<scalar_t, acc_t>(row, out, num_classes, target, static_cast<acc_t>(row[target]), lse[i], c,
+                                      static_cast<acc_t>(label_smoothing));
+}
+
+// Host-side choice of the divergence functor (visit_divergence is host+device; this keeps the launch in host code).
+template <typename acc_t, typename F>
+void with_divergence(const DivergenceSpec& spec, F&& f) {
+  switch (spec.kind) {
+    case Divergence::KL: return f(KL<acc_t>{});
+    case Divergence::CVaR: return f(CVaR<acc_t>(spec.alpha));
+    case Divergence::KLCVaR: return f(KLCVaR<acc_t>(spec.alpha));
+    case Divergence::CressieRead: return f(CressieRead<acc_t>(spec.k));
+    case Divergence::SmoothedCVaR: return f(SmoothedCVaR<acc_t>(spec.alpha));
+    case Divergence::Chi2:
+    default: return f(Chi2<acc_t>{});
+  }
+}
+
+// Launches the row pass and the row reduction. finalize: value/mean_weight outputs and weights scaled to w_i / n;
+// otherwise the chunk's two sums into sums_out.
+void launch_forward(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& eta,
+                    const at::Tensor* inv_count, const DivergenceSpec& spec, const TermArgs& args, at::Tensor* lse,
+                    at::Tensor& weights, at::Tensor& value_terms, bool write_grad, at::Tensor* value,
+                    at::Tensor* mean_weight, at::Tensor* sums) {
+  const int64_t rows = logits.size(0), num_classes = logits.size(1);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dro_cross_entropy_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    if (rows > 0) {
+      with_divergence<acc_t>(spec, [&](auto div) {
+        row_forward_kernel<scalar_t, acc_t, decltype(div)><<<rows, kRowThreads, 0, stream>>>(
+            logits.const_data_ptr<scalar_t>(), targets.const_data_ptr<int64_t>(), num_classes, div, args,
+            device_scalar(eta), inv_count ? device_scalar(*inv_count) : device_scalar(eta),
+            lse ? lse->mutable_data_ptr<acc_t>() : nullptr, weights.mutable_data_ptr<acc_t>(),
+            value_terms.mutable_data_ptr<acc_t>(), write_grad ? logits.data_ptr<scalar_t>() : nullptr);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    }
+    reduce_rows_kernel<scalar_t, acc_t><<<1, kReduceThreads, 0, stream>>>(
+        targets.const_data_ptr<int64_t>(), rows, args.ignore_index, value_terms.const_data_ptr<acc_t>(),
+        weights.mutable_data_ptr<acc_t>(), value ? value->mutable_data_ptr<scalar_t>() : nullptr,
+        mean_weight ? mean_weight->mutable_data_ptr<acc_t>() : nullptr,
+        sums ? sums->mutable_data_ptr<acc_t>() : nullptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dro_cross_entropy_cuda(
+    const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& eta, double lam,
+    c10::string_view divergence, std::optional<double> alpha, std::optional<double> k, double scale,
+    int64_t ignore_index, double label_smoothing) {
+  check_cross_entropy_inputs(logits, targets, eta, scale, label_smoothing);
+  const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const at::Tensor x = logits.contiguous(), y = targets.contiguous();
+  const auto acc_options = logits.options().dtype(accumulate_type(logits.scalar_type()));
+  const int64_t rows = x.size(0);
+  at::Tensor lse = at::empty({rows}, acc_options), row_weight = at::empty({rows}, acc_options);
+  at::Tensor value_terms = at::empty({rows}, acc_options);
+  at::Tensor value = at::empty({}, logits.options()), mean_weight = at::empty({}, acc_options);
+  launch_forward(x, y, eta, nullptr, spec, TermArgs{scale, lam, ignore_index, label_smoothing}, &lse, row_weight,
+                 value_terms, false, &value, &mean_weight, nullptr);
+  return {value, mean_weight, lse, row_weight};
+}
+
+at::Tensor dro_cross_entropy_chunk_cuda(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& eta,
+                                        const at::Tensor& inv_count, double lam, c10::string_view divergence,
+                                        std::optional<double> alpha, std::optional<double> k, double scale,
+                                        int64_t ignore_index, double label_smoothing, bool compute_grad) {
+  check_cross_entropy_inputs(logits, targets, eta, scale, label_smoothing);
+  check_scalar_beside_logits("inv_count", inv_count, logits);
+  TORCH_CHECK_VALUE(logits.is_contiguous(), "dro_ext: dro_cross_entropy_chunk_ overwrites logits in place, so they "
+                    "must be contiguous");
+  const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const at::Tensor y = targets.contiguous();
+  const auto acc_options = logits.options().dtype(accumulate_type(logits.scalar_type()));
+  at::Tensor weights = at::empty({logits.size(0)}, acc_options), value_terms = at::empty({logits.size(0)}, acc_options);
+  at::Tensor sums = at::empty({2}, acc_options);
+  at::Tensor x = logits;
+  launch_forward(x, y, eta, &inv_count, spec, TermArgs{scale, lam, ignore_index, label_smoothing}, nullptr, weights,
+                 value_terms, compute_grad, nullptr, nullptr, &sums);
+  return sums;
+}
+
+at::Tensor dro_cross_entropy_backward_cuda(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& targets,
+                                           const at::Tensor& lse, const at::Tensor& row_weight, int64_t ignore_index,
+                                           double label_smoothing) {
+  check_cross_entropy_logits_targets(logits, targets);
+  check_scalar_beside_logits("grad", grad, logits);
+  check_row_vector("lse", lse, logits);
+  check_row_vector("row_weight", row_weight, logits);
+  check_label_smoothing(label_smoothing);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const at::Tensor x = logits.contiguous(), y = targets.contiguous();
+  const at::Tensor lse_c = lse.contiguous(), weight_c = row_weight.contiguous();
+  at::Tensor grad_logits = at::empty(x.sizes(), x.options());
+  const int64_t rows = x.size(0), num_classes = x.size(1);
+  if (rows == 0) return grad_logits;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_cross_entropy_backward_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    row_backward_kernel<scalar_t, acc_t><<<rows, kRowThreads, 0, stream>>>(
+        x.const_data_ptr<scalar_t>(), y.const_data_ptr<int64_t>(), num_classes, lse_c.const_data_ptr<acc_t>(),
+        weight_c.const_data_ptr<acc_t>(), device_scalar(grad), ignore_index, label_smoothing,
+        grad_logits.mutable_data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return grad_logits;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dro_ext, CUDA, m) {
+  m.impl("dro_cross_entropy", &dro_cross_entropy_cuda);
+  m.impl("dro_cross_entropy_backward", &dro_cross_entropy_backward_cuda);
+  m.impl("dro_cross_entropy_chunk_", &dro_cross_entropy_chunk_cuda);
+}
+
+}  // namespace dro_ext::cuda_cross_entropy

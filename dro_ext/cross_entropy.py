@@ -1,0 +1,429 @@
+"""DRO cross-entropy fused from the logits, and from the LM head without materializing the logits.
+
+With l_i = F.cross_entropy(logits, targets, reduction="none", ignore_index=..., label_smoothing=...)[i],
+t_i = (l_i - G*eta)/lam and w_i = psi*'(t_i), over the n rows whose target is not ``ignore_index``:
+
+    L        = (1/n) sum_i lam*psi*(t_i) + G*eta                 (0 when every row is ignored)
+    dL/dz_i  = (w_i/n) (softmax(z_i) - q_i)                     q_i = (1-eps) onehot(y_i) + eps/C
+    dL/deta  = G (1 - (1/n) sum_i w_i)
+
+w_i needs only the row's own loss and eta, so the gradient of a row of logits is final as soon as that row's
+loss is known: dro_linear_cross_entropy computes the logits of a chunk of rows, turns them in place into
+their gradient and folds it into the gradients of hidden, weight and bias, chunk after chunk.
+
+Classes are the LAST dimension: logits (..., C) with targets (...), as in language modeling (F.cross_entropy
+puts them in dimension 1).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dro_ext import _backend
+from dro_ext._divergences import Spec, accumulate_dtype, as_eta, check_divergence, check_positive
+from dro_ext._divergences import psi_star as _psi_star_torch
+
+__all__ = ["DROCrossEntropyLoss", "DROLinearCrossEntropyLoss", "dro_cross_entropy", "dro_linear_cross_entropy"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Argument checks (the native ops check again, with the same messages, below the reshape).
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_ignore_index(ignore_index) -> int:
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"dro_ext: ignore_index must be an int, got {ignore_index!r}")
+    return ignore_index
+
+
+def _check_label_smoothing(label_smoothing) -> float:
+    if isinstance(label_smoothing, torch.Tensor):
+        raise TypeError("dro_ext: label_smoothing must be a Python number, got a Tensor")
+    value = float(label_smoothing)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"dro_ext: label_smoothing must be in [0, 1], got label_smoothing={label_smoothing}")
+    return value
+
+
+def _check_targets(targets, batch_shape, batch_name: str, device) -> None:
+    if not isinstance(targets, torch.Tensor):
+        raise TypeError(f"dro_ext: targets must be a torch.Tensor, got {type(targets).__name__}")
+    if targets.dtype != torch.int64:
+        raise TypeError(f"dro_ext: targets must be int64 class indices, got {targets.dtype}")
+    if tuple(targets.shape) != tuple(batch_shape):
+        raise ValueError(f"dro_ext: targets must have shape {tuple(batch_shape)} to match {batch_name}, "
+                         f"got {tuple(targets.shape)}")
+    if targets.device != device:
+        raise ValueError(f"dro_ext: targets is on {targets.device} but {batch_name.split()[0]} is on {device}; "
+                         "move them to the same device")
+
+
+def _check_float_tensor(name: str, value, min_dim: int = 1) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"dro_ext: {name} must be a torch.Tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise TypeError(f"dro_ext: {name} must have a floating dtype (float16, bfloat16, float32, float64), "
+                        f"got {value.dtype}")
+    if value.dim() < min_dim:
+        raise ValueError(f"dro_ext: {name} must have at least {min_dim} dimension(s), got shape {tuple(value.shape)}")
+
+
+def _check_target_range(targets, num_classes: int, ignore_index: int) -> None:
+    # The native ops check on their own; the fallback checks here so that its error is as clear (a host sync,
+    # skipped while compiling, where F.cross_entropy's own check still fails out-of-range indices).
+    if torch.compiler.is_compiling() or targets.numel() == 0:
+        return
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= num_classes))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise IndexError(f"dro_ext: targets must be class indices in [0, {num_classes}) or "
+                         f"ignore_index={ignore_index}, got targets[{i}]={int(targets[i])}")
+
+
+def _checked_scalars(lam, divergence, alpha, k, scale, ignore_index, label_smoothing):
+    spec = check_divergence(divergence, alpha, k)
+    return (spec, check_positive("lam", lam), check_positive("scale", scale), _check_ignore_index(ignore_index),
+            _check_label_smoothing(label_smoothing))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The per-row DRO terms on the PyTorch side, mirroring csrc/cross_entropy_terms.h.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _value_terms(losses, t, lam, g_eta, spec: Spec):
+    """Row i's share of the value, lam*psi*(t_i) + G*eta (csrc/cross_entropy_terms.h's value_term)."""
+    return lam * _psi_star_torch(t, spec, 0) + g_eta
+
+
+def _row_losses(x, targets, ignore_index, label_smoothing):
+    """F.cross_entropy(x, targets, reduction="none") on the (N, C) logits x, 0 on ignored rows."""
+    return F.cross_entropy(x, targets, reduction="none", ignore_index=ignore_index, label_smoothing=label_smoothing)
+
+
+# ---------------------------------------------------------------------------------------------------
+# dro_cross_entropy: the native op's fake kernels and autograd, and the fallback.
+# ---------------------------------------------------------------------------------------------------
+
+if _backend.native_available():
+
+    @torch.library.register_fake("dro_ext::dro_cross_entropy")
+    def _dro_cross_entropy_fake(logits, targets, eta, lam, divergence, alpha=None, k=None, scale=1.0,
+                                ignore_index=-100, label_smoothing=0.0):
+        torch._check(logits.dim() == 2, lambda: "dro_ext: logits must be a 2-D tensor (N, C)")
+        acc = accumulate_dtype(logits.dtype)
+        rows = logits.shape[0]
+        return (logits.new_empty(()), logits.new_empty((), dtype=acc), logits.new_empty((rows,), dtype=acc),
+                logits.new_empty((rows,), dtype=acc))
+
+    @torch.library.register_fake("dro_ext::dro_cross_entropy_backward")
+    def _dro_cross_entropy_backward_fake(grad, logits, targets, lse, row_weight, ignore_index=-100,
+                                         label_smoothing=0.0):
+        return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("dro_ext::dro_cross_entropy_chunk_")
+    def _dro_cross_entropy_chunk_fake(logits, targets, eta, inv_count, lam, divergence, alpha=None, k=None,
+                                      scale=1.0, ignore_index=-100, label_smoothing=0.0, compute_grad=True):
+        return logits.new_empty((2,), dtype=accumulate_dtype(logits.dtype))
+
+    def _dro_cross_entropy_setup_context(ctx, inputs, output):
+        logits, targets, eta, lam, divergence, alpha, k, scale, ignore_index, label_smoothing = inputs
+        _, mean_weight, lse, row_weight = output
+        ctx.mark_non_differentiable(mean_weight, lse, row_weight)
+        ctx.save_for_backward(logits, targets, lse, row_weight, mean_weight)
+        ctx.scale, ctx.ignore_index, ctx.label_smoothing = scale, ignore_index, label_smoothing
+        ctx.eta_dtype = eta.dtype
+
+    def _dro_cross_entropy_backward(ctx, grad_value, *unused):
+        logits, targets, lse, row_weight, mean_weight = ctx.saved_tensors
+        grad_logits = grad_eta = None
+        if grad_value is None:
+            grad_value = torch.zeros((), dtype=logits.dtype, device=logits.device)
+        if ctx.needs_input_grad[0]:
+            grad_logits = torch.ops.dro_ext.dro_cross_entropy_backward(
+                grad_value, logits, targets, lse, row_weight, ctx.ignore_index, ctx.label_smoothing)
+        if ctx.needs_input_grad[2]:
+            grad_eta = (grad_value.to(mean_weight.dtype) * (ctx.scale * (1.0 - mean_weight))).to(ctx.eta_dtype)
+        return grad_logits, None, grad_eta, None, None, None, None, None, None, None
+
+    # In Python rather than C++ (as dro_loss's is): every call moves N x C logits, so a Python backward's
+    # microseconds are noise here, and the formulas sit beside the fallback that must agree with them.
+    # First order only: the backward op has no derivative of its own.
+    torch.library.register_autograd("dro_ext::dro_cross_entropy", _dro_cross_entropy_backward,
+                                    setup_context=_dro_cross_entropy_setup_context)
+
+
+def _fallback_dro_cross_entropy(logits, targets, eta, lam, spec, scale, ignore_index, label_smoothing):
+    acc = accumulate_dtype(logits.dtype)
+    keep = targets != ignore_index
+    losses = _row_losses(logits.to(acc), targets, ignore_index, label_smoothing)
+    g_eta = scale * eta.to(acc)
+    t = (losses - g_eta) / lam
+    kept = keep.sum()
+    total = torch.where(keep, _value_terms(losses, t, lam, g_eta, spec), 0.0).sum()
+    return (total / kept.clamp(min=1)).to(logits.dtype)
+
+
+def dro_cross_entropy(logits, targets, eta, lam, divergence="chi2", *, alpha=None, k=None, scale=1.0,
+                      ignore_index=-100, label_smoothing=0.0) -> torch.Tensor:
+    """The DRO objective over per-sample cross-entropies, fused from the logits (a 0-d tensor).
+
+    ``logits`` has shape (..., C) and ``targets`` (int64) shape (...); l_i is exactly
+    ``F.cross_entropy(logits.reshape(-1, C), targets.reshape(-1), reduction="none", ignore_index=...,
+    label_smoothing=...)``. Over the n rows whose target is not ``ignore_index``, the value is
+    ``mean_i lam*psi*((l_i - scale*eta)/lam) + scale*eta`` (0 when n == 0, with zero gradients). Gradients
+    flow to ``logits`` and ``eta``; the native op keeps only the per-row logsumexp and weight (2N floats)
+    for backward. Sums accumulate in float32 (float64 for float64 logits); the result has the logits' dtype.
+    """
+    spec, lam, scale, ignore_index, label_smoothing = _checked_scalars(
+        lam, divergence, alpha, k, scale, ignore_index, label_smoothing)
+    _check_float_tensor("logits", logits)
+    _check_targets(targets, logits.shape[:-1], f"logits of shape {tuple(logits.shape)}", logits.device)
+    eta = as_eta(eta, logits)
+    num_classes = logits.shape[-1]
+    x, y = logits.reshape(-1, num_classes), targets.reshape(-1)
+    if _backend.use_native():
+        return torch.ops.dro_ext.dro_cross_entropy(x, y, eta, lam, spec.name, spec.alpha, spec.k, scale,
+                                                   ignore_index, label_smoothing)[0]
+    if num_classes == 0:
+        raise ValueError(f"dro_ext: logits must have at least one class, got shape {tuple(logits.shape)}")
+    _check_target_range(y, num_classes, ignore_index)
+    return _fallback_dro_cross_entropy(x, y, eta, lam, spec, scale, ignore_index, label_smoothing)
+
+
+# ---------------------------------------------------------------------------------------------------
+# dro_linear_cross_entropy: a custom op (opaque to torch.compile) that runs the chunk loop, on the native
+# chunk kernel or on its PyTorch twin, and returns the value with the gradients it already computed.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _chunk_fallback_(logits, targets, eta, inv_count, lam, spec, scale, ignore_index, label_smoothing, compute_grad):
+    """dro_cross_entropy_chunk_ in PyTorch: the chunk's {sum value_term, sum w} over kept rows, and (compute_grad)
+    the logits overwritten by inv_count * w_i * (softmax_i - q_i)."""
+    acc = accumulate_dtype(logits.dtype)
+    x = logits.to(acc)
+    keep = targets != ignore_index
+    safe_targets = torch.where(keep, targets, 0)
+    lse = torch.logsumexp(x, dim=1)
+    losses = torch.where(keep, _row_losses(x, targets, ignore_index, label_smoothing), 0.0)
+    g_eta = scale * eta.to(acc)
+    t = (losses - g_eta) / lam
+    weights = torch.where(keep, _psi_star_torch(t, spec, 1), 0.0)
+    sums = torch.stack([torch.where(keep, _value_terms(losses, t, lam, g_eta, spec), 0.0).sum(), weights.sum()])
+    if compute_grad:
+        grad = torch.exp(x - lse[:, None])
+        grad.sub_(label_smoothing / x.shape[1])
+        grad.scatter_add_(1, safe_targets[:, None], torch.full_like(lse[:, None], label_smoothing - 1.0))
+        grad.mul_((weights * inv_count.to(acc))[:, None])
+        logits.copy_(grad)
+    return sums
+
+
+def default_chunk_size(rows: int, hidden: int, vocab: int, element_size: int = 4) -> int:
+    """Rows per chunk of dro_linear_cross_entropy, a power of two, at most the batch: the larger of
+     - about N / ceil(V / H) rows, so that a chunk's logits are about as large as the hidden states, and
+     - about 32 MiB of logits: every chunk reads and writes the whole weight gradient once (its addmm), so too
+       small a chunk turns the (V, H) accumulation into the bottleneck."""
+    def pow2_floor(x):
+        return 1 << max(0, int(x).bit_length() - 1)
+
+    matched = pow2_floor(max(1, math.ceil(rows / max(1, math.ceil(vocab / max(1, hidden))))))
+    by_bytes = pow2_floor(max(1, (32 << 20) // max(1, vocab * element_size)))
+    return max(1, min(rows, max(matched, by_bytes)))
+
+
+@torch.library.custom_op("dro_ext::linear_cross_entropy_with_grads", mutates_args=())
+def _linear_cross_entropy_with_grads(
+        hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+        eta: torch.Tensor, lam: float, divergence: str, alpha: Optional[float], k: Optional[float], scale: float,
+        ignore_index: int, label_smoothing: float, chunk_size: int, native: bool, grad_hidden_needed: bool,
+        grad_weight_needed: bool, grad_bias_needed: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(value, mean_weight, grad_hidden, grad_weight, grad_bias) for a unit upstream gradient; a gradient that
+    is not needed comes back empty (shape (0,)) and costs nothing."""
+    spec = Spec(divergence, alpha, k)
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    acc = accumulate_dtype(hidden.dtype)
+    hidden, weight = hidden.contiguous(), weight.contiguous()
+    keep = targets != ignore_index
+    kept = keep.sum()
+    inv_count = 1.0 / kept.clamp(min=1).to(acc)
+    compute_grad = grad_hidden_needed or grad_weight_needed or grad_bias_needed
+    grad_hidden = torch.empty_like(hidden) if grad_hidden_needed else hidden.new_empty((0,))
+    # In the input dtype, like the gradient autograd would produce: each chunk's matmul accumulates in float32
+    # and rounds once into it (a float32 copy of weight's size would cost more memory than the logits saved).
+    grad_weight = torch.zeros_like(weight) if grad_weight_needed else hidden.new_empty((0,))
+    grad_bias = torch.zeros((vocab,), dtype=acc, device=hidden.device) if grad_bias_needed else hidden.new_empty((0,))
+    sums = torch.zeros((2,), dtype=acc, device=hidden.device)
+    for start in range(0, rows, chunk_size):
+        end = min(rows, start + chunk_size)
+        h = hidden[start:end]
+        logits = F.linear(h, weight, bias)
+        y = targets[start:end]
+        if native:
+            sums += torch.ops.dro_ext.dro_cross_entropy_chunk_(
+                logits, y, eta, inv_count, lam, spec.name, spec.alpha, spec.k, scale, ignore_index, label_smoothing,
+                compute_grad)
+        else:
+            sums += _chunk_fallback_(logits, y, eta, inv_count, lam, spec, scale, ignore_index, label_smoothing,
+                                     compute_grad)
+        if compute_grad:  # logits now holds the chunk's gradient with respect to its logits
+            if grad_hidden_needed:
+                torch.mm(logits, weight, out=grad_hidden[start:end])
+            if grad_weight_needed:
+                grad_weight.addmm_(logits.t(), h)
+            if grad_bias_needed:
+                grad_bias += logits.sum(0, dtype=acc)
+        del logits
+    any_kept = kept > 0
+    value = torch.where(any_kept, sums[0] * inv_count, 0.0).to(hidden.dtype)
+    mean_weight = torch.where(any_kept, sums[1] * inv_count, 1.0)
+    if grad_bias_needed:
+        grad_bias = grad_bias.to(bias.dtype)
+    return value, mean_weight, grad_hidden, grad_weight, grad_bias
+
+
+@_linear_cross_entropy_with_grads.register_fake
+def _linear_cross_entropy_with_grads_fake(hidden, weight, bias, targets, eta, lam, divergence, alpha, k, scale,
+                                          ignore_index, label_smoothing, chunk_size, native, grad_hidden_needed,
+                                          grad_weight_needed, grad_bias_needed):
+    acc = accumulate_dtype(hidden.dtype)
+    return (hidden.new_empty(()), hidden.new_empty((), dtype=acc),
+            torch.empty_like(hidden, memory_format=torch.contiguous_format) if grad_hidden_needed
+            else hidden.new_empty((0,)),
+            torch.empty_like(weight, memory_format=torch.contiguous_format) if grad_weight_needed
+            else hidden.new_empty((0,)),
+            bias.new_empty(bias.shape) if grad_bias_needed else hidden.new_empty((0,)))
+
+
+def _linear_setup_context(ctx, inputs, output):
+    eta, scale = inputs[4], inputs[9]
+    _, mean_weight, grad_hidden, grad_weight, grad_bias = output
+    ctx.mark_non_differentiable(mean_weight, grad_hidden, grad_weight, grad_bias)
+    ctx.save_for_backward(mean_weight, grad_hidden, grad_weight, grad_bias)
+    ctx.scale, ctx.eta_dtype = scale, eta.dtype
+
+
+def _linear_backward(ctx, grad_value, *unused):
+    mean_weight, grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+    out = [None] * 17
+    if grad_value is None:
+        return tuple(out)
+    # Out of place, so that a second backward through a retained graph (and gradcheck's reentrancy check)
+    # sees the forward's gradients unchanged.
+    if ctx.needs_input_grad[0]:
+        out[0] = grad_hidden * grad_value
+    if ctx.needs_input_grad[1]:
+        out[1] = grad_weight * grad_value
+    if ctx.needs_input_grad[2]:
+        out[2] = grad_bias * grad_value
+    if ctx.needs_input_grad[4]:
+        out[4] = (grad_value.to(mean_weight.dtype) * (ctx.scale * (1.0 - mean_weight))).to(ctx.eta_dtype)
+    return tuple(out)
+
+
+_linear_cross_entropy_with_grads.register_autograd(_linear_backward, setup_context=_linear_setup_context)
+
+
+def dro_linear_cross_entropy(hidden, weight, targets, eta, lam, divergence="chi2", *, bias=None, alpha=None, k=None,
+                             scale=1.0, ignore_index=-100, label_smoothing=0.0, chunk_size=None) -> torch.Tensor:
+    """:func:`dro_cross_entropy` of ``logits = hidden @ weight.T (+ bias)``, never holding more than a chunk of them.
+
+    ``hidden`` (..., H), ``weight`` (V, H), ``bias`` (V,) or None, ``targets`` (...) int64. Rows are processed
+    ``chunk_size`` at a time (default: :func:`default_chunk_size`): each chunk's logits come from a matmul, are
+    turned in place into their loss and gradient, and matmuls fold that gradient into the gradients of hidden,
+    weight and bias, computed in the forward when any of hidden, weight, bias or eta requires grad (none
+    otherwise) and scaled by the upstream gradient in backward. Peak extra memory: one chunk of logits plus
+    the gradients themselves. half/bfloat16 inputs give logits in their dtype with float32 loss accumulation;
+    the weight gradient is accumulated in the weight's dtype over chunks. First-order gradients only.
+    """
+    spec, lam, scale, ignore_index, label_smoothing = _checked_scalars(
+        lam, divergence, alpha, k, scale, ignore_index, label_smoothing)
+    _check_float_tensor("hidden", hidden)
+    _check_float_tensor("weight", weight, min_dim=2)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"dro_ext: weight must have shape (V, H) with H = hidden.shape[-1] = {hidden.shape[-1]}, "
+                         f"got {tuple(weight.shape)}")
+    if weight.shape[0] == 0:
+        raise ValueError(f"dro_ext: weight must have at least one row (class), got shape {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(f"dro_ext: weight ({weight.dtype}, {weight.device}) must have the dtype and device of "
+                         f"hidden ({hidden.dtype}, {hidden.device})")
+    if bias is not None:
+        _check_float_tensor("bias", bias)
+        if tuple(bias.shape) != (weight.shape[0],) or bias.dtype != hidden.dtype or bias.device != hidden.device:
+            raise ValueError(f"dro_ext: bias must have shape ({weight.shape[0]},) and hidden's dtype and device, "
+                             f"got shape {tuple(bias.shape)}, {bias.dtype}, {bias.device}")
+    _check_targets(targets, hidden.shape[:-1], f"hidden of shape {tuple(hidden.shape)}", hidden.device)
+    eta = as_eta(eta, hidden)
+    h, y = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    rows = h.shape[0]
+    if chunk_size is None:
+        chunk_size = default_chunk_size(rows, h.shape[1], weight.shape[0], h.element_size())
+    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"dro_ext: chunk_size must be a positive int or None, got chunk_size={chunk_size!r}")
+    native = _backend.use_native()
+    if not native:
+        _check_target_range(y, weight.shape[0], ignore_index)
+    grad = torch.is_grad_enabled()
+    needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    value, *_ = _linear_cross_entropy_with_grads(
+        h, weight, bias, y, eta, lam, spec.name, spec.alpha, spec.k, scale, ignore_index, label_smoothing,
+        max(1, min(chunk_size, max(rows, 1))), native, *needs)
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------
+# Modules
+# ---------------------------------------------------------------------------------------------------
+
+
+class _DROCrossEntropyBase(nn.Module):
+    def __init__(self, divergence, lam, alpha, k, scale, eta_init, ignore_index, label_smoothing):
+        super().__init__()
+        self.divergence, self.alpha, self.k = check_divergence(divergence, alpha, k)
+        self.lam = check_positive("lam", lam)
+        self.scale = check_positive("scale", scale)
+        self.ignore_index = _check_ignore_index(ignore_index)
+        self.label_smoothing = _check_label_smoothing(label_smoothing)
+        self.eta = nn.Parameter(torch.tensor(float(eta_init)))
+
+    def _kwargs(self):
+        return dict(alpha=self.alpha, k=self.k, scale=self.scale, ignore_index=self.ignore_index,
+                    label_smoothing=self.label_smoothing)
+
+    def extra_repr(self) -> str:
+        params = "".join(f", {n}={v}" for n, v in (("alpha", self.alpha), ("k", self.k)) if v is not None)
+        return (f"divergence={self.divergence!r}, lam={self.lam}{params}, scale={self.scale}, "
+                f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}")
+
+
+class DROCrossEntropyLoss(_DROCrossEntropyBase):
+    """``forward(logits, targets)`` = :func:`dro_cross_entropy` with the module's own dual variable ``eta``
+    (a 0-d ``nn.Parameter``: optimize it beside the model's parameters, as with :class:`dro_ext.DROLoss`)."""
+
+    def __init__(self, divergence="chi2", lam=0.1, *, alpha=None, k=None, scale=1.0, eta_init=0.0,
+                 ignore_index=-100, label_smoothing=0.0):
+        super().__init__(divergence, lam, alpha, k, scale, eta_init, ignore_index, label_smoothing)
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return dro_cross_entropy(logits, targets, self.eta, self.lam, self.divergence, **self._kwargs())
+
+
+class DROLinearCrossEntropyLoss(_DROCrossEntropyBase):
+    """``forward(hidden, weight, targets, bias=None)`` = :func:`dro_linear_cross_entropy` with the module's own
+    ``eta``: the LM head's loss without materializing the logits."""
+
+    def __init__(self, divergence="chi2", lam=0.1, *, alpha=None, k=None, scale=1.0, eta_init=0.0,
+                 ignore_index=-100, label_smoothing=0.0, chunk_size=None):
+        super().__init__(divergence, lam, alpha, k, scale, eta_init, ignore_index, label_smoothing)
+        self.chunk_size = chunk_size
+
+    def forward(self, hidden, weight, targets, bias=None) -> torch.Tensor:
+        return dro_linear_cross_entropy(hidden, weight, targets, self.eta, self.lam, self.divergence, bias=bias,
+                                        chunk_size=self.chunk_size, **self._kwargs())

@@ -1,0 +1,449 @@
+"""The fused DRO cross-entropy (from logits and from the LM head) against a float64 reference built from
+F.linear, F.cross_entropy(reduction="none") and the DRO formula, on both backends."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dro_ext
+import reference as ref
+from dro_ext import _backend
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+native_only = pytest.mark.skipif(not _backend.native_available(), reason="native extension not built")
+if not _backend.native_available() and not _backend._force_python:
+    raise RuntimeError(f"dro_ext native extension failed to load: {_backend.load_error()}")
+
+LAM, SCALE = 0.8, 1.3
+
+
+def reference_value(logits, targets, eta, lam, name, params, ignore_index=-100, label_smoothing=0.0, scale=SCALE):
+    """The objective in float64 from F.cross_entropy's per-sample losses, over the kept rows (0 if none)."""
+    losses = F.cross_entropy(logits, targets, reduction="none", ignore_index=ignore_index,
+                             label_smoothing=label_smoothing)
+    keep = targets != ignore_index
+    if not bool(keep.any()):
+        return (logits * 0).sum() + eta * 0
+    return ref.dro_loss(losses[keep], eta, lam, name, params.get("alpha"), params.get("k"), scale)
+
+
+def make_batch(n, c, dtype, ignore_every=3, ignore_index=-100):
+    logits = torch.randn(n, c, dtype=torch.float64).to(dtype)
+    targets = torch.randint(0, c, (n,))
+    if n > 1:
+        targets[::ignore_every] = ignore_index  # some ignored rows, never all of them
+    # eta near the typical loss (log C), so t = (l - G eta)/lam falls on both sides of every kink.
+    eta = torch.tensor((math.log(c) + 0.3) / SCALE, requires_grad=True)
+    return logits.requires_grad_(), targets, eta
+
+
+def grad_tolerances(dtype):
+    # Gradients are compared after multiplying by n, where they are O(1): w_i (softmax - q). For float32 the
+    # rounding of t to float32 moves w by psi*'' times a few ulps of t (cressie_read k > 2 is steep at its kink).
+    tol = ref.tolerances(dtype)
+    return dict(tol, atol=5e-5) if dtype == torch.float32 else tol
+
+
+def check_against_reference(value, grads, logits, targets, eta, name, params, **kwargs):
+    x64 = logits.detach().double().requires_grad_()
+    e64 = eta.detach().double().requires_grad_()
+    expected = reference_value(x64, targets, e64, LAM, name, params, **kwargs)
+    exp_x, exp_eta = torch.autograd.grad(expected, (x64, e64))
+    n = max(1, int((targets != kwargs.get("ignore_index", -100)).sum()))
+    dtype = logits.dtype
+    torch.testing.assert_close(value.double(), expected.detach(), **ref.tolerances(dtype))
+    torch.testing.assert_close(grads[0].double() * n, exp_x * n, **grad_tolerances(dtype))
+    # eta is a float32 parameter, so its gradient is float32 whatever the logits are.
+    eta_tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(grads[1].double(), exp_eta, **eta_tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,c", [(1, 2), (7, 7), (1000, 7)])
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_dro_cross_entropy_matches_float64_reference(backend, name, params, n, c, dtype):
+    logits, targets, eta = make_batch(n, c, dtype)
+    value = dro_ext.dro_cross_entropy(logits, targets, eta, LAM, name, scale=SCALE, **params)
+    assert value.dtype == dtype and value.dim() == 0
+    grads = torch.autograd.grad(value, (logits, eta))
+    assert grads[0].dtype == dtype and grads[0].shape == logits.shape and grads[1].dtype == torch.float32
+    check_against_reference(value, grads, logits, targets, eta, name, params)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 7])
+@pytest.mark.parametrize("name,params", [("chi2", {}), ("kl", {}), ("smoothed_cvar", {"alpha": 0.1})],
+                         ids=["chi2", "kl", "smoothed_cvar"])
+def test_dro_cross_entropy_vocabulary_50257(backend, name, params, n, dtype):
+    logits, targets, eta = make_batch(n, 50257, dtype)
+    value = dro_ext.dro_cross_entropy(logits, targets, eta, LAM, name, scale=SCALE, **params)
+    grads = torch.autograd.grad(value, (logits, eta))
+    check_against_reference(value, grads, logits, targets, eta, name, params)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("label_smoothing", [0.1, 1.0])
+@pytest.mark.parametrize("name,params", [("chi2", {}), ("cvar", {"alpha": 0.3}), ("cressie_read", {"k": 1.5})],
+                         ids=["chi2", "cvar", "cressie_read"])
+def test_label_smoothing_and_ignore_index(backend, name, params, label_smoothing, dtype):
+    logits, targets, eta = make_batch(300, 33, dtype, ignore_every=4, ignore_index=5)
+    value = dro_ext.dro_cross_entropy(logits, targets, eta, LAM, name, scale=SCALE, ignore_index=5,
+                                      label_smoothing=label_smoothing, **params)
+    grads = torch.autograd.grad(value, (logits, eta))
+    check_against_reference(value, grads, logits, targets, eta, name, params, ignore_index=5,
+                            label_smoothing=label_smoothing)
+    # Ignored rows get exactly zero gradient.
+    assert (grads[0][targets == 5] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_batch_shaped_and_non_contiguous_logits(backend, dtype):
+    base = torch.randn(3, 11, 4, dtype=dtype)  # (batch, classes, time): classes moved last by a view
+    logits = base.transpose(1, 2).requires_grad_()
+    assert not logits.is_contiguous()
+    targets = torch.randint(0, 11, (3, 4))
+    targets[0, 1] = -100
+    eta = torch.tensor(2.0, requires_grad=True)
+    value = dro_ext.dro_cross_entropy(logits, targets, eta, LAM, "kl_cvar", alpha=0.2, scale=SCALE)
+    grads = torch.autograd.grad(value, (logits, eta))
+    assert grads[0].shape == logits.shape
+    flat = logits.detach().reshape(-1, 11).requires_grad_()
+    check_against_reference(value, (grads[0].reshape(-1, 11), grads[1]), flat, targets.reshape(-1), eta,
+                            "kl_cvar", {"alpha": 0.2})
+
+
+def test_every_row_ignored_gives_zero_and_zero_gradients(backend):
+    logits = torch.randn(5, 9, requires_grad=True)
+    hidden, weight = torch.randn(5, 4, requires_grad=True), torch.randn(9, 4, requires_grad=True)
+    bias = torch.randn(9, requires_grad=True)
+    targets = torch.full((5,), -100)
+    eta = torch.tensor(0.4, requires_grad=True)
+    value = dro_ext.dro_cross_entropy(logits, targets, eta, LAM, "chi2")
+    assert value.item() == 0.0
+    for g in torch.autograd.grad(value, (logits, eta)):
+        assert (g == 0).all()
+    value = dro_ext.dro_linear_cross_entropy(hidden, weight, targets, eta, LAM, "kl", bias=bias, chunk_size=2)
+    assert value.item() == 0.0
+    for g in torch.autograd.grad(value, (hidden, weight, bias, eta)):
+        assert (g == 0).all()
+
+
+def test_empty_batch_gives_zero(backend):
+    logits = torch.randn(0, 9, requires_grad=True)
+    value = dro_ext.dro_cross_entropy(logits, torch.zeros(0, dtype=torch.long), 0.5, LAM, "chi2")
+    assert value.item() == 0.0
+    assert torch.autograd.grad(value, logits)[0].shape == (0, 9)
+
+
+def test_nan_logit_is_not_dropped(backend):
+    logits = torch.randn(6, 5)
+    logits[2, 3] = float("nan")
+    targets = torch.randint(0, 5, (6,))
+    assert dro_ext.dro_cross_entropy(logits, targets, 0.5, LAM, "chi2").isnan()
+    hidden, weight = torch.randn(6, 3), torch.randn(5, 3)
+    hidden[4, 0] = float("nan")
+    assert dro_ext.dro_linear_cross_entropy(hidden, weight, targets, 0.5, LAM, "chi2").isnan()
+
+
+# ---------------------------------------------------------------------------------------------------
+# dro_linear_cross_entropy
+# ---------------------------------------------------------------------------------------------------
+
+
+def linear_reference(inputs, dtype, with_bias):
+    """F.linear in float64, differentiable, whose VALUE is the logits rounded as the op's matmul in ``dtype``
+    rounds them (straight through): the float64 reference then sees the logits the kernel saw, so a row whose
+    t sits within rounding of a kink (cvar) is weighted alike on both sides."""
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    bias64 = inputs64[2] if with_bias else None
+    logits64 = F.linear(inputs64[0], inputs64[1], bias64)
+    with torch.no_grad():
+        rounded = F.linear(*(t.detach() for t in inputs[:2]), inputs[2].detach() if with_bias else None).double()
+    return inputs64, rounded + (logits64 - logits64.detach())
+
+
+def assert_close_to_scale(got, want, tol):
+    # A gradient that a matmul in the input dtype produces is accurate relative to the size of its terms, not
+    # elementwise: an entry that cancels to near zero keeps the absolute error of the large ones.
+    torch.testing.assert_close(got, want, rtol=tol["rtol"], atol=max(tol["atol"], 2 * tol["rtol"] * float(
+        want.abs().max())))
+
+
+LINEAR_SHAPES = [(1, 2, None, False), (7, 7, 3, True), (1000, 7, 64, True)]  # (N, V, chunk_size, bias)
+LINEAR_VOCAB_50257 = [(7, 50257, 2, True)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,v,chunk,with_bias", LINEAR_SHAPES, ids=lambda p: str(p))
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_linear_cross_entropy_matches_float64_reference(backend, name, params, n, v, chunk, with_bias, dtype):
+    check_linear_against_reference(name, params, n, v, chunk, with_bias, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("n,v,chunk,with_bias", LINEAR_VOCAB_50257, ids=lambda p: str(p))
+@pytest.mark.parametrize("name,params", [("chi2", {}), ("smoothed_cvar", {"alpha": 0.1})],
+                         ids=["chi2", "smoothed_cvar"])
+def test_linear_cross_entropy_vocabulary_50257(backend, name, params, n, v, chunk, with_bias, dtype):
+    check_linear_against_reference(name, params, n, v, chunk, with_bias, dtype)
+
+
+def check_linear_against_reference(name, params, n, v, chunk, with_bias, dtype):
+    h = 16
+    hidden = (torch.randn(n, h, dtype=torch.float64) / math.sqrt(h)).to(dtype).requires_grad_()
+    weight = torch.randn(v, h, dtype=torch.float64).to(dtype).requires_grad_()
+    bias = (0.1 * torch.randn(v, dtype=torch.float64)).to(dtype).requires_grad_() if with_bias else None
+    targets = torch.randint(0, v, (n,))
+    if n > 1:
+        targets[1::3] = -100
+    eta = torch.tensor((math.log(v) + 0.3) / SCALE, requires_grad=True)
+    value = dro_ext.dro_linear_cross_entropy(hidden, weight, targets, eta, LAM, name, bias=bias, scale=SCALE,
+                                             chunk_size=chunk, label_smoothing=0.05, **params)
+    inputs = [hidden, weight] + ([bias] if with_bias else []) + [eta]
+    grads = torch.autograd.grad(value, inputs)
+    assert value.dtype == dtype and all(g.dtype == i.dtype for g, i in zip(grads, inputs))
+
+    inputs64, logits64 = linear_reference(inputs, dtype, with_bias)
+    expected = reference_value(logits64, targets, inputs64[-1], LAM, name, params, label_smoothing=0.05)
+    exp_grads = torch.autograd.grad(expected, inputs64)
+    tol = ref.tolerances(dtype)
+    torch.testing.assert_close(value.double(), expected.detach(), **tol)
+    kept = int((targets != -100).sum())
+    for got, want in zip(grads[:-1], exp_grads[:-1]):  # per-sample gradients are O(1/n): compare n times them
+        assert_close_to_scale(got.double() * kept, want * kept, grad_tolerances(dtype))
+    # eta is a float32 parameter; its gradient comes from float32 sums of the weights.
+    torch.testing.assert_close(grads[-1].double(), exp_grads[-1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 7, 100])
+def test_linear_chunking_does_not_change_the_result(backend, chunk):
+    hidden, weight = torch.randn(7, 6, dtype=torch.float64), torch.randn(13, 6, dtype=torch.float64)
+    hidden.requires_grad_()
+    targets = torch.randint(0, 13, (7,))
+    eta = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+    value = dro_ext.dro_linear_cross_entropy(hidden, weight, targets, eta, LAM, "kl", chunk_size=chunk)
+    whole = dro_ext.dro_cross_entropy(hidden @ weight.T, targets, eta, LAM, "kl")
+    torch.testing.assert_close(value, whole, rtol=1e-13, atol=1e-13)
+    for a, b in zip(torch.autograd.grad(value, (hidden, eta)), torch.autograd.grad(whole, (hidden, eta))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+
+
+def test_linear_batch_shape_and_eval_without_gradients(backend):
+    hidden, weight = torch.randn(2, 5, 8), torch.randn(11, 8, requires_grad=True)
+    targets = torch.randint(0, 11, (2, 5))
+    value = dro_ext.dro_linear_cross_entropy(hidden, weight, targets, 1.0, LAM, "cvar", alpha=0.5, chunk_size=3)
+    expected = dro_ext.dro_cross_entropy(hidden @ weight.T, targets, 1.0, LAM, "cvar", alpha=0.5)
+    torch.testing.assert_close(value, expected.detach())
+    with torch.no_grad():
+        evaluated = dro_ext.dro_linear_cross_entropy(hidden, weight, targets, 1.0, LAM, "cvar", alpha=0.5)
+    assert not evaluated.requires_grad
+    torch.testing.assert_close(evaluated, expected.detach())
+
+
+def test_linear_eta_only_gradient(backend):
+    hidden, weight = torch.randn(9, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    targets = torch.randint(0, 6, (9,))
+    eta = torch.tensor(1.0, dtype=torch.float64, requires_grad=True)
+    (got,) = torch.autograd.grad(dro_ext.dro_linear_cross_entropy(hidden, weight, targets, eta, LAM, "chi2"), eta)
+    (want,) = torch.autograd.grad(dro_ext.dro_cross_entropy(hidden @ weight.T, targets, eta, LAM, "chi2"), eta)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_linear_retained_graph_backward_twice(backend):
+    hidden, weight = torch.randn(5, 4, requires_grad=True), torch.randn(6, 4)
+    value = dro_ext.dro_linear_cross_entropy(hidden, weight, torch.randint(0, 6, (5,)), 1.0, LAM, "kl")
+    (first,) = torch.autograd.grad(value * 2, hidden, retain_graph=True)
+    (second,) = torch.autograd.grad(value * 3, hidden)
+    torch.testing.assert_close(second, first * 1.5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Modules
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_modules_own_eta_and_match_the_functions(backend):
+    criterion = dro_ext.DROCrossEntropyLoss("smoothed_cvar", lam=0.5, alpha=0.2, eta_init=1.5, ignore_index=3,
+                                            label_smoothing=0.1)
+    assert isinstance(criterion.eta, torch.nn.Parameter) and "smoothed_cvar" in repr(criterion)
+    logits, targets = torch.randn(20, 6, requires_grad=True), torch.randint(0, 6, (20,))
+    loss = criterion(logits, targets)
+    loss.backward()
+    expected = dro_ext.dro_cross_entropy(logits, targets, 1.5, 0.5, "smoothed_cvar", alpha=0.2, ignore_index=3,
+                                         label_smoothing=0.1)
+    torch.testing.assert_close(loss, expected)
+    assert criterion.eta.grad is not None and logits.grad is not None
+
+    head = torch.nn.Linear(8, 6)
+    linear = dro_ext.DROLinearCrossEntropyLoss("chi2", lam=0.5, eta_init=1.0, chunk_size=7)
+    hidden = torch.randn(20, 8, requires_grad=True)
+    loss = linear(hidden, head.weight, targets, head.bias)
+    loss.backward()
+    torch.testing.assert_close(loss, dro_ext.dro_cross_entropy(head(hidden), targets, 1.0, 0.5, "chi2"))
+    assert all(p.grad is not None for p in (linear.eta, head.weight, head.bias, hidden))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The custom-op contract, gradcheck, torch.compile
+# ---------------------------------------------------------------------------------------------------
+
+
+@native_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("name,params", [("chi2", {}), ("kl_cvar", {"alpha": 0.2})], ids=["chi2", "kl_cvar"])
+def test_opcheck_native_ops(name, params, dtype):
+    logits = torch.randn(13, 10, dtype=dtype, requires_grad=dtype == torch.float64)
+    targets = torch.randint(0, 10, (13,))
+    targets[4] = -100
+    eta = torch.tensor(2.0, dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+                       requires_grad=dtype == torch.float64)
+    extra = (LAM, name, params.get("alpha"), params.get("k"), SCALE, -100, 0.1)
+    torch.library.opcheck(torch.ops.dro_ext.dro_cross_entropy.default, (logits, targets, eta) + extra)
+    _, _, lse, row_weight = torch.ops.dro_ext.dro_cross_entropy(logits.detach(), targets, eta.detach(), *extra)
+    grad = torch.tensor(0.7, dtype=dtype)
+    torch.library.opcheck(torch.ops.dro_ext.dro_cross_entropy_backward.default,
+                          (grad, logits.detach(), targets, lse, row_weight, -100, 0.1))
+    inv_count = torch.tensor(1.0 / 12, dtype=eta.dtype)
+    torch.library.opcheck(torch.ops.dro_ext.dro_cross_entropy_chunk_.default,
+                          (logits.detach().clone(), targets, eta.detach(), inv_count) + extra + (True,))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native_chunks", "python_chunks"])
+def test_opcheck_linear_op(native):
+    if native and not _backend.native_available():
+        pytest.skip("native extension not built")
+    hidden = torch.randn(9, 5, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 7, (9,))
+    eta = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
+    args = (hidden, weight, bias, targets, eta, LAM, "chi2", None, None, SCALE, -100, 0.0, 4, native, True, True, True)
+    torch.library.opcheck(torch.ops.dro_ext.linear_cross_entropy_with_grads.default, args)
+
+
+GRADCHECK_CASES = [("chi2", {}), ("kl_cvar", {"alpha": 0.2}), ("cressie_read", {"k": 1.5}),
+                   ("smoothed_cvar", {"alpha": 0.1})]
+
+
+@pytest.mark.parametrize("name,params", GRADCHECK_CASES, ids=[c[0] for c in GRADCHECK_CASES])
+def test_gradcheck(backend, name, params):
+    logits = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    targets = torch.tensor([0, 4, -100, 2, 2, 1])
+    eta = torch.tensor(1.4, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(
+        lambda x, e: dro_ext.dro_cross_entropy(x, targets, e, LAM, name, scale=SCALE, label_smoothing=0.1, **params),
+        (logits, eta))
+    hidden = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(
+        lambda h, w, b, e: dro_ext.dro_linear_cross_entropy(h, w, targets, e, LAM, name, bias=b, scale=SCALE,
+                                                            chunk_size=4, **params),
+        (hidden, weight, bias, eta))
+
+
+def test_compiled_fullgraph_matches_eager(backend):
+    torch._dynamo.reset()
+
+    def step(logits, hidden, weight, bias, targets, eta):
+        return (dro_ext.dro_cross_entropy(logits, targets, eta, LAM, "smoothed_cvar", alpha=0.1, label_smoothing=0.1)
+                + dro_ext.dro_linear_cross_entropy(hidden, weight, targets, eta, LAM, "kl", bias=bias,
+                                                   chunk_size=5))
+
+    def make():
+        torch.manual_seed(1)
+        return (torch.randn(12, 9, requires_grad=True), torch.randn(12, 4, requires_grad=True),
+                torch.randn(9, 4, requires_grad=True), torch.randn(9, requires_grad=True),
+                torch.randint(0, 9, (12,)), torch.tensor(2.0, requires_grad=True))
+
+    eager_inputs, compiled_inputs = make(), make()
+    eager = step(*eager_inputs)
+    eager.backward()
+    compiled = torch.compile(step, fullgraph=True)(*compiled_inputs)
+    compiled.backward()
+    torch.testing.assert_close(compiled, eager)
+    for a, b in zip(compiled_inputs, eager_inputs):
+        if a.grad is not None or b.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad)
+
+
+@native_only
+def test_native_result_is_the_same_on_any_thread_count():
+    logits, targets = torch.randn(700, 300), torch.randint(0, 300, (700,))
+    previous = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(torch.ops.dro_ext.dro_cross_entropy(logits, targets, torch.tensor(5.0), LAM, "kl", None,
+                                                               None, 1.0, -100, 0.0)[:2])
+    finally:
+        torch.set_num_threads(previous)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_name_the_argument(backend):
+    logits, targets = torch.randn(4, 5), torch.tensor([0, 1, 2, 3])
+    ce = dro_ext.dro_cross_entropy
+    with pytest.raises(IndexError, match="targets"):
+        ce(logits, torch.tensor([0, 5, 1, 1]), 0.0, LAM)
+    with pytest.raises(IndexError, match="targets"):
+        ce(logits, torch.tensor([0, -1, 1, 1]), 0.0, LAM)
+    with pytest.raises(TypeError, match="targets must be int64"):
+        ce(logits, targets.int(), 0.0, LAM)
+    with pytest.raises(ValueError, match="targets must have shape"):
+        ce(logits, targets[:3], 0.0, LAM)
+    with pytest.raises(TypeError, match="logits must have a floating dtype"):
+        ce(logits.long(), targets, 0.0, LAM)
+    with pytest.raises(ValueError, match="eta must be a 0-d tensor"):
+        ce(logits, targets, torch.zeros(2), LAM)
+    with pytest.raises(ValueError, match="targets is on meta"):
+        ce(logits, targets.to("meta"), 0.0, LAM)
+    with pytest.raises(ValueError, match="eta is on meta"):
+        ce(logits, targets, torch.tensor(0.0, device="meta"), LAM)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        ce(logits, targets, 0.0, LAM, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="lam"):
+        ce(logits, targets, 0.0, -1.0)
+    with pytest.raises(ValueError, match="alpha"):
+        ce(logits, targets, 0.0, LAM, "cvar")
+    with pytest.raises(TypeError, match="ignore_index"):
+        ce(logits, targets, 0.0, LAM, ignore_index=1.5)
+
+    lce = dro_ext.dro_linear_cross_entropy
+    hidden, weight = torch.randn(4, 3), torch.randn(5, 3)
+    with pytest.raises(IndexError, match="targets"):
+        lce(hidden, weight, torch.tensor([0, 9, 1, 1]), 0.0, LAM)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        lce(hidden, weight.T, targets, 0.0, LAM)
+    with pytest.raises(ValueError, match="weight .* must have the dtype"):
+        lce(hidden, weight.double(), targets, 0.0, LAM)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        lce(hidden, weight, targets, 0.0, LAM, bias=torch.zeros(4))
+    with pytest.raises(ValueError, match="chunk_size"):
+        lce(hidden, weight, targets, 0.0, LAM, chunk_size=0)
+    with pytest.raises(ValueError, match="targets must have shape"):
+        lce(hidden, weight, targets[:2], 0.0, LAM)
+
+
+@native_only
+def test_native_ops_check_their_arguments():
+    logits, targets, eta = torch.randn(4, 5), torch.tensor([0, 1, 2, 3]), torch.tensor(0.0)
+    op = torch.ops.dro_ext.dro_cross_entropy
+    with pytest.raises(IndexError, match=r"targets\[1\]=7"):
+        op(logits, torch.tensor([0, 7, 1, 1]), eta, LAM, "chi2", None, None, 1.0, -100, 0.0)
+    with pytest.raises(ValueError, match="logits must be a 2-D tensor"):
+        op(logits.reshape(-1), targets, eta, LAM, "chi2", None, None, 1.0, -100, 0.0)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        op(logits, targets, eta, LAM, "chi2", None, None, 1.0, -100, -0.1)
+    with pytest.raises(TypeError, match="row_weight must be"):
+        torch.ops.dro_ext.dro_cross_entropy_backward(torch.tensor(1.0), logits, targets, torch.zeros(4),
+                                                     torch.zeros(4, dtype=torch.float64), -100, 0.0)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        torch.ops.dro_ext.dro_cross_entropy_chunk_(torch.randn(5, 4).T, targets, eta, eta, LAM, "chi2")
