@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import dro_ext
-from bench.common import markdown_table, synchronize, time_fn, write_results
+from bench.common import add_common_arguments, markdown_table, synchronize, time_fn, write_report, device_info, loadavg
 
 LAM, DIVERGENCE = 0.5, "chi2"
 IMPLS = ("fused", "eager", "compiled", "mean_ce")
@@ -211,10 +211,10 @@ def table(rows):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--min-seconds", type=float, default=3.0, help="per implementation, over all rounds")
+    add_common_arguments(parser, quick_help="small sizes, for a smoke run")
+    parser.add_argument("--rounds", type=int, default=None, help="default 3 (1 with --quick)")
+    parser.add_argument("--min-seconds", type=float, default=None,
+                        help="per implementation, over all rounds (default 3; 0.2 with --quick)")
     parser.add_argument("--probe", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
     parser.add_argument("--name", default=None)
     args = parser.parse_args(argv)
@@ -223,10 +223,15 @@ def main(argv=None):
         return
     device = torch.device(args.device)
     print(f"dro_ext backend: {dro_ext.backend()}", flush=True)
+    load_before = loadavg()
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.min_seconds = args.min_seconds or (0.2 if args.quick else 3.0)
     rows = bench(device, args.quick, args.rounds, args.min_seconds)
     name = args.name or ("cross_entropy" if device.type == "cpu" else
                          "cross_entropy_" + torch.cuda.get_device_name().split()[-1].lower())
-    write_results(name, rows, table(rows))
+    # Tables only: the memory column is the point of this benchmark and reads best as a table (--no-plot is implied).
+    return write_report(args.out, name, rows, table(rows), device_info(device.type), load=(load_before, loadavg()), note=args.note,
+                 settings={"quick": args.quick, "rounds": args.rounds})
 
 
 if __name__ == "__main__":
