@@ -91,78 +91,79 @@ inline T derivative(const Div& div, const T& t) {
   }
 }
 
-template <int64_t A, int64_t B, typename scalar_t, typename Div>
-std::array<double, 2> reduce_pair(const scalar_t* x, int64_t n, const Div& div, Affine affine) {
+// The per-element terms a reduction sums, of the input x and of t = (x - shift) * inv_lam.
+enum class Term { Input, Excess, ExcessFirst, First, Second };
+
+template <Term kTerm, typename Div, typename T>
+inline T term(const Div& div, const T& x, const T& t) {
+  if constexpr (kTerm == Term::Input) {
+    return x;
+  } else if constexpr (kTerm == Term::Excess) {
+    return div.excess(t);
+  } else if constexpr (kTerm == Term::ExcessFirst) {
+    return div.excess_first(t);
+  } else if constexpr (kTerm == Term::First) {
+    return div.first(t);
+  } else {
+    return div.second(t);
+  }
+}
+
+// {sum_i term_0, sum_i term_1, ...} over the first n elements of x, in one pass (the terms of one element
+// share their subexpressions once inlined: kl's excess and excess_first one expm1).
+template <typename scalar_t, typename Div, Term... kTerms>
+std::array<double, 3> reduce_terms(const scalar_t* x, int64_t n, const Div& div, Affine affine) {
   using acc_t = at::opmath_type<scalar_t>;
   using V = Vectorized<acc_t>;
-  // A value of the form linear + log(factor) * weight (smoothed_cvar's softplus) is summed as sum(linear) +
-  // log(prod(factor)) * weight: one logarithm per block and lane instead of one log1p per sample. A block
-  // multiplies at most 64 (float) or 128 (double) factors in [1, 2] per lane, so the product stays finite,
-  // and its rounding adds no more error to the logarithm than summing as many terms would.
-  constexpr bool split_value = A == 0 && requires { requires Div::kValueHasLogFactor; };
+  constexpr size_t K = sizeof...(kTerms);
+  using Sums = std::array<V, K>;
   const V shift(static_cast<acc_t>(affine.shift));
   const V inv_lam(static_cast<acc_t>(affine.inv_lam));
-  const V zero(acc_t(0)), one(acc_t(1));
+  const V zero(acc_t(0));
   const int64_t num_chunks = (n + kChunk - 1) / kChunk;
-  std::vector<acc_t> partial_a(num_chunks), partial_b(num_chunks);
+  std::vector<std::array<acc_t, K>> partial(num_chunks);
+  auto add = [&](Sums& sums, const V& xs) {
+    const V t = (xs - shift) * inv_lam;
+    size_t j = 0;
+    ((sums[j] = sums[j] + term<kTerms>(div, xs, t), ++j), ...);
+  };
   at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     for (int64_t c = chunk_begin; c < chunk_end; ++c) {
       const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
-      V chunk_a = zero, chunk_b = zero;
+      Sums chunk;
+      chunk.fill(zero);
       for (int64_t block = begin; block < end; block += kBlock) {
         const int64_t block_end = std::min(end, block + kBlock);
         // Two accumulators per sum, so consecutive vectors do not wait on one addition's latency.
-        V sum_a = zero, sum_b = zero, sum_a2 = zero, sum_b2 = zero;
-        V factor = one, factor2 = one;  // products of the value's log factors (split_value only)
-        auto add_a = [&](V& sum, V& product, const V& t) {
-          if constexpr (split_value) {
-            sum = sum + div.value_linear(t);
-            product = product * div.value_log_factor(t);
-          } else {
-            sum = sum + derivative<A>(div, t);
-          }
-        };
+        Sums sums, sums2;
+        sums.fill(zero);
+        sums2.fill(zero);
         int64_t i = block;
         for (; i + 2 * V::size() <= block_end; i += 2 * V::size()) {
-          V t = (load<acc_t>(x + i, V::size()) - shift) * inv_lam;
-          V t2 = (load<acc_t>(x + i + V::size(), V::size()) - shift) * inv_lam;
-          add_a(sum_a, factor, t);
-          sum_b = sum_b + derivative<B>(div, t);
-          add_a(sum_a2, factor2, t2);
-          sum_b2 = sum_b2 + derivative<B>(div, t2);
+          add(sums, load<acc_t>(x + i, V::size()));
+          add(sums2, load<acc_t>(x + i + V::size(), V::size()));
         }
-        sum_a = sum_a + sum_a2;
-        sum_b = sum_b + sum_b2;
-        for (; i + V::size() <= block_end; i += V::size()) {
-          V t = (load<acc_t>(x + i, V::size()) - shift) * inv_lam;
-          add_a(sum_a, factor, t);
-          sum_b = sum_b + derivative<B>(div, t);
-        }
+        for (; i + V::size() <= block_end; i += V::size()) add(sums, load<acc_t>(x + i, V::size()));
         if (i < block_end) {
+          // The tail's unused lanes are loaded as 0 but their terms need not be: add only `count` lanes.
           const int64_t count = block_end - i;
-          V t = (load<acc_t>(x + i, count) - shift) * inv_lam;
-          if constexpr (split_value) {
-            sum_a = sum_a + V::set(zero, div.value_linear(t), count);
-            factor = factor * V::set(one, div.value_log_factor(t), count);
-          } else {
-            sum_a = sum_a + V::set(zero, derivative<A>(div, t), count);
-          }
-          sum_b = sum_b + V::set(zero, derivative<B>(div, t), count);
+          Sums tail;
+          tail.fill(zero);
+          add(tail, load<acc_t>(x + i, count));
+          for (size_t j = 0; j < K; ++j) sums[j] = sums[j] + V::set(zero, tail[j], count);
         }
-        if constexpr (split_value) sum_a = sum_a + (factor * factor2).log() * V(div.value_log_weight());
-        chunk_a = chunk_a + sum_a;
-        chunk_b = chunk_b + sum_b;
+        for (size_t j = 0; j < K; ++j) chunk[j] = chunk[j] + (sums[j] + sums2[j]);
       }
-      partial_a[c] = horizontal_sum(chunk_a);
-      partial_b[c] = horizontal_sum(chunk_b);
+      for (size_t j = 0; j < K; ++j) partial[c][j] = horizontal_sum(chunk[j]);
     }
   });
-  acc_t total_a = 0, total_b = 0;
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    total_a += partial_a[c];
-    total_b += partial_b[c];
+  std::array<double, 3> total{0.0, 0.0, 0.0};
+  for (size_t j = 0; j < K; ++j) {
+    acc_t s = 0;
+    for (int64_t c = 0; c < num_chunks; ++c) s += partial[c][j];
+    total[j] = static_cast<double>(s);
   }
-  return {static_cast<double>(total_a), static_cast<double>(total_b)};
+  return total;
 }
 
 // Outputs at least this large go around the cache: they will not be read back before they are evicted,
@@ -213,17 +214,23 @@ void map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affi
   });
 }
 
-std::array<double, 2> reduce_derivatives_impl(
-    const at::Tensor& x, const DivergenceSpec& spec, Affine affine, int64_t order_a, int64_t order_b) {
+std::array<double, 3> reduce_impl(const at::Tensor& x, const DivergenceSpec& spec, Affine affine, Sums sums) {
   TORCH_INTERNAL_ASSERT(x.is_contiguous() && x.dim() == 1);
-  TORCH_INTERNAL_ASSERT((order_a == 0 && order_b == 1) || (order_a == 1 && order_b == 2));
-  std::array<double, 2> out{};
+  std::array<double, 3> out{};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_reduce", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* data = x.const_data_ptr<scalar_t>();
+    const int64_t n = x.numel();
     out = visit_divergence<acc_t>(spec, [&](const auto& div) {
-      return order_a == 0 ? reduce_pair<0, 1>(data, x.numel(), div, affine)
-                          : reduce_pair<1, 2>(data, x.numel(), div, affine);
+      using Div = std::decay_t<decltype(div)>;
+      switch (sums) {
+        case Sums::Loss:
+          return reduce_terms<scalar_t, Div, Term::Input, Term::Excess, Term::ExcessFirst>(data, n, div, affine);
+        case Sums::Newton:
+          return reduce_terms<scalar_t, Div, Term::ExcessFirst, Term::Second>(data, n, div, affine);
+        default:
+          return reduce_terms<scalar_t, Div, Term::First>(data, n, div, affine);
+      }
     });
   });
   return out;
