@@ -43,6 +43,8 @@ struct Math {
   static C10_HOST_DEVICE inline T neg_abs(T x) { return -::fabs(x); }
   // max(x, 0) that keeps NaN.
   static C10_HOST_DEVICE inline T relu(T x) { return x < T(0) ? T(0) : x; }
+  // max(x, lo) that keeps NaN in x.
+  static C10_HOST_DEVICE inline T max(T x, T lo) { return x < lo ? lo : x; }
   // min(x, hi) that keeps NaN in x.
   static C10_HOST_DEVICE inline T min(T x, T hi) { return x > hi ? hi : x; }
   // x > 0 ? if_pos : (x <= 0 ? if_nonpos : x): the NaN-keeping select.
@@ -64,15 +66,24 @@ struct Math {
 // lam grows (t = (l - G eta)/lam -> 0, the ERM limit), where lam * psi*(t) + G eta would cancel
 // catastrophically; and mean_i excess_first(t_i) = 0 is the optimality condition of eta with the same
 // precision. value(t) is accurate relative to |psi*(t)| near t = 0 as well.
+//
+// The divergences whose accurate excess costs much more than value + first (the exponential ones: expm1,
+// log1p) also have
+//   coarse_value(t)   psi*(t) to a few roundings of 1 + |psi*(t)|, sharing its exponential with first(t),
+// with which a reduction may form sum excess = sum coarse_value - sum t and sum excess_first = sum first - N
+// over a block of samples whose mean |t| is at least 1 (there the two error bounds agree within a small
+// factor; csrc/cpu/kernels_impl.h does). `kHasCoarseValue` says it exists.
 
 // psi(s) = (s - 1)^2 (see the erratum in DESIGN.md): psi*(t) = -1 + (t + 2)_+^2 / 4, which is t + t^2/4
-// for t > -2 and -1 below.
+// for t > -2 and -1 below. With m = max(t, -2): psi*(t) = m (1 + m/4), psi*(t) - t = m^2/4 + (m - t) and
+// psi*'(t) - 1 = m/2, each exact to a rounding or two (m - t is exact or 0).
 template <typename acc_t>
 struct Chi2 {
   template <typename T>
   C10_HOST_DEVICE inline T value(T t) const {
     using M = Math<T>;
-    return M::select_positive(t + M::constant(2.0), t + t * t * M::constant(0.25), M::constant(-1.0));
+    const T m = M::max(t, M::constant(-2.0));
+    return m * (m * M::constant(0.25) + M::constant(1.0));
   }
   template <typename T>
   C10_HOST_DEVICE inline T first(T t) const {
@@ -87,12 +98,13 @@ struct Chi2 {
   template <typename T>
   C10_HOST_DEVICE inline T excess(T t) const {
     using M = Math<T>;
-    return M::select_positive(t + M::constant(2.0), t * t * M::constant(0.25), M::constant(-1.0) - t);
+    const T m = M::max(t, M::constant(-2.0));
+    return m * m * M::constant(0.25) + (m - t);
   }
   template <typename T>
   C10_HOST_DEVICE inline T excess_first(T t) const {
     using M = Math<T>;
-    return M::select_positive(t + M::constant(2.0), t * M::constant(0.5), M::constant(-1.0));
+    return M::max(t, M::constant(-2.0)) * M::constant(0.5);
   }
 };
 
@@ -111,6 +123,12 @@ struct KL {
   C10_HOST_DEVICE inline T excess(T t) const { return Math<T>::expm1(t) - t; }
   template <typename T>
   C10_HOST_DEVICE inline T excess_first(T t) const { return Math<T>::expm1(t); }
+  static constexpr bool kHasCoarseValue = true;
+  template <typename T>
+  C10_HOST_DEVICE inline T coarse_value(T t) const {
+    using M = Math<T>;
+    return M::exp(t) - M::constant(1.0);
+  }
 };
 
 // psi(s) = indicator of [0, 1/alpha]: psi*(t) = (t)_+ / alpha, subgradient 0 at t == 0.
@@ -135,10 +153,11 @@ struct CVaR {
     using M = Math<T>;
     return M::select_positive(t, M::constant(0.0), M::constant(0.0));
   }
+  // (t)_+ / alpha - t: t (1/alpha - 1) for t > 0 (to a rounding or two) and -t (exactly) otherwise.
   template <typename T>
   C10_HOST_DEVICE inline T excess(T t) const {
     using M = Math<T>;
-    return M::select_positive(t, t * M::constant(inv_alpha_minus_1), -t);
+    return M::relu(t) * M::constant(inv_alpha) - t;
   }
   template <typename T>
   C10_HOST_DEVICE inline T excess_first(T t) const {
@@ -188,6 +207,13 @@ struct KLCVaR {
   C10_HOST_DEVICE inline T excess_first(T t) const {
     using M = Math<T>;
     return M::expm1(M::min(t, M::constant(cut)));
+  }
+  static constexpr bool kHasCoarseValue = true;
+  template <typename T>
+  C10_HOST_DEVICE inline T coarse_value(T t) const {
+    using M = Math<T>;
+    T c = M::constant(cut);
+    return M::exp(M::min(t, c)) - M::constant(1.0) + M::relu(t - c) * M::constant(inv_alpha);
   }
 };
 
@@ -310,12 +336,14 @@ struct CressieRead {
 template <typename acc_t>
 struct SmoothedCVaR {
   acc_t shift;          // log(alpha / (1 - alpha))
+  acc_t log1m_alpha;    // log(1 - alpha)
   acc_t alpha;
   acc_t one_minus_alpha;
   acc_t inv_alpha;
   acc_t inv_alpha_minus_1;
   C10_HOST_DEVICE explicit SmoothedCVaR(double alpha_)
       : shift(static_cast<acc_t>(::log(alpha_) - ::log1p(-alpha_))),
+        log1m_alpha(static_cast<acc_t>(::log1p(-alpha_))),
         alpha(static_cast<acc_t>(alpha_)),
         one_minus_alpha(static_cast<acc_t>(1.0 - alpha_)),
         inv_alpha(static_cast<acc_t>(1.0 / alpha_)),
@@ -374,6 +402,15 @@ struct SmoothedCVaR {
     const T m = M::expm1(M::neg_abs(t));
     const T ratio = m * M::constant(one_minus_alpha) / (M::constant(1.0) + cm);
     return M::select_positive(t, -ratio, ratio);
+  }
+  // The softplus form: psi*(t) = (log(1 - alpha) + s_+ + log1p(exp(-|s|))) / alpha, s = t + shift (one
+  // exponential, shared with first(); log1p of an argument in [0, 1]).
+  static constexpr bool kHasCoarseValue = true;
+  template <typename T>
+  C10_HOST_DEVICE inline T coarse_value(T t) const {
+    using M = Math<T>;
+    const T s = t + M::constant(shift);
+    return (M::constant(log1m_alpha) + M::relu(s) + M::log1p_unit(exp_neg_abs(s))) * M::constant(inv_alpha);
   }
 };
 

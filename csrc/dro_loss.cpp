@@ -29,11 +29,12 @@ std::tuple<at::Tensor, at::Tensor> dro_loss_cpu(
   const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
   const at::Tensor x = losses.contiguous();
   const double g_eta = scale * cpu::read_scalar(eta);
-  // lam psi*(t) + G eta = l + lam (psi*(t) - t): the G eta terms cancel exactly, and lam * excess keeps its
-  // precision as lam grows, where lam psi*(t) + G eta would cancel catastrophically (DESIGN.md, Numerics).
+  // lam psi*(t) + G eta = l + lam (psi*(t) - t) = G eta + lam (t + excess(t)): lam * excess keeps its precision
+  // as lam grows, where lam psi*(t) + G eta would cancel catastrophically (DESIGN.md, Numerics); lam t is
+  // l - G eta to a rounding.
   const auto sums = cpu::cpu_kernels().reduce(x, spec, cpu::Affine{g_eta, 1.0 / lam}, cpu::Sums::Loss);
   const double n = static_cast<double>(x.numel());
-  const double value = sums[0] / n + lam * (sums[1] / n);
+  const double value = g_eta + lam * (sums[0] / n + sums[1] / n);
   const double mean_weight = 1.0 + sums[2] / n;
   auto options = losses.options();
   return {cpu::make_scalar(value, options),

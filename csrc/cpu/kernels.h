@@ -19,8 +19,9 @@ struct Affine {
 
 // What one pass of reduce() sums, with t_i = (x_i - shift) * inv_lam.
 enum class Sums {
-  // {sum_i x_i, sum_i excess(t_i), sum_i excess_first(t_i)}: the loss value mean x + lam mean excess (the
-  // shift cancels, so it keeps its precision as lam grows) and the mean weight 1 + mean excess_first.
+  // {sum_i t_i, sum_i excess(t_i), sum_i excess_first(t_i)}: the loss value shift + lam (mean t + mean excess)
+  // (= mean x + lam mean excess: lam t_i = x_i - shift to a rounding, so it keeps its precision as lam grows,
+  // where shift + lam mean psi*(t) would not) and the mean weight 1 + mean excess_first.
   Loss,
   // {sum_i excess_first(t_i), sum_i second(t_i), 0}: the optimality condition of eta and its slope.
   Newton,

@@ -92,73 +92,111 @@ inline T derivative(const Div& div, const T& t) {
 }
 
 // The per-element terms a reduction sums, of the input x and of t = (x - shift) * inv_lam.
-enum class Term { Input, Excess, ExcessFirst, First, Second };
+enum class Term { None, Input, T, NegAbsT, Excess, ExcessFirst, First, Second, CoarseValue };
 
 template <Term kTerm, typename Div, typename T>
 inline T term(const Div& div, const T& x, const T& t) {
   if constexpr (kTerm == Term::Input) {
     return x;
+  } else if constexpr (kTerm == Term::T) {
+    return t;
+  } else if constexpr (kTerm == Term::NegAbsT) {
+    return Math<T>::neg_abs(t);
   } else if constexpr (kTerm == Term::Excess) {
     return div.excess(t);
   } else if constexpr (kTerm == Term::ExcessFirst) {
     return div.excess_first(t);
   } else if constexpr (kTerm == Term::First) {
     return div.first(t);
-  } else {
+  } else if constexpr (kTerm == Term::Second) {
     return div.second(t);
+  } else {
+    return div.coarse_value(t);
   }
 }
 
-// {sum_i term_0, sum_i term_1, ...} over the first n elements of x, in one pass (the terms of one element
-// share their subexpressions once inlined: kl's excess and excess_first one expm1).
-template <typename scalar_t, typename Div, Term... kTerms>
+// Up to four running sums in registers (a Term::None slot is never touched).
+template <typename V, Term A, Term B, Term C, Term D = Term::None>
+struct Accumulator {
+  V a, b, c, d;
+  explicit Accumulator(const V& zero) : a(zero), b(zero), c(zero), d(zero) {}
+  template <typename Div>
+  inline void add(const Div& div, const V& x, const V& t) {
+    if constexpr (A != Term::None) a = a + term<A>(div, x, t);
+    if constexpr (B != Term::None) b = b + term<B>(div, x, t);
+    if constexpr (C != Term::None) c = c + term<C>(div, x, t);
+    if constexpr (D != Term::None) d = d + term<D>(div, x, t);
+  }
+  // Adds only the first `count` lanes of other's sums (a partial vector's unused lanes hold junk terms).
+  inline void add_lanes(const Accumulator& other, const V& zero, int64_t count) {
+    if constexpr (A != Term::None) a = a + V::set(zero, other.a, count);
+    if constexpr (B != Term::None) b = b + V::set(zero, other.b, count);
+    if constexpr (C != Term::None) c = c + V::set(zero, other.c, count);
+    if constexpr (D != Term::None) d = d + V::set(zero, other.d, count);
+  }
+  inline void add(const Accumulator& other) {
+    a = a + other.a;
+    b = b + other.b;
+    c = c + other.c;
+    d = d + other.d;
+  }
+};
+
+// Adds the terms of the elements [begin, end) of x into sums (two accumulators per sum, so consecutive
+// vectors do not wait on one addition's latency).
+template <typename acc_t, typename Acc, typename scalar_t, typename Div>
+inline void accumulate_block(Acc& sums, const scalar_t* x, int64_t begin, int64_t end, const Div& div,
+                             const Vectorized<acc_t>& shift, const Vectorized<acc_t>& inv_lam) {
+  using V = Vectorized<acc_t>;
+  const V zero(acc_t(0));
+  Acc sums2(zero);
+  int64_t i = begin;
+  for (; i + 2 * V::size() <= end; i += 2 * V::size()) {
+    const V x1 = load<acc_t>(x + i, V::size());
+    const V x2 = load<acc_t>(x + i + V::size(), V::size());
+    sums.add(div, x1, (x1 - shift) * inv_lam);
+    sums2.add(div, x2, (x2 - shift) * inv_lam);
+  }
+  for (; i + V::size() <= end; i += V::size()) {
+    const V x1 = load<acc_t>(x + i, V::size());
+    sums.add(div, x1, (x1 - shift) * inv_lam);
+  }
+  if (i < end) {
+    const V x1 = load<acc_t>(x + i, end - i);
+    Acc tail(zero);
+    tail.add(div, x1, (x1 - shift) * inv_lam);
+    sums.add_lanes(tail, zero, end - i);
+  }
+  sums.add(sums2);
+}
+
+// {sum_i A, sum_i B, sum_i C} over the first n elements of x, in one pass (the terms of one element share
+// their subexpressions once inlined: kl's excess and excess_first one expm1).
+template <typename scalar_t, typename Div, Term A, Term B, Term C = Term::None>
 std::array<double, 3> reduce_terms(const scalar_t* x, int64_t n, const Div& div, Affine affine) {
   using acc_t = at::opmath_type<scalar_t>;
   using V = Vectorized<acc_t>;
-  constexpr size_t K = sizeof...(kTerms);
-  using Sums = std::array<V, K>;
+  using Acc = Accumulator<V, A, B, C>;
   const V shift(static_cast<acc_t>(affine.shift));
   const V inv_lam(static_cast<acc_t>(affine.inv_lam));
   const V zero(acc_t(0));
   const int64_t num_chunks = (n + kChunk - 1) / kChunk;
-  std::vector<std::array<acc_t, K>> partial(num_chunks);
-  auto add = [&](Sums& sums, const V& xs) {
-    const V t = (xs - shift) * inv_lam;
-    size_t j = 0;
-    ((sums[j] = sums[j] + term<kTerms>(div, xs, t), ++j), ...);
-  };
+  std::vector<std::array<acc_t, 3>> partial(num_chunks);
   at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     for (int64_t c = chunk_begin; c < chunk_end; ++c) {
       const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
-      Sums chunk;
-      chunk.fill(zero);
+      Acc chunk(zero);
       for (int64_t block = begin; block < end; block += kBlock) {
         const int64_t block_end = std::min(end, block + kBlock);
-        // Two accumulators per sum, so consecutive vectors do not wait on one addition's latency.
-        Sums sums, sums2;
-        sums.fill(zero);
-        sums2.fill(zero);
-        int64_t i = block;
-        for (; i + 2 * V::size() <= block_end; i += 2 * V::size()) {
-          add(sums, load<acc_t>(x + i, V::size()));
-          add(sums2, load<acc_t>(x + i + V::size(), V::size()));
-        }
-        for (; i + V::size() <= block_end; i += V::size()) add(sums, load<acc_t>(x + i, V::size()));
-        if (i < block_end) {
-          // The tail's unused lanes are loaded as 0 but their terms need not be: add only `count` lanes.
-          const int64_t count = block_end - i;
-          Sums tail;
-          tail.fill(zero);
-          add(tail, load<acc_t>(x + i, count));
-          for (size_t j = 0; j < K; ++j) sums[j] = sums[j] + V::set(zero, tail[j], count);
-        }
-        for (size_t j = 0; j < K; ++j) chunk[j] = chunk[j] + (sums[j] + sums2[j]);
+        Acc sums(zero);
+        accumulate_block<acc_t>(sums, x, block, block_end, div, shift, inv_lam);
+        chunk.add(sums);
       }
-      for (size_t j = 0; j < K; ++j) partial[c][j] = horizontal_sum(chunk[j]);
+      partial[c] = {horizontal_sum(chunk.a), horizontal_sum(chunk.b), horizontal_sum(chunk.c)};
     }
   });
   std::array<double, 3> total{0.0, 0.0, 0.0};
-  for (size_t j = 0; j < K; ++j) {
+  for (size_t j = 0; j < 3; ++j) {
     acc_t s = 0;
     for (int64_t c = 0; c < num_chunks; ++c) s += partial[c][j];
     total[j] = static_cast<double>(s);
@@ -214,6 +252,57 @@ void map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affi
   });
 }
 
+// The Loss sums of a divergence with a coarse value (see csrc/divergences.h): {sum t, sum excess,
+// sum excess_first}. Each block is summed with the coarse value and first (sum excess = sum coarse_value -
+// sum t, sum excess_first = sum first - count), and again with the accurate terms when its mean |t| is
+// below 1 (the ERM regime, where only those keep the loss's precision). Elsewhere the coarse error, a few
+// roundings of 1 + |psi*(t)|, is within a small factor of the accurate terms' few roundings of |t| + excess(t),
+// at the cost of value + first (one exp, where excess needs expm1 and log1p).
+template <typename scalar_t, typename Div>
+std::array<double, 3> reduce_loss_coarse(const scalar_t* x, int64_t n, const Div& div, Affine affine) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using V = Vectorized<acc_t>;
+  using Coarse = Accumulator<V, Term::T, Term::CoarseValue, Term::First, Term::NegAbsT>;
+  using Accurate = Accumulator<V, Term::None, Term::Excess, Term::ExcessFirst>;
+  const V shift(static_cast<acc_t>(affine.shift));
+  const V inv_lam(static_cast<acc_t>(affine.inv_lam));
+  const V zero(acc_t(0));
+  const int64_t num_chunks = (n + kChunk - 1) / kChunk;
+  std::vector<std::array<acc_t, 3>> partial(num_chunks);
+  at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+      const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
+      std::array<acc_t, 3> chunk{0, 0, 0};
+      for (int64_t block = begin; block < end; block += kBlock) {
+        const int64_t block_end = std::min(end, block + kBlock);
+        const acc_t count = static_cast<acc_t>(block_end - block);
+        Coarse sums(zero);
+        accumulate_block<acc_t>(sums, x, block, block_end, div, shift, inv_lam);
+        const acc_t sum_t = horizontal_sum(sums.a);
+        chunk[0] += sum_t;
+        // sum -|t| > -count: mean |t| < 1 (a NaN t keeps the coarse sums, which are NaN as well).
+        if (horizontal_sum(sums.d) > -count) {
+          Accurate accurate(zero);
+          accumulate_block<acc_t>(accurate, x, block, block_end, div, shift, inv_lam);
+          chunk[1] += horizontal_sum(accurate.b);
+          chunk[2] += horizontal_sum(accurate.c);
+        } else {
+          chunk[1] += horizontal_sum(sums.b) - sum_t;
+          chunk[2] += horizontal_sum(sums.c) - count;
+        }
+      }
+      partial[c] = chunk;
+    }
+  });
+  std::array<double, 3> total{0.0, 0.0, 0.0};
+  for (size_t j = 0; j < 3; ++j) {
+    acc_t s = 0;
+    for (int64_t c = 0; c < num_chunks; ++c) s += partial[c][j];
+    total[j] = static_cast<double>(s);
+  }
+  return total;
+}
+
 std::array<double, 3> reduce_impl(const at::Tensor& x, const DivergenceSpec& spec, Affine affine, Sums sums) {
   TORCH_INTERNAL_ASSERT(x.is_contiguous() && x.dim() == 1);
   std::array<double, 3> out{};
@@ -225,11 +314,15 @@ std::array<double, 3> reduce_impl(const at::Tensor& x, const DivergenceSpec& spe
       using Div = std::decay_t<decltype(div)>;
       switch (sums) {
         case Sums::Loss:
-          return reduce_terms<scalar_t, Div, Term::Input, Term::Excess, Term::ExcessFirst>(data, n, div, affine);
+          if constexpr (requires { requires Div::kHasCoarseValue; }) {
+            return reduce_loss_coarse<scalar_t>(data, n, div, affine);
+          } else {
+            return reduce_terms<scalar_t, Div, Term::T, Term::Excess, Term::ExcessFirst>(data, n, div, affine);
+          }
         case Sums::Newton:
           return reduce_terms<scalar_t, Div, Term::ExcessFirst, Term::Second>(data, n, div, affine);
         default:
-          return reduce_terms<scalar_t, Div, Term::First>(data, n, div, affine);
+          return reduce_terms<scalar_t, Div, Term::First, Term::None>(data, n, div, affine);
       }
     });
   });

@@ -163,6 +163,10 @@ struct Math<at::vec::Vectorized<S>> {
     if constexpr (std::is_same_v<S, float>) return V(_mm256_min_ps(hi, x));
     else return V(_mm256_min_pd(hi, x));
   }
+  static inline V max(const V& x, const V& lo) {
+    if constexpr (std::is_same_v<S, float>) return V(_mm256_max_ps(lo, x));
+    else return V(_mm256_max_pd(lo, x));
+  }
   static inline V neg_abs(const V& x) {  // set the sign bit
     if constexpr (std::is_same_v<S, float>) return V(_mm256_or_ps(x, _mm256_set1_ps(-0.0f)));
     else return V(_mm256_or_pd(x, _mm256_set1_pd(-0.0)));
@@ -171,6 +175,7 @@ struct Math<at::vec::Vectorized<S>> {
   // blendv(a, b, mask) takes b where mask is set; a NaN compares false everywhere, so it keeps x.
   static inline V relu(const V& x) { return V::blendv(x, V(S(0)), x < V(S(0))); }
   static inline V min(const V& x, const V& hi) { return V::blendv(x, hi, x > hi); }
+  static inline V max(const V& x, const V& lo) { return V::blendv(x, lo, x < lo); }
   static inline V neg_abs(const V& x) { return -x.abs(); }
 #endif
   static inline V select_positive(const V& x, const V& if_pos, const V& if_nonpos) {
