@@ -405,3 +405,21 @@ def test_dense_sweep_of_the_vector_expm1_and_log1p(backend, dtype):
                                  for v in exact_t.tolist()], dtype=torch.float64)
     finite = expected.isfinite()
     assert ((value - expected).abs()[finite] <= 16 * eps * (expected.abs() + 1)[finite]).all(), "power"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("name,params", CASES, ids=CASE_IDS)
+def test_blocks_of_large_and_small_t(backend, name, params, dtype):
+    # The CPU kernels sum blocks of 512 samples whose mean |t| is at least 1 with the coarse value of the
+    # exponential divergences and the others with the accurate excess: one tensor with both kinds of blocks
+    # (and blocks near the switch) must match the reference either way.
+    spread = torch.cat([torch.randn(1536, dtype=torch.float64) * 3, torch.randn(1536, dtype=torch.float64) * 0.05,
+                        torch.randn(1100, dtype=torch.float64) * 1.25])
+    losses = (2.0 + spread).to(dtype)
+    eta = torch.tensor(2.0, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    values = losses.tolist()
+    for lam in (1.0, 1e3):
+        value = dro_ext.dro_loss(losses, eta, lam, name, **params)
+        assert_close(value, mp_loss(values, 2.0, lam, name, **params), RTOL[dtype], f"dro_loss lam={lam}")
+        value, _ = dro_ext.robust_objective(losses, lam, name, **params)
+        assert_close(value, mp_robust(values, lam, name, **params), RTOL[dtype], f"robust_objective lam={lam}")

@@ -118,6 +118,7 @@ inline T term(const Div& div, const T& x, const T& t) {
 // Up to four running sums in registers (a Term::None slot is never touched).
 template <typename V, Term A, Term B, Term C, Term D = Term::None>
 struct Accumulator {
+  static constexpr int kSums = (A != Term::None) + (B != Term::None) + (C != Term::None) + (D != Term::None);
   V a, b, c, d;
   explicit Accumulator(const V& zero) : a(zero), b(zero), c(zero), d(zero) {}
   template <typename Div>
@@ -142,8 +143,9 @@ struct Accumulator {
   }
 };
 
-// Adds the terms of the elements [begin, end) of x into sums (two accumulators per sum, so consecutive
-// vectors do not wait on one addition's latency).
+// Adds the terms of the elements [begin, end) of x into sums. Up to three sums get two accumulators each, so
+// consecutive vectors do not wait on one addition's latency; four sums have latency enough to hide between
+// them, and eight accumulators would leave too few registers for the constants of an exponential.
 template <typename acc_t, typename Acc, typename scalar_t, typename Div>
 inline void accumulate_block(Acc& sums, const scalar_t* x, int64_t begin, int64_t end, const Div& div,
                              const Vectorized<acc_t>& shift, const Vectorized<acc_t>& inv_lam) {
@@ -151,7 +153,7 @@ inline void accumulate_block(Acc& sums, const scalar_t* x, int64_t begin, int64_
   const V zero(acc_t(0));
   Acc sums2(zero);
   int64_t i = begin;
-  for (; i + 2 * V::size() <= end; i += 2 * V::size()) {
+  for (; Acc::kSums <= 3 && i + 2 * V::size() <= end; i += 2 * V::size()) {
     const V x1 = load<acc_t>(x + i, V::size());
     const V x2 = load<acc_t>(x + i + V::size(), V::size());
     sums.add(div, x1, (x1 - shift) * inv_lam);
@@ -258,12 +260,16 @@ void map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affi
 // below 1 (the ERM regime, where only those keep the loss's precision). Elsewhere the coarse error, a few
 // roundings of 1 + |psi*(t)|, is within a small factor of the accurate terms' few roundings of |t| + excess(t),
 // at the cost of value + first (one exp, where excess needs expm1 and log1p).
-template <typename scalar_t, typename Div>
-std::array<double, 3> reduce_loss_coarse(const scalar_t* x, int64_t n, const Div& div, Affine affine) {
+//
+// The Newton sums {sum excess_first, sum second} take the same two paths (coarse: sum first - count).
+template <typename scalar_t, typename Div, bool kNewton>
+std::array<double, 3> reduce_coarse(const scalar_t* x, int64_t n, const Div& div, Affine affine) {
   using acc_t = at::opmath_type<scalar_t>;
   using V = Vectorized<acc_t>;
-  using Coarse = Accumulator<V, Term::T, Term::CoarseValue, Term::First, Term::NegAbsT>;
-  using Accurate = Accumulator<V, Term::None, Term::Excess, Term::ExcessFirst>;
+  using Coarse = std::conditional_t<kNewton, Accumulator<V, Term::None, Term::Second, Term::First, Term::NegAbsT>,
+                                    Accumulator<V, Term::T, Term::CoarseValue, Term::First, Term::NegAbsT>>;
+  using Accurate = std::conditional_t<kNewton, Accumulator<V, Term::None, Term::Second, Term::ExcessFirst>,
+                                      Accumulator<V, Term::None, Term::Excess, Term::ExcessFirst>>;
   const V shift(static_cast<acc_t>(affine.shift));
   const V inv_lam(static_cast<acc_t>(affine.inv_lam));
   const V zero(acc_t(0));
@@ -272,13 +278,14 @@ std::array<double, 3> reduce_loss_coarse(const scalar_t* x, int64_t n, const Div
   at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     for (int64_t c = chunk_begin; c < chunk_end; ++c) {
       const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
+      // Loss: {sum t, sum excess, sum excess_first}; Newton: {unused, sum second, sum excess_first}.
       std::array<acc_t, 3> chunk{0, 0, 0};
       for (int64_t block = begin; block < end; block += kBlock) {
         const int64_t block_end = std::min(end, block + kBlock);
         const acc_t count = static_cast<acc_t>(block_end - block);
         Coarse sums(zero);
         accumulate_block<acc_t>(sums, x, block, block_end, div, shift, inv_lam);
-        const acc_t sum_t = horizontal_sum(sums.a);
+        const acc_t sum_t = kNewton ? acc_t(0) : horizontal_sum(sums.a);
         chunk[0] += sum_t;
         // sum -|t| > -count: mean |t| < 1 (a NaN t keeps the coarse sums, which are NaN as well).
         if (horizontal_sum(sums.d) > -count) {
@@ -287,7 +294,7 @@ std::array<double, 3> reduce_loss_coarse(const scalar_t* x, int64_t n, const Div
           chunk[1] += horizontal_sum(accurate.b);
           chunk[2] += horizontal_sum(accurate.c);
         } else {
-          chunk[1] += horizontal_sum(sums.b) - sum_t;
+          chunk[1] += kNewton ? horizontal_sum(sums.b) : horizontal_sum(sums.b) - sum_t;
           chunk[2] += horizontal_sum(sums.c) - count;
         }
       }
@@ -300,6 +307,7 @@ std::array<double, 3> reduce_loss_coarse(const scalar_t* x, int64_t n, const Div
     for (int64_t c = 0; c < num_chunks; ++c) s += partial[c][j];
     total[j] = static_cast<double>(s);
   }
+  if constexpr (kNewton) return {total[2], total[1], 0.0};
   return total;
 }
 
@@ -315,12 +323,16 @@ std::array<double, 3> reduce_impl(const at::Tensor& x, const DivergenceSpec& spe
       switch (sums) {
         case Sums::Loss:
           if constexpr (requires { requires Div::kHasCoarseValue; }) {
-            return reduce_loss_coarse<scalar_t>(data, n, div, affine);
+            return reduce_coarse<scalar_t, Div, false>(data, n, div, affine);
           } else {
             return reduce_terms<scalar_t, Div, Term::T, Term::Excess, Term::ExcessFirst>(data, n, div, affine);
           }
         case Sums::Newton:
-          return reduce_terms<scalar_t, Div, Term::ExcessFirst, Term::Second>(data, n, div, affine);
+          if constexpr (requires { requires Div::kHasCoarseValue; }) {
+            return reduce_coarse<scalar_t, Div, true>(data, n, div, affine);
+          } else {
+            return reduce_terms<scalar_t, Div, Term::ExcessFirst, Term::Second>(data, n, div, affine);
+          }
         default:
           return reduce_terms<scalar_t, Div, Term::First, Term::None>(data, n, div, affine);
       }
