@@ -225,7 +225,11 @@ struct KLCVaR {
 // pow(1 + a t, p) would round 1 + a t to 1. Then u^(p+1) - 1 = e + a t (1 + e), and
 // psi*(t) - t = (e - t + a t e) / k (using k t = t + a t).
 // kPower = 1 (k = 2, p = 1) and kPower = 2 (k = 3/2, p = 2) are integer powers of u and take a
-// pure-arithmetic path; kPower = 0 is any k. visit_divergence picks the specialization from k.
+// pure-arithmetic path; kPower = 0 is any k. visit_divergence picks the specialization from k. With
+// m = max(t, -1/a) (u clamped at 0), as for chi2, no select is needed:
+//   k = 2:    psi* = m (1 + m/2),          excess = m^2/2 + (m - t),             psi*' - 1 = m
+//   k = 3/2:  psi* = m (v^2 + v + 1) / 3,  excess = m^2 (v + 2) / 6 + (m - t),   psi*' - 1 = m + m^2/4,
+//             v = 1 + m/2.
 template <typename acc_t, int kPower = 0>
 struct CressieRead {
   acc_t k_minus_1;     // a
@@ -260,16 +264,23 @@ struct CressieRead {
       return M::expm1(log_base(t) * M::constant(first_power));
     }
   }
+  // max(t, -1/a), where u = 1 + a t reaches 0 (k = 2 and k = 3/2 only).
+  template <typename T>
+  C10_HOST_DEVICE inline T clamped(T t) const {
+    using M = Math<T>;
+    return M::max(t, M::constant(kPower == 1 ? -1.0 : -2.0));
+  }
   template <typename T>
   C10_HOST_DEVICE inline T value(T t) const {
     using M = Math<T>;
     if constexpr (kPower == 1) {
-      return M::select_positive(base(t), t + t * t * M::constant(0.5), M::constant(-0.5));
+      const T m = clamped(t);
+      return m * (m * M::constant(0.5) + M::constant(1.0));
     } else if constexpr (kPower == 2) {
       // (u^3 - 1) / (3/2) = (t/2)(u^2 + u + 1) / (3/2)
-      const T u = base(t);
-      return M::select_positive(u, t * (u * u + u + M::constant(1.0)) * M::constant(1.0 / 3.0),
-                                M::constant(-2.0 / 3.0));
+      const T m = clamped(t);
+      const T v = base(m);
+      return m * (v * v + v + M::constant(1.0)) * M::constant(1.0 / 3.0);
     } else {
       const T inv_k_v = M::constant(inv_k);
       const T e = power_minus_1(t);
@@ -308,10 +319,11 @@ struct CressieRead {
     using M = Math<T>;
     const T u = base(t);
     if constexpr (kPower == 1) {
-      return M::select_positive(u, t * t * M::constant(0.5), M::constant(-0.5) - t);
+      const T m = clamped(t);
+      return m * m * M::constant(0.5) + (m - t);
     } else if constexpr (kPower == 2) {
-      return M::select_positive(u, t * t * (u + M::constant(2.0)) * M::constant(1.0 / 6.0),
-                                M::constant(-2.0 / 3.0) - t);
+      const T m = clamped(t);
+      return m * m * (base(m) + M::constant(2.0)) * M::constant(1.0 / 6.0) + (m - t);
     } else {
       const T inv_k_v = M::constant(inv_k);
       const T e = power_minus_1(t);
@@ -321,7 +333,11 @@ struct CressieRead {
   template <typename T>
   C10_HOST_DEVICE inline T excess_first(T t) const {
     using M = Math<T>;
-    return M::select_positive(base(t), power_minus_1(t), M::constant(-1.0));
+    if constexpr (kPower == 1 || kPower == 2) {
+      return power_minus_1(clamped(t));
+    } else {
+      return M::select_positive(base(t), power_minus_1(t), M::constant(-1.0));
+    }
   }
 };
 
