@@ -317,7 +317,6 @@ struct CressieRead {
   template <typename T>
   C10_HOST_DEVICE inline T excess(T t) const {
     using M = Math<T>;
-    const T u = base(t);
     if constexpr (kPower == 1) {
       const T m = clamped(t);
       return m * m * M::constant(0.5) + (m - t);
@@ -327,7 +326,7 @@ struct CressieRead {
     } else {
       const T inv_k_v = M::constant(inv_k);
       const T e = power_minus_1(t);
-      return M::select_positive(u, ((e - t) + t * M::constant(k_minus_1) * e) * inv_k_v, -inv_k_v - t);
+      return M::select_positive(base(t), ((e - t) + t * M::constant(k_minus_1) * e) * inv_k_v, -inv_k_v - t);
     }
   }
   template <typename T>
