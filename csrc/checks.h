@@ -13,6 +13,18 @@
 namespace dro_ext {
 
 inline DivergenceSpec parse_divergence(const std::string& name, std::optional<double> alpha, std::optional<double> k) {
+  // A parameter the divergence does not take is an error, not silently ignored (it is likely a mistake
+  // about which divergence runs).
+  auto takes_no = [&](const char* arg, const std::optional<double>& value) {
+    TORCH_CHECK_VALUE(!value.has_value(), "dro_ext: divergence '", name, "' takes no ", arg, ", got ", arg, "=",
+                      value.value_or(0.0), "; pass ", arg, "=None");
+  };
+  const bool known = name == "chi2" || name == "kl" || name == "cvar" || name == "kl_cvar" ||
+                     name == "smoothed_cvar" || name == "cressie_read";
+  if (known) {
+    if (name != "cvar" && name != "kl_cvar" && name != "smoothed_cvar") takes_no("alpha", alpha);
+    if (name != "cressie_read") takes_no("k", k);
+  }
   auto need_alpha = [&](Divergence kind) {
     TORCH_CHECK_VALUE(alpha.has_value(), "dro_ext: divergence '", name, "' needs alpha in (0, 1), got alpha=None");
     TORCH_CHECK_VALUE(*alpha > 0.0 && *alpha < 1.0, "dro_ext: alpha must be in (0, 1) for divergence '", name,

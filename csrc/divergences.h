@@ -6,9 +6,10 @@
 // (csrc/cpu/vectorized_math.h) without a second copy of any formula.
 //
 // Conventions every functor honours (DESIGN.md section 1):
-//  - NaN in t gives NaN in value, first and second: selects test "t > 0" and "t <= 0" separately, so a NaN
-//    falls through both and is returned as itself.
-//  - Nothing overflows in a lane that is later discarded: exponentials are evaluated at clamped arguments.
+//  - NaN in t gives NaN in value, first, second, excess and excess_first: selects test "t > 0" and
+//    "t <= 0" separately, so a NaN falls through both and is returned as itself.
+//  - A lane that a select discards may hold inf or NaN (cressie_read's log1p(a t) at a t <= -1); no
+//    arithmetic combines it with a kept lane. Exponentials of kept lanes are evaluated at clamped arguments.
 //  - psi*'(t) >= 0 and is non-decreasing; psi*'(0) == 1 for all of them.
 #pragma once
 
@@ -33,12 +34,17 @@ template <typename T>
 struct Math {
   static C10_HOST_DEVICE inline T constant(double c) { return static_cast<T>(c); }
   static C10_HOST_DEVICE inline T exp(T x) { return ::exp(x); }
+  // e^x - 1 and log(1 + x) with a small relative error for small |x| (where exp(x) - 1 and log(1 + x)
+  // lose every digit): the excess terms below are built from them.
+  static C10_HOST_DEVICE inline T expm1(T x) { return ::expm1(x); }
+  static C10_HOST_DEVICE inline T log1p(T x) { return ::log1p(x); }
   // log1p(x) for x in [0, 1] only, where a vector build may use a cheaper series (vectorized_math.h).
   static C10_HOST_DEVICE inline T log1p_unit(T x) { return ::log1p(x); }
   static C10_HOST_DEVICE inline T neg_abs(T x) { return -::fabs(x); }
-  static C10_HOST_DEVICE inline T pow(T x, T y) { return ::pow(x, y); }
   // max(x, 0) that keeps NaN.
   static C10_HOST_DEVICE inline T relu(T x) { return x < T(0) ? T(0) : x; }
+  // max(x, lo) that keeps NaN in x.
+  static C10_HOST_DEVICE inline T max(T x, T lo) { return x < lo ? lo : x; }
   // min(x, hi) that keeps NaN in x.
   static C10_HOST_DEVICE inline T min(T x, T hi) { return x > hi ? hi : x; }
   // x > 0 ? if_pos : (x <= 0 ? if_nonpos : x): the NaN-keeping select.
@@ -49,14 +55,35 @@ struct Math {
   static C10_HOST_DEVICE inline T if_positive(T x, T if_pos, T otherwise) { return x > T(0) ? if_pos : otherwise; }
 };
 
-// psi(s) = (s - 1)^2 (see the erratum in DESIGN.md): psi*(t) = -1 + (t + 2)_+^2 / 4.
+// Every functor below has, for its arithmetic type T:
+//   value(t)         psi*(t)
+//   first(t)         psi*'(t)            (the per-sample weight; >= 0, non-decreasing, psi*'(0) = 1)
+//   second(t)        psi*''(t)
+//   excess(t)        psi*(t) - t         (>= 0 by convexity, with psi*(0) = 0 and psi*'(0) = 1)
+//   excess_first(t)  psi*'(t) - 1        (the derivative of excess)
+// excess and excess_first are accurate to a few roundings of |t| + excess(t) (resp. |t| + |excess_first(t)|)
+// however small t is: a loss formed as mean_i l_i + lam * mean_i excess(t_i) then keeps its precision as
+// lam grows (t = (l - G eta)/lam -> 0, the ERM limit), where lam * psi*(t) + G eta would cancel
+// catastrophically; and mean_i excess_first(t_i) = 0 is the optimality condition of eta with the same
+// precision. value(t) is accurate relative to |psi*(t)| near t = 0 as well.
+//
+// The divergences whose accurate excess costs much more than value + first (the exponential ones: expm1,
+// log1p) also have
+//   coarse_value(t)   psi*(t) to a few roundings of 1 + |psi*(t)|, sharing its exponential with first(t),
+// with which a reduction may form sum excess = sum coarse_value - sum t and sum excess_first = sum first - N
+// over a block of samples whose mean |t| is at least 1 (there the two error bounds agree within a small
+// factor; csrc/cpu/kernels_impl.h does). `kHasCoarseValue` says it exists.
+
+// psi(s) = (s - 1)^2 (see the erratum in DESIGN.md): psi*(t) = -1 + (t + 2)_+^2 / 4, which is t + t^2/4
+// for t > -2 and -1 below. With m = max(t, -2): psi*(t) = m (1 + m/4), psi*(t) - t = m^2/4 + (m - t) and
+// psi*'(t) - 1 = m/2, each exact to a rounding or two (m - t is exact or 0).
 template <typename acc_t>
 struct Chi2 {
   template <typename T>
   C10_HOST_DEVICE inline T value(T t) const {
     using M = Math<T>;
-    T u = M::relu(t + M::constant(2.0));
-    return u * u * M::constant(0.25) - M::constant(1.0);
+    const T m = M::max(t, M::constant(-2.0));
+    return m * (m * M::constant(0.25) + M::constant(1.0));
   }
   template <typename T>
   C10_HOST_DEVICE inline T first(T t) const {
@@ -68,30 +95,49 @@ struct Chi2 {
     using M = Math<T>;
     return M::select_positive(t + M::constant(2.0), M::constant(0.5), M::constant(0.0));
   }
+  template <typename T>
+  C10_HOST_DEVICE inline T excess(T t) const {
+    using M = Math<T>;
+    const T m = M::max(t, M::constant(-2.0));
+    return m * m * M::constant(0.25) + (m - t);
+  }
+  template <typename T>
+  C10_HOST_DEVICE inline T excess_first(T t) const {
+    using M = Math<T>;
+    return M::max(t, M::constant(-2.0)) * M::constant(0.5);
+  }
 };
 
 // psi(s) = s log s - s + 1: psi*(t) = e^t - 1. Overflows to inf for t above ~88 (float) / ~709 (double);
-// the robust objective uses the logsumexp closed form instead. value() is written as exp(t) - 1 rather
-// than expm1(t) so that a kernel computing value and first shares one exponential (the absolute error,
-// which is what a mean over samples sees, is the same).
+// the robust objective uses the logsumexp closed form instead.
 template <typename acc_t>
 struct KL {
   template <typename T>
-  C10_HOST_DEVICE inline T value(T t) const {
-    using M = Math<T>;
-    return M::exp(t) - M::constant(1.0);
-  }
+  C10_HOST_DEVICE inline T value(T t) const { return Math<T>::expm1(t); }
   template <typename T>
   C10_HOST_DEVICE inline T first(T t) const { return Math<T>::exp(t); }
   template <typename T>
   C10_HOST_DEVICE inline T second(T t) const { return Math<T>::exp(t); }
+  // expm1(t) - t: its rounding error is that of expm1(t), a few roundings of |t| for small t.
+  template <typename T>
+  C10_HOST_DEVICE inline T excess(T t) const { return Math<T>::expm1(t) - t; }
+  template <typename T>
+  C10_HOST_DEVICE inline T excess_first(T t) const { return Math<T>::expm1(t); }
+  static constexpr bool kHasCoarseValue = true;
+  template <typename T>
+  C10_HOST_DEVICE inline T coarse_value(T t) const {
+    using M = Math<T>;
+    return M::exp(t) - M::constant(1.0);
+  }
 };
 
 // psi(s) = indicator of [0, 1/alpha]: psi*(t) = (t)_+ / alpha, subgradient 0 at t == 0.
 template <typename acc_t>
 struct CVaR {
   acc_t inv_alpha;
-  C10_HOST_DEVICE explicit CVaR(double alpha) : inv_alpha(static_cast<acc_t>(1.0 / alpha)) {}
+  acc_t inv_alpha_minus_1;  // 1/alpha - 1, the slope of the excess for t > 0
+  C10_HOST_DEVICE explicit CVaR(double alpha)
+      : inv_alpha(static_cast<acc_t>(1.0 / alpha)), inv_alpha_minus_1(static_cast<acc_t>((1.0 - alpha) / alpha)) {}
   template <typename T>
   C10_HOST_DEVICE inline T value(T t) const {
     using M = Math<T>;
@@ -107,23 +153,37 @@ struct CVaR {
     using M = Math<T>;
     return M::select_positive(t, M::constant(0.0), M::constant(0.0));
   }
+  // (t)_+ / alpha - t: t (1/alpha - 1) for t > 0 (to a rounding or two) and -t (exactly) otherwise.
+  template <typename T>
+  C10_HOST_DEVICE inline T excess(T t) const {
+    using M = Math<T>;
+    return M::relu(t) * M::constant(inv_alpha) - t;
+  }
+  template <typename T>
+  C10_HOST_DEVICE inline T excess_first(T t) const {
+    using M = Math<T>;
+    return M::select_positive(t, M::constant(inv_alpha_minus_1), M::constant(-1.0));
+  }
 };
 
 // psi(s) = s log s - s + 1 on [0, 1/alpha]: psi*(t) = e^t - 1 for t <= c = -log(alpha), and the tangent
-// line at c beyond it (see the erratum in DESIGN.md). Written branch-free as
-// exp(min(t, c)) - 1 + (t - c)_+ / alpha, which never evaluates exp above c (and shares that exponential
-// with first()).
+// line at c beyond it (see the erratum in DESIGN.md). Written branch-free with m = min(t, c) as
+// expm1(m) + (t - c)_+ / alpha, which never evaluates exp above c; since t - m = (t - c)_+, the excess is
+// (expm1(m) - m) + (t - c)_+ (1/alpha - 1), and psi*'(t) - 1 = expm1(m) (= 1/alpha - 1 beyond c).
 template <typename acc_t>
 struct KLCVaR {
   acc_t cut;        // -log(alpha)
   acc_t inv_alpha;  // 1 / alpha == exp(cut)
+  acc_t inv_alpha_minus_1;
   C10_HOST_DEVICE explicit KLCVaR(double alpha)
-      : cut(static_cast<acc_t>(-::log(alpha))), inv_alpha(static_cast<acc_t>(1.0 / alpha)) {}
+      : cut(static_cast<acc_t>(-::log(alpha))),
+        inv_alpha(static_cast<acc_t>(1.0 / alpha)),
+        inv_alpha_minus_1(static_cast<acc_t>((1.0 - alpha) / alpha)) {}
   template <typename T>
   C10_HOST_DEVICE inline T value(T t) const {
     using M = Math<T>;
     T c = M::constant(cut);
-    return M::exp(M::min(t, c)) - M::constant(1.0) + M::relu(t - c) * M::constant(inv_alpha);
+    return M::expm1(M::min(t, c)) + M::relu(t - c) * M::constant(inv_alpha);
   }
   template <typename T>
   C10_HOST_DEVICE inline T first(T t) const {
@@ -136,17 +196,46 @@ struct KLCVaR {
     T c = M::constant(cut);
     return M::select_positive(t - c, M::constant(0.0), M::exp(M::min(t, c)));
   }
+  template <typename T>
+  C10_HOST_DEVICE inline T excess(T t) const {
+    using M = Math<T>;
+    T c = M::constant(cut);
+    T m = M::min(t, c);
+    return (M::expm1(m) - m) + M::relu(t - c) * M::constant(inv_alpha_minus_1);
+  }
+  template <typename T>
+  C10_HOST_DEVICE inline T excess_first(T t) const {
+    using M = Math<T>;
+    return M::expm1(M::min(t, M::constant(cut)));
+  }
+  static constexpr bool kHasCoarseValue = true;
+  template <typename T>
+  C10_HOST_DEVICE inline T coarse_value(T t) const {
+    using M = Math<T>;
+    T c = M::constant(cut);
+    return M::exp(M::min(t, c)) - M::constant(1.0) + M::relu(t - c) * M::constant(inv_alpha);
+  }
 };
 
-// psi(s) = (s^k - k s + k - 1) / (k (k - 1)), k > 1: with u = ((k-1) t + 1)_+,
-// psi*(t) = (u^(k/(k-1)) - 1) / k, psi*'(t) = u^(1/(k-1)), psi*''(t) = u^((2-k)/(k-1)) for u > 0, else 0.
-// u^(k/(k-1)) is computed as u * u^(1/(k-1)), which shares the power with first().
-template <typename acc_t>
+// psi(s) = (s^k - k s + k - 1) / (k (k - 1)), k > 1. With a = k - 1, p = 1/a and u = 1 + a t:
+//   psi*(t) = (u^(p+1) - 1) / k,  psi*'(t) = u^p,  psi*''(t) = u^(p-1)   for u > 0,
+//   psi*(t) = -1/k,               psi*'(t) = psi*''(t) = 0                for u <= 0.
+// The powers go through log1p and expm1: e = u^p - 1 = expm1(p log1p(a t)) keeps its relative precision
+// for small t, and as k -> 1 (a -> 0, p log1p(a t) -> t) it tends to the KL conjugate's expm1(t), where
+// pow(1 + a t, p) would round 1 + a t to 1. Then u^(p+1) - 1 = e + a t (1 + e), and
+// psi*(t) - t = (e - t + a t e) / k (using k t = t + a t).
+// kPower = 1 (k = 2, p = 1) and kPower = 2 (k = 3/2, p = 2) are integer powers of u and take a
+// pure-arithmetic path; kPower = 0 is any k. visit_divergence picks the specialization from k. With
+// m = max(t, -1/a) (u clamped at 0), as for chi2, no select is needed:
+//   k = 2:    psi* = m (1 + m/2),          excess = m^2/2 + (m - t),             psi*' - 1 = m
+//   k = 3/2:  psi* = m (v^2 + v + 1) / 3,  excess = m^2 (v + 2) / 6 + (m - t),   psi*' - 1 = m + m^2/4,
+//             v = 1 + m/2.
+template <typename acc_t, int kPower = 0>
 struct CressieRead {
-  acc_t k_minus_1;
+  acc_t k_minus_1;     // a
   acc_t inv_k;
-  acc_t first_power;   // 1 / (k - 1)
-  acc_t second_power;  // (2 - k) / (k - 1)
+  acc_t first_power;   // p = 1 / (k - 1)
+  acc_t second_power;  // p - 1 = (2 - k) / (k - 1)
   C10_HOST_DEVICE explicit CressieRead(double k)
       : k_minus_1(static_cast<acc_t>(k - 1.0)),
         inv_k(static_cast<acc_t>(1.0 / k)),
@@ -157,40 +246,124 @@ struct CressieRead {
     using M = Math<T>;
     return t * M::constant(k_minus_1) + M::constant(1.0);
   }
+  // log(u) = log1p(a t); only meaningful where u > 0 (every caller selects those lanes).
+  template <typename T>
+  C10_HOST_DEVICE inline T log_base(T t) const {
+    using M = Math<T>;
+    return M::log1p(t * M::constant(k_minus_1));
+  }
+  // u^p - 1 for u > 0.
+  template <typename T>
+  C10_HOST_DEVICE inline T power_minus_1(T t) const {
+    using M = Math<T>;
+    if constexpr (kPower == 1) {
+      return t;
+    } else if constexpr (kPower == 2) {
+      return t + t * t * M::constant(0.25);  // (1 + t/2)^2 - 1
+    } else {
+      return M::expm1(log_base(t) * M::constant(first_power));
+    }
+  }
+  // max(t, -1/a), where u = 1 + a t reaches 0 (k = 2 and k = 3/2 only).
+  template <typename T>
+  C10_HOST_DEVICE inline T clamped(T t) const {
+    using M = Math<T>;
+    return M::max(t, M::constant(kPower == 1 ? -1.0 : -2.0));
+  }
   template <typename T>
   C10_HOST_DEVICE inline T value(T t) const {
     using M = Math<T>;
-    T u = M::relu(base(t));
-    return (u * M::pow(u, M::constant(first_power)) - M::constant(1.0)) * M::constant(inv_k);
+    if constexpr (kPower == 1) {
+      const T m = clamped(t);
+      return m * (m * M::constant(0.5) + M::constant(1.0));
+    } else if constexpr (kPower == 2) {
+      // (u^3 - 1) / (3/2) = (t/2)(u^2 + u + 1) / (3/2)
+      const T m = clamped(t);
+      const T v = base(m);
+      return m * (v * v + v + M::constant(1.0)) * M::constant(1.0 / 3.0);
+    } else {
+      const T inv_k_v = M::constant(inv_k);
+      const T e = power_minus_1(t);
+      const T at = t * M::constant(k_minus_1);
+      return M::select_positive(base(t), (e + at * (e + M::constant(1.0))) * inv_k_v, -inv_k_v);
+    }
   }
   template <typename T>
   C10_HOST_DEVICE inline T first(T t) const {
     using M = Math<T>;
-    return M::pow(M::relu(base(t)), M::constant(first_power));
+    const T u = base(t);
+    if constexpr (kPower == 1) {
+      return M::relu(u);
+    } else if constexpr (kPower == 2) {
+      const T v = M::relu(u);
+      return v * v;
+    } else {
+      return M::select_positive(u, M::exp(log_base(t) * M::constant(first_power)), M::constant(0.0));
+    }
   }
   template <typename T>
   C10_HOST_DEVICE inline T second(T t) const {
     using M = Math<T>;
-    T u = base(t);
-    // Clamp before pow so the discarded lane never computes 0^negative.
-    T safe_u = M::select_positive(u, u, M::constant(1.0));
-    return M::select_positive(u, M::pow(safe_u, M::constant(second_power)), M::constant(0.0));
+    const T u = base(t);
+    if constexpr (kPower == 1) {
+      return M::select_positive(u, M::constant(1.0), M::constant(0.0));
+    } else if constexpr (kPower == 2) {
+      return M::relu(u);
+    } else {
+      // exp((p - 1) log u): +inf as u -> 0+ when k > 2, as the power is; never evaluated at u <= 0.
+      return M::select_positive(u, M::exp(log_base(t) * M::constant(second_power)), M::constant(0.0));
+    }
+  }
+  template <typename T>
+  C10_HOST_DEVICE inline T excess(T t) const {
+    using M = Math<T>;
+    if constexpr (kPower == 1) {
+      const T m = clamped(t);
+      return m * m * M::constant(0.5) + (m - t);
+    } else if constexpr (kPower == 2) {
+      const T m = clamped(t);
+      return m * m * (base(m) + M::constant(2.0)) * M::constant(1.0 / 6.0) + (m - t);
+    } else {
+      const T inv_k_v = M::constant(inv_k);
+      const T e = power_minus_1(t);
+      return M::select_positive(base(t), ((e - t) + t * M::constant(k_minus_1) * e) * inv_k_v, -inv_k_v - t);
+    }
+  }
+  template <typename T>
+  C10_HOST_DEVICE inline T excess_first(T t) const {
+    using M = Math<T>;
+    if constexpr (kPower == 1 || kPower == 2) {
+      return power_minus_1(clamped(t));
+    } else {
+      return M::select_positive(base(t), power_minus_1(t), M::constant(-1.0));
+    }
   }
 };
 
-// The paper's smoothed CVaR (eq. 3.3): psi*(t) = log(1 - alpha + alpha e^t) / alpha, evaluated as
-// (log(1 - alpha) + softplus(s)) / alpha with s = t + log(alpha / (1 - alpha)), which neither overflows
-// for large t nor loses the small-t tail; psi*'(t) = sigmoid(s) / alpha.
+// The paper's smoothed CVaR (eq. 3.3): psi*(t) = log(1 - alpha + alpha e^t) / alpha. With m = expm1(-|t|)
+// in (-1, 0] (never overflows) and c = alpha for t <= 0, 1 - alpha for t > 0:
+//   t <= 0:  1 - alpha + alpha e^t       = 1 + alpha m
+//   t > 0:   (alpha + (1 - alpha) e^-t) e^t = (1 + (1 - alpha) m) e^t
+// so psi*(t) = [t > 0] t / alpha + log1p(c m) / alpha, exact to a few roundings of |psi*(t)| for every t (no
+// cancellation near t = 0, no overflow for large t). Likewise, with D = 1 + c m,
+//   psi*'(t) - 1 = (1 - alpha) m / D for t <= 0 and -(1 - alpha) m / D for t > 0.
+// psi*'(t) itself is sigmoid(s) / alpha with s = t + log(alpha / (1 - alpha)), accurate for tiny weights.
 template <typename acc_t>
 struct SmoothedCVaR {
   acc_t shift;          // log(alpha / (1 - alpha))
   acc_t log1m_alpha;    // log(1 - alpha)
+  acc_t alpha;
+  acc_t one_minus_alpha;
   acc_t inv_alpha;
-  C10_HOST_DEVICE explicit SmoothedCVaR(double alpha)
-      : shift(static_cast<acc_t>(::log(alpha) - ::log1p(-alpha))),
-        log1m_alpha(static_cast<acc_t>(::log1p(-alpha))),
-        inv_alpha(static_cast<acc_t>(1.0 / alpha)) {}
-  // exp(-|s|), the one exponential that both softplus(s) and sigmoid(s) need.
+  acc_t inv_alpha_minus_1;
+  C10_HOST_DEVICE explicit SmoothedCVaR(double alpha_)
+      : shift(static_cast<acc_t>(::log(alpha_) - ::log1p(-alpha_))),
+        log1m_alpha(static_cast<acc_t>(::log1p(-alpha_))),
+        alpha(static_cast<acc_t>(alpha_)),
+        one_minus_alpha(static_cast<acc_t>(1.0 - alpha_)),
+        inv_alpha(static_cast<acc_t>(1.0 / alpha_)),
+        inv_alpha_minus_1(static_cast<acc_t>((1.0 - alpha_) / alpha_)) {}
+  // exp(-|s|), the one exponential that sigmoid(s) needs.
   template <typename T>
   C10_HOST_DEVICE inline T exp_neg_abs(T s) const {
     using M = Math<T>;
@@ -204,26 +377,23 @@ struct SmoothedCVaR {
     T e = exp_neg_abs(s);
     return M::if_positive(s, M::constant(1.0), e) / (M::constant(1.0) + e);
   }
+  // c m with m = expm1(-|t|) (see above).
+  template <typename T>
+  C10_HOST_DEVICE inline T scaled_m(T t) const {
+    using M = Math<T>;
+    return M::expm1(M::neg_abs(t)) * M::if_positive(t, M::constant(one_minus_alpha), M::constant(alpha));
+  }
+  // log1p(c m) / alpha: psi*(t) - [t > 0] t / alpha.
+  template <typename T>
+  C10_HOST_DEVICE inline T log_part(T t) const {
+    using M = Math<T>;
+    return M::log1p(scaled_m(t)) * M::constant(inv_alpha);
+  }
   template <typename T>
   C10_HOST_DEVICE inline T value(T t) const {
     using M = Math<T>;
-    return value_linear(t) + M::log1p_unit(exp_neg_abs(t + M::constant(shift))) * M::constant(inv_alpha);
+    return log_part(t) + M::select_positive(t, t * M::constant(inv_alpha), M::constant(0.0));
   }
-  // value(t) == value_linear(t) + log(value_log_factor(t)) * value_log_weight(), the factor in [1, 2]: a reduction
-  // may sum the linear part, multiply the factors over a block and take one logarithm per block instead of
-  // one log1p per sample (csrc/cpu/kernels_impl.h does).
-  static constexpr bool kValueHasLogFactor = true;
-  template <typename T>
-  C10_HOST_DEVICE inline T value_linear(T t) const {
-    using M = Math<T>;
-    return (M::constant(log1m_alpha) + M::relu(t + M::constant(shift))) * M::constant(inv_alpha);
-  }
-  template <typename T>
-  C10_HOST_DEVICE inline T value_log_factor(T t) const {
-    using M = Math<T>;
-    return M::constant(1.0) + exp_neg_abs(t + M::constant(shift));
-  }
-  C10_HOST_DEVICE inline acc_t value_log_weight() const { return inv_alpha; }
   template <typename T>
   C10_HOST_DEVICE inline T first(T t) const {
     using M = Math<T>;
@@ -234,6 +404,28 @@ struct SmoothedCVaR {
     using M = Math<T>;
     T p = sigmoid(t + M::constant(shift));
     return p * (M::constant(1.0) - p) * M::constant(inv_alpha);
+  }
+  template <typename T>
+  C10_HOST_DEVICE inline T excess(T t) const {
+    using M = Math<T>;
+    return log_part(t) + M::select_positive(t, t * M::constant(inv_alpha_minus_1), -t);
+  }
+  template <typename T>
+  C10_HOST_DEVICE inline T excess_first(T t) const {
+    using M = Math<T>;
+    const T cm = scaled_m(t);
+    const T m = M::expm1(M::neg_abs(t));
+    const T ratio = m * M::constant(one_minus_alpha) / (M::constant(1.0) + cm);
+    return M::select_positive(t, -ratio, ratio);
+  }
+  // The softplus form: psi*(t) = (log(1 - alpha) + s_+ + log1p(exp(-|s|))) / alpha, s = t + shift (one
+  // exponential, shared with first(); log1p of an argument in [0, 1]).
+  static constexpr bool kHasCoarseValue = true;
+  template <typename T>
+  C10_HOST_DEVICE inline T coarse_value(T t) const {
+    using M = Math<T>;
+    const T s = t + M::constant(shift);
+    return (M::constant(log1m_alpha) + M::relu(s) + M::log1p_unit(exp_neg_abs(s))) * M::constant(inv_alpha);
   }
 };
 
@@ -256,7 +448,10 @@ C10_HOST_DEVICE inline auto visit_divergence(const DivergenceSpec& spec, F&& f) 
     case Divergence::KLCVaR:
       return f(KLCVaR<acc_t>(spec.alpha));
     case Divergence::CressieRead:
-      return f(CressieRead<acc_t>(spec.k));
+      // Exponents 1 / (k - 1) that are small integers take the pure-arithmetic path.
+      if (spec.k == 2.0) return f(CressieRead<acc_t, 1>(spec.k));
+      if (spec.k == 1.5) return f(CressieRead<acc_t, 2>(spec.k));
+      return f(CressieRead<acc_t, 0>(spec.k));
     case Divergence::SmoothedCVaR:
       return f(SmoothedCVaR<acc_t>(spec.alpha));
     case Divergence::Chi2:

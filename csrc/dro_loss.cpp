@@ -1,6 +1,7 @@
 // The fused DRO loss: schemas of the loss ops and their CPU kernels.
 //
-//   dro_loss(l, eta)            -> (L, mean_i w_i) with L = mean_i lam psi*((l_i - G eta)/lam) + G eta
+//   dro_loss(l, eta)            -> (L, mean_i w_i) with L = mean_i lam psi*((l_i - G eta)/lam) + G eta,
+//                                  formed as mean_i l_i + lam mean_i excess(t_i) (csrc/divergences.h)
 //   psi_star_terms(l, eta, m)   -> m * psi*^(order)((l_i - G eta)/lam), elementwise
 //
 // The autograd formulas live in csrc/autograd.cpp: dL/dl_i = w_i / N is one pass (dro_loss_backward)
@@ -28,10 +29,13 @@ std::tuple<at::Tensor, at::Tensor> dro_loss_cpu(
   const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
   const at::Tensor x = losses.contiguous();
   const double g_eta = scale * cpu::read_scalar(eta);
-  const auto sums = cpu::cpu_kernels().reduce_derivatives(x, spec, cpu::Affine{g_eta, 1.0 / lam}, 0, 1);
+  // lam psi*(t) + G eta = l + lam (psi*(t) - t) = G eta + lam (t + excess(t)): lam * excess keeps its precision
+  // as lam grows, where lam psi*(t) + G eta would cancel catastrophically (DESIGN.md, Numerics); lam t is
+  // l - G eta to a rounding.
+  const auto sums = cpu::cpu_kernels().reduce(x, spec, cpu::Affine{g_eta, 1.0 / lam}, cpu::Sums::Loss);
   const double n = static_cast<double>(x.numel());
-  const double value = lam * (sums[0] / n) + g_eta;
-  const double mean_weight = sums[1] / n;
+  const double value = g_eta + lam * (sums[0] / n + sums[1] / n);
+  const double mean_weight = 1.0 + sums[2] / n;
   auto options = losses.options();
   return {cpu::make_scalar(value, options),
           cpu::make_scalar(mean_weight, options.dtype(accumulate_type(losses.scalar_type())))};

@@ -7,17 +7,21 @@
 //
 // Algorithms (G = 1, so eta* lies in [min l, max l] because psi*'(0) = 1):
 //   kl            closed form: eta* = m + lam log(mean exp((l - m)/lam)) with m = max l, and Psi = eta*;
-//                 the sum is one pass of the loss kernel at shift m, so nothing overflows.
+//                 the sum is one pass of the loss kernel at shift m, so nothing overflows. Where the mean is
+//                 near 1 (lam large against the spread of l), lam log1p(mean expm1(t)) in a second pass keeps
+//                 the precision that lam log(mean exp(t)) loses, so Psi -> mean l as lam -> inf.
 //   cvar          selection: eta* = the ceil(alpha N)-th largest loss, Psi = (sum_{l > eta*} l + (alpha N - #{l > eta*}) eta*)
 //                 / (alpha N): the tail mean with the fractional boundary sample.
-//   chi2          psi*' is piecewise linear and mean psi*'((l - eta)/lam) - 1 is convex and decreasing in eta, so
-//                 Newton from the left end of the bracket never overshoots and stops once the active set
-//                 {l_i > eta - 2 lam} stops changing (Michelot's active-set iteration); eta* is then solved
-//                 exactly on that segment with float64 sums.
+//   chi2,         psi*'(t) = (1 + t/c)_+ is piecewise linear (c = 2 for chi2, c = 1 for cressie_read at k = 2) and
+//   cressie_read  mean psi*'((l - eta)/lam) - 1 is convex and decreasing in eta, so Newton from the left end of
+//   at k = 2      the bracket never overshoots and stops once the active set {l_i > eta - c lam} stops changing
+//                 (Michelot's active-set iteration); eta* is then solved exactly on that segment with float64 sums.
 //   the others    safeguarded Newton on log(mean psi*') = 0 (exact in one step for exponential tails) with
 //                 bisection inside the shrinking bracket whenever a step leaves it or stalls.
-// Every Newton iteration is ONE pass of the loss kernel (reduce_derivatives with orders (1, 2): sum psi*' and
-// sum psi*'' fused), so the psi* math exists only in csrc/divergences.h. The sums accumulate in float32 for
+// Every Newton iteration is ONE pass of the loss kernel (reduce with Sums::Newton: sum psi*' - 1 and sum psi*''
+// fused), so the psi* math exists only in csrc/divergences.h. The condition is summed as psi*'(t) - 1
+// (excess_first), which keeps its relative precision as t -> 0, so eta* -> mean l as lam -> inf; the value
+// at eta* is mean l + lam mean (psi*(t) - t) for the same reason. The sums accumulate in float32 for
 // half/bfloat16/float32 input and in float64 for float64 input, as the loss does; the iteration itself and
 // the closed forms run in float64.
 #include <ATen/Dispatch.h>
@@ -126,9 +130,15 @@ double tail_size(double alpha, int64_t n) {
 
 Solution solve_kl(const at::Tensor& x, const DivergenceSpec& spec, double lam, double hi) {
   const double n = static_cast<double>(x.numel());
-  // sum exp((l_i - max l)/lam): every exponent is <= 0.
-  const auto sums = cpu::cpu_kernels().reduce_derivatives(x, spec, cpu::Affine{hi, 1.0 / lam}, 0, 1);
-  const double eta = hi + lam * std::log(sums[1] / n);
+  const cpu::Affine affine{hi, 1.0 / lam};
+  // mean exp((l_i - max l)/lam): every exponent is <= 0, and the sum is relatively accurate however small.
+  const double mean_exp = cpu::cpu_kernels().reduce(x, spec, affine, cpu::Sums::Weight)[0] / n;
+  double log_mean = std::log(mean_exp);
+  if (mean_exp > 0.5) {
+    // Near 1, log loses the digits of mean_exp - 1 that lam multiplies; the sum of expm1 keeps them.
+    log_mean = std::log1p(cpu::cpu_kernels().reduce(x, spec, affine, cpu::Sums::Newton)[0] / n);
+  }
+  const double eta = hi + lam * log_mean;
   return {eta, eta, 1};
 }
 
@@ -158,24 +168,35 @@ Solution solve_cvar(const at::Tensor& x, double alpha) {
   return {eta, value, 1};
 }
 
-// L(eta) = lam mean psi*((l - eta)/lam) + eta: one pass of the loss kernel.
+// L(eta) = lam mean psi*((l - eta)/lam) + eta = mean l + lam mean excess((l - eta)/lam): one pass of the
+// loss kernel.
 double objective_at(const at::Tensor& x, const DivergenceSpec& spec, double lam, double eta) {
-  const auto sums = cpu::cpu_kernels().reduce_derivatives(x, spec, cpu::Affine{eta, 1.0 / lam}, 0, 1);
-  return lam * (sums[0] / static_cast<double>(x.numel())) + eta;
+  const auto sums = cpu::cpu_kernels().reduce(x, spec, cpu::Affine{eta, 1.0 / lam}, cpu::Sums::Loss);
+  const double n = static_cast<double>(x.numel());
+  return eta + lam * (sums[0] / n + sums[1] / n);
+}
+
+// psi*' = (1 + t/c)_+ for some c > 0 (chi2: c = 2; cressie_read at k = 2: c = 1), or 0 when it is not
+// piecewise linear.
+double linear_weight_width(const DivergenceSpec& spec) {
+  if (spec.kind == Divergence::Chi2) return 2.0;
+  if (spec.kind == Divergence::CressieRead && spec.k == 2.0) return 1.0;
+  return 0.0;
 }
 
 // Safeguarded Newton on g(eta) = mean psi*'((l - eta)/lam) - 1 (decreasing) inside [lo, hi], where
-// g(lo) >= 0 >= g(hi), from `start` in [lo, hi]. chi2 steps on g itself from lo (convex: no overshoot);
-// the others on log(1 + g).
+// g(lo) >= 0 >= g(hi), from `start` in [lo, hi]. Piecewise-linear weights step on g itself from lo (convex:
+// no overshoot); the others on log(1 + g).
 Solution solve_newton(const at::Tensor& x, const DivergenceSpec& spec, double lam, double lo, double hi,
                       double start) {
   const auto& kernels = cpu::cpu_kernels();
   const double n = static_cast<double>(x.numel());
-  const bool chi2 = spec.kind == Divergence::Chi2;
+  const double width = linear_weight_width(spec);
+  const bool linear = width > 0.0;
   const double eps = machine_epsilon(x);
-  // Converged when a step moves t = (l - eta)/lam by a few roundings of the accumulate type (or eta by a
-  // few roundings of the losses when lam is small).
-  const double tol = 4.0 * eps * std::max({std::abs(lo), std::abs(hi), lam});
+  // Converged when a step moves eta by a few roundings of the losses: the kernel forms l - eta in the
+  // accumulate type, so it cannot resolve eta more finely (g itself keeps its relative precision at any lam).
+  const double tol = 4.0 * eps * std::max(std::abs(lo), std::abs(hi));
   double a = lo, b = hi, eta = start;
   double step_before_last = b - a, last_step = b - a;
   double previous_active = -1.0;
@@ -184,26 +205,26 @@ Solution solve_newton(const at::Tensor& x, const DivergenceSpec& spec, double la
   bool converged = false;
   while (iterations < kMaxIterations) {
     ++iterations;
-    const auto s = kernels.reduce_derivatives(x, spec, cpu::Affine{eta, 1.0 / lam}, 1, 2);
-    const double g = s[0] / n - 1.0;
+    const auto s = kernels.reduce(x, spec, cpu::Affine{eta, 1.0 / lam}, cpu::Sums::Newton);
+    const double g = s[0] / n;
     if (std::isnan(g)) return {kNaN, kNaN, iterations};
     if (g == 0.0) {
       converged = true;
       break;
     }
     if (g > 0.0) a = eta; else b = eta;
-    // chi2: the last Newton step solved the linear piece of this same active set, so eta is its root.
-    if (chi2 && last_was_newton && s[1] == previous_active) {
+    // Linear weights: the last Newton step solved the linear piece of this same active set, so eta is its root.
+    if (linear && last_was_newton && s[1] == previous_active) {
       converged = true;
       break;
     }
     previous_active = s[1];
-    const double newton = chi2 ? lam * g * n / s[1] : lam * std::log(s[0] / n) * (s[0] / s[1]);
+    const double newton = linear ? lam * s[0] / s[1] : lam * std::log1p(g) * ((n + s[0]) / s[1]);
     double next = eta + newton;
     // Bisect when Newton leaves the bracket or (as in rtsafe) does not at least halve the step before last;
-    // chi2's Newton from the left end is monotone and needs no such guard.
+    // the linear case's Newton from the left end is monotone and needs no such guard.
     const bool use_newton = std::isfinite(next) && next > a && next < b &&
-                            (chi2 || std::abs(newton) <= 0.5 * std::abs(step_before_last));
+                            (linear || std::abs(newton) <= 0.5 * std::abs(step_before_last));
     if (!use_newton) next = 0.5 * (a + b);
     step_before_last = last_step;
     last_step = next - eta;
@@ -214,13 +235,13 @@ Solution solve_newton(const at::Tensor& x, const DivergenceSpec& spec, double la
       break;
     }
   }
-  if (chi2 && converged) {
-    // Exact on the final segment: sum_{A} ((l_i - eta)/lam + 2) / 2 = N with A = {l_i > eta - 2 lam} gives
-    // eta = (sum_A l_i + 2 lam (|A| - N)) / |A|, evaluated with float64 sums.
-    const double cut = eta - 2.0 * lam;
+  if (linear && converged) {
+    // Exact on the final segment: sum_{A} (1 + (l_i - eta)/(c lam)) = N with A = {l_i > eta - c lam} gives
+    // eta = (sum_A l_i + c lam (|A| - N)) / |A|, evaluated with float64 sums.
+    const double cut = eta - width * lam;
     const auto s = sum_pairs(x, [cut](double v) { return std::array<double, 2>{v > cut ? v : 0.0, v > cut ? 1.0 : 0.0}; });
     if (s[1] > 0.0) {
-      const double exact = (s[0] + 2.0 * lam * (s[1] - n)) / s[1];
+      const double exact = (s[0] + width * lam * (s[1] - n)) / s[1];
       // It lies on the same segment as eta once the iteration has converged (at worst a loss within the
       // rounding of eta switches sides, which moves the root by a rounding too).
       if (exact >= lo && exact <= hi) eta = exact;
@@ -255,9 +276,8 @@ Solution solve(const at::Tensor& x, const DivergenceSpec& spec, double lam) {
       return solve_kl(x, spec, lam, hi);
     case Divergence::CVaR:
       return solve_cvar(x, spec.alpha);
-    case Divergence::Chi2:
-      return solve_newton(x, spec, lam, lo, hi, lo);
     default:
+      if (linear_weight_width(spec) > 0.0) return solve_newton(x, spec, lam, lo, hi, lo);
       return solve_newton(x, spec, lam, lo, hi, warm_start(x, spec, lam, lo, hi));
   }
 }
@@ -309,8 +329,8 @@ at::Tensor robust_weights_cpu(
   // psi*'(t_i) / sum_j psi*'(t_j): the sum is N at eta* up to rounding; dividing by it makes q sum to one
   // even when eta* was rounded to float32.
   const cpu::Affine affine{eta, 1.0 / lam};
-  const auto sums = cpu::cpu_kernels().reduce_derivatives(x, spec, affine, 1, 2);
-  cpu::cpu_kernels().map_derivative(x.view(-1), out, spec, affine, 1.0 / sums[0], 1);
+  const double total = cpu::cpu_kernels().reduce(x, spec, affine, cpu::Sums::Weight)[0];
+  cpu::cpu_kernels().map_derivative(x.view(-1), out, spec, affine, 1.0 / total, 1);
   return out;
 }
 

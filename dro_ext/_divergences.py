@@ -34,6 +34,11 @@ def _finite_float(name: str, value) -> float:
 def check_divergence(divergence: str, alpha=None, k=None) -> Spec:
     if divergence not in DIVERGENCES:
         raise ValueError(f"dro_ext: unknown divergence {divergence!r}; expected one of {', '.join(DIVERGENCES)}")
+    # A parameter the divergence does not take is an error, not silently ignored.
+    if alpha is not None and divergence not in _NEEDS_ALPHA:
+        raise ValueError(f"dro_ext: divergence {divergence!r} takes no alpha, got alpha={alpha!r}; pass alpha=None")
+    if k is not None and divergence != "cressie_read":
+        raise ValueError(f"dro_ext: divergence {divergence!r} takes no k, got k={k!r}; pass k=None")
     if divergence in _NEEDS_ALPHA:
         if alpha is None:
             raise ValueError(f"dro_ext: divergence {divergence!r} needs alpha in (0, 1), got alpha=None")
@@ -91,8 +96,12 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _select_positive(x, if_pos, if_nonpos):
-    # x > 0 ? if_pos : (x <= 0 ? if_nonpos : x), so a NaN in x comes out as NaN.
-    return torch.where(x > 0, if_pos, torch.where(x <= 0, if_nonpos, x))
+    # x > 0 ? if_pos : (x <= 0 ? if_nonpos : NaN), so a NaN in x comes out as NaN; its gradient there is NaN
+    # as well (x times a factor that is x itself at NaN and 0 elsewhere: a plain pass-through of x would have
+    # gradient 1 and hide the NaN from the gradient, and the factor keeps the masked-out gradient of an
+    # infinite x at 0).
+    nan_lane = x * torch.where(torch.isnan(x), x, 0.0)
+    return torch.where(x > 0, if_pos, torch.where(x <= 0, if_nonpos, nan_lane))
 
 
 def _relu(x):
@@ -101,15 +110,40 @@ def _relu(x):
     return x * _select_positive(x, 1.0, 0.0)
 
 
+def _neg_abs(t):
+    # -|t| with derivative 1 at t = 0 (the t <= 0 branch), as the forms built on it need (psi*'(0) = 1).
+    return torch.where(t > 0, -t, t)
+
+
+def _cressie_read_parts(t, k):
+    """(u, a t, e) with a = k - 1, u = 1 + a t and e = u^(1/a) - 1 = expm1(log1p(a t) / a) where u > 0.
+
+    Where u <= 0, log1p is evaluated at 0 instead, so autograd never meets its pole (those lanes are selected
+    away)."""
+    a = k - 1.0
+    at = t * a
+    u = at + 1.0
+    log_u = torch.log1p(torch.where(u > 0, at, torch.zeros_like(at)))
+    return u, at, log_u
+
+
+def _smoothed_cvar_parts(t, alpha):
+    """(m, c m): m = expm1(-|t|) in (-1, 0] and c = alpha for t <= 0, 1 - alpha for t > 0 (csrc/divergences.h)."""
+    m = torch.expm1(_neg_abs(t))
+    c = alpha + (1.0 - 2.0 * alpha) * (t > 0).to(t.dtype)  # (torch.where of two numbers would be float32)
+    return m, m * c
+
+
 def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
-    """psi*^(order)(t) for order 0, 1, 2, in t's dtype, differentiable by autograd."""
+    """psi*^(order)(t) for order 0, 1, 2, in t's dtype, differentiable by autograd.
+
+    The values are written, as in csrc/divergences.h, to keep their relative precision near t = 0."""
     name = spec.name
     if name == "chi2":
-        u = _relu(t + 2.0)
         if order == 0:
-            return u * u * 0.25 - 1.0
+            return _select_positive(t + 2.0, t + t * t * 0.25, -1.0)
         if order == 1:
-            return u * 0.5
+            return _relu(t + 2.0) * 0.5
         return _select_positive(t + 2.0, 0.5, 0.0)
     if name == "kl":
         return torch.expm1(t) if order == 0 else torch.exp(t)
@@ -129,21 +163,66 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
         return _select_positive(t - cut, 0.0, torch.exp(below))
     if name == "cressie_read":
         k = spec.k
-        u = t * (k - 1.0) + 1.0
-        # Powers of u below 1 have an infinite slope at u = 0: evaluate them only where u > 0 (safe_u is 1
-        # elsewhere), so that autograd never multiplies that infinity by the zero slope of the clamp.
-        safe_u = _select_positive(u, u, torch.ones_like(u))
+        u, at, log_u = _cressie_read_parts(t, k)
+        power = 1.0 / (k - 1.0)
         if order == 0:
-            return (_relu(u) * safe_u ** (1.0 / (k - 1.0)) - 1.0) / k  # u_+^(k/(k-1))
-        power = 1.0 / (k - 1.0) if order == 1 else (2.0 - k) / (k - 1.0)
-        return _select_positive(u, safe_u**power, 0.0)
+            e = torch.expm1(log_u * power)
+            # (u^(p+1) - 1) / k = (e + a t (1 + e)) / k
+            return _select_positive(u, (e + at * (e + 1.0)) / k, -1.0 / k)
+        if order == 2:
+            power -= 1.0
+        return _select_positive(u, torch.exp(log_u * power), 0.0)
     if name == "smoothed_cvar":
         alpha = spec.alpha
-        s = t + (math.log(alpha) - math.log1p(-alpha))
         if order == 0:
-            # softplus(s) written out: F.softplus switches to the identity above s = 20, ~2e-9 off in float64.
-            softplus = _relu(s) + torch.log1p(torch.exp(-s.abs()))
-            return (math.log1p(-alpha) + softplus) / alpha
-        p = torch.sigmoid(s)
+            _, cm = _smoothed_cvar_parts(t, alpha)
+            return torch.log1p(cm) / alpha + _select_positive(t, t / alpha, 0.0)
+        p = torch.sigmoid(t + (math.log(alpha) - math.log1p(-alpha)))
         return p / alpha if order == 1 else p * (1.0 - p) / alpha
+    raise AssertionError(name)
+
+
+def excess(t: torch.Tensor, spec: Spec) -> torch.Tensor:
+    """psi*(t) - t, accurate to a few roundings of |t| however small t is (csrc/divergences.h's excess)."""
+    name = spec.name
+    if name == "chi2":
+        return _select_positive(t + 2.0, t * t * 0.25, -1.0 - t)
+    if name == "kl":
+        return torch.expm1(t) - t
+    if name == "cvar":
+        return _select_positive(t, t * ((1.0 - spec.alpha) / spec.alpha), -t)
+    if name == "kl_cvar":
+        cut = -math.log(spec.alpha)
+        below = torch.clamp(t, max=cut)
+        return (torch.expm1(below) - below) + _relu(t - cut) * ((1.0 - spec.alpha) / spec.alpha)
+    if name == "cressie_read":
+        k = spec.k
+        u, at, log_u = _cressie_read_parts(t, k)
+        e = torch.expm1(log_u / (k - 1.0))
+        return _select_positive(u, ((e - t) + at * e) / k, -1.0 / k - t)
+    if name == "smoothed_cvar":
+        alpha = spec.alpha
+        _, cm = _smoothed_cvar_parts(t, alpha)
+        return torch.log1p(cm) / alpha + _select_positive(t, t * ((1.0 - alpha) / alpha), -t)
+    raise AssertionError(name)
+
+
+def excess_first(t: torch.Tensor, spec: Spec) -> torch.Tensor:
+    """psi*'(t) - 1, accurate to a few roundings of |t| however small t is (csrc/divergences.h)."""
+    name = spec.name
+    if name == "chi2":
+        return _select_positive(t + 2.0, t * 0.5, -1.0)
+    if name == "kl":
+        return torch.expm1(t)
+    if name == "cvar":
+        return _select_positive(t, (1.0 - spec.alpha) / spec.alpha, -1.0)
+    if name == "kl_cvar":
+        return torch.expm1(torch.clamp(t, max=-math.log(spec.alpha)))
+    if name == "cressie_read":
+        u, _, log_u = _cressie_read_parts(t, spec.k)
+        return _select_positive(u, torch.expm1(log_u / (spec.k - 1.0)), -1.0)
+    if name == "smoothed_cvar":
+        m, cm = _smoothed_cvar_parts(t, spec.alpha)
+        ratio = m * (1.0 - spec.alpha) / (1.0 + cm)
+        return _select_positive(t, -ratio, ratio)
     raise AssertionError(name)

@@ -3,7 +3,7 @@ fake (meta) kernels and autograd formulas of the native ops.
 
 Math (DESIGN.md section 1), with t_i = (l_i - G*eta) / lam and w_i = psi*'(t_i):
 
-    L(eta)   = mean_i lam * psi*(t_i) + G*eta
+    L(eta)   = mean_i lam * psi*(t_i) + G*eta  = mean_i l_i + lam * mean_i (psi*(t_i) - t_i)
     dL/dl_i  = w_i / N
     dL/deta  = G * (1 - mean_i w_i)
 """
@@ -21,6 +21,7 @@ from dro_ext._divergences import (
     check_losses,
     check_positive,
 )
+from dro_ext._divergences import excess as _excess_torch
 from dro_ext._divergences import psi_star as _psi_star_torch
 
 __all__ = ["DIVERGENCES", "dro_loss", "dro_weights", "psi_star"]
@@ -60,9 +61,11 @@ if _backend.native_available():
 
 def _fallback_dro_loss(losses, eta, lam, spec: Spec, scale):
     acc = accumulate_dtype(losses.dtype)
-    g_eta = scale * eta.to(acc)
-    t = (losses.to(acc) - g_eta) / lam
-    value = lam * _psi_star_torch(t, spec, 0).mean() + g_eta
+    x = losses.to(acc).contiguous()  # a strided view would be summed in another order than its copy
+    t = (x - scale * eta.to(acc)) / lam
+    # lam psi*(t) + G eta = l + lam (psi*(t) - t): the G eta terms cancel, and lam * excess keeps its precision
+    # as lam grows, where lam psi*(t) + G eta would not (DESIGN.md, Numerics).
+    value = x.mean() + lam * _excess_torch(t, spec).mean()
     return value.to(losses.dtype)
 
 

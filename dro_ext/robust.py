@@ -6,10 +6,13 @@ because ``psi*'(0) = 1``, and the worst-case distribution is ``q_i = psi*'((l_i 
 
 - ``kl``: ``Psi = eta* = lam * logsumexp(l/lam) - lam*log N`` (never overflows);
 - ``cvar``: the tail mean over the top ``alpha*N`` losses, with the fractional boundary sample;
-- ``chi2``: Newton from ``min l`` on the piecewise-linear mean weight stops on the exact segment, whose
-  root is then solved in closed form (float64 sums);
+- ``chi2`` and ``cressie_read`` at ``k = 2``: Newton from ``min l`` on the piecewise-linear mean weight stops
+  on the exact segment, whose root is then solved in closed form (float64 sums);
 - ``kl_cvar``, ``cressie_read``, ``smoothed_cvar``: safeguarded Newton/bisection on
   ``mean psi*'((l - eta)/lam) = 1`` inside the bracket, to the rounding of the sums.
+
+The condition is summed as ``psi*'(t) - 1`` and the value formed as ``mean l + lam * mean(psi*(t) - t)``,
+both accurate for small ``t``, so ``Psi -> mean l`` keeps its precision as ``lam -> inf`` (the ERM limit).
 
 The native op does each Newton iteration as one fused pass of the loss kernel (sum psi*' and sum psi*'');
 the PyTorch fallback runs the same algorithms in float64 with a Python loop.
@@ -30,6 +33,8 @@ from dro_ext._divergences import (
     check_losses,
     check_positive,
 )
+from dro_ext._divergences import excess as _excess_torch
+from dro_ext._divergences import excess_first as _excess_first_torch
 from dro_ext._divergences import psi_star as _psi_star_torch
 from dro_ext.ops import dro_weights
 
@@ -126,7 +131,11 @@ def _solve_torch(x: torch.Tensor, lam: float, spec: Spec) -> tuple[float, float]
     if lo == hi:
         return lo, lo
     if spec.name == "kl":
-        eta = hi + lam * math.log(torch.exp((x - hi) / lam).mean().item())
+        t = (x - hi) / lam
+        mean_exp = torch.exp(t).mean().item()
+        # Near 1, log loses the digits of mean_exp - 1 that lam multiplies; log1p of the mean expm1 keeps them.
+        log_mean = math.log1p(torch.expm1(t).mean().item()) if mean_exp > 0.5 else math.log(mean_exp)
+        eta = hi + lam * log_mean
         return eta, eta
     if spec.name == "cvar":
         tail = _tail_size(spec.alpha, n)
@@ -135,16 +144,19 @@ def _solve_torch(x: torch.Tensor, lam: float, spec: Spec) -> tuple[float, float]
         eta = top[-1].item()
         above = top[top > eta]
         return (above.sum().item() + (tail - above.numel()) * eta) / tail, eta
-    chi2 = spec.name == "chi2"
-    tol = 4.0 * sys.float_info.epsilon * max(abs(lo), abs(hi), lam)
+    # psi*' = (1 + t/width)_+ is piecewise linear for chi2 (width 2) and cressie_read at k = 2 (width 1).
+    width = 2.0 if spec.name == "chi2" else (1.0 if spec.name == "cressie_read" and spec.k == 2.0 else 0.0)
+    linear = width > 0.0
+    # eta to a few roundings of the losses (the condition keeps its relative precision at any lam).
+    tol = 4.0 * sys.float_info.epsilon * max(abs(lo), abs(hi))
     a, b, eta = lo, hi, lo
     step_before_last = last_step = b - a
     previous_active, last_was_newton, converged = -1.0, False, False
     for _ in range(_MAX_ITERATIONS):
         t = (x - eta) / lam
-        s1 = _psi_star_torch(t, spec, 1).sum().item()
+        s1 = _excess_first_torch(t, spec).sum().item()  # sum psi*' - N, accurate as t -> 0
         s2 = _psi_star_torch(t, spec, 2).sum().item()
-        g = s1 / n - 1.0
+        g = s1 / n
         if math.isnan(g):
             return math.nan, math.nan
         if g == 0.0:
@@ -154,17 +166,17 @@ def _solve_torch(x: torch.Tensor, lam: float, spec: Spec) -> tuple[float, float]
             a = eta
         else:
             b = eta
-        if chi2 and last_was_newton and s2 == previous_active:
+        if linear and last_was_newton and s2 == previous_active:
             converged = True
             break
         previous_active = s2
         try:
-            newton = lam * g * n / s2 if chi2 else lam * math.log(s1 / n) * (s1 / s2)
+            newton = lam * s1 / s2 if linear else lam * math.log1p(g) * ((n + s1) / s2)
         except (ValueError, ZeroDivisionError, OverflowError):
             newton = math.nan
         nxt = eta + newton
         use_newton = (
-            math.isfinite(nxt) and a < nxt < b and (chi2 or abs(newton) <= 0.5 * abs(step_before_last))
+            math.isfinite(nxt) and a < nxt < b and (linear or abs(newton) <= 0.5 * abs(step_before_last))
         )
         if not use_newton:
             nxt = 0.5 * (a + b)
@@ -173,15 +185,15 @@ def _solve_torch(x: torch.Tensor, lam: float, spec: Spec) -> tuple[float, float]
         if abs(last_step) <= tol or b - a <= tol:
             converged = True
             break
-    if chi2 and converged:
-        cut = eta - 2.0 * lam
+    if linear and converged:
+        cut = eta - width * lam
         active = x > cut
         count = active.sum().item()
         if count > 0:
-            exact = (x[active].sum().item() + 2.0 * lam * (count - n)) / count
+            exact = (x[active].sum().item() + width * lam * (count - n)) / count
             if lo <= exact <= hi:
                 eta = exact
-    value = lam * _psi_star_torch((x - eta) / lam, spec, 0).mean().item() + eta
+    value = x.mean().item() + lam * _excess_torch((x - eta) / lam, spec).mean().item()
     return value, eta
 
 
@@ -205,7 +217,8 @@ def _weights_torch(losses: torch.Tensor, eta: torch.Tensor, lam: float, spec: Sp
 class _RobustObjective(torch.autograd.Function):
     @staticmethod
     def forward(ctx, losses, lam, spec):
-        value, eta = _solve_torch(losses.detach().to(torch.float64), lam, spec)
+        # contiguous: a strided view would be summed in another order than its copy
+        value, eta = _solve_torch(losses.detach().to(torch.float64).contiguous(), lam, spec)
         eta_t = torch.tensor(eta, dtype=accumulate_dtype(losses.dtype), device=losses.device)
         ctx.save_for_backward(losses, eta_t)
         ctx.args = (lam, spec)

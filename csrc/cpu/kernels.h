@@ -17,12 +17,23 @@ struct Affine {
   double inv_lam;
 };
 
+// What one pass of reduce() sums, with t_i = (x_i - shift) * inv_lam.
+enum class Sums {
+  // {sum_i t_i, sum_i excess(t_i), sum_i excess_first(t_i)}: the loss value shift + lam (mean t + mean excess)
+  // (= mean x + lam mean excess: lam t_i = x_i - shift to a rounding, so it keeps its precision as lam grows,
+  // where shift + lam mean psi*(t) would not) and the mean weight 1 + mean excess_first.
+  Loss,
+  // {sum_i excess_first(t_i), sum_i second(t_i), 0}: the optimality condition of eta and its slope.
+  Newton,
+  // {sum_i first(t_i), 0, 0}: the total weight, relatively accurate when every weight is tiny.
+  Weight,
+};
+
 struct KernelTable {
-  // {sum_i psi*^(order_a)(t_i), sum_i psi*^(order_b)(t_i)} in one pass, accumulated in float for
-  // half/bfloat16/float and in double for double. Deterministic: the partial sums are taken over fixed
-  // chunks and combined in order, whatever the number of threads. (order_a, order_b) is (0, 1) or (1, 2).
-  std::array<double, 2> (*reduce_derivatives)(
-      const at::Tensor& x, const DivergenceSpec& spec, Affine affine, int64_t order_a, int64_t order_b);
+  // The sums of `sums` in one pass, accumulated in float for half/bfloat16/float and in double for double.
+  // Deterministic: the partial sums are taken over fixed chunks and combined in order, whatever the number
+  // of threads.
+  std::array<double, 3> (*reduce)(const at::Tensor& x, const DivergenceSpec& spec, Affine affine, Sums sums);
   // out_i = multiplier * psi*^(order)(t_i); out has x's shape and dtype.
   void (*map_derivative)(
       const at::Tensor& x, at::Tensor& out, const DivergenceSpec& spec, Affine affine, double multiplier,

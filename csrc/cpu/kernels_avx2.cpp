@@ -6,7 +6,7 @@
 namespace dro_ext::cpu {
 
 const KernelTable& kernels_avx2() {
-  static const KernelTable table{reduce_derivatives_impl, map_derivative_impl, "avx2"};
+  static const KernelTable table{reduce_impl, map_derivative_impl, "avx2"};
   return table;
 }
 

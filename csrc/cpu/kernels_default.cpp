@@ -4,7 +4,7 @@
 namespace dro_ext::cpu {
 
 const KernelTable& kernels_default() {
-  static const KernelTable table{reduce_derivatives_impl, map_derivative_impl, "default"};
+  static const KernelTable table{reduce_impl, map_derivative_impl, "default"};
   return table;
 }
 

@@ -91,78 +91,119 @@ inline T derivative(const Div& div, const T& t) {
   }
 }
 
-template <int64_t A, int64_t B, typename scalar_t, typename Div>
-std::array<double, 2> reduce_pair(const scalar_t* x, int64_t n, const Div& div, Affine affine) {
+// The per-element terms a reduction sums, of the input x and of t = (x - shift) * inv_lam.
+enum class Term { None, Input, T, NegAbsT, Excess, ExcessFirst, First, Second, CoarseValue };
+
+template <Term kTerm, typename Div, typename T>
+inline T term(const Div& div, const T& x, const T& t) {
+  if constexpr (kTerm == Term::Input) {
+    return x;
+  } else if constexpr (kTerm == Term::T) {
+    return t;
+  } else if constexpr (kTerm == Term::NegAbsT) {
+    return Math<T>::neg_abs(t);
+  } else if constexpr (kTerm == Term::Excess) {
+    return div.excess(t);
+  } else if constexpr (kTerm == Term::ExcessFirst) {
+    return div.excess_first(t);
+  } else if constexpr (kTerm == Term::First) {
+    return div.first(t);
+  } else if constexpr (kTerm == Term::Second) {
+    return div.second(t);
+  } else {
+    return div.coarse_value(t);
+  }
+}
+
+// Up to four running sums in registers (a Term::None slot is never touched).
+template <typename V, Term A, Term B, Term C, Term D = Term::None>
+struct Accumulator {
+  static constexpr int kSums = (A != Term::None) + (B != Term::None) + (C != Term::None) + (D != Term::None);
+  V a, b, c, d;
+  explicit Accumulator(const V& zero) : a(zero), b(zero), c(zero), d(zero) {}
+  template <typename Div>
+  inline void add(const Div& div, const V& x, const V& t) {
+    if constexpr (A != Term::None) a = a + term<A>(div, x, t);
+    if constexpr (B != Term::None) b = b + term<B>(div, x, t);
+    if constexpr (C != Term::None) c = c + term<C>(div, x, t);
+    if constexpr (D != Term::None) d = d + term<D>(div, x, t);
+  }
+  // Adds only the first `count` lanes of other's sums (a partial vector's unused lanes hold junk terms).
+  inline void add_lanes(const Accumulator& other, const V& zero, int64_t count) {
+    if constexpr (A != Term::None) a = a + V::set(zero, other.a, count);
+    if constexpr (B != Term::None) b = b + V::set(zero, other.b, count);
+    if constexpr (C != Term::None) c = c + V::set(zero, other.c, count);
+    if constexpr (D != Term::None) d = d + V::set(zero, other.d, count);
+  }
+  inline void add(const Accumulator& other) {
+    a = a + other.a;
+    b = b + other.b;
+    c = c + other.c;
+    d = d + other.d;
+  }
+};
+
+// Adds the terms of the elements [begin, end) of x into sums. Up to three sums get two accumulators each, so
+// consecutive vectors do not wait on one addition's latency; four sums have latency enough to hide between
+// them, and eight accumulators would leave too few registers for the constants of an exponential.
+template <typename acc_t, typename Acc, typename scalar_t, typename Div>
+inline void accumulate_block(Acc& sums, const scalar_t* x, int64_t begin, int64_t end, const Div& div,
+                             const Vectorized<acc_t>& shift, const Vectorized<acc_t>& inv_lam) {
+  using V = Vectorized<acc_t>;
+  const V zero(acc_t(0));
+  Acc sums2(zero);
+  int64_t i = begin;
+  for (; Acc::kSums <= 3 && i + 2 * V::size() <= end; i += 2 * V::size()) {
+    const V x1 = load<acc_t>(x + i, V::size());
+    const V x2 = load<acc_t>(x + i + V::size(), V::size());
+    sums.add(div, x1, (x1 - shift) * inv_lam);
+    sums2.add(div, x2, (x2 - shift) * inv_lam);
+  }
+  for (; i + V::size() <= end; i += V::size()) {
+    const V x1 = load<acc_t>(x + i, V::size());
+    sums.add(div, x1, (x1 - shift) * inv_lam);
+  }
+  if (i < end) {
+    const V x1 = load<acc_t>(x + i, end - i);
+    Acc tail(zero);
+    tail.add(div, x1, (x1 - shift) * inv_lam);
+    sums.add_lanes(tail, zero, end - i);
+  }
+  sums.add(sums2);
+}
+
+// {sum_i A, sum_i B, sum_i C} over the first n elements of x, in one pass (the terms of one element share
+// their subexpressions once inlined: kl's excess and excess_first one expm1).
+template <typename scalar_t, typename Div, Term A, Term B, Term C = Term::None>
+std::array<double, 3> reduce_terms(const scalar_t* x, int64_t n, const Div& div, Affine affine) {
   using acc_t = at::opmath_type<scalar_t>;
   using V = Vectorized<acc_t>;
-  // A value of the form linear + log(factor) * weight (smoothed_cvar's softplus) is summed as sum(linear) +
-  // log(prod(factor)) * weight: one logarithm per block and lane instead of one log1p per sample. A block
-  // multiplies at most 64 (float) or 128 (double) factors in [1, 2] per lane, so the product stays finite,
-  // and its rounding adds no more error to the logarithm than summing as many terms would.
-  constexpr bool split_value = A == 0 && requires { requires Div::kValueHasLogFactor; };
+  using Acc = Accumulator<V, A, B, C>;
   const V shift(static_cast<acc_t>(affine.shift));
   const V inv_lam(static_cast<acc_t>(affine.inv_lam));
-  const V zero(acc_t(0)), one(acc_t(1));
+  const V zero(acc_t(0));
   const int64_t num_chunks = (n + kChunk - 1) / kChunk;
-  std::vector<acc_t> partial_a(num_chunks), partial_b(num_chunks);
+  std::vector<std::array<acc_t, 3>> partial(num_chunks);
   at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     for (int64_t c = chunk_begin; c < chunk_end; ++c) {
       const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
-      V chunk_a = zero, chunk_b = zero;
+      Acc chunk(zero);
       for (int64_t block = begin; block < end; block += kBlock) {
         const int64_t block_end = std::min(end, block + kBlock);
-        // Two accumulators per sum, so consecutive vectors do not wait on one addition's latency.
-        V sum_a = zero, sum_b = zero, sum_a2 = zero, sum_b2 = zero;
-        V factor = one, factor2 = one;  // products of the value's log factors (split_value only)
-        auto add_a = [&](V& sum, V& product, const V& t) {
-          if constexpr (split_value) {
-            sum = sum + div.value_linear(t);
-            product = product * div.value_log_factor(t);
-          } else {
-            sum = sum + derivative<A>(div, t);
-          }
-        };
-        int64_t i = block;
-        for (; i + 2 * V::size() <= block_end; i += 2 * V::size()) {
-          V t = (load<acc_t>(x + i, V::size()) - shift) * inv_lam;
-          V t2 = (load<acc_t>(x + i + V::size(), V::size()) - shift) * inv_lam;
-          add_a(sum_a, factor, t);
-          sum_b = sum_b + derivative<B>(div, t);
-          add_a(sum_a2, factor2, t2);
-          sum_b2 = sum_b2 + derivative<B>(div, t2);
-        }
-        sum_a = sum_a + sum_a2;
-        sum_b = sum_b + sum_b2;
-        for (; i + V::size() <= block_end; i += V::size()) {
-          V t = (load<acc_t>(x + i, V::size()) - shift) * inv_lam;
-          add_a(sum_a, factor, t);
-          sum_b = sum_b + derivative<B>(div, t);
-        }
-        if (i < block_end) {
-          const int64_t count = block_end - i;
-          V t = (load<acc_t>(x + i, count) - shift) * inv_lam;
-          if constexpr (split_value) {
-            sum_a = sum_a + V::set(zero, div.value_linear(t), count);
-            factor = factor * V::set(one, div.value_log_factor(t), count);
-          } else {
-            sum_a = sum_a + V::set(zero, derivative<A>(div, t), count);
-          }
-          sum_b = sum_b + V::set(zero, derivative<B>(div, t), count);
-        }
-        if constexpr (split_value) sum_a = sum_a + (factor * factor2).log() * V(div.value_log_weight());
-        chunk_a = chunk_a + sum_a;
-        chunk_b = chunk_b + sum_b;
+        Acc sums(zero);
+        accumulate_block<acc_t>(sums, x, block, block_end, div, shift, inv_lam);
+        chunk.add(sums);
       }
-      partial_a[c] = horizontal_sum(chunk_a);
-      partial_b[c] = horizontal_sum(chunk_b);
+      partial[c] = {horizontal_sum(chunk.a), horizontal_sum(chunk.b), horizontal_sum(chunk.c)};
     }
   });
-  acc_t total_a = 0, total_b = 0;
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    total_a += partial_a[c];
-    total_b += partial_b[c];
+  std::array<double, 3> total{0.0, 0.0, 0.0};
+  for (size_t j = 0; j < 3; ++j) {
+    acc_t s = 0;
+    for (int64_t c = 0; c < num_chunks; ++c) s += partial[c][j];
+    total[j] = static_cast<double>(s);
   }
-  return {static_cast<double>(total_a), static_cast<double>(total_b)};
+  return total;
 }
 
 // Outputs at least this large go around the cache: they will not be read back before they are evicted,
@@ -213,17 +254,88 @@ void map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affi
   });
 }
 
-std::array<double, 2> reduce_derivatives_impl(
-    const at::Tensor& x, const DivergenceSpec& spec, Affine affine, int64_t order_a, int64_t order_b) {
+// The Loss sums of a divergence with a coarse value (see csrc/divergences.h): {sum t, sum excess,
+// sum excess_first}. Each block is summed with the coarse value and first (sum excess = sum coarse_value -
+// sum t, sum excess_first = sum first - count), and again with the accurate terms when its mean |t| is
+// below 1 (the ERM regime, where only those keep the loss's precision). Elsewhere the coarse error, a few
+// roundings of 1 + |psi*(t)|, is within a small factor of the accurate terms' few roundings of |t| + excess(t),
+// at the cost of value + first (one exp, where excess needs expm1 and log1p).
+//
+// The Newton sums {sum excess_first, sum second} take the same two paths (coarse: sum first - count).
+template <typename scalar_t, typename Div, bool kNewton>
+std::array<double, 3> reduce_coarse(const scalar_t* x, int64_t n, const Div& div, Affine affine) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using V = Vectorized<acc_t>;
+  using Coarse = std::conditional_t<kNewton, Accumulator<V, Term::None, Term::Second, Term::First, Term::NegAbsT>,
+                                    Accumulator<V, Term::T, Term::CoarseValue, Term::First, Term::NegAbsT>>;
+  using Accurate = std::conditional_t<kNewton, Accumulator<V, Term::None, Term::Second, Term::ExcessFirst>,
+                                      Accumulator<V, Term::None, Term::Excess, Term::ExcessFirst>>;
+  const V shift(static_cast<acc_t>(affine.shift));
+  const V inv_lam(static_cast<acc_t>(affine.inv_lam));
+  const V zero(acc_t(0));
+  const int64_t num_chunks = (n + kChunk - 1) / kChunk;
+  std::vector<std::array<acc_t, 3>> partial(num_chunks);
+  at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+      const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
+      // Loss: {sum t, sum excess, sum excess_first}; Newton: {unused, sum second, sum excess_first}.
+      std::array<acc_t, 3> chunk{0, 0, 0};
+      for (int64_t block = begin; block < end; block += kBlock) {
+        const int64_t block_end = std::min(end, block + kBlock);
+        const acc_t count = static_cast<acc_t>(block_end - block);
+        Coarse sums(zero);
+        accumulate_block<acc_t>(sums, x, block, block_end, div, shift, inv_lam);
+        const acc_t sum_t = kNewton ? acc_t(0) : horizontal_sum(sums.a);
+        chunk[0] += sum_t;
+        // sum -|t| > -count: mean |t| < 1 (a NaN t keeps the coarse sums, which are NaN as well).
+        if (horizontal_sum(sums.d) > -count) {
+          Accurate accurate(zero);
+          accumulate_block<acc_t>(accurate, x, block, block_end, div, shift, inv_lam);
+          chunk[1] += horizontal_sum(accurate.b);
+          chunk[2] += horizontal_sum(accurate.c);
+        } else {
+          chunk[1] += kNewton ? horizontal_sum(sums.b) : horizontal_sum(sums.b) - sum_t;
+          chunk[2] += horizontal_sum(sums.c) - count;
+        }
+      }
+      partial[c] = chunk;
+    }
+  });
+  std::array<double, 3> total{0.0, 0.0, 0.0};
+  for (size_t j = 0; j < 3; ++j) {
+    acc_t s = 0;
+    for (int64_t c = 0; c < num_chunks; ++c) s += partial[c][j];
+    total[j] = static_cast<double>(s);
+  }
+  if constexpr (kNewton) return {total[2], total[1], 0.0};
+  return total;
+}
+
+std::array<double, 3> reduce_impl(const at::Tensor& x, const DivergenceSpec& spec, Affine affine, Sums sums) {
   TORCH_INTERNAL_ASSERT(x.is_contiguous() && x.dim() == 1);
-  TORCH_INTERNAL_ASSERT((order_a == 0 && order_b == 1) || (order_a == 1 && order_b == 2));
-  std::array<double, 2> out{};
+  std::array<double, 3> out{};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_reduce", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* data = x.const_data_ptr<scalar_t>();
+    const int64_t n = x.numel();
     out = visit_divergence<acc_t>(spec, [&](const auto& div) {
-      return order_a == 0 ? reduce_pair<0, 1>(data, x.numel(), div, affine)
-                          : reduce_pair<1, 2>(data, x.numel(), div, affine);
+      using Div = std::decay_t<decltype(div)>;
+      switch (sums) {
+        case Sums::Loss:
+          if constexpr (requires { requires Div::kHasCoarseValue; }) {
+            return reduce_coarse<scalar_t, Div, false>(data, n, div, affine);
+          } else {
+            return reduce_terms<scalar_t, Div, Term::T, Term::Excess, Term::ExcessFirst>(data, n, div, affine);
+          }
+        case Sums::Newton:
+          if constexpr (requires { requires Div::kHasCoarseValue; }) {
+            return reduce_coarse<scalar_t, Div, true>(data, n, div, affine);
+          } else {
+            return reduce_terms<scalar_t, Div, Term::ExcessFirst, Term::Second>(data, n, div, affine);
+          }
+        default:
+          return reduce_terms<scalar_t, Div, Term::First, Term::None>(data, n, div, affine);
+      }
     });
   });
   return out;

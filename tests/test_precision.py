@@ -1,0 +1,425 @@
+"""Precision where the naive formulas lose it (issue 12), on both paths (the `backend` fixture):
+
+- the ERM limit: robust_objective and dro_loss at lam from 1e-6 to 1e30, against an mpmath reference of the
+  literal formulas at 60 digits (where the cancellation of lam * psi*(t) + eta costs nothing);
+- the small-t conjugates: psi*, psi*' and psi*'' near t = 0, relative to their size;
+- cressie_read's powers: the pure-arithmetic exponents (k = 2, 1.5), general k, and k -> 1 (the KL limit);
+- a parameter the divergence does not take is an error naming it.
+"""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import mpmath
+import numpy as np
+import pytest
+import torch
+
+import dro_ext
+from dro_ext import _backend
+
+mp = mpmath.mp
+mp.dps = 60
+
+LAMS = (1e-6, 1e-2, 1.0, 1e2, 1e6, 1e30)
+CASES = [
+    ("chi2", {}),
+    ("kl", {}),
+    ("cvar", {"alpha": 0.3}),
+    ("kl_cvar", {"alpha": 0.2}),
+    ("cressie_read", {"k": 2.0}),
+    ("cressie_read", {"k": 1.5}),
+    ("cressie_read", {"k": 3.0}),
+    ("cressie_read", {"k": 3.5}),
+    ("smoothed_cvar", {"alpha": 0.1}),
+]
+CASE_IDS = [d + "".join(f"-{k}{v}" for k, v in p.items()) for d, p in CASES]
+# float64 input: 1e-9 relative (issue 12); float32 input: 1e-4.
+RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}
+
+
+# --------------------------------------------------------------------------------------------------
+# The mpmath reference: DESIGN.md's table written literally, evaluated at 60 digits.
+# --------------------------------------------------------------------------------------------------
+
+
+def mp_psi_star(t, name, alpha=None, k=None, order=0):
+    t = mp.mpf(t)
+    if name == "chi2":
+        u = max(t + 2, 0)
+        return (u * u / 4 - 1, u / 2, mp.mpf(0.5) if u > 0 else mp.mpf(0))[order]
+    if name == "kl":
+        return mp.exp(t) - 1 if order == 0 else mp.exp(t)
+    if name == "cvar":
+        a = mp.mpf(alpha)
+        return (max(t, 0) / a, (1 / a if t > 0 else mp.mpf(0)), mp.mpf(0))[order]
+    if name == "kl_cvar":
+        a = mp.mpf(alpha)
+        cut = -mp.log(a)
+        if t <= cut:
+            return mp.exp(t) - 1 if order == 0 else mp.exp(t)
+        return ((1 + t + mp.log(a)) / a - 1, 1 / a, mp.mpf(0))[order]
+    if name == "cressie_read":
+        k = mp.mpf(k)
+        u = (k - 1) * t + 1
+        if u <= 0:
+            return -1 / k if order == 0 else mp.mpf(0)
+        return ((u ** (k / (k - 1)) - 1) / k, u ** (1 / (k - 1)), u ** ((2 - k) / (k - 1)))[order]
+    if name == "smoothed_cvar":
+        a = mp.mpf(alpha)
+        if order == 0:
+            return mp.log(1 - a + a * mp.exp(t)) / a
+        p = a * mp.exp(t) / (1 - a + a * mp.exp(t))
+        return p / a if order == 1 else p * (1 - p) / a
+    raise AssertionError(name)
+
+
+def mp_loss(losses, eta, lam, name, alpha=None, k=None):
+    """mean_i lam psi*((l_i - eta)/lam) + eta, literally."""
+    lam, eta = mp.mpf(lam), mp.mpf(eta)
+    return mp.fsum(lam * mp_psi_star((mp.mpf(v) - eta) / lam, name, alpha, k) for v in losses) / len(losses) + eta
+
+
+def np_first(t, name, alpha=None, k=None):
+    """psi*'(t) literally, in float64 numpy: only to locate eta* (see mp_robust)."""
+    if name == "chi2":
+        return np.maximum(t + 2, 0) / 2
+    if name == "kl_cvar":
+        return np.exp(np.minimum(t, -math.log(alpha)))
+    if name == "cressie_read":
+        with np.errstate(over="ignore"):
+            return np.maximum((k - 1) * t + 1, 0) ** (1 / (k - 1))
+    if name == "smoothed_cvar":
+        with np.errstate(over="ignore"):
+            return 1 / (alpha + (1 - alpha) * np.exp(-t))
+    raise AssertionError(name)
+
+
+def mp_robust(losses, lam, name, alpha=None, k=None):
+    """Psi = min_eta L(eta): the tail mean (exact fractions) for cvar, the closed form for kl, else L at eta*.
+
+    eta* is located by float64 bisection on mean psi*'((l - eta)/lam) = 1, and L evaluated there at 60
+    digits. That suffices: L is stationary at eta*, L(eta* + d) = Psi + d^2 mean(psi*'')/(2 lam) + ..., and d is
+    a rounding of eta (even at lam = 1e30, where float64 cannot tell psi*' from 1, d <= max l - min l
+    moves L by ~1e-30)."""
+    values = [float(v) for v in losses]
+    n = len(values)
+    if name == "cvar":
+        tail = Fraction(alpha) * n
+        top = sorted((Fraction(v) for v in values), reverse=True)
+        whole = math.floor(tail)
+        total = sum(top[:whole], Fraction(0)) + (tail - whole) * (top[whole] if whole < n else 0)
+        return float(total / tail)
+    lam_mp = mp.mpf(lam)
+    if name == "kl":
+        return lam_mp * mp.log(mp.fsum(mp.exp(mp.mpf(v) / lam_mp) for v in values) / n)
+    x = np.array(values)
+    lo, hi = x.min(), x.max()
+    while True:
+        mid = 0.5 * (lo + hi)
+        if not lo < mid < hi:
+            break
+        if np.mean(np_first((x - mid) / lam, name, alpha, k)) > 1:
+            lo = mid
+        else:
+            hi = mid
+    return mp_loss(values, 0.5 * (lo + hi), lam, name, alpha, k)
+
+
+def assert_close(actual, expected, rtol, what):
+    actual, expected = float(actual), float(expected)
+    assert math.isfinite(actual), f"{what}: got {actual}, expected {expected}"
+    assert abs(actual - expected) <= rtol * abs(expected), (
+        f"{what}: got {actual!r}, expected {expected!r} (relative error {abs(actual - expected) / abs(expected):.3g})")
+
+
+def _losses(dtype, n=100):
+    return torch.rand(n, dtype=torch.float64).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# The ERM limit: robust_objective and dro_loss at every lam.
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("name,params", CASES, ids=CASE_IDS)
+def test_robust_objective_at_every_lam(backend, name, params, dtype):
+    losses = _losses(dtype)
+    mean = losses.double().mean().item()
+    for lam in LAMS:
+        value, eta = dro_ext.robust_objective(losses, lam, name, **params)
+        assert value.dtype == dtype
+        expected = mp_robust(losses.tolist(), lam, name, **params)
+        assert_close(value, expected, RTOL[dtype], f"{name} lam={lam}")
+        if lam >= 1e6 and name != "cvar":
+            # The ERM limit: Psi -> mean l, and eta* -> mean l for the divergences with a smooth psi*'.
+            assert_close(value, mean, 1e3 * RTOL[dtype] if lam == 1e6 else RTOL[dtype], f"{name} lam={lam} vs mean")
+            if lam == 1e30:
+                assert_close(eta, mean, RTOL[dtype], f"{name} eta* lam={lam}")
+
+
+def test_robust_objective_issue_example(backend):
+    # The issue's report: l = rand(100), lam = 1e30 gave 0.997 (kl), 0.0012 (kl_cvar, cressie_read) and
+    # 5.7e14 / -6.0e23 (smoothed_cvar, float64 / float32); every one must be mean(l).
+    losses = torch.rand(100, dtype=torch.float64)
+    mean = losses.mean().item()
+    for name, params in [("kl", {}), ("kl_cvar", {"alpha": 0.1}), ("cressie_read", {"k": 2.0}),
+                         ("smoothed_cvar", {"alpha": 0.1}), ("chi2", {})]:
+        for dtype in (torch.float64, torch.float32):
+            value, _ = dro_ext.robust_objective(losses.to(dtype), 1e30, name, **params)
+            assert_close(value, losses.to(dtype).double().mean(), RTOL[dtype], f"{name} {dtype}")
+        assert abs(dro_ext.robust_objective(losses, 1e30, name, **params)[0].item() - mean) <= 1e-15
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("name,params", CASES, ids=CASE_IDS)
+def test_dro_loss_at_every_lam(backend, name, params, dtype):
+    losses = _losses(dtype)
+    values = losses.tolist()
+    scale = 1.5
+    for lam in LAMS:
+        # eta at the top of the losses (every t <= 0, so kl never overflows), and for lam >= 1 also at the
+        # bottom (t in [0, 1/lam]) and in the middle.
+        etas = [max(values) / scale] + ([min(values) / scale, 0.3] if lam >= 1.0 else [])
+        for eta in etas:
+            eta_t = torch.tensor(eta, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+            value = dro_ext.dro_loss(losses, eta_t, lam, name, scale=scale, **params)
+            expected = mp_loss(values, mp.mpf(float(eta_t)) * mp.mpf(scale), lam, name, **params)
+            # float32 accumulation of N = 100 terms, each with a few roundings.
+            assert_close(value, expected, RTOL[dtype], f"{name} lam={lam} eta={eta}")
+
+
+@pytest.mark.parametrize("name,params", CASES, ids=CASE_IDS)
+def test_dro_loss_gradient_in_the_erm_limit(backend, name, params):
+    # dL/deta = G (1 - mean psi*'): at lam = 1e30 and eta = mean l it is ~1e-30, and the weights are 1.
+    losses = _losses(torch.float64).requires_grad_()
+    eta = losses.detach().mean().clone().requires_grad_()
+    value = dro_ext.dro_loss(losses, eta, 1e30, name, **params)
+    grad_l, grad_eta = torch.autograd.grad(value, (losses, eta))
+    if name == "cvar":  # lam cancels from cvar's L(eta) = mean (l - eta)_+ / alpha + eta
+        expected = mp_loss(losses.tolist(), eta.item(), 1e30, name, **params)
+        assert_close(value.detach(), expected, 1e-15, name)
+        return
+    assert_close(value.detach(), losses.detach().mean(), 1e-15, name)
+    torch.testing.assert_close(grad_l, torch.full_like(grad_l, 1.0 / 100), rtol=1e-12, atol=0)
+    assert abs(grad_eta.item()) <= 1e-12
+
+
+# --------------------------------------------------------------------------------------------------
+# Small t: psi*, psi*' and psi*'' relative to their size.
+# --------------------------------------------------------------------------------------------------
+
+SMALL_T = [0.0, 1e-30, -1e-30, 1e-12, -1e-12, 3e-7, -3e-7, 1e-3, -1e-3, 0.2, -0.2, 0.34, -0.35, 0.7, -0.7, 2.5, -2.5]
+
+
+def _relative_errors(actual, expected):
+    out = []
+    for a, e in zip(actual, expected):
+        e = float(e)
+        out.append(abs(a - e) / abs(e) if e != 0 else abs(a))
+    return max(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("name,params", CASES, ids=CASE_IDS)
+def test_small_t_conjugates(backend, name, params, dtype):
+    t = torch.tensor(SMALL_T, dtype=dtype)
+    tol = {torch.float64: 1e-13, torch.float32: 2e-6}[dtype]
+    ts = [float(v) for v in t]
+    value = dro_ext.psi_star(t, name, **params)
+    assert _relative_errors(value.tolist(), [mp_psi_star(v, name, order=0, **params) for v in ts]) <= tol
+    # psi*' = dro_weights at eta = 0, lam = 1 (G = 1); psi*'' through the weights' autograd.
+    tt = t.clone().requires_grad_()
+    weights = dro_ext.dro_weights(tt, 0.0, 1.0, name, **params)
+    assert _relative_errors(weights.tolist(), [mp_psi_star(v, name, order=1, **params) for v in ts]) <= tol
+    (second,) = torch.autograd.grad(weights.sum(), tt)
+    expected_second = [mp_psi_star(v, name, order=2, **params) for v in ts]
+    if name == "cvar":
+        expected_second = [0.0] * len(ts)
+    assert _relative_errors(second.tolist(), expected_second) <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("name,params", CASES, ids=CASE_IDS)
+def test_excess_terms(name, params, dtype):
+    # The fallback's excess and excess_first (the native ones are what dro_loss and robust_objective sum,
+    # tested above): a few roundings of |t| + |result| however small t is.
+    from dro_ext._divergences import check_divergence, excess, excess_first
+
+    spec = check_divergence(name, **params)
+    ts = [v for v in SMALL_T + [-40.0, 40.0] if not (name == "kl" and v > 30)]
+    t = torch.tensor(ts, dtype=dtype)
+    eps = torch.finfo(dtype).eps
+    for fn, order, shift in ((excess, 0, 1), (excess_first, 1, 0)):
+        got = fn(t, spec).tolist()
+        for v, g in zip(t.tolist(), got):
+            exact = mp_psi_star(v, name, order=order, **params) - (mp.mpf(v) if shift else 1)
+            assert abs(g - float(exact)) <= 8 * eps * (abs(v) + abs(float(exact))), (fn.__name__, v, g, exact)
+
+
+# --------------------------------------------------------------------------------------------------
+# cressie_read: powers, and k -> 1.
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("k", [1.0 + 1e-12, 1.0 + 1e-6, 1.001, 1.25, 1.5, 2.0, 2.5, 3.0, 5.0, 20.0])
+def test_cressie_read_powers(backend, k, dtype):
+    # Random t over the whole domain, including u = 1 + (k-1) t <= 0 and large t.
+    t = (torch.randn(257, dtype=torch.float64) * 3).to(dtype)
+    tol = {torch.float64: 1e-12, torch.float32: 2e-5}[dtype]
+    ts = t.tolist()
+    for order in (0, 1):
+        if order == 0:
+            got = dro_ext.psi_star(t, "cressie_read", k=k)
+        else:
+            got = dro_ext.dro_weights(t, 0.0, 1.0, "cressie_read", k=k)
+        expected = [mp_psi_star(v, "cressie_read", k=k, order=order) for v in ts]
+        for v, g, e in zip(ts, got.tolist(), expected):
+            e = float(e)
+            if math.isinf(e):
+                assert g == e, (order, v, g, e)
+            else:
+                # relative to the value, or to |t| where the value passes through 0
+                assert abs(g - e) <= tol * max(abs(e), abs(v) * 1e-3, 1e-300), (order, v, g, e)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_cressie_read_k_near_one_is_kl(backend, dtype):
+    # k = 1 + 1e-12 returned 0 in float32 (1 + (k - 1) t rounds to 1); the limit k -> 1 is the KL value.
+    losses = _losses(dtype, 1000)
+    eta = torch.tensor(0.4, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    near = dro_ext.dro_loss(losses, eta, 0.5, "cressie_read", k=1.0 + 1e-12)
+    kl = dro_ext.dro_loss(losses, eta, 0.5, "kl")
+    assert_close(near, kl, RTOL[dtype], "dro_loss")
+    value_near, _ = dro_ext.robust_objective(losses, 0.5, "cressie_read", k=1.0 + 1e-12)
+    value_kl, _ = dro_ext.robust_objective(losses, 0.5, "kl")
+    assert_close(value_near, value_kl, RTOL[dtype] * 10, "robust_objective")
+    t = torch.linspace(-3, 3, 61, dtype=dtype)
+    torch.testing.assert_close(dro_ext.psi_star(t, "cressie_read", k=1.0 + 1e-12), torch.expm1(t),
+                               rtol=RTOL[dtype] * 10, atol=RTOL[dtype] * 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("lam", [1e-3, 0.1, 1.0, 10.0])
+def test_cressie_read_k2_robust_is_exact(backend, lam, dtype):
+    # k = 2: psi*'(t) = (1 + t)_+, piecewise linear; eta* is solved exactly on its segment, so the optimality
+    # condition holds to the rounding of the float64 sums.
+    losses = torch.randn(5000, dtype=torch.float64).exp().to(dtype)
+    value, eta = dro_ext.robust_objective(losses, lam, "cressie_read", k=2.0)
+    x = losses.double()
+    weights = torch.clamp(1 + (x - eta.double()) / lam, min=0)
+    assert abs(weights.mean().item() - 1.0) <= (1e-12 if dtype == torch.float64 else 1e-5)
+    expected = mp_robust(losses.tolist(), lam, "cressie_read", k=2.0)
+    assert_close(value, expected, RTOL[dtype], f"lam={lam}")
+
+
+# --------------------------------------------------------------------------------------------------
+# A parameter the divergence does not take is an error naming it.
+# --------------------------------------------------------------------------------------------------
+
+UNUSED = [
+    ("chi2", {"alpha": 0.1}, "alpha"),
+    ("chi2", {"k": 2.0}, "k"),
+    ("kl", {"alpha": 0.1}, "alpha"),
+    ("kl", {"k": 2.0}, "k"),
+    ("cvar", {"alpha": 0.1, "k": 2.0}, "k"),
+    ("kl_cvar", {"alpha": 0.1, "k": 2.0}, "k"),
+    ("smoothed_cvar", {"alpha": 0.1, "k": 2.0}, "k"),
+    ("cressie_read", {"alpha": 0.1, "k": 2.0}, "alpha"),
+]
+
+
+@pytest.mark.parametrize("name,params,arg", UNUSED, ids=[f"{n}-{a}" for n, _, a in UNUSED])
+def test_unused_parameter_is_an_error(backend, name, params, arg):
+    losses = torch.rand(8)
+    eta = torch.tensor(0.5)
+    match = f"'{name}' takes no {arg}"
+    calls = [
+        lambda: dro_ext.dro_loss(losses, eta, 0.5, name, **params),
+        lambda: dro_ext.dro_loss(losses, 0.5, 0.5, name, **params),
+        lambda: dro_ext.dro_weights(losses, eta, 0.5, name, **params),
+        lambda: dro_ext.psi_star(losses, name, **params),
+        lambda: dro_ext.robust_objective(losses, 0.5, name, **params),
+        lambda: dro_ext.worst_case_weights(losses, 0.5, name, **params),
+        lambda: dro_ext.DROLoss(name, 0.5, **params),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+@pytest.mark.skipif(not _backend.native_available(), reason="the native extension is not built")
+@pytest.mark.parametrize("name,params,arg", UNUSED, ids=[f"{n}-{a}" for n, _, a in UNUSED])
+def test_unused_parameter_is_an_error_in_the_ops(name, params, arg):
+    # The C++ ops check it themselves (check_divergence_args), whoever calls them.
+    losses = torch.rand(8)
+    eta = torch.tensor(0.5)
+    alpha, k = params.get("alpha"), params.get("k")
+    ops = torch.ops.dro_ext
+    match = f"'{name}' takes no {arg}"
+    with pytest.raises(ValueError, match=match):
+        ops.dro_loss(losses, eta, 0.5, name, alpha, k)
+    with pytest.raises(ValueError, match=match):
+        ops.psi_star_terms(losses, eta, torch.tensor(1.0), 0.5, name, alpha, k, 1.0, 1)
+    with pytest.raises(ValueError, match=match):
+        ops.robust_objective(losses, 0.5, name, alpha, k)
+    with pytest.raises(ValueError, match=match):
+        ops.robust_weights(losses, torch.tensor(0.5), 0.5, name, alpha, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_dense_sweep_of_the_vector_expm1_and_log1p(backend, dtype):
+    # The CPU kernels evaluate expm1 and log1p with their own vector code (csrc/cpu/vectorized_math.h): sweep
+    # t over every scale, both signs, across the range reductions' boundaries (|t| = ln(2)/2, k = 0 of log1p)
+    # and up to the overflow threshold, against float64 (float32 input) or mpmath (float64 input).
+    magnitudes = torch.logspace(-30, math.log10(80.0), 4001, dtype=torch.float64)
+    t64 = torch.cat([magnitudes, -magnitudes, torch.linspace(-1.5, 1.5, 3001, dtype=torch.float64)])
+    t = t64.to(dtype)
+    exact_t = t.double()
+    eps = torch.finfo(dtype).eps
+    kl = dro_ext.psi_star(t, "kl").double()
+    if dtype == torch.float32:
+        expected = torch.expm1(exact_t)
+    else:
+        expected = torch.tensor([float(mp.expm1(mp.mpf(v))) for v in exact_t.tolist()], dtype=torch.float64)
+    assert ((kl - expected).abs() <= 4 * eps * expected.abs()).all(), "expm1"
+    # log1p through smoothed_cvar's value for t <= 0: log1p(alpha expm1(t)) / alpha.
+    alpha = 0.7
+    neg = exact_t[exact_t <= 0]
+    value = dro_ext.psi_star(neg.to(dtype), "smoothed_cvar", alpha=alpha).double()
+    if dtype == torch.float32:
+        expected = torch.log1p(alpha * torch.expm1(neg)) / alpha
+    else:
+        expected = torch.tensor([float(mp.log1p(alpha * mp.expm1(mp.mpf(v))) / alpha) for v in neg.tolist()],
+                                dtype=torch.float64)
+    assert ((value - expected).abs() <= 8 * eps * expected.abs()).all(), "log1p"
+    # k = 1.25 (general power): exp(4 log1p(t / 4)) - 1 over u > 0.
+    value = dro_ext.dro_weights(t, 0.0, 1.0, "cressie_read", k=1.25).double() - 1
+    if dtype == torch.float32:
+        expected = torch.where(exact_t > -4, torch.expm1(4 * torch.log1p(exact_t.clamp(min=-4) / 4)), -1.0)
+    else:
+        expected = torch.tensor([float(mp.expm1(4 * mp.log1p(mp.mpf(v) / 4))) if v > -4 else -1.0
+                                 for v in exact_t.tolist()], dtype=torch.float64)
+    finite = expected.isfinite()
+    assert ((value - expected).abs()[finite] <= 16 * eps * (expected.abs() + 1)[finite]).all(), "power"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("name,params", CASES, ids=CASE_IDS)
+def test_blocks_of_large_and_small_t(backend, name, params, dtype):
+    # The CPU kernels sum blocks of 512 samples whose mean |t| is at least 1 with the coarse value of the
+    # exponential divergences and the others with the accurate excess: one tensor with both kinds of blocks
+    # (and blocks near the switch) must match the reference either way.
+    spread = torch.cat([torch.randn(1536, dtype=torch.float64) * 3, torch.randn(1536, dtype=torch.float64) * 0.05,
+                        torch.randn(1100, dtype=torch.float64) * 1.25])
+    losses = (2.0 + spread).to(dtype)
+    eta = torch.tensor(2.0, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    values = losses.tolist()
+    for lam in (1.0, 1e3):
+        value = dro_ext.dro_loss(losses, eta, lam, name, **params)
+        assert_close(value, mp_loss(values, 2.0, lam, name, **params), RTOL[dtype], f"dro_loss lam={lam}")
+        value, _ = dro_ext.robust_objective(losses, lam, name, **params)
+        assert_close(value, mp_robust(values, lam, name, **params), RTOL[dtype], f"robust_objective lam={lam}")
