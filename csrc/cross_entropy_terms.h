@@ -25,13 +25,12 @@ C10_HOST_DEVICE inline acc_t dro_argument(acc_t loss, const DROTermParams<acc_t>
   return (loss - p.g_eta) * p.inv_lam;
 }
 
-// Row i's share of the value: lam * psi*(t_i) + G eta, whose mean over the kept rows is the objective.
-// The ONE place the value term is formed (CONTRACTS.md rule 1): the precise form is
-// `loss + p.lam * div.excess(t)`, to which the integrator switches once divergences.h has excess().
+// Row i's share of the value, lam * psi*(t_i) + G eta, whose mean over the kept rows is the objective; formed
+// in the one place as l_i + lam * (psi*(t_i) - t_i) (equal, since lam t_i + G eta == l_i), which keeps its
+// absolute error near eps |l_i - G eta| however large lam is, where the first form cancels (the ERM limit).
 template <typename acc_t, typename Div>
 C10_HOST_DEVICE inline acc_t value_term(const Div& div, acc_t t, acc_t loss, const DROTermParams<acc_t>& p) {
-  (void)loss;
-  return p.lam * div.value(t) + p.g_eta;
+  return loss + p.lam * div.excess(t);
 }
 
 }  // namespace dro_ext

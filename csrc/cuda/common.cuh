@@ -192,9 +192,14 @@ __device__ __forceinline__ T reduce_partials(const T* partials, int count, T ide
 }
 
 // The k-th derivative of psi* (0: the value).
+// ORDER 0, 1, 2: psi*, psi*', psi*''; kExcessFirst: psi*' - 1, accurate where psi*' is near 1 (large lam).
+constexpr int kExcessFirst = 3;
+
 template <int ORDER, typename Div, typename T>
 __device__ __forceinline__ T derivative(const Div& div, T t) {
-  if constexpr (ORDER == 0) {
+  if constexpr (ORDER == kExcessFirst) {
+    return div.excess_first(t);
+  } else if constexpr (ORDER == 0) {
     return div.value(t);
   } else if constexpr (ORDER == 1) {
     return div.first(t);
@@ -208,15 +213,16 @@ __device__ __forceinline__ T derivative(const Div& div, T t, int order) {
   return order == 0 ? div.value(t) : (order == 1 ? div.first(t) : div.second(t));
 }
 
-// CONTRACTS.md rule 1: the per-element term of the loss VALUE, in one place. The value is
+// The per-element term of the loss VALUE, in one place:
 //   L = lam * mean_i value_term(div, t_i, l_i, inv_lam) + value_offset(G eta)
-// Today: value_term = psi*(t) and the offset is G eta (as the CPU kernels). After the numerics merge
-// (psi*(t) = t + excess(t)): value_term = l * inv_lam + div.excess(t) and value_offset = 0.
+// with value_term = l / lam + excess(t) and no offset, i.e. L = mean l + lam * mean (psi*(t) - t): lam psi*(t) + G eta
+// == l + lam (psi*(t) - t) exactly, and this form keeps its absolute error near eps |l - G eta| however large lam
+// is (the ERM limit L -> mean l), where lam psi*(t) + G eta cancels catastrophically (DESIGN.md, Numerics).
 template <typename Div, typename T>
-__device__ __forceinline__ T value_term(const Div& div, T t, T /*l*/, T /*inv_lam*/) {
-  return div.value(t);
+__device__ __forceinline__ T value_term(const Div& div, T t, T l, T inv_lam) {
+  return l * inv_lam + div.excess(t);
 }
-__host__ __device__ inline double value_offset(double g_eta) { return g_eta; }
+__host__ __device__ inline double value_offset(double /*g_eta*/) { return 0.0; }
 
 // Per-thread partial sums of (derivative A, derivative B) of psi* at t_i = (x_i - shift) * inv_lam over the
 // elements this thread owns; A == 0 is the loss value term.

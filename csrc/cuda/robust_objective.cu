@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kThreads) init_solver_kernel(const MinMax<acc_
   s.a = lo;
   s.b = hi;
   s.ga = s.gb = nan;
-  s.tol = 4.0 * eps * fmax(fmax(fabs(lo), fabs(hi)), lam);  // the CPU's convergence tolerance
+  s.tol = 4.0 * eps * fmax(fabs(lo), fabs(hi));  // the CPU's convergence tolerance (lam must not enter: large lam)
   s.search_idle = s.finished || !iterative;
   s.skip_segment = 1;
   s.passes = 0;
@@ -133,13 +133,17 @@ __global__ void __launch_bounds__(kThreads) init_solver_kernel(const MinMax<acc_
   *state = s;
 }
 
-// kl: eta* = max l + lam log(mean exp((l - max l)/lam)) = Psi, from the (psi*, psi*') sums at shift max l.
+// kl: eta* = max l + lam log(mean exp((l - max l)/lam)) = Psi, from the sums of (expm1(t), exp(t)) at shift
+// max l. Where the mean exponential is near 1 (large lam, the ERM limit) its logarithm is taken as log1p of the
+// mean expm1, which keeps the small difference that lam multiplies; elsewhere log of the mean exp (as the CPU).
 template <typename acc_t>
 __global__ void __launch_bounds__(kThreads) kl_finalize_kernel(const Pair<acc_t>* __restrict__ partials, int count,
                                                                SolverState* state, double lam, double n) {
   const Pair<acc_t> total = reduce_partials(partials, count, Pair<acc_t>{acc_t(0), acc_t(0)}, PairSum());
   if (threadIdx.x != 0 || state->finished) return;
-  const double eta = state->hi + lam * log(static_cast<double>(total.b) / n);
+  const double mean_exp = static_cast<double>(total.b) / n;
+  const double log_mean = mean_exp > 0.5 ? log1p(static_cast<double>(total.a) / n) : log(mean_exp);
+  const double eta = state->hi + lam * log_mean;
   state->eta = eta;
   state->value = eta;
   state->finished = 1;
@@ -227,7 +231,7 @@ __device__ __forceinline__ double interpolate(double a, double b, double ga, dou
   return 0.5 * (a + b);
 }
 
-// One multisection step on sums[j] = sum psi*'((l - p_j)/lam) at the split points p_j of the current bracket.
+// One multisection step on sums[j] = sum (psi*'((l - p_j)/lam) - 1) at the split points p_j of the current bracket.
 __device__ void multisection_step(SolverState* st, const double* sums, double n, bool chi2, int budget) {
   st->passes += 1;
   const double a = st->a, b = st->b;
@@ -238,7 +242,7 @@ __device__ void multisection_step(SolverState* st, const double* sums, double n,
   };
   for (int j = 0; j < kSplit; ++j) {
     const double p = split_point(a, b, j);
-    const double g = sums[j] / n - 1.0;
+    const double g = sums[j] / n;  // mean psi*' - 1, summed as psi*' - 1 (exact near the root at large lam)
     if (isnan(g)) {
       st->eta = st->value = std::numeric_limits<double>::quiet_NaN();
       st->finished = 1;
@@ -266,7 +270,7 @@ __device__ void multisection_step(SolverState* st, const double* sums, double n,
   if (st->passes >= budget) stop(false);
 }
 
-// One multisection pass in one launch: block partials of sum psi*' at the kSplit points, then the last block to
+// One multisection pass in one launch: block partials of sum (psi*' - 1) at the kSplit points, then the last block to
 // finish combines them in block order and steps. Returns at once when the search is idle.
 template <typename scalar_t, typename Div>
 __global__ void __launch_bounds__(kThreads) multisection_kernel(
@@ -284,7 +288,7 @@ __global__ void __launch_bounds__(kThreads) multisection_kernel(
   for (int j = 0; j < kSplit; ++j) s.v[j] = acc_t(0);
   for_each_element<acc_t>(x, n, [&](acc_t l) {
 #pragma unroll
-    for (int j = 0; j < kSplit; ++j) s.v[j] += div.first((l - shift[j]) * inv_lam);
+    for (int j = 0; j < kSplit; ++j) s.v[j] += div.excess_first((l - shift[j]) * inv_lam);
   });
   const SplitSums<acc_t> block = block_reduce(s, SplitSumsOp());
   __shared__ bool is_last;
@@ -382,7 +386,8 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
   });
 
   if (spec.kind == Divergence::KL) {
-    launch_derivative_partials<0, 1>(x, spec, ShiftRef{scalar_ref(&state->hi), 1.0, 0.0}, lam, finished, partials);
+    launch_derivative_partials<kExcessFirst, 1>(x, spec, ShiftRef{scalar_ref(&state->hi), 1.0, 0.0}, lam, finished,
+                                               partials);
     dispatch_acc(x.scalar_type(), [&](auto acc_zero) {
       using acc_t = decltype(acc_zero);
       kl_finalize_kernel<acc_t><<<1, kThreads, 0, stream>>>(
