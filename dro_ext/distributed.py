@@ -29,7 +29,10 @@ import torch
 import torch.distributed as dist
 
 from dro_ext._divergences import Spec, accumulate_dtype, check_divergence, check_positive
+from dro_ext._divergences import excess as _excess_torch
+from dro_ext._divergences import excess_first as _excess_first_torch
 from dro_ext._divergences import psi_star as _psi_star_torch
+from dro_ext.robust import _find_eta, _tail_size
 
 __all__ = [
     "average_gradients",
@@ -154,7 +157,6 @@ def average_gradients(params, group) -> None:
 # The robust objective over the losses of every rank
 # ---------------------------------------------------------------------------------------------------
 
-_MAX_ITERATIONS = 100
 # Thresholds per round of the distributed selection: the count vector of one round is one all-reduce,
 # and each round narrows the search over the 2^64 float64 bit patterns by this factor (8 rounds at most).
 _SELECTION_FANOUT = 255
@@ -220,17 +222,12 @@ class _Solution(NamedTuple):
     tail: float   # alpha * N for cvar (else 0)
 
 
-def _tail_size(alpha: float, n: int) -> float:
-    from dro_ext.robust import _tail_size as tail_size
-
-    return tail_size(alpha, n)
-
-
 def _solve(x: torch.Tensor, lam: float, spec: Spec, reducer: _Reducer) -> _Solution:
     """(Psi, eta*) of the losses of every rank; x holds this rank's losses in float64.
 
-    The algorithms of the single-process fallback (robust._solve_torch), step for step, with every sum,
-    count and extremum all-reduced: every rank then holds the same numbers and takes the same branches.
+    The algorithms of the single-process fallback (robust._solve_torch; the iterative solver is the same
+    robust._find_eta), with every sum, count and extremum all-reduced: every rank then holds the same numbers
+    and takes the same branches.
     """
     n_local = x.numel()
     nan_local = bool(torch.isnan(x).any()) if n_local else False
@@ -252,8 +249,10 @@ def _solve(x: torch.Tensor, lam: float, spec: Spec, reducer: _Reducer) -> _Solut
     if lo == hi:
         return _Solution(lo, lo, n, tail)
     if spec.name == "kl":
-        (s,) = reducer.sum(torch.exp((x - hi) / lam).sum().item())
-        eta = hi + lam * math.log(s / n)
+        t = (x - hi) / lam
+        sum_exp, sum_expm1 = reducer.sum(torch.exp(t).sum().item(), torch.expm1(t).sum().item())
+        # As robust._solve_torch: log1p of the mean expm1 where the mean exp is near 1 (large lam).
+        eta = hi + lam * (math.log1p(sum_expm1 / n) if sum_exp / n > 0.5 else math.log(sum_exp / n))
         return _Solution(eta, eta, n, tail)
     if spec.name == "cvar":
         j = min(n, max(1, math.ceil(tail)))
@@ -261,51 +260,18 @@ def _solve(x: torch.Tensor, lam: float, spec: Spec, reducer: _Reducer) -> _Solut
         above = x > eta
         sum_above, n_above = reducer.sum(x[above].sum().item(), above.sum().item())
         return _Solution((sum_above + (tail - n_above) * eta) / tail, eta, n, tail)
-    chi2 = spec.name == "chi2"
-    tol = 4.0 * 2.220446049250313e-16 * max(abs(lo), abs(hi), lam)
-    a, b, eta = lo, hi, lo
-    step_before_last = last_step = b - a
-    previous_active, last_was_newton, converged = -1.0, False, False
-    for _ in range(_MAX_ITERATIONS):
+
+    def newton_sums(eta):
         t = (x - eta) / lam
-        s1, s2 = reducer.sum(_psi_star_torch(t, spec, 1).sum().item(), _psi_star_torch(t, spec, 2).sum().item())
-        g = s1 / n - 1.0
-        if math.isnan(g):
-            return _Solution(math.nan, math.nan, n, tail)
-        if g == 0.0:
-            converged = True
-            break
-        if g > 0.0:
-            a = eta
-        else:
-            b = eta
-        if chi2 and last_was_newton and s2 == previous_active:
-            converged = True
-            break
-        previous_active = s2
-        try:
-            newton = lam * g * n / s2 if chi2 else lam * math.log(s1 / n) * (s1 / s2)
-        except (ValueError, ZeroDivisionError, OverflowError):
-            newton = math.nan
-        nxt = eta + newton
-        use_newton = math.isfinite(nxt) and a < nxt < b and (chi2 or abs(newton) <= 0.5 * abs(step_before_last))
-        if not use_newton:
-            nxt = 0.5 * (a + b)
-        step_before_last, last_step = last_step, nxt - eta
-        eta, last_was_newton = nxt, use_newton
-        if abs(last_step) <= tol or b - a <= tol:
-            converged = True
-            break
-    if chi2 and converged:
-        # The exact root on the segment where the same samples are active (psi*' linear there).
-        active = x > eta - 2.0 * lam
-        sum_active, count = reducer.sum(x[active].sum().item(), active.sum().item())
-        if count > 0:
-            exact = (sum_active + 2.0 * lam * (count - n)) / count
-            if lo <= exact <= hi:
-                eta = exact
-    (total,) = reducer.sum(_psi_star_torch((x - eta) / lam, spec, 0).sum().item())
-    return _Solution(lam * total / n + eta, eta, n, tail)
+        return reducer.sum(_excess_first_torch(t, spec).sum().item(), _psi_star_torch(t, spec, 2).sum().item())
+
+    def segment_sums(cut):
+        active = x > cut
+        return reducer.sum(x[active].sum().item(), active.sum().item())
+
+    eta = _find_eta(newton_sums, segment_sums, n, lo, hi, lam, spec)
+    sum_x, sum_excess = reducer.sum(x.sum().item(), _excess_torch((x - eta) / lam, spec).sum().item())
+    return _Solution(sum_x / n + lam * sum_excess / n, eta, n, tail)
 
 
 def _weights(x: torch.Tensor, solution: _Solution, lam: float, spec: Spec, reducer: _Reducer) -> torch.Tensor:

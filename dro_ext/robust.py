@@ -119,31 +119,14 @@ def _tail_size(alpha: float, n: int) -> float:
     return float(r) if abs(k - r) <= 8.0 * sys.float_info.epsilon * k else k
 
 
-def _solve_torch(x: torch.Tensor, lam: float, spec: Spec) -> tuple[float, float]:
-    """(Psi, eta*) for float64 losses x, as Python floats."""
-    n = x.numel()
-    lo_t, hi_t = torch.aminmax(x)
-    lo, hi = lo_t.item(), hi_t.item()
-    if math.isnan(lo) or math.isnan(hi) or lo == -math.inf:
-        return math.nan, math.nan
-    if hi == math.inf:
-        return math.inf, math.inf
-    if lo == hi:
-        return lo, lo
-    if spec.name == "kl":
-        t = (x - hi) / lam
-        mean_exp = torch.exp(t).mean().item()
-        # Near 1, log loses the digits of mean_exp - 1 that lam multiplies; log1p of the mean expm1 keeps them.
-        log_mean = math.log1p(torch.expm1(t).mean().item()) if mean_exp > 0.5 else math.log(mean_exp)
-        eta = hi + lam * log_mean
-        return eta, eta
-    if spec.name == "cvar":
-        tail = _tail_size(spec.alpha, n)
-        j = min(n, max(1, math.ceil(tail)))
-        top = torch.topk(x, j).values
-        eta = top[-1].item()
-        above = top[top > eta]
-        return (above.sum().item() + (tail - above.numel()) * eta) / tail, eta
+def _find_eta(newton_sums: Callable, segment_sums: Callable, n: int, lo: float, hi: float, lam: float,
+              spec: Spec) -> float:
+    """eta* of the iterative divergences: safeguarded Newton/bisection on mean psi*'((l - eta)/lam) = 1 in [lo, hi].
+
+    newton_sums(eta) gives (sum_i psi*'(t_i) - 1, sum_i psi*''(t_i)) and segment_sums(cut) gives (sum of the losses
+    above cut, their count), over every loss: the single-process fallback sums its tensor, dro_ext.distributed
+    all-reduces the sums of every rank, and both take the same steps.
+    """
     # psi*' = (1 + t/width)_+ is piecewise linear for chi2 (width 2) and cressie_read at k = 2 (width 1).
     width = 2.0 if spec.name == "chi2" else (1.0 if spec.name == "cressie_read" and spec.k == 2.0 else 0.0)
     linear = width > 0.0
@@ -153,12 +136,10 @@ def _solve_torch(x: torch.Tensor, lam: float, spec: Spec) -> tuple[float, float]
     step_before_last = last_step = b - a
     previous_active, last_was_newton, converged = -1.0, False, False
     for _ in range(_MAX_ITERATIONS):
-        t = (x - eta) / lam
-        s1 = _excess_first_torch(t, spec).sum().item()  # sum psi*' - N, accurate as t -> 0
-        s2 = _psi_star_torch(t, spec, 2).sum().item()
+        s1, s2 = newton_sums(eta)
         g = s1 / n
         if math.isnan(g):
-            return math.nan, math.nan
+            return math.nan
         if g == 0.0:
             converged = True
             break
@@ -186,13 +167,49 @@ def _solve_torch(x: torch.Tensor, lam: float, spec: Spec) -> tuple[float, float]
             converged = True
             break
     if linear and converged:
-        cut = eta - width * lam
-        active = x > cut
-        count = active.sum().item()
+        sum_active, count = segment_sums(eta - width * lam)
         if count > 0:
-            exact = (x[active].sum().item() + width * lam * (count - n)) / count
+            exact = (sum_active + width * lam * (count - n)) / count
             if lo <= exact <= hi:
                 eta = exact
+    return eta
+
+
+def _solve_torch(x: torch.Tensor, lam: float, spec: Spec) -> tuple[float, float]:
+    """(Psi, eta*) for float64 losses x, as Python floats."""
+    n = x.numel()
+    lo_t, hi_t = torch.aminmax(x)
+    lo, hi = lo_t.item(), hi_t.item()
+    if math.isnan(lo) or math.isnan(hi) or lo == -math.inf:
+        return math.nan, math.nan
+    if hi == math.inf:
+        return math.inf, math.inf
+    if lo == hi:
+        return lo, lo
+    if spec.name == "kl":
+        t = (x - hi) / lam
+        mean_exp = torch.exp(t).mean().item()
+        # Near 1, log loses the digits of mean_exp - 1 that lam multiplies; log1p of the mean expm1 keeps them.
+        log_mean = math.log1p(torch.expm1(t).mean().item()) if mean_exp > 0.5 else math.log(mean_exp)
+        eta = hi + lam * log_mean
+        return eta, eta
+    if spec.name == "cvar":
+        tail = _tail_size(spec.alpha, n)
+        j = min(n, max(1, math.ceil(tail)))
+        top = torch.topk(x, j).values
+        eta = top[-1].item()
+        above = top[top > eta]
+        return (above.sum().item() + (tail - above.numel()) * eta) / tail, eta
+
+    def newton_sums(eta):
+        t = (x - eta) / lam
+        return _excess_first_torch(t, spec).sum().item(), _psi_star_torch(t, spec, 2).sum().item()
+
+    def segment_sums(cut):
+        active = x > cut
+        return x[active].sum().item(), active.sum().item()
+
+    eta = _find_eta(newton_sums, segment_sums, n, lo, hi, lam, spec)
     value = x.mean().item() + lam * _excess_torch((x - eta) / lam, spec).mean().item()
     return value, eta
 
