@@ -24,6 +24,56 @@ def close(got, want, dtype):
     return torch.allclose(got.cpu().double(), want.double(), rtol=tol, atol=tol, equal_nan=True)
 
 
+def optimizer_and_cross_entropy():
+    """The NormalizedSGD step (mixed dtypes, both norms, a misaligned view) and the fused cross-entropy ops,
+    through the public API, against the same calls on the CPU."""
+    failures = []
+    for norm in ("global", "tensor"):
+        shapes = [(7,), (33, 5), (1,), (4099,)]
+        dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+        cpu = [torch.randn(s, dtype=torch.float64).to(d) for s, d in zip(shapes, dtypes)]
+        dev = [p.cuda() for p in cpu]
+        for params in (cpu, dev):
+            for p in params:
+                p.requires_grad_(True)
+        opts = [dro_ext.NormalizedSGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01, norm=norm) for ps in (cpu, dev)]
+        for _ in range(3):
+            grads = [torch.randn(p.shape, dtype=torch.float64) for p in cpu]
+            for ps, opt in zip((cpu, dev), opts):
+                for p, g in zip(ps, grads):
+                    p.grad = g.to(device=p.device, dtype=p.dtype)
+                opt.step()
+        for a, b in zip(dev, cpu):
+            if not close(a.detach(), b.detach(), b.dtype):
+                failures.append(f"normalized_sgd_step_ norm={norm} {b.dtype} {tuple(b.shape)}")
+    for dtype in DTYPES:
+        logits = torch.randn(9, 37, dtype=torch.float64).to(dtype)
+        targets = torch.randint(0, 37, (9,))
+        targets[2] = -100
+        results = []
+        for device in ("cpu", "cuda"):
+            x = logits.to(device).requires_grad_(True)
+            eta = torch.tensor(0.3, device=device, requires_grad=True)
+            value = dro_ext.dro_cross_entropy(x, targets.to(device), eta, 0.5, "cvar", alpha=0.3, label_smoothing=0.1)
+            value.backward()
+            results.append((value.detach(), x.grad, eta.grad))
+        if not all(close(a, b.cpu(), dtype if a.dtype == dtype else a.dtype) for a, b in zip(results[1], results[0])):
+            failures.append(f"dro_cross_entropy {dtype}")
+        hidden = torch.randn(11, 16, dtype=torch.float64).to(dtype)
+        weight = torch.randn(23, 16, dtype=torch.float64).to(dtype)
+        results = []
+        for device in ("cpu", "cuda"):
+            h = hidden.to(device).requires_grad_(True)
+            w = weight.to(device).requires_grad_(True)
+            eta = torch.tensor(0.1, device=device, requires_grad=True)
+            value = dro_ext.dro_linear_cross_entropy(h, w, torch.arange(11, device=device), eta, 0.5, "kl", chunk_size=4)
+            value.backward()
+            results.append((value.detach(), h.grad, w.grad, eta.grad))
+        if not all(close(a, b.cpu(), a.dtype) for a, b in zip(results[1], results[0])):
+            failures.append(f"dro_linear_cross_entropy {dtype}")
+    return failures
+
+
 def main():
     torch.manual_seed(0)
     ops = torch.ops.dro_ext
@@ -64,6 +114,7 @@ def main():
                 stats_cpu = ops.weight_stats(q.cpu(), groups.cpu(), 5)
                 if not all(close(a, b, acc) for a, b in zip(stats, stats_cpu)):
                     failures.append(f"weight_stats {label}")
+    failures += optimizer_and_cross_entropy()
     torch.cuda.synchronize()
     for f in failures:
         print("MISMATCH", f)
