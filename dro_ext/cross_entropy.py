@@ -305,8 +305,18 @@ def _linear_setup_context(ctx, inputs, output):
     eta, scale = inputs[4], inputs[9]
     _, mean_weight, grad_hidden, grad_weight, grad_bias = output
     ctx.mark_non_differentiable(mean_weight, grad_hidden, grad_weight, grad_bias)
+    # Otherwise autograd would hand backward a zero-filled gradient for each of those outputs (a V x H one for
+    # grad_weight) that it never reads; the value's gradient then comes as None where nothing flows into it.
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(mean_weight, grad_hidden, grad_weight, grad_bias)
     ctx.scale, ctx.eta_dtype = scale, eta.dtype
+
+
+def _scaled_gradient(saved, grad_value, in_place: bool):
+    """saved * grad_value. In place (no second V x H buffer) when the graph is freed after this backward: the buffer
+    is the op's own and nothing reads it again, and once the autograd node releases it the returned tensor is its
+    only reference, so AccumulateGrad takes it as .grad instead of cloning it."""
+    return saved.mul_(grad_value) if in_place else saved * grad_value
 
 
 def _linear_backward(ctx, grad_value, *unused):
@@ -314,14 +324,19 @@ def _linear_backward(ctx, grad_value, *unused):
     out = [None] * 17
     if grad_value is None:
         return tuple(out)
-    # Out of place, so that a second backward through a retained graph (and gradcheck's reentrancy check)
-    # sees the forward's gradients unchanged.
+    # A retained graph (retain_graph=True, create_graph, gradcheck's reentrancy check) runs this backward again, so
+    # it must then leave the forward's gradients as they are and scale copies of them; otherwise it scales them in
+    # place. While AOTAutograd traces this backward (torch.compile, opcheck) the tensors are fake/functional
+    # wrappers (subclasses): out of place there, as a traced mutation of a forward output cannot be partitioned.
+    # No host sync either way: the upstream gradient stays a device tensor.
+    in_place = (not torch._C._autograd._get_current_graph_task_keep_graph()
+                and type(grad_value) is torch.Tensor and type(mean_weight) is torch.Tensor)
     if ctx.needs_input_grad[0]:
-        out[0] = grad_hidden * grad_value
+        out[0] = _scaled_gradient(grad_hidden, grad_value, in_place)
     if ctx.needs_input_grad[1]:
-        out[1] = grad_weight * grad_value
+        out[1] = _scaled_gradient(grad_weight, grad_value, in_place)
     if ctx.needs_input_grad[2]:
-        out[2] = grad_bias * grad_value
+        out[2] = _scaled_gradient(grad_bias, grad_value, in_place)
     if ctx.needs_input_grad[4]:
         out[4] = (grad_value.to(mean_weight.dtype) * (ctx.scale * (1.0 - mean_weight))).to(ctx.eta_dtype)
     return tuple(out)
