@@ -257,7 +257,10 @@ def _linear_cross_entropy_with_grads(
     grad_hidden = torch.empty_like(hidden) if grad_hidden_needed else hidden.new_empty((0,))
     # In the input dtype, like the gradient autograd would produce: each chunk's matmul accumulates in float32
     # and rounds once into it (a float32 copy of weight's size would cost more memory than the logits saved).
-    grad_weight = torch.zeros_like(weight) if grad_weight_needed else hidden.new_empty((0,))
+    # The first chunk's matmul writes it and the others add into it (addmm_, beta 1): no zero fill, no temporary.
+    grad_weight = torch.empty_like(weight) if grad_weight_needed else hidden.new_empty((0,))
+    if grad_weight_needed and rows == 0:
+        grad_weight.zero_()
     grad_bias = torch.zeros((vocab,), dtype=acc, device=hidden.device) if grad_bias_needed else hidden.new_empty((0,))
     sums = torch.zeros((2,), dtype=acc, device=hidden.device)
     for start in range(0, rows, chunk_size):
@@ -276,7 +279,10 @@ def _linear_cross_entropy_with_grads(
             if grad_hidden_needed:
                 torch.mm(logits, weight, out=grad_hidden[start:end])
             if grad_weight_needed:
-                grad_weight.addmm_(logits.t(), h)
+                if start == 0:
+                    torch.mm(logits.t(), h, out=grad_weight)
+                else:
+                    grad_weight.addmm_(logits.t(), h)
             if grad_bias_needed:
                 grad_bias += logits.sum(0, dtype=acc)
         del logits
