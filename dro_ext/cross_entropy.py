@@ -216,7 +216,8 @@ def _chunk_fallback_(logits, targets, eta, inv_count, lam, spec, scale, ignore_i
     weights = torch.where(keep, _psi_star_torch(t, spec, 1), 0.0)
     sums = torch.stack([torch.where(keep, _value_terms(losses, t, lam, g_eta, spec), 0.0).sum(), weights.sum()])
     if compute_grad:
-        grad = torch.exp(x - lse[:, None])
+        grad = x - lse[:, None]  # the one chunk-sized temporary besides F.cross_entropy's; exp'd in place
+        grad.exp_()
         grad.sub_(label_smoothing / x.shape[1])
         grad.scatter_add_(1, safe_targets[:, None], torch.full_like(lse[:, None], label_smoothing - 1.0))
         grad.mul_((weights * inv_count.to(acc))[:, None])
@@ -359,8 +360,8 @@ def dro_linear_cross_entropy(hidden, weight, targets, eta, lam, divergence="chi2
     ``chunk_size`` at a time (default: :func:`default_chunk_size`): each chunk's logits come from a matmul, are
     turned in place into their loss and gradient, and matmuls fold that gradient into the gradients of hidden,
     weight and bias, computed in the forward when any of hidden, weight, bias or eta requires grad (none
-    otherwise) and scaled by the upstream gradient in backward. Peak extra memory: one chunk of logits plus
-    the gradients themselves. half/bfloat16 inputs give logits in their dtype with float32 loss accumulation;
+    otherwise) and scaled by the upstream gradient in backward (in place, unless the graph is retained). Peak
+    extra memory: one chunk of logits plus the gradients themselves, each held once. half/bfloat16 inputs give logits in their dtype with float32 loss accumulation;
     the weight gradient is accumulated in the weight's dtype over chunks. First-order gradients only.
     """
     spec, lam, scale, ignore_index, label_smoothing = _checked_scalars(
