@@ -206,22 +206,37 @@ def _chunk_fallback_(logits, targets, eta, inv_count, lam, spec, scale, ignore_i
     """dro_cross_entropy_chunk_ in PyTorch: the chunk's {sum value_term, sum w} over kept rows, and (compute_grad)
     the logits overwritten by inv_count * w_i * (softmax_i - q_i)."""
     acc = accumulate_dtype(logits.dtype)
-    x = logits.to(acc)
+    x = logits.to(acc)  # the logits themselves unless they must be cast up
     keep = targets != ignore_index
     safe_targets = torch.where(keep, targets, 0)
-    lse = torch.logsumexp(x, dim=1)
-    losses = torch.where(keep, _row_losses(x, targets, ignore_index, label_smoothing), 0.0)
+    # F.cross_entropy's loss from the logsumexp, (1-eps)(lse - x_y) + eps(lse - mean_c x_c): the target logits and
+    # the row means are read first, so that the softmax can then be built in x in place. With the logits already
+    # in the accumulation dtype, nothing chunk-sized is allocated (torch.logsumexp and F.cross_entropy would
+    # each allocate a chunk-sized temporary).
+    target_logit = x.gather(1, safe_targets[:, None]).squeeze(1)
+    row_mean = x.mean(dim=1) if label_smoothing else None
+    if compute_grad:
+        row_max = x.amax(dim=1, keepdim=True).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        unnormalized = x.sub_(row_max).exp_()  # exp(x - max): overwrites the logits (or their cast-up copy)
+        row_sum = unnormalized.sum(dim=1)
+        lse = row_sum.log() + row_max.squeeze(1)
+    else:
+        lse = torch.logsumexp(x, dim=1)
+    losses = lse - (1.0 - label_smoothing) * target_logit
+    if label_smoothing:
+        losses = losses - label_smoothing * row_mean
+    losses = torch.where(keep, losses, 0.0)
     g_eta = scale * eta.to(acc)
     t = (losses - g_eta) / lam
     weights = torch.where(keep, _psi_star_torch(t, spec, 1), 0.0)
     sums = torch.stack([torch.where(keep, _value_terms(losses, t, lam, g_eta, spec), 0.0).sum(), weights.sum()])
     if compute_grad:
-        grad = x - lse[:, None]  # the one chunk-sized temporary besides F.cross_entropy's; exp'd in place
-        grad.exp_()
+        grad = unnormalized.div_(row_sum[:, None])  # softmax
         grad.sub_(label_smoothing / x.shape[1])
         grad.scatter_add_(1, safe_targets[:, None], torch.full_like(lse[:, None], label_smoothing - 1.0))
         grad.mul_((weights * inv_count.to(acc))[:, None])
-        logits.copy_(grad)
+        if grad.data_ptr() != logits.data_ptr():
+            logits.copy_(grad)
     return sums
 
 
