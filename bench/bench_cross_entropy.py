@@ -219,6 +219,10 @@ def main(argv=None):
     parser.add_argument("--name", default=None)
     parser.add_argument("--case", choices=["logits", "linear"], default=None,
                         help="run one case only (its results go to <name>_<case> unless --name is given)")
+    # The flags bench.run forwards to every benchmark (this one makes no plot).
+    parser.add_argument("--out", default=None, help="folder for the results (default bench/results)")
+    parser.add_argument("--note", default="", help="free text for the table (e.g. what else ran)")
+    parser.add_argument("--no-plot", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe:
         print(json.dumps({"peak_extra_bytes": probe_cpu_memory(*args.probe, args.quick)}))
@@ -231,7 +235,8 @@ def main(argv=None):
                          "cross_entropy_" + torch.cuda.get_device_name().split()[-1].lower())
     if args.case and not args.name:
         name += "_" + args.case
-    write_results(name, rows, table(rows))
+    text = table(rows) + (f"\n\nNote: {args.note}" if args.note else "")
+    return write_results(name, rows, text, **({"out_dir": args.out} if args.out else {}))
 
 
 if __name__ == "__main__":
