@@ -1,6 +1,6 @@
 """Fused DRO cross-entropy, forward + backward, side by side with its peers, with the peak memory of each.
 
-    python -m bench.bench_cross_entropy [--quick] [--device cpu|cuda] [--rounds 3]
+    python -m bench.bench_cross_entropy [--quick] [--device cpu|cuda] [--rounds 3] [--case logits|linear]
 
 Two cases (float32 on the CPU; bfloat16 and the GPU sizes of issue 11 on CUDA):
   - logits:  dro_cross_entropy(logits (N, C), targets, eta) against the eager composition
@@ -164,9 +164,9 @@ def cuda_peak_bytes(run):
 # ---------------------------------------------------------------------------------------------------
 
 
-def bench(device, quick, rounds, min_seconds):
+def bench(device, quick, rounds, min_seconds, kinds=("logits", "linear")):
     rows = []
-    for kind in ("logits", "linear"):
+    for kind in kinds:
         sizes = case_sizes(kind, device, quick)
         torch._dynamo.reset()
         runs = make_case(kind, sizes, device)
@@ -217,6 +217,8 @@ def main(argv=None):
                         help="per implementation, over all rounds (default 3; 0.2 with --quick)")
     parser.add_argument("--probe", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
     parser.add_argument("--name", default=None)
+    parser.add_argument("--case", choices=["logits", "linear"], default=None,
+                        help="run one case only (its results go to <name>_<case> unless --name is given)")
     args = parser.parse_args(argv)
     if args.probe:
         print(json.dumps({"peak_extra_bytes": probe_cpu_memory(*args.probe, args.quick)}))
@@ -226,12 +228,15 @@ def main(argv=None):
     load_before = loadavg()
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.min_seconds = args.min_seconds or (0.2 if args.quick else 3.0)
-    rows = bench(device, args.quick, args.rounds, args.min_seconds)
+    kinds = (args.case,) if args.case else ("logits", "linear")
+    rows = bench(device, args.quick, args.rounds, args.min_seconds, kinds)
     name = args.name or ("cross_entropy" if device.type == "cpu" else
                          "cross_entropy_" + torch.cuda.get_device_name().split()[-1].lower())
+    if args.case and not args.name:
+        name += "_" + args.case
     # Tables only: the memory column is the point of this benchmark and reads best as a table (--no-plot is implied).
-    return write_report(args.out, name, rows, table(rows), device_info(device.type), load=(load_before, loadavg()), note=args.note,
-                 settings={"quick": args.quick, "rounds": args.rounds})
+    return write_report(args.out, name, rows, table(rows), device_info(device.type), load=(load_before, loadavg()),
+                        note=args.note, settings={"quick": args.quick, "rounds": args.rounds})
 
 
 if __name__ == "__main__":

@@ -209,21 +209,37 @@ def _chunk_fallback_(logits, targets, eta, inv_count, lam, spec, scale, ignore_i
     """dro_cross_entropy_chunk_ in PyTorch: the chunk's {sum value_term, sum w} over kept rows, and (compute_grad)
     the logits overwritten by inv_count * w_i * (softmax_i - q_i)."""
     acc = accumulate_dtype(logits.dtype)
-    x = logits.to(acc)
+    x = logits.to(acc)  # the logits themselves unless they must be cast up
     keep = targets != ignore_index
     safe_targets = torch.where(keep, targets, 0)
-    lse = torch.logsumexp(x, dim=1)
-    losses = torch.where(keep, _row_losses(x, targets, ignore_index, label_smoothing), 0.0)
+    # F.cross_entropy's loss from the logsumexp, (1-eps)(lse - x_y) + eps(lse - mean_c x_c): the target logits and
+    # the row means are read first, so that the softmax can then be built in x in place. With the logits already
+    # in the accumulation dtype, nothing chunk-sized is allocated (torch.logsumexp and F.cross_entropy would
+    # each allocate a chunk-sized temporary).
+    target_logit = x.gather(1, safe_targets[:, None]).squeeze(1)
+    row_mean = x.mean(dim=1) if label_smoothing else None
+    if compute_grad:
+        row_max = x.amax(dim=1, keepdim=True).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        unnormalized = x.sub_(row_max).exp_()  # exp(x - max): overwrites the logits (or their cast-up copy)
+        row_sum = unnormalized.sum(dim=1)
+        lse = row_sum.log() + row_max.squeeze(1)
+    else:
+        lse = torch.logsumexp(x, dim=1)
+    losses = lse - (1.0 - label_smoothing) * target_logit
+    if label_smoothing:
+        losses = losses - label_smoothing * row_mean
+    losses = torch.where(keep, losses, 0.0)
     g_eta = scale * eta.to(acc)
     t = (losses - g_eta) / lam
     weights = torch.where(keep, _psi_star_torch(t, spec, 1), 0.0)
     sums = torch.stack([torch.where(keep, _value_terms(losses, t, lam, g_eta, spec), 0.0).sum(), weights.sum()])
     if compute_grad:
-        grad = torch.exp(x - lse[:, None])
+        grad = unnormalized.div_(row_sum[:, None])  # softmax
         grad.sub_(label_smoothing / x.shape[1])
         grad.scatter_add_(1, safe_targets[:, None], torch.full_like(lse[:, None], label_smoothing - 1.0))
         grad.mul_((weights * inv_count.to(acc))[:, None])
-        logits.copy_(grad)
+        if grad.data_ptr() != logits.data_ptr():
+            logits.copy_(grad)
     return sums
 
 
@@ -260,7 +276,10 @@ def _linear_cross_entropy_with_grads(
     grad_hidden = torch.empty_like(hidden) if grad_hidden_needed else hidden.new_empty((0,))
     # In the input dtype, like the gradient autograd would produce: each chunk's matmul accumulates in float32
     # and rounds once into it (a float32 copy of weight's size would cost more memory than the logits saved).
-    grad_weight = torch.zeros_like(weight) if grad_weight_needed else hidden.new_empty((0,))
+    # The first chunk's matmul writes it and the others add into it (addmm_, beta 1): no zero fill, no temporary.
+    grad_weight = torch.empty_like(weight) if grad_weight_needed else hidden.new_empty((0,))
+    if grad_weight_needed and rows == 0:
+        grad_weight.zero_()
     grad_bias = torch.zeros((vocab,), dtype=acc, device=hidden.device) if grad_bias_needed else hidden.new_empty((0,))
     sums = torch.zeros((2,), dtype=acc, device=hidden.device)
     for start in range(0, rows, chunk_size):
@@ -279,7 +298,10 @@ def _linear_cross_entropy_with_grads(
             if grad_hidden_needed:
                 torch.mm(logits, weight, out=grad_hidden[start:end])
             if grad_weight_needed:
-                grad_weight.addmm_(logits.t(), h)
+                if start == 0:
+                    torch.mm(logits.t(), h, out=grad_weight)
+                else:
+                    grad_weight.addmm_(logits.t(), h)
             if grad_bias_needed:
                 grad_bias += logits.sum(0, dtype=acc)
         del logits
@@ -308,8 +330,18 @@ def _linear_setup_context(ctx, inputs, output):
     eta, scale = inputs[4], inputs[9]
     _, mean_weight, grad_hidden, grad_weight, grad_bias = output
     ctx.mark_non_differentiable(mean_weight, grad_hidden, grad_weight, grad_bias)
+    # Otherwise autograd would hand backward a zero-filled gradient for each of those outputs (a V x H one for
+    # grad_weight) that it never reads; the value's gradient then comes as None where nothing flows into it.
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(mean_weight, grad_hidden, grad_weight, grad_bias)
     ctx.scale, ctx.eta_dtype = scale, eta.dtype
+
+
+def _scaled_gradient(saved, grad_value, in_place: bool):
+    """saved * grad_value. In place (no second V x H buffer) when the graph is freed after this backward: the buffer
+    is the op's own and nothing reads it again, and once the autograd node releases it the returned tensor is its
+    only reference, so AccumulateGrad takes it as .grad instead of cloning it."""
+    return saved.mul_(grad_value) if in_place else saved * grad_value
 
 
 def _linear_backward(ctx, grad_value, *unused):
@@ -317,14 +349,19 @@ def _linear_backward(ctx, grad_value, *unused):
     out = [None] * 17
     if grad_value is None:
         return tuple(out)
-    # Out of place, so that a second backward through a retained graph (and gradcheck's reentrancy check)
-    # sees the forward's gradients unchanged.
+    # A retained graph (retain_graph=True, create_graph, gradcheck's reentrancy check) runs this backward again, so
+    # it must then leave the forward's gradients as they are and scale copies of them; otherwise it scales them in
+    # place. While AOTAutograd traces this backward (torch.compile, opcheck) the tensors are fake/functional
+    # wrappers (subclasses): out of place there, as a traced mutation of a forward output cannot be partitioned.
+    # No host sync either way: the upstream gradient stays a device tensor.
+    in_place = (not torch._C._autograd._get_current_graph_task_keep_graph()
+                and type(grad_value) is torch.Tensor and type(mean_weight) is torch.Tensor)
     if ctx.needs_input_grad[0]:
-        out[0] = grad_hidden * grad_value
+        out[0] = _scaled_gradient(grad_hidden, grad_value, in_place)
     if ctx.needs_input_grad[1]:
-        out[1] = grad_weight * grad_value
+        out[1] = _scaled_gradient(grad_weight, grad_value, in_place)
     if ctx.needs_input_grad[2]:
-        out[2] = grad_bias * grad_value
+        out[2] = _scaled_gradient(grad_bias, grad_value, in_place)
     if ctx.needs_input_grad[4]:
         out[4] = (grad_value.to(mean_weight.dtype) * (ctx.scale * (1.0 - mean_weight))).to(ctx.eta_dtype)
     return tuple(out)
@@ -341,8 +378,8 @@ def dro_linear_cross_entropy(hidden, weight, targets, eta, lam, divergence="chi2
     ``chunk_size`` at a time (default: :func:`default_chunk_size`): each chunk's logits come from a matmul, are
     turned in place into their loss and gradient, and matmuls fold that gradient into the gradients of hidden,
     weight and bias, computed in the forward when any of hidden, weight, bias or eta requires grad (none
-    otherwise) and scaled by the upstream gradient in backward. Peak extra memory: one chunk of logits plus
-    the gradients themselves. half/bfloat16 inputs give logits in their dtype with float32 loss accumulation;
+    otherwise) and scaled by the upstream gradient in backward (in place, unless the graph is retained). Peak
+    extra memory: one chunk of logits plus the gradients themselves, each held once. half/bfloat16 inputs give logits in their dtype with float32 loss accumulation;
     the weight gradient is accumulated in the weight's dtype over chunks. First-order gradients only.
     """
     spec, lam, scale, ignore_index, label_smoothing = _checked_scalars(

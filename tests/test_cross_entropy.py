@@ -258,6 +258,53 @@ def test_linear_retained_graph_backward_twice(backend):
     torch.testing.assert_close(second, first * 1.5)
 
 
+def test_linear_backward_accumulates_through_a_retained_graph(backend):
+    # .grad accumulation across three backward passes, the first two retaining the graph: a backward that scaled
+    # the forward's gradients in place, or an AccumulateGrad that kept them as .grad while the graph still held
+    # them, would show here as a wrong sum.
+    hidden = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(9, 5, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(9, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 9, (7,))
+    eta = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
+    value = dro_ext.dro_linear_cross_entropy(hidden, weight, targets, eta, LAM, "kl", bias=bias, chunk_size=3)
+    whole = dro_ext.dro_cross_entropy(F.linear(hidden, weight, bias), targets, eta, LAM, "kl")
+    once = torch.autograd.grad(whole * 2.0, (hidden, weight, bias, eta))
+    for factor in (0.5, 1.0):
+        (value * factor).backward(retain_graph=True)
+    (value * 0.5).backward()
+    for param, want in zip((hidden, weight, bias, eta), once):
+        torch.testing.assert_close(param.grad, want, rtol=1e-12, atol=1e-13)
+
+
+def test_linear_backward_allocates_no_second_weight_gradient(backend):
+    # The forward computes the gradients for a unit upstream gradient; a backward that frees the graph scales
+    # them in place and hands them on: no op in it may allocate a tensor of the weight's size (the peak-memory
+    # target of the LM head rests on it), and the returned gradients are the forward's own buffers.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestAllocation(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            # In-place and out= ops write into a buffer that exists, views alias one: neither allocates.
+            if not func._schema.is_mutable and not any(r.alias_info for r in func._schema.returns):
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, torch.Tensor):
+                        LargestAllocation.largest = max(LargestAllocation.largest, t.numel())
+            return out
+
+    hidden, weight = torch.randn(6, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
+    targets, eta = torch.randint(0, 50, (6,)), torch.tensor(3.0, requires_grad=True)
+    value = dro_ext.dro_linear_cross_entropy(hidden, weight, targets, eta, LAM, "chi2", chunk_size=4)
+    with LargestAllocation():
+        grads = torch.autograd.grad(value * 0.25, (hidden, weight, eta))
+    assert LargestAllocation.largest < hidden.numel()
+    value = dro_ext.dro_linear_cross_entropy(hidden, weight, targets, eta, LAM, "chi2", chunk_size=4)
+    torch.testing.assert_close(torch.autograd.grad(value, (hidden, weight, eta)), tuple(g * 4 for g in grads))
+
+
 # ---------------------------------------------------------------------------------------------------
 # Modules
 # ---------------------------------------------------------------------------------------------------
