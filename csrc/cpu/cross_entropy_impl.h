@@ -2,27 +2,7 @@
 // capability. The including file defines DRO_EXT_CAPABILITY_AVX2 (or not) before including this.
 #pragma once
 
-#if defined(DRO_EXT_CAPABILITY_AVX2)
-#pragma GCC target("avx2,fma,f16c")
-// The target pragma enables the instructions but not the feature macros that ATen's and Sleef's headers
-// test, so state them here; nothing outside this translation unit sees them.
-#ifndef __AVX__
-#define __AVX__ 1
-#endif
-#ifndef __AVX2__
-#define __AVX2__ 1
-#endif
-#ifndef __FMA__
-#define __FMA__ 1
-#endif
-#ifndef __F16C__
-#define __F16C__ 1
-#endif
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#else
-#define CPU_CAPABILITY DEFAULT
-#endif
+#include "cpu/simd_capability.h"  // first: it sets the capability the ATen headers below compile for
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
