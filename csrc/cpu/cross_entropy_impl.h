@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cpu/cross_entropy_kernels.h"
+#include "cpu/vector_io.h"
 #include "cpu/vectorized_math.h"
 #include "cross_entropy_terms.h"
 
@@ -29,39 +30,6 @@ constexpr int64_t kRowsPerGroup = 16;
 constexpr int64_t kRowBlock = 2048;
 // Work per task, in logits, below which a group is not split off to another thread.
 constexpr int64_t kGrainElements = 1 << 16;
-
-template <typename acc_t, typename scalar_t>
-inline Vectorized<acc_t> load_as(const scalar_t* p, int64_t count) {
-  using V = Vectorized<acc_t>;
-  if constexpr (std::is_same_v<acc_t, scalar_t>) {
-    return count >= V::size() ? V::loadu(p) : V::loadu(p, count);
-  } else {
-    alignas(64) acc_t buf[V::size()] = {};
-    for (int64_t i = 0; i < std::min<int64_t>(count, V::size()); ++i) buf[i] = static_cast<acc_t>(p[i]);
-    return V::loadu(buf);
-  }
-}
-
-template <typename acc_t, typename scalar_t>
-inline void store_as(scalar_t* p, const Vectorized<acc_t>& v, int64_t count) {
-  using V = Vectorized<acc_t>;
-  if constexpr (std::is_same_v<acc_t, scalar_t>) {
-    v.store(p, static_cast<int>(std::min<int64_t>(count, V::size())));
-  } else {
-    alignas(64) acc_t buf[V::size()];
-    v.store(buf);
-    for (int64_t i = 0; i < std::min<int64_t>(count, V::size()); ++i) p[i] = static_cast<scalar_t>(buf[i]);
-  }
-}
-
-template <typename acc_t>
-inline acc_t lane_sum(const Vectorized<acc_t>& v) {
-  alignas(64) acc_t buf[Vectorized<acc_t>::size()];
-  v.store(buf);
-  acc_t s = 0;
-  for (int64_t i = 0; i < Vectorized<acc_t>::size(); ++i) s += buf[i];
-  return s;
-}
 
 // The largest lane, NaN if any lane is NaN.
 template <typename acc_t>
@@ -94,11 +62,11 @@ RowStats<acc_t> row_stats(const scalar_t* x, int64_t num_classes, bool want_tota
     V vmax(neg_inf), vmax2(neg_inf);
     int64_t j = 0;
     for (; j + 2 * W <= n; j += 2 * W) {
-      vmax = at::vec::maximum(vmax, load_as<acc_t>(p + j, W));
-      vmax2 = at::vec::maximum(vmax2, load_as<acc_t>(p + j + W, W));
+      vmax = at::vec::maximum(vmax, load<acc_t>(p + j, W));
+      vmax2 = at::vec::maximum(vmax2, load<acc_t>(p + j + W, W));
     }
-    for (; j + W <= n; j += W) vmax = at::vec::maximum(vmax, load_as<acc_t>(p + j, W));
-    if (j < n) vmax = at::vec::maximum(vmax, V::set(V(neg_inf), load_as<acc_t>(p + j, n - j), n - j));
+    for (; j + W <= n; j += W) vmax = at::vec::maximum(vmax, load<acc_t>(p + j, W));
+    if (j < n) vmax = at::vec::maximum(vmax, V::set(V(neg_inf), load<acc_t>(p + j, n - j), n - j));
     const acc_t block_max = lane_max(at::vec::maximum(vmax, vmax2));
     const acc_t new_max = (block_max > running_max || std::isnan(block_max)) ? block_max : running_max;
     running_sum *= std::exp(running_max - new_max);  // 0 * 0 on the first block
@@ -107,7 +75,7 @@ RowStats<acc_t> row_stats(const scalar_t* x, int64_t num_classes, bool want_tota
     V sum = zero, sum2 = zero, row = zero, row2 = zero;
     j = 0;
     for (; j + 2 * W <= n; j += 2 * W) {
-      const V a = load_as<acc_t>(p + j, W), b = load_as<acc_t>(p + j + W, W);
+      const V a = load<acc_t>(p + j, W), b = load<acc_t>(p + j + W, W);
       sum = sum + M::exp(a - shift);
       sum2 = sum2 + M::exp(b - shift);
       if (want_total) {
@@ -116,17 +84,17 @@ RowStats<acc_t> row_stats(const scalar_t* x, int64_t num_classes, bool want_tota
       }
     }
     for (; j + W <= n; j += W) {
-      const V a = load_as<acc_t>(p + j, W);
+      const V a = load<acc_t>(p + j, W);
       sum = sum + M::exp(a - shift);
       if (want_total) row = row + a;
     }
     if (j < n) {
-      const V a = load_as<acc_t>(p + j, n - j);  // zero beyond the row
+      const V a = load<acc_t>(p + j, n - j);  // zero beyond the row
       sum = sum + V::set(zero, M::exp(a - shift), n - j);
       if (want_total) row = row + a;
     }
-    running_sum += lane_sum(sum + sum2);
-    if (want_total) total += lane_sum(row + row2);
+    running_sum += horizontal_sum(sum + sum2);
+    if (want_total) total += horizontal_sum(row + row2);
   }
   return {running_max + std::log(running_sum), total};
 }
@@ -143,10 +111,10 @@ void write_row_gradient(const scalar_t* x, scalar_t* out, int64_t num_classes, i
   const acc_t uniform = c * smoothing / static_cast<acc_t>(num_classes);
   const V vlse(lse), vc(c), vuniform(uniform);
   int64_t j = 0;
-  for (; j + W <= num_classes; j += W) store_as<acc_t>(out + j, vc * M::exp(load_as<acc_t>(x + j, W) - vlse) - vuniform, W);
+  for (; j + W <= num_classes; j += W) store<acc_t>(out + j, vc * M::exp(load<acc_t>(x + j, W) - vlse) - vuniform, W);
   if (j < num_classes) {
     const int64_t n = num_classes - j;
-    store_as<acc_t>(out + j, vc * M::exp(load_as<acc_t>(x + j, n) - vlse) - vuniform, n);
+    store<acc_t>(out + j, vc * M::exp(load<acc_t>(x + j, n) - vlse) - vuniform, n);
   }
   out[target] = static_cast<scalar_t>(c * std::exp(x_target - lse) - uniform - c * (acc_t(1) - smoothing));
 }

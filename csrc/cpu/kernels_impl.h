@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cpu/kernels.h"
+#include "cpu/vector_io.h"
 #include "cpu/vectorized_math.h"
 
 namespace dro_ext::cpu {
@@ -26,39 +27,6 @@ constexpr int64_t kChunk = 16384;
 constexpr int64_t kBlock = 512;
 // Elementwise maps hand out this many elements per task.
 constexpr int64_t kMapGrain = 32768;
-
-template <typename acc_t, typename scalar_t>
-inline Vectorized<acc_t> load(const scalar_t* p, int64_t count) {
-  using V = Vectorized<acc_t>;
-  if constexpr (std::is_same_v<acc_t, scalar_t>) {
-    return count >= V::size() ? V::loadu(p) : V::loadu(p, count);
-  } else {
-    alignas(64) acc_t buf[V::size()] = {};
-    for (int64_t i = 0; i < std::min<int64_t>(count, V::size()); ++i) buf[i] = static_cast<acc_t>(p[i]);
-    return V::loadu(buf);
-  }
-}
-
-template <typename acc_t, typename scalar_t>
-inline void store(scalar_t* p, const Vectorized<acc_t>& v, int64_t count) {
-  using V = Vectorized<acc_t>;
-  if constexpr (std::is_same_v<acc_t, scalar_t>) {
-    v.store(p, static_cast<int>(std::min<int64_t>(count, V::size())));
-  } else {
-    alignas(64) acc_t buf[V::size()];
-    v.store(buf);
-    for (int64_t i = 0; i < std::min<int64_t>(count, V::size()); ++i) p[i] = static_cast<scalar_t>(buf[i]);
-  }
-}
-
-template <typename acc_t>
-inline acc_t horizontal_sum(const Vectorized<acc_t>& v) {
-  alignas(64) acc_t buf[Vectorized<acc_t>::size()];
-  v.store(buf);
-  acc_t s = 0;
-  for (int64_t i = 0; i < Vectorized<acc_t>::size(); ++i) s += buf[i];
-  return s;
-}
 
 template <int64_t ORDER, typename Div, typename T>
 inline T derivative(const Div& div, const T& t) {

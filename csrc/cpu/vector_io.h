@@ -1,0 +1,52 @@
+// Loads, stores and lane sums between a buffer of any float dtype and at::vec::Vectorized of its accumulate
+// dtype, shared by the CPU kernel headers. Include it after cpu/simd_capability.h, like every ATen vector header.
+#pragma once
+
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+namespace dro_ext::cpu {
+namespace {
+
+using at::vec::Vectorized;
+
+// The first min(count, lanes) elements of p as acc_t lanes (zero beyond count).
+template <typename acc_t, typename scalar_t>
+inline Vectorized<acc_t> load(const scalar_t* p, int64_t count) {
+  using V = Vectorized<acc_t>;
+  if constexpr (std::is_same_v<acc_t, scalar_t>) {
+    return count >= V::size() ? V::loadu(p) : V::loadu(p, count);
+  } else {
+    alignas(64) acc_t buf[V::size()] = {};
+    for (int64_t i = 0; i < std::min<int64_t>(count, V::size()); ++i) buf[i] = static_cast<acc_t>(p[i]);
+    return V::loadu(buf);
+  }
+}
+
+// The first min(count, lanes) lanes of v into p, converted to scalar_t.
+template <typename acc_t, typename scalar_t>
+inline void store(scalar_t* p, const Vectorized<acc_t>& v, int64_t count) {
+  using V = Vectorized<acc_t>;
+  if constexpr (std::is_same_v<acc_t, scalar_t>) {
+    v.store(p, static_cast<int>(std::min<int64_t>(count, V::size())));
+  } else {
+    alignas(64) acc_t buf[V::size()];
+    v.store(buf);
+    for (int64_t i = 0; i < std::min<int64_t>(count, V::size()); ++i) p[i] = static_cast<scalar_t>(buf[i]);
+  }
+}
+
+template <typename acc_t>
+inline acc_t horizontal_sum(const Vectorized<acc_t>& v) {
+  alignas(64) acc_t buf[Vectorized<acc_t>::size()];
+  v.store(buf);
+  acc_t s = 0;
+  for (int64_t i = 0; i < Vectorized<acc_t>::size(); ++i) s += buf[i];
+  return s;
+}
+
+}  // namespace
+}  // namespace dro_ext::cpu
