@@ -7,20 +7,54 @@ import torch
 
 from dro_ext import _backend
 
-BACKENDS = ("native", "python")
+
+def _other_cpu_builds():
+    """The SIMD builds of the CPU kernels (default, avx2, avx512) this processor also runs, besides the one
+    dro_ext picked: each gets its own native run of every test that takes the `backend` fixture, so that the
+    narrower builds (what another machine runs) are tested here too."""
+    if not _backend.native_available():
+        return []
+    capability = torch.ops.dro_ext._cpu_capability
+    picked = capability()
+    others = []
+    for build in ("default", "avx2", "avx512"):
+        if build == picked:
+            continue
+        try:
+            capability(build)
+        except RuntimeError:  # the processor cannot run it
+            continue
+        finally:
+            capability(picked)
+        others.append(build)
+    return others
 
 
-@pytest.fixture(params=BACKENDS)
+_BACKEND_PARAMS = (
+    [pytest.param(("native", None), id="native")]
+    + [pytest.param(("native", build), id=f"native-{build}") for build in _other_cpu_builds()]
+    + [pytest.param(("python", None), id="python")]
+)
+
+
+@pytest.fixture(params=_BACKEND_PARAMS)
 def backend(request):
-    """Runs the test once on the compiled ops and once on the fallback.
+    """Runs the test once on the compiled ops (once per SIMD build of the CPU kernels the processor runs)
+    and once on the fallback; the test sees "native" or "python".
 
     The native run fails (it is not skipped) when the extension did not load, unless
     DRO_EXT_FORCE_PYTHON=1 says the whole run is meant for the fallback.
     """
-    if request.param == "native" and _backend._force_python:
+    name, build = request.param
+    if name == "native" and _backend._force_python:
         pytest.skip("DRO_EXT_FORCE_PYTHON=1: this run covers the fallback only")
-    with _backend.forced_backend(request.param):
-        yield request.param
+    previous = torch.ops.dro_ext._cpu_capability(build) if build is not None else None
+    try:
+        with _backend.forced_backend(name):
+            yield name
+    finally:
+        if previous is not None:
+            torch.ops.dro_ext._cpu_capability(previous)
 
 
 @pytest.fixture(autouse=True)

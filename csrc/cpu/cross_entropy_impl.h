@@ -1,5 +1,5 @@
 // The fused DRO cross-entropy on the CPU, written once over at::vec::Vectorized and compiled once per SIMD
-// capability. The including file defines DRO_EXT_CAPABILITY_AVX2 (or not) before including this.
+// capability. The including file (through csrc/cpu/kernel_tables.h) sets the capability first.
 #pragma once
 
 #include "cpu/simd_capability.h"  // first: it sets the capability the ATen headers below compile for

@@ -1,6 +1,6 @@
 // The CPU kernels' entry points, independent of the SIMD capability they were compiled for.
-// kernels_impl.h is compiled once per capability (kernels_default.cpp, kernels_avx2.cpp); cpu_kernels()
-// picks the best one this processor runs, once.
+// kernels_impl.h is compiled once per capability (kernels_default.cpp, kernels_avx2.cpp, kernels_avx512.cpp);
+// cpu_kernels() runs the active one (csrc/cpu/kernel_selection.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -41,12 +41,17 @@ struct KernelTable {
   const char* capability;
 };
 
-// Whether to run AVX2+FMA builds of CPU kernels: the processor has AVX2, FMA and F16C, and
-// ATEN_CPU_CAPABILITY=default does not force the portable ones (as it does for ATen's own kernels).
-bool use_avx2_kernels();
+// The SIMD builds, in order: a processor that runs one runs the ones before it.
+enum class Capability : int { Default = 0, AVX2 = 1, AVX512 = 2 };
+
+// The build that runs: the widest the processor has (AVX2 with FMA and F16C; AVX-512 F/BW/VL/DQ), capped by
+// ATEN_CPU_CAPABILITY (default, avx2) as ATen's own kernels are, unless a test switched it.
+Capability cpu_capability();
+bool use_avx2_kernels();  // cpu_capability() >= AVX2
 
 const KernelTable& kernels_default();
-const KernelTable& kernels_avx2();  // falls back to kernels_default() where AVX2 is not compiled in
+const KernelTable& kernels_avx2();    // falls back to kernels_default() where AVX2 is not compiled in
+const KernelTable& kernels_avx512();  // likewise
 const KernelTable& cpu_kernels();
 
 }  // namespace dro_ext::cpu

@@ -1,0 +1,195 @@
+// Hand-written float32 exp, expm1, log1p and division on one SIMD register, written once over the dozen
+// register operations that differ between AVX2 (8 lanes, comparisons give a lane mask) and AVX-512 (16 lanes,
+// comparisons give a bit mask). The translation unit's capability (csrc/cpu/simd_capability.h) picks the
+// operations; csrc/cpu/vectorized_math.h routes Math<Vectorized<float>> through the functions.
+//
+// Why not ATen's Vectorized<float>::exp and friends: the kernels of the exponential divergences are bound by
+// these functions on the CPU (bench/results/loss.md). Sleef's exp/expm1/log1p are accurate to 1 ulp and
+// handle every special case in software; the versions below are accurate to 2-3 ulp over the arguments the
+// divergences use, keep NaN and +-inf where it matters, and cost about a third. A vector division costs as
+// much as a dozen fused multiply-adds, so division goes through the reciprocal estimate and one correction.
+#pragma once
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#define DRO_EXT_SIMD_FLOAT 1
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <limits>
+
+namespace dro_ext::cpu::simd {
+
+#if defined(CPU_CAPABILITY_AVX512)
+using F = __m512;
+using D = __m512d;
+using I = __m512i;
+using Mask = __mmask16;
+inline F set(float c) { return _mm512_set1_ps(c); }
+inline D set(double c) { return _mm512_set1_pd(c); }
+inline I set_int(int32_t c) { return _mm512_set1_epi32(c); }
+inline F add(F a, F b) { return _mm512_add_ps(a, b); }
+inline F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }    // a b + c
+inline F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b
+// min/max return their second operand when either is NaN (as AVX2's do).
+inline F min(F a, F b) { return _mm512_min_ps(a, b); }
+inline F max(F a, F b) { return _mm512_max_ps(a, b); }
+inline D min(D a, D b) { return _mm512_min_pd(a, b); }
+inline D max(D a, D b) { return _mm512_max_pd(a, b); }
+inline F set_sign(F x) { return _mm512_or_ps(x, _mm512_set1_ps(-0.0f)); }
+inline D set_sign(D x) { return _mm512_or_pd(x, _mm512_set1_pd(-0.0)); }
+inline I bits(F x) { return _mm512_castps_si512(x); }
+inline F from_bits(I x) { return _mm512_castsi512_ps(x); }
+inline I add_int(I a, I b) { return _mm512_add_epi32(a, b); }
+inline I sub_int(I a, I b) { return _mm512_sub_epi32(a, b); }
+inline I and_int(I a, I b) { return _mm512_and_si512(a, b); }
+inline I shift_left_23(I x) { return _mm512_slli_epi32(x, 23); }
+inline I shift_right_23(I x) { return _mm512_srli_epi32(x, 23); }
+inline F to_float(I x) { return _mm512_cvtepi32_ps(x); }
+inline Mask greater(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+inline Mask not_less(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_NLT_UQ); }  // true for NaN
+inline Mask equal_int(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
+inline F select(Mask m, F if_set, F otherwise) { return _mm512_mask_blend_ps(m, otherwise, if_set); }
+inline F reciprocal_estimate(F x) { return _mm512_rcp14_ps(x); }  // relative error below 2^-14
+constexpr int kRegisterBytes = 64;
+inline void stream(float* p, F v) { _mm512_stream_ps(p, v); }
+inline void stream(double* p, D v) { _mm512_stream_pd(p, v); }
+#else
+using F = __m256;
+using D = __m256d;
+using I = __m256i;
+using Mask = __m256;  // all ones in the lanes where the comparison holds
+inline F set(float c) { return _mm256_set1_ps(c); }
+inline D set(double c) { return _mm256_set1_pd(c); }
+inline I set_int(int32_t c) { return _mm256_set1_epi32(c); }
+inline F add(F a, F b) { return _mm256_add_ps(a, b); }
+inline F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+inline F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+inline F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+inline F min(F a, F b) { return _mm256_min_ps(a, b); }
+inline F max(F a, F b) { return _mm256_max_ps(a, b); }
+inline D min(D a, D b) { return _mm256_min_pd(a, b); }
+inline D max(D a, D b) { return _mm256_max_pd(a, b); }
+inline F set_sign(F x) { return _mm256_or_ps(x, _mm256_set1_ps(-0.0f)); }
+inline D set_sign(D x) { return _mm256_or_pd(x, _mm256_set1_pd(-0.0)); }
+inline I bits(F x) { return _mm256_castps_si256(x); }
+inline F from_bits(I x) { return _mm256_castsi256_ps(x); }
+inline I add_int(I a, I b) { return _mm256_add_epi32(a, b); }
+inline I sub_int(I a, I b) { return _mm256_sub_epi32(a, b); }
+inline I and_int(I a, I b) { return _mm256_and_si256(a, b); }
+inline I shift_left_23(I x) { return _mm256_slli_epi32(x, 23); }
+inline I shift_right_23(I x) { return _mm256_srli_epi32(x, 23); }
+inline F to_float(I x) { return _mm256_cvtepi32_ps(x); }
+inline Mask greater(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+inline Mask not_less(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_NLT_UQ); }
+inline Mask equal_int(I a, I b) { return _mm256_castsi256_ps(_mm256_cmpeq_epi32(a, b)); }
+inline F select(Mask m, F if_set, F otherwise) { return _mm256_blendv_ps(otherwise, if_set, m); }
+inline F reciprocal_estimate(F x) { return _mm256_rcp_ps(x); }  // relative error below 1.5 * 2^-12
+constexpr int kRegisterBytes = 32;
+inline void stream(float* p, F v) { _mm256_stream_ps(p, v); }
+inline void stream(double* p, D v) { _mm256_stream_pd(p, v); }
+#endif
+
+// n = round(x / ln 2) and r = x - n ln 2 in [-ln(2)/2, ln(2)/2] (in two steps, so r stays exact for large
+// |x|), for x already clamped to the range of the caller. n comes from adding 1.5 * 2^23, which rounds
+// x / ln 2 to an integer and leaves it in the low mantissa bits of `shifted`, where a shift moves it into
+// an exponent field (no float-to-int conversion).
+struct Reduced {
+  F shifted;
+  F r;
+};
+inline Reduced reduce_ln2(F clamped) {
+  const F round_magic = set(12582912.0f);  // 1.5 * 2^23
+  const F shifted = fmadd(clamped, set(1.44269504f), round_magic);
+  const F n = sub(shifted, round_magic);
+  F r = fnmadd(n, set(0.693359375f), clamped);  // ln 2 = 0.693359375 - 2.12194e-4
+  r = fnmadd(n, set(-2.12194440e-4f), r);
+  return {shifted, r};
+}
+// 2^(n + bias - 127) as a float, from `shifted` of reduce_ln2: the exponent field (n + bias) << 23.
+inline F power_of_2(F shifted, int32_t bias) {
+  return from_bits(add_int(shift_left_23(bits(shifted)), set_int(bias << 23)));
+}
+
+// exp(x) = 2^n e^r, e^r by a degree-5 polynomial on |r| <= ln(2)/2: about 2 ulp. The result is
+// (2 e^r) 2^(n-1), the 2 folded into the polynomial's coefficients: past log(FLT_MAX) that overflows to inf,
+// as it should, and at the lower clamp 2^(n-1) has a zero exponent field, which gives 0 (values below about
+// 2e-38 flush to zero, as ATen's exp_u20 does). With the constant first, NaN passes the clamp, and a NaN r
+// makes the result NaN.
+inline F exp(F x) {
+  const Reduced red = reduce_ln2(max(set(-87.33654f), min(set(89.0f), x)));
+  const F r = red.r;
+  F p = set(2 * 0.00828929059f);
+  p = fmadd(p, r, set(2 * 0.0418978221f));
+  p = fmadd(p, r, set(2 * 0.166676521f));
+  p = fmadd(p, r, set(2 * 0.499991506f));
+  p = fmadd(p, r, set(2 * 0.999999701f));
+  p = fmadd(p, r, set(2.0f));
+  return mul(p, power_of_2(red.shifted, 126));
+}
+
+// expm1(x) = 2^n (1 + p) - 1 = 2^n p + (2^n - 1) with p = e^r - 1 = r + r^2 q(r), q a degree-4 fit of
+// (e^r - 1 - r)/r^2 (relative error 2e-7). For |x| < ln(2)/2, n = 0 and r = x exactly, so the result is
+// r + r^2 q(r): relatively accurate however small x is, where exp(x) - 1 would keep only an absolute accuracy
+// of one rounding. At n = 128 (x in [88.38, 88.72], where e^x is still finite) 2^n overflows, so above x = 64
+// the result is (2 + 2p) 2^(n-1) instead (the -1 is below a rounding there). Below x = -88, 2^n is 0 and the
+// result -1. NaN passes the clamp and stays NaN.
+inline F expm1(F x) {
+  const F clamped = max(set(-88.0f), min(set(89.0f), x));
+  const Reduced red = reduce_ln2(clamped);
+  const F r = red.r;
+  F q = set(0.0013901280472055078f);
+  q = fmadd(q, r, set(0.008363140746951103f));
+  q = fmadd(q, r, set(0.04166685417294502f));
+  q = fmadd(q, r, set(0.16666577756404877f));
+  q = fmadd(q, r, set(0.5f));
+  const F p = fmadd(mul(r, r), q, r);
+  const F scale = power_of_2(red.shifted, 127);
+  const F small = fmadd(scale, p, sub(scale, set(1.0f)));
+  const F large = mul(fmadd(p, set(2.0f), set(2.0f)), power_of_2(red.shifted, 126));
+  return select(greater(clamped, set(64.0f)), large, small);
+}
+
+// a / b to within about a rounding, for b finite with |b| in the normal range (every caller's denominator is
+// bounded away from 0 and infinity): q0 = a r from the reciprocal estimate r, then one correction
+// q0 + r (a - b q0) squares the estimate's relative error. NaN in a or b gives NaN.
+inline F divide(F a, F b) {
+  const F r = reciprocal_estimate(b);
+  const F q0 = mul(a, r);
+  return fmadd(r, fnmadd(b, q0, a), q0);
+}
+
+// log1p(x) = k ln 2 + log(1 + f) with 1 + x = 2^k (1 + f), 1 + f in [sqrt(1/2), sqrt(2)); where k = 0, f = x
+// exactly (not the rounded (1 + x) - 1), which keeps small x relatively accurate. log(1 + f) =
+// f - f^2/2 + s (f^2/2 + R(s^2)) with s = f / (2 + f), R the classic degree-8 (in s) fit of fdlibm's logf;
+// for k != 0, |log(1 + x)| > 0.34, so the rounding of 1 + x costs at most two roundings of the result.
+// x <= -1 gives an unspecified value (the divergences select those lanes away); +inf and NaN are returned
+// as themselves (the bit manipulation would make them finite).
+inline F log1p(F x) {
+  const F one = set(1.0f);
+  const F u = add(one, x);
+  // Adding 1 - sqrt(1/2) (in the bit pattern) moves the exponent boundary from 1 to sqrt(1/2).
+  const I shifted_bits = add_int(bits(u), set_int(0x3f800000 - 0x3f3504f3));
+  const I k = sub_int(shift_right_23(shifted_bits), set_int(127));
+  const F m = from_bits(add_int(and_int(shifted_bits, set_int(0x007fffff)), set_int(0x3f3504f3)));
+  const F f = select(equal_int(k, set_int(0)), x, sub(m, one));
+  const F s = divide(f, add(set(2.0f), f));
+  const F z = mul(s, s);
+  const F w = mul(z, z);
+  const F odd = mul(z, fmadd(w, set(0.28498786688f), set(0.66666662693f)));
+  const F even = mul(w, fmadd(w, set(0.24279078841f), set(0.40000972152f)));
+  const F half_f2 = mul(mul(set(0.5f), f), f);
+  const F dk = to_float(k);
+  // s (f^2/2 + R) + k ln2_lo - f^2/2 + f + k ln2_hi, smallest terms first
+  F result = fmadd(s, add(half_f2, add(odd, even)), mul(dk, set(9.0580006145e-06f)));
+  result = add(sub(result, half_f2), f);
+  result = fmadd(dk, set(6.9313812256e-01f), result);
+  return select(not_less(x, set(std::numeric_limits<float>::infinity())), x, result);
+}
+
+}  // namespace dro_ext::cpu::simd
+
+#endif
