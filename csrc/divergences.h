@@ -38,8 +38,8 @@ struct Math {
   // lose every digit): the excess terms below are built from them.
   static C10_HOST_DEVICE inline T expm1(T x) { return ::expm1(x); }
   static C10_HOST_DEVICE inline T log1p(T x) { return ::log1p(x); }
-  // log1p(x) for x in [0, 1] only, where a vector build may use a cheaper series (vectorized_math.h).
-  static C10_HOST_DEVICE inline T log1p_unit(T x) { return ::log1p(x); }
+  // -log(1 - v) for v in [0, 1/2] only, where a vector build may use a cheaper polynomial (vectorized_math.h).
+  static C10_HOST_DEVICE inline T neg_log1m_half(T v) { return -::log1p(-v); }
   // a / b for b bounded away from 0 and infinity, where a vector build may divide through a reciprocal
   // estimate (a vector division costs as much as a dozen multiply-adds).
   static C10_HOST_DEVICE inline T divide(T a, T b) { return a / b; }
@@ -366,19 +366,24 @@ struct SmoothedCVaR {
         one_minus_alpha(static_cast<acc_t>(1.0 - alpha_)),
         inv_alpha(static_cast<acc_t>(1.0 / alpha_)),
         inv_alpha_minus_1(static_cast<acc_t>((1.0 - alpha_) / alpha_)) {}
-  // exp(-|s|), the one exponential that sigmoid(s) needs.
+  // e = exp(-|s|) and w = 1 / (1 + e) in [1/2, 1], from which sigmoid(s) (w for s > 0, e w otherwise) and
+  // softplus(s) = s_+ + log1p(e) = s_+ - log(w) follow without overflow (a NaN s makes both NaN).
   template <typename T>
-  C10_HOST_DEVICE inline T exp_neg_abs(T s) const {
+  struct Logistic {
+    T e;
+    T w;
+  };
+  template <typename T>
+  C10_HOST_DEVICE inline Logistic<T> logistic(T s) const {
     using M = Math<T>;
-    return M::exp(M::neg_abs(s));
+    const T e = M::exp(M::neg_abs(s));
+    return {e, M::divide(M::constant(1.0), M::constant(1.0) + e)};
   }
-  // sigmoid(s) = 1 / (1 + e) for s > 0 and e / (1 + e) otherwise, with e = exp(-|s|): never overflows.
-  // A NaN s makes e NaN, so the cheaper select keeps it.
   template <typename T>
   C10_HOST_DEVICE inline T sigmoid(T s) const {
     using M = Math<T>;
-    T e = exp_neg_abs(s);
-    return M::divide(M::if_positive(s, M::constant(1.0), e), M::constant(1.0) + e);
+    const Logistic<T> g = logistic(s);
+    return M::if_positive(s, g.w, g.e * g.w);
   }
   // c m with m = expm1(-|t|) (see above).
   template <typename T>
@@ -405,8 +410,9 @@ struct SmoothedCVaR {
   template <typename T>
   C10_HOST_DEVICE inline T second(T t) const {
     using M = Math<T>;
-    T p = sigmoid(t + M::constant(shift));
-    return p * (M::constant(1.0) - p) * M::constant(inv_alpha);
+    // sigmoid(s) sigmoid(-s) = e w^2 whatever the sign of s: no 1 - p to lose the small side's digits.
+    const Logistic<T> g = logistic(t + M::constant(shift));
+    return g.e * g.w * g.w * M::constant(inv_alpha);
   }
   template <typename T>
   C10_HOST_DEVICE inline T excess(T t) const {
@@ -421,14 +427,16 @@ struct SmoothedCVaR {
     const T ratio = M::divide(m * M::constant(one_minus_alpha), M::constant(1.0) + cm);
     return M::select_positive(t, -ratio, ratio);
   }
-  // The softplus form: psi*(t) = (log(1 - alpha) + s_+ + log1p(exp(-|s|))) / alpha, s = t + shift (one
-  // exponential, shared with first(); log1p of an argument in [0, 1]).
+  // The softplus form: psi*(t) = (log(1 - alpha) + s_+ + log1p(e)) / alpha, s = t + shift, with
+  // log1p(e) = -log(w) = -log(1 - e w) and e w = sigmoid(-|s|) in [0, 1/2]: the exponential and the division
+  // are shared with first().
   static constexpr bool kHasCoarseValue = true;
   template <typename T>
   C10_HOST_DEVICE inline T coarse_value(T t) const {
     using M = Math<T>;
     const T s = t + M::constant(shift);
-    return (M::constant(log1m_alpha) + M::relu(s) + M::log1p_unit(exp_neg_abs(s))) * M::constant(inv_alpha);
+    const Logistic<T> g = logistic(s);
+    return (M::constant(log1m_alpha) + M::relu(s) + M::neg_log1m_half(g.e * g.w)) * M::constant(inv_alpha);
   }
 };
 

@@ -90,6 +90,14 @@ struct Accumulator {
     if constexpr (C != Term::None) c = c + term<C>(div, x, t);
     if constexpr (D != Term::None) d = d + term<D>(div, x, t);
   }
+  // The terms of two vectors: one addition per running sum, so its latency is paid once per two vectors.
+  template <typename Div>
+  inline void add_pair(const Div& div, const V& x1, const V& t1, const V& x2, const V& t2) {
+    if constexpr (A != Term::None) a = a + (term<A>(div, x1, t1) + term<A>(div, x2, t2));
+    if constexpr (B != Term::None) b = b + (term<B>(div, x1, t1) + term<B>(div, x2, t2));
+    if constexpr (C != Term::None) c = c + (term<C>(div, x1, t1) + term<C>(div, x2, t2));
+    if constexpr (D != Term::None) d = d + (term<D>(div, x1, t1) + term<D>(div, x2, t2));
+  }
   // Adds only the first `count` lanes of other's sums (a partial vector's unused lanes hold junk terms).
   inline void add_lanes(const Accumulator& other, const V& zero, int64_t count) {
     if constexpr (A != Term::None) a = a + V::set(zero, other.a, count);
@@ -105,21 +113,25 @@ struct Accumulator {
   }
 };
 
-// Adds the terms of the elements [begin, end) of x into sums. Up to three sums get two accumulators each, so
-// consecutive vectors do not wait on one addition's latency; four sums have latency enough to hide between
-// them, and eight accumulators would leave too few registers for the constants of an exponential.
-template <typename acc_t, typename Acc, typename scalar_t, typename Div>
-inline void accumulate_block(Acc& sums, const scalar_t* x, int64_t begin, int64_t end, const Div& div,
-                             const Vectorized<acc_t>& shift, const Vectorized<acc_t>& inv_lam) {
+// The sums of the terms of the elements [begin, end) of x, two vectors at a time into one set of running
+// sums: a second set of accumulators would hide more of the additions' latency, but the exponential
+// divergences need most of the 32 vector registers for their constants, and GCC then keeps running sums in
+// memory, which chains every vector through a store and a reload. The accumulators, the constants and the
+// functor are locals of this function for the same reason: held through a reference, the compiler keeps
+// them in memory (a store to them might change what x points to, as far as it knows).
+template <typename Acc, typename acc_t, typename scalar_t, typename Div>
+inline Acc accumulate_block(const scalar_t* x, int64_t begin, int64_t end, const Div& div_in,
+                            const Vectorized<acc_t>& shift_in, const Vectorized<acc_t>& inv_lam_in) {
   using V = Vectorized<acc_t>;
   const V zero(acc_t(0));
-  Acc sums2(zero);
+  const V shift = shift_in, inv_lam = inv_lam_in;
+  const Div div = div_in;
+  Acc sums(zero);
   int64_t i = begin;
-  for (; Acc::kSums <= 3 && i + 2 * V::size() <= end; i += 2 * V::size()) {
+  for (; i + 2 * V::size() <= end; i += 2 * V::size()) {
     const V x1 = load<acc_t>(x + i, V::size());
     const V x2 = load<acc_t>(x + i + V::size(), V::size());
-    sums.add(div, x1, (x1 - shift) * inv_lam);
-    sums2.add(div, x2, (x2 - shift) * inv_lam);
+    sums.add_pair(div, x1, (x1 - shift) * inv_lam, x2, (x2 - shift) * inv_lam);
   }
   for (; i + V::size() <= end; i += V::size()) {
     const V x1 = load<acc_t>(x + i, V::size());
@@ -131,7 +143,7 @@ inline void accumulate_block(Acc& sums, const scalar_t* x, int64_t begin, int64_
     tail.add(div, x1, (x1 - shift) * inv_lam);
     sums.add_lanes(tail, zero, end - i);
   }
-  sums.add(sums2);
+  return sums;
 }
 
 // {sum_i A, sum_i B, sum_i C} over the first n elements of x, in one pass (the terms of one element share
@@ -154,9 +166,7 @@ std::array<double, 3> reduce_terms(const scalar_t* x, int64_t n, const Div& div,
         const int64_t block_end = std::min(end, block + kBlock);
         // One block's worth of lines, kPrefetchBytes ahead (a fixed distance in blocks of kBlock elements).
         prefetch(x + block + kPrefetchBytes / int64_t(sizeof(scalar_t)), kBlock * int64_t(sizeof(scalar_t)), x + n);
-        Acc sums(zero);
-        accumulate_block<acc_t>(sums, x, block, block_end, div, shift, inv_lam);
-        chunk.add(sums);
+        chunk.add(accumulate_block<Acc>(x, block, block_end, div, shift, inv_lam));
       }
       partial[c] = {horizontal_sum(chunk.a), horizontal_sum(chunk.b), horizontal_sum(chunk.c)};
     }
@@ -218,12 +228,17 @@ void map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affi
 }
 
 // The Loss sums of a divergence with a coarse value (see csrc/divergences.h): {sum t, sum excess,
-// sum excess_first}. A first pass over each block (in L1, no transcendental) sums t and -|t|; a block whose
-// mean |t| is below 1 (the ERM regime, where only the accurate terms keep the loss's precision) then sums
-// excess and excess_first, any other block the coarse value and first (sum excess = sum coarse_value - sum t,
-// sum excess_first = sum first - count). There the coarse error, a few roundings of 1 + |psi*(t)|, is within a
-// small factor of the accurate terms' few roundings of |t| + excess(t), at the cost of value + first (one
-// exp, where excess needs expm1 and log1p).
+// sum excess_first}. A block whose mean |t| is below 1 (the ERM regime, where only the accurate terms keep the
+// loss's precision) sums excess and excess_first; any other block sums the coarse value and first (sum excess
+// = sum coarse_value - sum t, sum excess_first = sum first - count). There the coarse error, a few roundings
+// of 1 + |psi*(t)|, is within a small factor of the accurate terms' few roundings of |t| + excess(t), at the
+// cost of value + first (one exp, where excess needs expm1 and log1p).
+//
+// Which path a block takes needs its sum of |t| first. Blocks tend to be like their neighbours, so after a
+// coarse block the next one sums t and |t| along with its coarse terms (no extra pass, and a second pass only
+// if it turns out to be an ERM block), and after an ERM block it scans t and |t| alone first (a cheap pass
+// over a block that is then in L1). Either way a block's sums are the same numbers: each running sum sees the
+// same terms in the same order.
 //
 // The Newton sums {sum excess_first, sum second} take the same two paths (coarse: sum first - count).
 template <typename scalar_t, typename Div, bool kNewton>
@@ -231,13 +246,13 @@ std::array<double, 3> reduce_coarse(const scalar_t* x, int64_t n, const Div& div
   using acc_t = at::opmath_type<scalar_t>;
   using V = Vectorized<acc_t>;
   using Scan = Accumulator<V, Term::T, Term::NegAbsT, Term::None>;
-  using Coarse = std::conditional_t<kNewton, Accumulator<V, Term::None, Term::Second, Term::First>,
-                                    Accumulator<V, Term::None, Term::CoarseValue, Term::First>>;
-  using Accurate = std::conditional_t<kNewton, Accumulator<V, Term::None, Term::Second, Term::ExcessFirst>,
-                                      Accumulator<V, Term::None, Term::Excess, Term::ExcessFirst>>;
+  constexpr Term kCoarseFirst = kNewton ? Term::Second : Term::CoarseValue;
+  constexpr Term kAccurateFirst = kNewton ? Term::Second : Term::Excess;
+  using Coarse = Accumulator<V, Term::None, kCoarseFirst, Term::First>;
+  using ScanAndCoarse = Accumulator<V, Term::T, kCoarseFirst, Term::First, Term::NegAbsT>;
+  using Accurate = Accumulator<V, Term::None, kAccurateFirst, Term::ExcessFirst>;
   const V shift(static_cast<acc_t>(affine.shift));
   const V inv_lam(static_cast<acc_t>(affine.inv_lam));
-  const V zero(acc_t(0));
   const int64_t num_chunks = (n + kChunk - 1) / kChunk;
   std::vector<std::array<acc_t, 3>> partial(num_chunks);
   at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
@@ -245,27 +260,40 @@ std::array<double, 3> reduce_coarse(const scalar_t* x, int64_t n, const Div& div
       const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
       // Loss: {sum t, sum excess, sum excess_first}; Newton: {unused, sum second, sum excess_first}.
       std::array<acc_t, 3> chunk{0, 0, 0};
+      bool previous_was_erm = false;  // reset per chunk: the sums must not depend on the thread count
       for (int64_t block = begin; block < end; block += kBlock) {
         const int64_t block_end = std::min(end, block + kBlock);
-        // One block's worth of lines, kPrefetchBytes ahead (a fixed distance in blocks of kBlock elements).
         prefetch(x + block + kPrefetchBytes / int64_t(sizeof(scalar_t)), kBlock * int64_t(sizeof(scalar_t)), x + n);
         const acc_t count = static_cast<acc_t>(block_end - block);
-        Scan scan(zero);
-        accumulate_block<acc_t>(scan, x, block, block_end, div, shift, inv_lam);
-        const acc_t sum_t = horizontal_sum(scan.a);
+        acc_t sum_t, sum_neg_abs_t, coarse_first = 0, coarse_second = 0;
+        if (previous_was_erm) {
+          const Scan scan = accumulate_block<Scan>(x, block, block_end, div, shift, inv_lam);
+          sum_t = horizontal_sum(scan.a);
+          sum_neg_abs_t = horizontal_sum(scan.b);
+        } else {
+          const ScanAndCoarse sums = accumulate_block<ScanAndCoarse>(x, block, block_end, div, shift, inv_lam);
+          sum_t = horizontal_sum(sums.a);
+          sum_neg_abs_t = horizontal_sum(sums.d);
+          coarse_first = horizontal_sum(sums.b);
+          coarse_second = horizontal_sum(sums.c);
+        }
         chunk[0] += kNewton ? acc_t(0) : sum_t;
         // sum -|t| > -count: mean |t| < 1 (a NaN t takes the coarse terms, which are NaN as well).
-        if (horizontal_sum(scan.b) > -count) {
-          Accurate accurate(zero);
-          accumulate_block<acc_t>(accurate, x, block, block_end, div, shift, inv_lam);
+        const bool erm = sum_neg_abs_t > -count;
+        if (erm) {
+          const Accurate accurate = accumulate_block<Accurate>(x, block, block_end, div, shift, inv_lam);
           chunk[1] += horizontal_sum(accurate.b);
           chunk[2] += horizontal_sum(accurate.c);
         } else {
-          Coarse sums(zero);
-          accumulate_block<acc_t>(sums, x, block, block_end, div, shift, inv_lam);
-          chunk[1] += kNewton ? horizontal_sum(sums.b) : horizontal_sum(sums.b) - sum_t;
-          chunk[2] += horizontal_sum(sums.c) - count;
+          if (previous_was_erm) {
+            const Coarse sums = accumulate_block<Coarse>(x, block, block_end, div, shift, inv_lam);
+            coarse_first = horizontal_sum(sums.b);
+            coarse_second = horizontal_sum(sums.c);
+          }
+          chunk[1] += kNewton ? coarse_first : coarse_first - sum_t;
+          chunk[2] += coarse_second - count;
         }
+        previous_was_erm = erm;
       }
       partial[c] = chunk;
     }

@@ -49,6 +49,7 @@ inline I shift_left_23(I x) { return _mm512_slli_epi32(x, 23); }
 inline I shift_right_23(I x) { return _mm512_srli_epi32(x, 23); }
 inline F to_float(I x) { return _mm512_cvtepi32_ps(x); }
 inline Mask greater(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+inline Mask less_equal(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
 inline Mask not_less(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_NLT_UQ); }  // true for NaN
 inline Mask equal_int(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
 inline F select(Mask m, F if_set, F otherwise) { return _mm512_mask_blend_ps(m, otherwise, if_set); }
@@ -84,6 +85,7 @@ inline I shift_left_23(I x) { return _mm256_slli_epi32(x, 23); }
 inline I shift_right_23(I x) { return _mm256_srli_epi32(x, 23); }
 inline F to_float(I x) { return _mm256_cvtepi32_ps(x); }
 inline Mask greater(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+inline Mask less_equal(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
 inline Mask not_less(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_NLT_UQ); }
 inline Mask equal_int(I a, I b) { return _mm256_castsi256_ps(_mm256_cmpeq_epi32(a, b)); }
 inline F select(Mask m, F if_set, F otherwise) { return _mm256_blendv_ps(otherwise, if_set, m); }
@@ -93,50 +95,71 @@ inline void stream(float* p, F v) { _mm256_stream_ps(p, v); }
 inline void stream(double* p, D v) { _mm256_stream_pd(p, v); }
 #endif
 
-// n = round(x / ln 2) and r = x - n ln 2 in [-ln(2)/2, ln(2)/2] (in two steps, so r stays exact for large
-// |x|), for x already clamped to the range of the caller. n comes from adding 1.5 * 2^23, which rounds
-// x / ln 2 to an integer and leaves it in the low mantissa bits of `shifted`, where a shift moves it into
-// an exponent field (no float-to-int conversion).
+// x = n ln 2 + r with n = round(x / ln 2) and r in [-ln(2)/2, ln(2)/2] (in two steps, so r stays exact for
+// large |x|), for x already clamped to the range of the caller, and p 2^n for the p computed from r.
+//  - AVX-512 rounds with one instruction and scales with vscalefps, which rounds p 2^n once, to inf or to a
+//    subnormal or 0 where it leaves the normal range, like exp itself.
+//  - AVX2 adds 1.5 * 2^23, which rounds x / ln 2 to an integer and leaves it in the low mantissa bits of
+//    `shifted`, where a shift moves it into an exponent field (no float-to-int conversion); that exponent
+//    field must stay in range, so the callers below fold a factor 2 into p and scale by 2^(n-1), which is
+//    finite up to n = 128 (e^x is finite up to x = 88.72, n = 128) and 0 at n = -126.
 struct Reduced {
-  F shifted;
+  F n;
+  F shifted;  // AVX2 only
   F r;
 };
 inline Reduced reduce_ln2(F clamped) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const F n = _mm512_roundscale_ps(mul(clamped, set(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const F shifted = n;
+#else
   const F round_magic = set(12582912.0f);  // 1.5 * 2^23
   const F shifted = fmadd(clamped, set(1.44269504f), round_magic);
   const F n = sub(shifted, round_magic);
+#endif
   F r = fnmadd(n, set(0.693359375f), clamped);  // ln 2 = 0.693359375 - 2.12194e-4
   r = fnmadd(n, set(-2.12194440e-4f), r);
-  return {shifted, r};
+  return {n, shifted, r};
 }
-// 2^(n + bias - 127) as a float, from `shifted` of reduce_ln2: the exponent field (n + bias) << 23.
-inline F power_of_2(F shifted, int32_t bias) {
-  return from_bits(add_int(shift_left_23(bits(shifted)), set_int(bias << 23)));
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr float kHalfScale = 1.0f;  // p carries no extra factor: vscalefps covers the whole range
+inline F times_2_to_n(F p, const Reduced& red) { return _mm512_scalef_ps(p, red.n); }
+inline F two_to_n(const Reduced& red) { return _mm512_scalef_ps(set(1.0f), red.n); }
+#else
+constexpr float kHalfScale = 2.0f;  // p carries a factor 2, scaled by 2^(n-1)
+inline F times_2_to_n(F p, const Reduced& red) {
+  return mul(p, from_bits(add_int(shift_left_23(bits(red.shifted)), set_int(126 << 23))));
 }
+// 2^n for n in [-127, 127] (0 at n = -127, whose exponent field is 0).
+inline F two_to_n(const Reduced& red) { return from_bits(add_int(shift_left_23(bits(red.shifted)), set_int(127 << 23))); }
+#endif
 
-// exp(x) = 2^n e^r, e^r by a degree-5 polynomial on |r| <= ln(2)/2: about 2 ulp. The result is
-// (2 e^r) 2^(n-1), the 2 folded into the polynomial's coefficients: past log(FLT_MAX) that overflows to inf,
-// as it should, and at the lower clamp 2^(n-1) has a zero exponent field, which gives 0 (values below about
-// 2e-38 flush to zero, as ATen's exp_u20 does). With the constant first, NaN passes the clamp, and a NaN r
-// makes the result NaN.
+// exp(x) = 2^n e^r, e^r by a degree-5 polynomial on |r| <= ln(2)/2: about 2 ulp. The clamp keeps +-inf from
+// making r NaN; past log(FLT_MAX) the result overflows to inf, as it should, and at the lower clamp it is 0
+// (AVX2 flushes values below about 2e-38 to zero, as ATen's exp_u20 does; AVX-512 keeps subnormals). With
+// the constant first, NaN passes the clamp, and a NaN r makes the result NaN.
 inline F exp(F x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const Reduced red = reduce_ln2(max(set(-104.0f), min(set(89.0f), x)));
+#else
   const Reduced red = reduce_ln2(max(set(-87.33654f), min(set(89.0f), x)));
+#endif
   const F r = red.r;
-  F p = set(2 * 0.00828929059f);
-  p = fmadd(p, r, set(2 * 0.0418978221f));
-  p = fmadd(p, r, set(2 * 0.166676521f));
-  p = fmadd(p, r, set(2 * 0.499991506f));
-  p = fmadd(p, r, set(2 * 0.999999701f));
-  p = fmadd(p, r, set(2.0f));
-  return mul(p, power_of_2(red.shifted, 126));
+  F p = set(kHalfScale * 0.00828929059f);
+  p = fmadd(p, r, set(kHalfScale * 0.0418978221f));
+  p = fmadd(p, r, set(kHalfScale * 0.166676521f));
+  p = fmadd(p, r, set(kHalfScale * 0.499991506f));
+  p = fmadd(p, r, set(kHalfScale * 0.999999701f));
+  p = fmadd(p, r, set(kHalfScale));
+  return times_2_to_n(p, red);
 }
 
 // expm1(x) = 2^n (1 + p) - 1 = 2^n p + (2^n - 1) with p = e^r - 1 = r + r^2 q(r), q a degree-4 fit of
 // (e^r - 1 - r)/r^2 (relative error 2e-7). For |x| < ln(2)/2, n = 0 and r = x exactly, so the result is
 // r + r^2 q(r): relatively accurate however small x is, where exp(x) - 1 would keep only an absolute accuracy
 // of one rounding. At n = 128 (x in [88.38, 88.72], where e^x is still finite) 2^n overflows, so above x = 64
-// the result is (2 + 2p) 2^(n-1) instead (the -1 is below a rounding there). Below x = -88, 2^n is 0 and the
-// result -1. NaN passes the clamp and stays NaN.
+// the result is (1 + p) 2^n scaled as exp's is (the -1 is below a rounding there). Below x = -88, 2^n is 0 or
+// tiny and the result -1. NaN passes the clamp and stays NaN.
 inline F expm1(F x) {
   const F clamped = max(set(-88.0f), min(set(89.0f), x));
   const Reduced red = reduce_ln2(clamped);
@@ -147,9 +170,9 @@ inline F expm1(F x) {
   q = fmadd(q, r, set(0.16666577756404877f));
   q = fmadd(q, r, set(0.5f));
   const F p = fmadd(mul(r, r), q, r);
-  const F scale = power_of_2(red.shifted, 127);
+  const F scale = two_to_n(red);  // used where x <= 64, n <= 93
   const F small = fmadd(scale, p, sub(scale, set(1.0f)));
-  const F large = mul(fmadd(p, set(2.0f), set(2.0f)), power_of_2(red.shifted, 126));
+  const F large = times_2_to_n(fmadd(p, set(kHalfScale), set(kHalfScale)), red);
   return select(greater(clamped, set(64.0f)), large, small);
 }
 

@@ -54,23 +54,22 @@ struct Math<at::vec::Vectorized<S>> {
 #endif
     return a / b;
   }
-  static inline V log1p_unit(const V& x) {
+  // -log(1 - v) for v in [0, 1/2]: v P(v) with P a degree-8 fit of -log(1 - v) / v (Chebyshev nodes; relative
+  // error 3e-8, under 3 ulp evaluated in float), where a general log would need a division or a range reduction.
+  static inline V neg_log1m_half(const V& v) {
     if constexpr (kFloat) {
-      // log1p(x) = 2 atanh(u) = 2 (u + u^3/3 + u^5/5 + ...) with u = x / (2 + x) in [0, 1/3] for x in [0, 1]:
-      // eight terms leave a relative error below 1e-8, cheaper than a general log1p. NaN stays NaN.
-      const V u = divide(x, V(2.0f) + x);
-      const V u2 = u * u;
-      V series = V(1.0f / 15.0f);
-      series = at::vec::fmadd(series, u2, V(1.0f / 13.0f));
-      series = at::vec::fmadd(series, u2, V(1.0f / 11.0f));
-      series = at::vec::fmadd(series, u2, V(1.0f / 9.0f));
-      series = at::vec::fmadd(series, u2, V(1.0f / 7.0f));
-      series = at::vec::fmadd(series, u2, V(1.0f / 5.0f));
-      series = at::vec::fmadd(series, u2, V(1.0f / 3.0f));
-      series = at::vec::fmadd(series, u2, V(1.0f));
-      return V(2.0f) * u * series;
+      V p(1.40795672f);
+      p = at::vec::fmadd(p, v, V(-1.63021171f));
+      p = at::vec::fmadd(p, v, V(1.20501387f));
+      p = at::vec::fmadd(p, v, V(-0.181571648f));
+      p = at::vec::fmadd(p, v, V(0.264547586f));
+      p = at::vec::fmadd(p, v, V(0.243437439f));
+      p = at::vec::fmadd(p, v, V(0.333662003f));
+      p = at::vec::fmadd(p, v, V(0.499993742f));
+      p = at::vec::fmadd(p, v, V(1.0f));
+      return v * p;
     } else {
-      return x.log1p();
+      return -(-v).log1p();
     }
   }
 #if defined(DRO_EXT_SIMD_FLOAT)
@@ -86,12 +85,24 @@ struct Math<at::vec::Vectorized<S>> {
   static inline V max(const V& x, const V& lo) { return V::blendv(x, lo, x < lo); }
   static inline V neg_abs(const V& x) { return -x.abs(); }
 #endif
+  // The selects compare into the register's own mask type (a bit mask on AVX-512): ATen's comparisons
+  // return a vector, which AVX-512 converts from a bit mask and back for every blend.
   static inline V select_positive(const V& x, const V& if_pos, const V& if_nonpos) {
+#if defined(DRO_EXT_SIMD_FLOAT)
+    if constexpr (kFloat) {
+      using namespace cpu::simd;
+      const F zero = set(0.0f);
+      return V(select(greater(x, zero), if_pos, select(less_equal(x, zero), if_nonpos, x)));
+    }
+#endif
     const V zero(S(0));
     V out = V::blendv(x, if_nonpos, x <= zero);
     return V::blendv(out, if_pos, x > zero);
   }
   static inline V if_positive(const V& x, const V& if_pos, const V& otherwise) {
+#if defined(DRO_EXT_SIMD_FLOAT)
+    if constexpr (kFloat) return V(cpu::simd::select(cpu::simd::greater(x, cpu::simd::set(0.0f)), if_pos, otherwise));
+#endif
     return V::blendv(otherwise, if_pos, x > V(S(0)));
   }
 };
