@@ -1,10 +1,12 @@
 """The exact robust objective Psi = min_eta L(eta): dro_ext.robust_objective against the two ways it is
 computed today, side by side in one run on the same losses, for every divergence.
 
-- ``bisection``: the Python loop DRO libraries use (daniellevy/fast-dro's RobustLoss solves its dual with
-  one): per iteration one torch reduction of the weights psi*'((l - eta)/lam) and a host-side ``.item()``
-  convergence test, tolerance 1e-4 on eta. fast-dro itself is not on PyPI (``pip download fast-dro``
-  finds no distribution) and its code is not vendored here, so the loop stands in for it;
+- ``fast-dro``: daniellevy/fast-dro's ``RobustLoss`` with its default tolerance, for the divergences it
+  shares (cvar, kl_cvar, cressie_read at k = 2), when a checkout of it is given (``--fast-dro PATH`` or
+  ``FAST_DRO_PATH``; it is not on PyPI and not copied here, see bench/fast_dro_peer.py);
+- ``bisection``: the Python loop such libraries use, for every divergence: per iteration one torch
+  reduction of the weights psi*'((l - eta)/lam) and a host-side ``.item()`` convergence test, tolerance
+  1e-4 on eta;
 - ``scipy``: ``scipy.optimize.minimize_scalar(method="bounded")`` (default xatol) on the float64 dual in
   numpy, on the host.
 
@@ -12,7 +14,7 @@ Accuracy is |Psi - reference| where the reference is an independent float64 comp
 forms for kl (log-sum-exp) and cvar (the tail mean with the fractional boundary sample), otherwise brentq
 on the optimality condition mean psi*'((l - eta)/lam) = 1 to xtol 1e-15, then L(eta) with math.fsum.
 
-    python -m bench.bench_robust [--device cpu|cuda] [--quick]
+    python -m bench.bench_robust [--device cpu|cuda] [--quick] [--fast-dro PATH]
 
 Writes <out>/robust.{json,csv,md,png} (robust_<card>.* on CUDA).
 """
@@ -27,6 +29,7 @@ from scipy import optimize, special
 
 import dro_ext
 from bench.bench_loss import eager_psi_star
+from bench import fast_dro_peer
 from bench.common import (CASES, Timer, add_common_arguments, case_label, check_device, console_table,
                           device_info, interleaved_rounds, loadavg, markdown_table, progress, result_name,
                           select_cases, write_report)
@@ -35,6 +38,7 @@ LAM = 0.1
 FULL_SIZES = (1 << 16, 1 << 22)
 QUICK_SIZES = (1 << 12,)
 METHODS = ("dro_ext", "bisection (torch, tol 1e-4)", "scipy bounded (numpy f64)")
+FAST_DRO = "fast-dro RobustLoss"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -134,13 +138,17 @@ def scipy_bounded(l64: np.ndarray, name: str, params: dict) -> float:
     return float(optimize.minimize_scalar(dual, bounds=(float(l64.min()), float(l64.max())), method="bounded").fun)
 
 
-def make_methods(losses, name, params) -> dict:
+def make_methods(losses, name, params, fast_dro_class=None) -> dict:
     l64 = losses.detach().double().cpu().numpy()
-    return {
+    methods = {
         METHODS[0]: lambda: float(dro_ext.robust_objective(losses, LAM, name, **params)[0]),
         METHODS[1]: lambda: bisection_loop(losses, name, params),
         METHODS[2]: lambda: scipy_bounded(l64, name, params),
     }
+    peer = fast_dro_peer.make_peer(fast_dro_class, name, params, LAM) if fast_dro_class is not None else None
+    if peer is not None:
+        methods[FAST_DRO] = lambda: float(peer(losses))
+    return methods
 
 
 def lognormal_losses(n: int, seed: int = 0) -> torch.Tensor:
@@ -148,7 +156,7 @@ def lognormal_losses(n: int, seed: int = 0) -> torch.Tensor:
     return torch.exp(torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 0.75)
 
 
-def bench(device, sizes, cases, *, rounds, min_seconds, quick=False) -> list[dict]:
+def bench(device, sizes, cases, *, rounds, min_seconds, quick=False, fast_dro_class=None) -> list[dict]:
     timer = Timer(device)
     rows = []
     dtypes = (torch.float32, torch.float64)
@@ -163,7 +171,7 @@ def bench(device, sizes, cases, *, rounds, min_seconds, quick=False) -> list[dic
             for name, params in cases:
                 step += 1
                 ref = reference(l64, name, params)
-                methods = make_methods(losses, name, params)
+                methods = make_methods(losses, name, params, fast_dro_class)
                 # This first call of each method is its warm-up too (at 2^22 the loop takes seconds a call).
                 values = {method: fn() for method, fn in methods.items()}
                 stats = interleaved_rounds(methods, timer, rounds=rounds, min_seconds=min_seconds,
@@ -194,10 +202,14 @@ def table_rows(rows):
 
 NOTE = (f"lam={LAM}, lognormal losses (exp(0.75 z)); reference: float64 closed forms (kl, cvar) or brentq "
         "(xtol 1e-15) + fsum; the three methods run on the same losses in interleaved rounds; `time / dro_ext` > 1 "
-        "means dro_ext is faster. Peer: daniellevy/fast-dro's RobustLoss is not installable (not on PyPI: "
-        "`pip download fast-dro` finds no distribution) and its code is not vendored, so it is not run here; "
-        "the bisection loop is the algorithm such libraries use (one reduction and a host-side test per "
-        "iteration). scipy runs on the host in float64 whatever the device.")
+        "means dro_ext is faster. scipy runs on the host in float64 whatever the device. The bisection loop is "
+        "the algorithm DRO libraries use (one reduction and a host-side test per iteration), run for every "
+        "divergence.")
+NOTE_FAST_DRO = ("Peer: daniellevy/fast-dro's RobustLoss (default tol 1e-4) from the checkout at `{path}` (commit "
+                 "{commit}), on the divergences it shares: cvar (size=alpha, reg=0), kl_cvar (size=alpha, reg=lam), "
+                 "cressie_read k=2 (its penalized chi-square: size=inf, reg=lam).")
+NOTE_NO_FAST_DRO = ("Peer daniellevy/fast-dro not run: no checkout given (`--fast-dro PATH` or FAST_DRO_PATH; it is "
+                    "not on PyPI).")
 
 
 def main(argv=None) -> dict:
@@ -208,7 +220,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--min-seconds", type=float, default=None, help="per method, over all rounds")
     parser.add_argument("--name", default="robust")
+    parser.add_argument("--fast-dro", default=None, metavar="PATH",
+                        help="a checkout of daniellevy/fast-dro to run as a peer (default: $FAST_DRO_PATH)")
     args = parser.parse_args(argv)
+    fast_dro_path = fast_dro_peer.checkout_path(args.fast_dro)
+    fast_dro_class = fast_dro_peer.load_robust_loss(fast_dro_path) if fast_dro_path else None
     device = check_device(args.device)
     sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
     rounds = args.rounds or (2 if args.quick else 3)
@@ -216,11 +232,14 @@ def main(argv=None) -> dict:
     info = device_info(device)
     load_before = loadavg()
     rows = bench(device, sizes, select_cases(args.divergences), rounds=rounds, min_seconds=min_seconds,
-                 quick=args.quick)
+                 quick=args.quick, fast_dro_class=fast_dro_class)
+    peer_note = (NOTE_FAST_DRO.format(path=fast_dro_path, commit=fast_dro_peer.commit_of(fast_dro_path))
+                 if fast_dro_path else NOTE_NO_FAST_DRO)
     name = result_name(args.name, info)
     settings = {"sizes": list(sizes), "rounds": rounds, "min_seconds": min_seconds, "quick": args.quick,
-                "backend": dro_ext.backend()}
-    paths = write_report(args.out, name, rows, NOTE + "\n\n" + markdown_table(HEADER, table_rows(rows)), info,
+                "backend": dro_ext.backend(), "fast_dro": fast_dro_path}
+    body = NOTE + " " + peer_note + "\n\n" + markdown_table(HEADER, table_rows(rows))
+    paths = write_report(args.out, name, rows, body, info,
                           load=(load_before, loadavg()), note=args.note, settings=settings)
     if not args.no_plot:
         from bench.plots import plot_robust

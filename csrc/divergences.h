@@ -372,18 +372,20 @@ struct SmoothedCVaR {
   struct Logistic {
     T e;
     T w;
+    T ew;  // e w = sigmoid(-|s|), in [0, 1/2]
   };
   template <typename T>
   C10_HOST_DEVICE inline Logistic<T> logistic(T s) const {
     using M = Math<T>;
     const T e = M::exp(M::neg_abs(s));
-    return {e, M::divide(M::constant(1.0), M::constant(1.0) + e)};
+    const T w = M::divide(M::constant(1.0), M::constant(1.0) + e);
+    return {e, w, e * w};
   }
   template <typename T>
   C10_HOST_DEVICE inline T sigmoid(T s) const {
     using M = Math<T>;
     const Logistic<T> g = logistic(s);
-    return M::if_positive(s, g.w, g.e * g.w);
+    return M::if_positive(s, g.w, g.ew);
   }
   // c m with m = expm1(-|t|) (see above).
   template <typename T>
@@ -412,7 +414,7 @@ struct SmoothedCVaR {
     using M = Math<T>;
     // sigmoid(s) sigmoid(-s) = e w^2 whatever the sign of s: no 1 - p to lose the small side's digits.
     const Logistic<T> g = logistic(t + M::constant(shift));
-    return g.e * g.w * g.w * M::constant(inv_alpha);
+    return g.ew * g.w * M::constant(inv_alpha);
   }
   template <typename T>
   C10_HOST_DEVICE inline T excess(T t) const {
@@ -436,7 +438,7 @@ struct SmoothedCVaR {
     using M = Math<T>;
     const T s = t + M::constant(shift);
     const Logistic<T> g = logistic(s);
-    return (M::constant(log1m_alpha) + M::relu(s) + M::neg_log1m_half(g.e * g.w)) * M::constant(inv_alpha);
+    return (M::constant(log1m_alpha) + M::relu(s) + M::neg_log1m_half(g.ew)) * M::constant(inv_alpha);
   }
 };
 

@@ -504,3 +504,72 @@ def test_infinite_losses(backend, name, kw):
     losses[3] = -math.inf
     value, eta = dro_ext.robust_objective(losses, 0.5, name, **kw)
     assert math.isnan(value.item()) and math.isnan(eta.item())
+
+
+# ------------------------------------------------------------------------------------------------
+# Large inputs: cvar's sample select (N >= 2^19 on the CPU), the vectorized min/max and tail sums
+# ------------------------------------------------------------------------------------------------
+
+
+def np_cvar(l, alpha):
+    """The tail mean with the fractional boundary sample, by a full sort in float64."""
+    l = np.sort(np.asarray(l, dtype=np.float64))[::-1]
+    k = alpha * l.size
+    j = min(l.size, max(1, math.ceil(k - 1e-12 * k)))
+    eta = l[j - 1]
+    above = l[l > eta]
+    return (math.fsum(above) + (k - above.size) * eta) / k, eta
+
+
+def _strided_trap(n):
+    # Every 64th loss large, the others small: a strided sample of the losses sees only the large ones, so
+    # its bracket misses and the exact fallback must answer.
+    losses = torch.rand(n, dtype=torch.float64)
+    losses[:: n // (1 << 16)] += 100.0
+    return losses
+
+
+@pytest.mark.parametrize("alpha", [1e-4, 0.1, 0.5, 0.999])
+@pytest.mark.parametrize("layout", ["lognormal", "ties", "sorted", "strided_trap"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["f64", "f32", "bf16"])
+def test_cvar_large_matches_full_sort(backend, alpha, layout, dtype):
+    n = (1 << 20) + 17
+    if layout == "lognormal":
+        losses = make_losses(n)
+    elif layout == "ties":
+        losses = torch.randint(0, 7, (n,)).double()  # seven distinct values: the boundary is a tie
+    elif layout == "sorted":
+        losses = torch.sort(make_losses(n)).values
+    else:
+        losses = _strided_trap(n)
+    losses = losses.to(dtype)
+    value, eta = dro_ext.robust_objective(losses, 0.5, "cvar", alpha=alpha)
+    ref_value, ref_eta = np_cvar(losses.double().numpy(), alpha)
+    assert eta.item() == ref_eta
+    # The float64 sum of the tail in another order, then the value rounded to the input's dtype.
+    tol = {torch.float64: 1e-13, torch.float32: 1e-6, torch.bfloat16: 2.0 ** -8}[dtype]
+    assert value.item() == pytest.approx(ref_value, rel=tol), (value.item(), ref_value)
+
+
+@pytest.mark.parametrize("name,kw", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("n", [1001, (1 << 19) + 3])
+def test_nan_anywhere_propagates(backend, name, kw, where, n):
+    # The min/max pass reads whole vectors and then a scalar tail: a NaN in either part must be seen.
+    losses = make_losses(n)
+    losses[{"first": 0, "middle": n // 2 + 1, "last": n - 1}[where]] = float("nan")
+    value, eta = dro_ext.robust_objective(losses, 0.5, name, **kw)
+    assert math.isnan(value.item()) and math.isnan(eta.item())
+
+
+@pytest.mark.parametrize("k", [2.0], ids=["k2"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_linear_exact_segment_large(backend, k, dtype):
+    # cressie_read at k = 2 ends on an exact segment solve: sum and count of the losses above a cut, taken
+    # by the vectorized tail-sum kernel; the value must match the scalar minimization.
+    n = (1 << 19) + 5
+    losses = make_losses(n, dtype)
+    value, eta = dro_ext.robust_objective(losses, 0.1, "cressie_read", k=k)
+    ref = reference_psi(losses.double().numpy(), 0.1, "cressie_read", {"k": k})
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    assert value.item() == pytest.approx(ref, rel=tol)

@@ -38,6 +38,11 @@ struct KernelTable {
   void (*map_derivative)(
       const at::Tensor& x, at::Tensor& out, const DivergenceSpec& spec, Affine affine, double multiplier,
       int64_t order);
+  // {min x, max x} in float64, both NaN if x holds a NaN. Exact; vectorized (the robust solvers' first pass).
+  std::array<double, 2> (*min_max)(const at::Tensor& x);
+  // {sum of the x_i > cut, number of them} (deterministic: fixed blocks summed in acc_t lanes, then in float64
+  // in order).
+  std::array<double, 2> (*sum_above)(const at::Tensor& x, double cut);
   const char* capability;
 };
 

@@ -357,5 +357,113 @@ void map_derivative_impl(
   });
 }
 
+template <typename scalar_t>
+std::array<double, 2> min_max_typed(const at::Tensor& x) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using V = Vectorized<acc_t>;
+  const scalar_t* data = x.const_data_ptr<scalar_t>();
+  const int64_t n = x.numel();
+  const int64_t num_chunks = (n + kChunk - 1) / kChunk;
+  std::vector<std::array<acc_t, 2>> partial(num_chunks);
+  at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+      const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
+      const acc_t inf = std::numeric_limits<acc_t>::infinity();
+      V lo(inf), hi(-inf);
+      int64_t i = begin;
+      // minimum/maximum propagate NaN, so a NaN anywhere makes both results NaN.
+      for (; i + V::size() <= end; i += V::size()) {
+        const V v = load<acc_t>(data + i, V::size());
+        lo = at::vec::minimum(lo, v);
+        hi = at::vec::maximum(hi, v);
+      }
+      alignas(64) acc_t lanes_lo[V::size()], lanes_hi[V::size()];
+      lo.store(lanes_lo);
+      hi.store(lanes_hi);
+      acc_t low = inf, high = -inf;
+      const auto fold = [&](acc_t a, acc_t b) {  // keeps a NaN once it has one
+        low = (std::isnan(a) || a < low) ? a : low;
+        high = (std::isnan(b) || b > high) ? b : high;
+      };
+      for (int64_t l = 0; l < V::size(); ++l) fold(lanes_lo[l], lanes_hi[l]);
+      for (; i < end; ++i) fold(static_cast<acc_t>(data[i]), static_cast<acc_t>(data[i]));
+      partial[c] = {low, high};
+    }
+  });
+  double low = std::numeric_limits<double>::infinity(), high = -low;
+  for (const auto& p : partial) {
+    if (std::isnan(p[0]) || std::isnan(p[1])) return {std::nan(""), std::nan("")};
+    low = std::min(low, static_cast<double>(p[0]));
+    high = std::max(high, static_cast<double>(p[1]));
+  }
+  return {low, high};
+}
+
+std::array<double, 2> min_max_impl(const at::Tensor& x) {
+  TORCH_INTERNAL_ASSERT(x.is_contiguous());
+  std::array<double, 2> out{};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_min_max",
+                                  [&] { out = min_max_typed<scalar_t>(x); });
+  return out;
+}
+
+// Blocks of this many elements are summed in acc_t lanes (8 or 16 values a lane for float32), then in float64.
+constexpr int64_t kSumAboveBlock = 128;
+
+template <typename scalar_t>
+std::array<double, 2> sum_above_typed(const at::Tensor& x, double cut_d) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using V = Vectorized<acc_t>;
+  const scalar_t* data = x.const_data_ptr<scalar_t>();
+  const int64_t n = x.numel();
+  const int64_t num_chunks = (n + kChunk - 1) / kChunk;
+  std::vector<std::array<double, 2>> partial(num_chunks);
+  at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    // x_i (exact in acc_t) > cut_d  <=>  x_i > cut for cut = cut_d rounded down to acc_t.
+    acc_t cut = static_cast<acc_t>(cut_d);
+    if (static_cast<double>(cut) > cut_d) cut = std::nextafter(cut, -std::numeric_limits<acc_t>::infinity());
+    const V cut_v(cut), zero(acc_t(0)), one(acc_t(1));
+    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+      const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
+      double sum = 0.0, count = 0.0;
+      for (int64_t block = begin; block < end; block += kSumAboveBlock) {
+        const int64_t block_end = std::min(end, block + kSumAboveBlock);
+        V block_sum(zero), block_count(zero);
+        int64_t i = block;
+        for (; i + V::size() <= block_end; i += V::size()) {
+          const V v = load<acc_t>(data + i, V::size());
+          const V above = v > cut_v;
+          block_sum = block_sum + V::blendv(zero, v, above);
+          block_count = block_count + V::blendv(zero, one, above);
+        }
+        sum += static_cast<double>(horizontal_sum(block_sum));
+        count += static_cast<double>(horizontal_sum(block_count));
+        for (; i < block_end; ++i) {
+          const acc_t v = static_cast<acc_t>(data[i]);
+          if (v > cut) {
+            sum += static_cast<double>(v);
+            count += 1.0;
+          }
+        }
+      }
+      partial[c] = {sum, count};
+    }
+  });
+  std::array<double, 2> total{0.0, 0.0};
+  for (const auto& p : partial) {
+    total[0] += p[0];
+    total[1] += p[1];
+  }
+  return total;
+}
+
+std::array<double, 2> sum_above_impl(const at::Tensor& x, double cut) {
+  TORCH_INTERNAL_ASSERT(x.is_contiguous());
+  std::array<double, 2> out{};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_sum_above",
+                                  [&] { out = sum_above_typed<scalar_t>(x, cut); });
+  return out;
+}
+
 }  // namespace
 }  // namespace dro_ext::cpu
