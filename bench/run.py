@@ -5,6 +5,7 @@
     python -m bench.run --device cuda --out DIR  # on the GPU: DIR/loss_<card>.md, optim_<card>.md, ...
 
 Each case prints a progress line on stderr; each benchmark prints its table on stdout when it ends.
+FAST_DRO_PATH=<a checkout of daniellevy/fast-dro> adds its RobustLoss to the robust-objective benchmark.
 """
 from __future__ import annotations
 

@@ -118,11 +118,44 @@ def test_console_table_aligns_columns():
 
 
 # ------------------------------------------------------------------------------- the --quick run
+# A stand-in for a checkout of daniellevy/fast-dro (not on PyPI): the same module-level imports as its
+# robust_losses.py (its own utils, and datasets, which needs torchvision and Python < 3.10) and the same
+# RobustLoss signature, computing the objective with dro_ext itself. What it tests is the benchmark's loader and
+# parameter mapping; bench/results/robust.md names the real checkout it ran.
+FAKE_ROBUST_LOSSES = """
+import torch
+import utils  # noqa: F401
+from datasets import CustomDistributionSampler  # noqa: F401
+import dro_ext
+
+
+class RobustLoss(torch.nn.Module):
+    def __init__(self, size, reg, geometry, tol=1e-4, max_iter=1000, debugging=False):
+        super().__init__()
+        self.size, self.reg, self.geometry = size, reg, geometry
+
+    def forward(self, v):
+        if self.geometry == "cvar" and self.reg == 0:
+            return dro_ext.robust_objective(v, 1.0, "cvar", alpha=self.size)[0]
+        if self.geometry == "cvar":
+            return dro_ext.robust_objective(v, self.reg, "kl_cvar", alpha=self.size)[0]
+        assert self.geometry == "chi-square" and self.size == float("inf")
+        return dro_ext.robust_objective(v, self.reg, "cressie_read", k=2.0)[0]
+"""
+
+
+def _fake_fast_dro_checkout(path):
+    (path / "utils.py").write_text("import numpy\n")
+    (path / "robust_losses.py").write_text(FAKE_ROBUST_LOSSES)
+    return path
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_quick")
+    env = {**os.environ, "FAST_DRO_PATH": str(_fake_fast_dro_checkout(tmp_path_factory.mktemp("fast_dro")))}
     proc = subprocess.run([sys.executable, "-m", "bench.run", "--quick", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out, proc
 
@@ -159,14 +192,33 @@ def test_quick_optim_json_has_every_peer(quick_run):
 def test_quick_robust_json_has_every_case_dtype_and_method(quick_run):
     out, _ = quick_run
     rows = _rows(out, "robust")
-    from bench.bench_robust import METHODS, QUICK_SIZES
+    from bench.bench_robust import FAST_DRO, METHODS, QUICK_SIZES
+    def methods(case):  # the fast-dro stand-in runs on the divergences fast-dro shares with dro_ext
+        shared = case[0] in ("cvar", "kl_cvar") or case == ("cressie_read", {"k": 2.0})
+        return METHODS + ((FAST_DRO,) if shared else ())
     expected = {(case_label(*c), n, d, m) for c in CASES for n in QUICK_SIZES for d in ("float32", "float64")
-                for m in METHODS}
+                for m in methods(c)}
     assert {(r["case"], r["n"], r["dtype"], r["method"]) for r in rows} == expected and len(rows) == len(expected)
     for r in rows:
         assert math.isfinite(r["abs_error"]) and r["median_ms"] > 0
         # Every method solves the same problem: float32 input within 1e-4 on eta of the float64 reference.
         assert r["abs_error"] <= 1e-3 * max(1.0, abs(r["reference"])), r
+    robust_md = (out / "robust.md").read_text()
+    assert "Peer: daniellevy/fast-dro's RobustLoss" in robust_md and "fast-dro RobustLoss" in robust_md
+
+
+def test_fast_dro_loader_leaves_no_stand_in_modules(tmp_path):
+    from bench import fast_dro_peer
+    before = {name: sys.modules.get(name) for name in ("datasets", "utils", "robust_losses")}
+    cls = fast_dro_peer.load_robust_loss(str(_fake_fast_dro_checkout(tmp_path)))
+    assert cls.__name__ == "RobustLoss"
+    assert {name: sys.modules.get(name) for name in before} == before
+    peer = fast_dro_peer.make_peer(cls, "kl_cvar", {"alpha": 0.2}, 0.5)
+    assert (peer.size, peer.reg, peer.geometry) == (0.2, 0.5, "cvar")
+    assert fast_dro_peer.make_peer(cls, "cressie_read", {"k": 1.5}, 0.5) is None
+    assert fast_dro_peer.make_peer(cls, "kl", {}, 0.5) is None
+    with pytest.raises(FileNotFoundError, match="robust_losses.py"):
+        fast_dro_peer.load_robust_loss(str(tmp_path / "missing"))
 
 
 @pytest.mark.parametrize("name", ["loss", "optim", "robust"])

@@ -191,7 +191,7 @@ void map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affi
   const V shift(static_cast<acc_t>(affine.shift));
   const V inv_lam(static_cast<acc_t>(affine.inv_lam));
   const V mult(static_cast<acc_t>(multiplier));
-  const bool streaming = n * static_cast<int64_t>(sizeof(scalar_t)) >= kStreamingBytes;
+  [[maybe_unused]] const bool streaming = n * static_cast<int64_t>(sizeof(scalar_t)) >= kStreamingBytes;
   at::parallel_for(0, n, kMapGrain, [&](int64_t begin, int64_t end) {
     // Local copies of everything the loop reads: the compiler cannot keep values reached through the
     // closure in registers across the stores to out (which may alias them as far as it knows), and would
