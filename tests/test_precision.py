@@ -416,3 +416,29 @@ def test_blocks_of_large_and_small_t(backend, name, params, dtype):
         assert_close(value, mp_loss(values, 2.0, lam, name, **params), RTOL[dtype], f"dro_loss lam={lam}")
         value, _ = dro_ext.robust_objective(losses, lam, name, **params)
         assert_close(value, mp_robust(values, lam, name, **params), RTOL[dtype], f"robust_objective lam={lam}")
+
+
+@pytest.mark.parametrize("name,params", [("kl", {}), ("kl_cvar", {"alpha": 0.1}), ("smoothed_cvar", {"alpha": 0.1})],
+                         ids=["kl", "kl_cvar", "smoothed_cvar"])
+def test_exponential_weights_far_below_zero(backend, name, params):
+    # Weights of t far below 0 come from exp (kl, kl_cvar: exp(t); smoothed_cvar: sigmoid(t + shift) / alpha,
+    # from e^-|s|). Down to log(FLT_MIN) = -87.3 they keep the accuracy float32 allows (exp(s) for an s rounded
+    # to float32 is good to |s| eps); below it the AVX builds' own exp gives 0, never a subnormal, which would
+    # cost a microcode assist in every addition that reads it (csrc/cpu/simd_float.h; measured: kl's robust
+    # objective three times slower). The portable build and the fallback use ATen's exp, which may return them.
+    t64 = torch.linspace(-200.0, -60.0, 14001, dtype=torch.float64)
+    t = t64.float()
+    w = dro_ext.dro_weights(t, 0.0, 1.0, name, **params).double()
+    tiny = torch.finfo(torch.float32).tiny
+    if name == "smoothed_cvar":
+        alpha = params["alpha"]
+        s = t.double() + math.log(alpha / (1 - alpha))
+        exact = torch.sigmoid(s) / alpha
+    else:
+        s = t.double()
+        exact = torch.exp(s)
+    if backend == "native" and name != "smoothed_cvar" and torch.ops.dro_ext._cpu_capability() != "default":
+        assert bool(((w == 0) | (w >= tiny)).all()), w[(w != 0) & (w < tiny)]
+    normal = torch.exp(s) >= 2 * tiny
+    rel = ((w - exact).abs() / exact)[normal]
+    assert bool((rel <= 8 * torch.finfo(torch.float32).eps * (1 + s.abs()[normal])).all()), float(rel.max())

@@ -130,17 +130,19 @@ constexpr float kHalfScale = 2.0f;  // p carries a factor 2, scaled by 2^(n-1)
 inline F times_2_to_n(F p, const Reduced& red) {
   return mul(p, from_bits(add_int(shift_left_23(bits(red.shifted)), set_int(126 << 23))));
 }
-// 2^n for n in [-127, 127] (0 at n = -127, whose exponent field is 0).
+// 2^n for n in [-126, 127].
 inline F two_to_n(const Reduced& red) { return from_bits(add_int(shift_left_23(bits(red.shifted)), set_int(127 << 23))); }
 #endif
 
-// exp(x) = 2^n e^r, e^r by a degree-5 polynomial on |r| <= ln(2)/2: about 2 ulp. The clamp keeps +-inf from
-// making r NaN; past log(FLT_MAX) the result overflows to inf, as it should, and at the lower clamp it is 0
-// (AVX2 flushes values below about 2e-38 to zero, as ATen's exp_u20 does; AVX-512 keeps subnormals). With
-// the constant first, NaN passes the clamp, and a NaN r makes the result NaN.
+// exp(x) = 2^n e^r, e^r by a degree-5 polynomial on |r| <= ln(2)/2: about 2 ulp. Past log(FLT_MAX) the result
+// overflows to inf, as it should; below log(FLT_MIN) = -87.34 it is 0 (as ATen's exp_u20 does), never a
+// subnormal: every addition that reads a subnormal costs a microcode assist (measured: kl's robust objective,
+// whose weights exp((l - max l)/lam) reach far below, three times slower with them). The clamps keep +-inf
+// from making r NaN (AVX-512 zeroes the low lanes with a mask instead); with the constant first, NaN passes
+// the clamp, and a NaN r makes the result NaN.
 inline F exp(F x) {
 #if defined(CPU_CAPABILITY_AVX512)
-  const Reduced red = reduce_ln2(max(set(-104.0f), min(set(89.0f), x)));
+  const Reduced red = reduce_ln2(min(set(89.0f), x));
 #else
   const Reduced red = reduce_ln2(max(set(-87.33654f), min(set(89.0f), x)));
 #endif
@@ -151,17 +153,21 @@ inline F exp(F x) {
   p = fmadd(p, r, set(kHalfScale * 0.499991506f));
   p = fmadd(p, r, set(kHalfScale * 0.999999701f));
   p = fmadd(p, r, set(kHalfScale));
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_maskz_scalef_ps(not_less(x, set(-87.33654f)), p, red.n);  // NaN is "not less": kept
+#else
   return times_2_to_n(p, red);
+#endif
 }
 
 // expm1(x) = 2^n (1 + p) - 1 = 2^n p + (2^n - 1) with p = e^r - 1 = r + r^2 q(r), q a degree-4 fit of
 // (e^r - 1 - r)/r^2 (relative error 2e-7). For |x| < ln(2)/2, n = 0 and r = x exactly, so the result is
 // r + r^2 q(r): relatively accurate however small x is, where exp(x) - 1 would keep only an absolute accuracy
 // of one rounding. At n = 128 (x in [88.38, 88.72], where e^x is still finite) 2^n overflows, so above x = 64
-// the result is (1 + p) 2^n scaled as exp's is (the -1 is below a rounding there). Below x = -88, 2^n is 0 or
-// tiny and the result -1. NaN passes the clamp and stays NaN.
+// the result is (1 + p) 2^n scaled as exp's is (the -1 is below a rounding there). Below x = -87 the result is
+// -1, from 2^n = 2^-126, the smallest normal float (no subnormal, see exp). NaN passes the clamp and stays NaN.
 inline F expm1(F x) {
-  const F clamped = max(set(-88.0f), min(set(89.0f), x));
+  const F clamped = max(set(-87.0f), min(set(89.0f), x));
   const Reduced red = reduce_ln2(clamped);
   const F r = red.r;
   F q = set(0.0013901280472055078f);
