@@ -399,12 +399,18 @@ std::array<double, 2> min_max_typed(const at::Tensor& x) {
   return {low, high};
 }
 
-std::array<double, 2> min_max_impl(const at::Tensor& x) {
+// f(scalar_t{}) for the floating dtype of the contiguous x.
+template <typename F>
+std::array<double, 2> dispatch_floating(const at::Tensor& x, F f) {
   TORCH_INTERNAL_ASSERT(x.is_contiguous());
   std::array<double, 2> out{};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_min_max",
-                                  [&] { out = min_max_typed<scalar_t>(x); });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_cpu_pass",
+                                  [&] { out = f(scalar_t{}); });
   return out;
+}
+
+std::array<double, 2> min_max_impl(const at::Tensor& x) {
+  return dispatch_floating(x, [&](auto tag) { return min_max_typed<decltype(tag)>(x); });
 }
 
 // Blocks of this many elements are summed in acc_t lanes (8 or 16 values a lane for float32), then in float64.
@@ -458,11 +464,7 @@ std::array<double, 2> sum_above_typed(const at::Tensor& x, double cut_d) {
 }
 
 std::array<double, 2> sum_above_impl(const at::Tensor& x, double cut) {
-  TORCH_INTERNAL_ASSERT(x.is_contiguous());
-  std::array<double, 2> out{};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_sum_above",
-                                  [&] { out = sum_above_typed<scalar_t>(x, cut); });
-  return out;
+  return dispatch_floating(x, [&](auto tag) { return sum_above_typed<decltype(tag)>(x, cut); });
 }
 
 }  // namespace
