@@ -304,6 +304,13 @@ Solution solve_newton(const at::Tensor& x, const DivergenceSpec& spec, double la
     }
     previous_active = s[1];
     const double newton = linear ? lam * s[0] / s[1] : lam * std::log1p(g) * ((n + s[0]) / s[1]);
+    // A Newton step below the resolution of eta means g is at its rounding noise: eta is the root as far as
+    // the kernel can tell. (Without this test, a last step that rounds onto the bracket's end fell back to
+    // bisection, which then halved a bracket of 1e-10 down to the tolerance: a dozen wasted passes.)
+    if (std::abs(newton) <= tol) {
+      converged = true;
+      break;
+    }
     double next = eta + newton;
     // Bisect when Newton leaves the bracket or (as in rtsafe) does not at least halve the step before last;
     // the linear case's Newton from the left end is monotone and needs no such guard.
