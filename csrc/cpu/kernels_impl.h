@@ -34,11 +34,13 @@ constexpr int64_t kMapGrain = 32768;
 // plus that of a plain read).
 constexpr int64_t kPrefetchBytes = 4096;
 
-// Asks for the cache lines of [p, p + bytes) (clipped to end) without waiting for them.
+// Asks, without waiting, for the cache lines of the `count` elements that lie kPrefetchBytes ahead of x + i,
+// clipped to x + limit.
 template <typename scalar_t>
-inline void prefetch(const scalar_t* p, int64_t bytes, const scalar_t* end) {
-  const char* first = reinterpret_cast<const char*>(p);
-  const char* last = std::min(first + bytes, reinterpret_cast<const char*>(end));
+inline void prefetch_ahead(const scalar_t* x, int64_t i, int64_t count, int64_t limit) {
+  constexpr int64_t kAhead = kPrefetchBytes / int64_t(sizeof(scalar_t));
+  const char* first = reinterpret_cast<const char*>(x + i + kAhead);
+  const char* last = std::min(first + count * int64_t(sizeof(scalar_t)), reinterpret_cast<const char*>(x + limit));
   for (const char* line = first; line < last; line += 64) __builtin_prefetch(line, 0, 3);
 }
 
@@ -164,8 +166,7 @@ std::array<double, 3> reduce_terms(const scalar_t* x, int64_t n, const Div& div,
       Acc chunk(zero);
       for (int64_t block = begin; block < end; block += kBlock) {
         const int64_t block_end = std::min(end, block + kBlock);
-        // One block's worth of lines, kPrefetchBytes ahead (a fixed distance in blocks of kBlock elements).
-        prefetch(x + block + kPrefetchBytes / int64_t(sizeof(scalar_t)), kBlock * int64_t(sizeof(scalar_t)), x + n);
+        prefetch_ahead(x, block, kBlock, n);
         chunk.add(accumulate_block<Acc>(x, block, block_end, div, shift, inv_lam));
       }
       partial[c] = {horizontal_sum(chunk.a), horizontal_sum(chunk.b), horizontal_sum(chunk.c)};
@@ -201,7 +202,6 @@ void map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affi
     const scalar_t* const x_v = x;
     scalar_t* const out_v = out;
     auto term = [&](const V& xs) { return mult_v * derivative<ORDER>(div_v, (xs - shift_v) * inv_lam_v); };
-    constexpr int64_t kPrefetchAhead = kPrefetchBytes / int64_t(sizeof(scalar_t));
     int64_t i = begin;
 #if defined(DRO_EXT_SIMD_FLOAT)
     if constexpr (std::is_same_v<scalar_t, acc_t>) {
@@ -212,7 +212,7 @@ void map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affi
         const int64_t head = std::min<int64_t>(end - i, (kAlign - misalignment) % kAlign / sizeof(scalar_t));
         if (head > 0) store<acc_t>(out_v + i, term(load<acc_t>(x_v + i, head)), head);
         for (i += head; i + V::size() <= end; i += V::size()) {
-          prefetch(x_v + i + kPrefetchAhead, V::size() * int64_t(sizeof(scalar_t)), x_v + end);
+          prefetch_ahead(x_v, i, V::size(), end);
           cpu::simd::stream(out_v + i, term(V::loadu(x_v + i)));
         }
         _mm_sfence();  // streaming stores are weakly ordered: make them visible before the task ends
@@ -220,7 +220,7 @@ void map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affi
     }
 #endif
     for (; i + V::size() <= end; i += V::size()) {
-      prefetch(x_v + i + kPrefetchAhead, V::size() * int64_t(sizeof(scalar_t)), x_v + end);
+      prefetch_ahead(x_v, i, V::size(), end);
       store<acc_t>(out_v + i, term(load<acc_t>(x_v + i, V::size())), V::size());
     }
     if (i < end) store<acc_t>(out_v + i, term(load<acc_t>(x_v + i, end - i)), end - i);
@@ -263,7 +263,7 @@ std::array<double, 3> reduce_coarse(const scalar_t* x, int64_t n, const Div& div
       bool previous_was_erm = false;  // reset per chunk: the sums must not depend on the thread count
       for (int64_t block = begin; block < end; block += kBlock) {
         const int64_t block_end = std::min(end, block + kBlock);
-        prefetch(x + block + kPrefetchBytes / int64_t(sizeof(scalar_t)), kBlock * int64_t(sizeof(scalar_t)), x + n);
+        prefetch_ahead(x, block, kBlock, n);
         const acc_t count = static_cast<acc_t>(block_end - block);
         acc_t sum_t, sum_neg_abs_t, coarse_first = 0, coarse_second = 0;
         if (previous_was_erm) {
