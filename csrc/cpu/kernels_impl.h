@@ -121,8 +121,13 @@ struct Accumulator {
 // memory, which chains every vector through a store and a reload. The accumulators, the constants and the
 // functor are locals of this function for the same reason: held through a reference, the compiler keeps
 // them in memory (a store to them might change what x points to, as far as it knows).
+//
+// A pass that streams x from memory gives prefetch_limit = n: each step asks for the lines kPrefetchBytes
+// ahead of it, a line or two at a time. (Asking for a whole block's 32 lines at its start stalled the loop:
+// software prefetches that miss wait for a free fill buffer, of which a core has about 16; perf put a third
+// of smoothed_cvar's forward at N = 2^24 on that burst.) A second pass over a block already in L1 gives 0.
 template <typename Acc, typename acc_t, typename scalar_t, typename Div>
-inline Acc accumulate_block(const scalar_t* x, int64_t begin, int64_t end, const Div& div_in,
+inline Acc accumulate_block(const scalar_t* x, int64_t begin, int64_t end, int64_t prefetch_limit, const Div& div_in,
                             const Vectorized<acc_t>& shift_in, const Vectorized<acc_t>& inv_lam_in) {
   using V = Vectorized<acc_t>;
   const V zero(acc_t(0));
@@ -131,6 +136,7 @@ inline Acc accumulate_block(const scalar_t* x, int64_t begin, int64_t end, const
   Acc sums(zero);
   int64_t i = begin;
   for (; i + 2 * V::size() <= end; i += 2 * V::size()) {
+    prefetch_ahead(x, i, 2 * V::size(), prefetch_limit);
     const V x1 = load<acc_t>(x + i, V::size());
     const V x2 = load<acc_t>(x + i + V::size(), V::size());
     sums.add_pair(div, x1, (x1 - shift) * inv_lam, x2, (x2 - shift) * inv_lam);
@@ -166,8 +172,7 @@ std::array<double, 3> reduce_terms(const scalar_t* x, int64_t n, const Div& div,
       Acc chunk(zero);
       for (int64_t block = begin; block < end; block += kBlock) {
         const int64_t block_end = std::min(end, block + kBlock);
-        prefetch_ahead(x, block, kBlock, n);
-        chunk.add(accumulate_block<Acc>(x, block, block_end, div, shift, inv_lam));
+        chunk.add(accumulate_block<Acc>(x, block, block_end, n, div, shift, inv_lam));
       }
       partial[c] = {horizontal_sum(chunk.a), horizontal_sum(chunk.b), horizontal_sum(chunk.c)};
     }
@@ -263,15 +268,14 @@ std::array<double, 3> reduce_coarse(const scalar_t* x, int64_t n, const Div& div
       bool previous_was_erm = false;  // reset per chunk: the sums must not depend on the thread count
       for (int64_t block = begin; block < end; block += kBlock) {
         const int64_t block_end = std::min(end, block + kBlock);
-        prefetch_ahead(x, block, kBlock, n);
         const acc_t count = static_cast<acc_t>(block_end - block);
         acc_t sum_t, sum_neg_abs_t, coarse_first = 0, coarse_second = 0;
         if (previous_was_erm) {
-          const Scan scan = accumulate_block<Scan>(x, block, block_end, div, shift, inv_lam);
+          const Scan scan = accumulate_block<Scan>(x, block, block_end, n, div, shift, inv_lam);
           sum_t = horizontal_sum(scan.a);
           sum_neg_abs_t = horizontal_sum(scan.b);
         } else {
-          const ScanAndCoarse sums = accumulate_block<ScanAndCoarse>(x, block, block_end, div, shift, inv_lam);
+          const ScanAndCoarse sums = accumulate_block<ScanAndCoarse>(x, block, block_end, n, div, shift, inv_lam);
           sum_t = horizontal_sum(sums.a);
           sum_neg_abs_t = horizontal_sum(sums.d);
           coarse_first = horizontal_sum(sums.b);
@@ -281,12 +285,12 @@ std::array<double, 3> reduce_coarse(const scalar_t* x, int64_t n, const Div& div
         // sum -|t| > -count: mean |t| < 1 (a NaN t takes the coarse terms, which are NaN as well).
         const bool erm = sum_neg_abs_t > -count;
         if (erm) {
-          const Accurate accurate = accumulate_block<Accurate>(x, block, block_end, div, shift, inv_lam);
+          const Accurate accurate = accumulate_block<Accurate>(x, block, block_end, 0, div, shift, inv_lam);
           chunk[1] += horizontal_sum(accurate.b);
           chunk[2] += horizontal_sum(accurate.c);
         } else {
           if (previous_was_erm) {
-            const Coarse sums = accumulate_block<Coarse>(x, block, block_end, div, shift, inv_lam);
+            const Coarse sums = accumulate_block<Coarse>(x, block, block_end, 0, div, shift, inv_lam);
             coarse_first = horizontal_sum(sums.b);
             coarse_second = horizontal_sum(sums.c);
           }
