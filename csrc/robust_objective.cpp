@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu/chunks.h"
 #include "cpu/kernels.h"
 
 namespace dro_ext {
@@ -45,8 +46,11 @@ namespace dro_ext {
 namespace {
 
 constexpr int kMaxIterations = 100;
-// Fixed chunks for the float64 reductions below, so their results do not depend on the thread count.
-constexpr int64_t kChunk = 16384;
+// The float64 reductions below use the fixed chunks of cpu/chunks.h, so their results do not depend on the
+// thread count.
+using cpu::for_each_chunk;
+using cpu::kChunk;
+using cpu::map_chunks;
 
 struct Solution {
   double eta;
@@ -63,19 +67,14 @@ std::array<double, 2> sum_pairs(const at::Tensor& x, F f) {
   std::array<double, 2> total{0.0, 0.0};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_robust_sum", [&] {
     const scalar_t* data = x.const_data_ptr<scalar_t>();
-    const int64_t n = x.numel();
-    const int64_t num_chunks = (n + kChunk - 1) / kChunk;
-    std::vector<std::array<double, 2>> partial(num_chunks);
-    at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t c = begin; c < end; ++c) {
-        std::array<double, 2> s{0.0, 0.0};
-        for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) {
-          const auto v = f(static_cast<double>(data[i]));
-          s[0] += v[0];
-          s[1] += v[1];
-        }
-        partial[c] = s;
+    const auto partial = map_chunks<std::array<double, 2>>(x.numel(), [&](int64_t begin, int64_t end) {
+      std::array<double, 2> s{0.0, 0.0};
+      for (int64_t i = begin; i < end; ++i) {
+        const auto v = f(static_cast<double>(data[i]));
+        s[0] += v[0];
+        s[1] += v[1];
       }
+      return s;
     });
     for (const auto& s : partial) {
       total[0] += s[0];
@@ -177,40 +176,38 @@ TailSplit select_tail(const at::Tensor& x, int64_t j) {
   const double lower = rank + margin <= samples ? sample_rank(std::ceil(rank + margin)) : -kInf;
 
   // Pass 1, over fixed chunks: {sum above, count above, count inside} per chunk.
-  const int64_t num_chunks = (n + kChunk - 1) / kChunk;
-  std::vector<double> chunk_sum(num_chunks);
-  std::vector<int64_t> chunk_above(num_chunks), chunk_inside(num_chunks);
+  struct ChunkCounts {
+    double sum_above;
+    int64_t above;
+    int64_t inside;
+  };
+  std::vector<ChunkCounts> counts;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_cvar_count", [&] {
     const scalar_t* data = x.const_data_ptr<scalar_t>();
-    at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t c = begin; c < end; ++c) {
-        // The bounds are sample losses, so exactly representable in scalar_t: compare without converting.
-        const auto upper_s = static_cast<scalar_t>(upper), lower_s = static_cast<scalar_t>(lower);
-        // Four running sums, so consecutive losses do not wait on one addition's latency.
-        double sums[4] = {0.0, 0.0, 0.0, 0.0};
-        int64_t above = 0, inside = 0;
-        const int64_t first = c * kChunk, last = std::min(n, first + kChunk);
-        for (int64_t i = first; i < last; ++i) {
-          const scalar_t v = data[i];
-          const bool is_above = v > upper_s;
-          sums[i & 3] += is_above ? static_cast<double>(v) : 0.0;
-          above += is_above;
-          inside += !is_above && v >= lower_s;
-        }
-        chunk_sum[c] = (sums[0] + sums[1]) + (sums[2] + sums[3]);
-        chunk_above[c] = above;
-        chunk_inside[c] = inside;
+    // The bounds are sample losses, so exactly representable in scalar_t: compare without converting.
+    const auto upper_s = static_cast<scalar_t>(upper), lower_s = static_cast<scalar_t>(lower);
+    counts = map_chunks<ChunkCounts>(n, [&](int64_t begin, int64_t end) {
+      // Four running sums, so consecutive losses do not wait on one addition's latency.
+      double sums[4] = {0.0, 0.0, 0.0, 0.0};
+      int64_t above = 0, inside = 0;
+      for (int64_t i = begin; i < end; ++i) {
+        const scalar_t v = data[i];
+        const bool is_above = v > upper_s;
+        sums[i & 3] += is_above ? static_cast<double>(v) : 0.0;
+        above += is_above;
+        inside += !is_above && v >= lower_s;
       }
+      return ChunkCounts{(sums[0] + sums[1]) + (sums[2] + sums[3]), above, inside};
     });
   });
   TailSplit split{0.0, 0.0, 0};
   int64_t inside = 0;
-  std::vector<int64_t> offsets(num_chunks);
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    split.sum_above += chunk_sum[c];
-    split.count_above += chunk_above[c];
+  std::vector<int64_t> offsets(counts.size());
+  for (size_t c = 0; c < counts.size(); ++c) {
+    split.sum_above += counts[c].sum_above;
+    split.count_above += counts[c].above;
     offsets[c] = inside;
-    inside += chunk_inside[c];
+    inside += counts[c].inside;
   }
   if (!(split.count_above < j && j <= split.count_above + inside)) return select_tail_by_partition(x, j);
 
@@ -218,16 +215,13 @@ TailSplit select_tail(const at::Tensor& x, int64_t j) {
   std::vector<double> candidates(inside);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_cvar_gather", [&] {
     const scalar_t* data = x.const_data_ptr<scalar_t>();
-    at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t c = begin; c < end; ++c) {
-        double* out = candidates.data() + offsets[c];
-        const int64_t first = c * kChunk, last = std::min(n, first + kChunk);
-        // Compared in scalar_t, as in pass 1.
-        const auto upper_s = static_cast<scalar_t>(upper), lower_s = static_cast<scalar_t>(lower);
-        for (int64_t i = first; i < last; ++i) {
-          const scalar_t v = data[i];
-          if (v <= upper_s && v >= lower_s) *out++ = static_cast<double>(v);
-        }
+    // Compared in scalar_t, as in pass 1.
+    const auto upper_s = static_cast<scalar_t>(upper), lower_s = static_cast<scalar_t>(lower);
+    for_each_chunk(n, [&](int64_t c, int64_t begin, int64_t end) {
+      double* out = candidates.data() + offsets[c];
+      for (int64_t i = begin; i < end; ++i) {
+        const scalar_t v = data[i];
+        if (v <= upper_s && v >= lower_s) *out++ = static_cast<double>(v);
       }
     });
   });

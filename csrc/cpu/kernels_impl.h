@@ -12,6 +12,7 @@
 
 #include <vector>
 
+#include "cpu/chunks.h"
 #include "cpu/kernels.h"
 #include "cpu/vector_io.h"
 #include "cpu/vectorized_math.h"
@@ -21,9 +22,8 @@ namespace {
 
 using at::vec::Vectorized;
 
-// Reductions are cut into chunks of this many elements, independent of the thread count, so that the
-// result is bitwise repeatable; each chunk is summed in blocks to keep the float32 rounding error small.
-constexpr int64_t kChunk = 16384;
+// Each chunk of a reduction (cpu/chunks.h) is summed in blocks of this many elements, to keep the float32
+// rounding error small.
 constexpr int64_t kBlock = 512;
 // Elementwise maps hand out this many elements per task.
 constexpr int64_t kMapGrain = 32768;
@@ -154,6 +154,18 @@ inline Acc accumulate_block(const scalar_t* x, int64_t begin, int64_t end, int64
   return sums;
 }
 
+// The per-chunk sums added up in chunk order, in acc_t (as each chunk was summed), returned in float64.
+template <typename acc_t>
+std::array<double, 3> sum_chunks(const std::vector<std::array<acc_t, 3>>& partial) {
+  std::array<double, 3> total{0.0, 0.0, 0.0};
+  for (size_t j = 0; j < 3; ++j) {
+    acc_t s = 0;
+    for (const auto& p : partial) s += p[j];
+    total[j] = static_cast<double>(s);
+  }
+  return total;
+}
+
 // {sum_i A, sum_i B, sum_i C} over the first n elements of x, in one pass (the terms of one element share
 // their subexpressions once inlined: kl's excess and excess_first one expm1).
 template <typename scalar_t, typename Div, Term A, Term B, Term C = Term::None>
@@ -164,26 +176,14 @@ std::array<double, 3> reduce_terms(const scalar_t* x, int64_t n, const Div& div,
   const V shift(static_cast<acc_t>(affine.shift));
   const V inv_lam(static_cast<acc_t>(affine.inv_lam));
   const V zero(acc_t(0));
-  const int64_t num_chunks = (n + kChunk - 1) / kChunk;
-  std::vector<std::array<acc_t, 3>> partial(num_chunks);
-  at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
-      const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
-      Acc chunk(zero);
-      for (int64_t block = begin; block < end; block += kBlock) {
-        const int64_t block_end = std::min(end, block + kBlock);
-        chunk.add(accumulate_block<Acc>(x, block, block_end, n, div, shift, inv_lam));
-      }
-      partial[c] = {horizontal_sum(chunk.a), horizontal_sum(chunk.b), horizontal_sum(chunk.c)};
+  return sum_chunks(map_chunks<std::array<acc_t, 3>>(n, [&](int64_t begin, int64_t end) {
+    Acc chunk(zero);
+    for (int64_t block = begin; block < end; block += kBlock) {
+      const int64_t block_end = std::min(end, block + kBlock);
+      chunk.add(accumulate_block<Acc>(x, block, block_end, n, div, shift, inv_lam));
     }
-  });
-  std::array<double, 3> total{0.0, 0.0, 0.0};
-  for (size_t j = 0; j < 3; ++j) {
-    acc_t s = 0;
-    for (int64_t c = 0; c < num_chunks; ++c) s += partial[c][j];
-    total[j] = static_cast<double>(s);
-  }
-  return total;
+    return std::array<acc_t, 3>{horizontal_sum(chunk.a), horizontal_sum(chunk.b), horizontal_sum(chunk.c)};
+  }));
 }
 
 // Outputs at least this large go around the cache: they will not be read back before they are evicted,
@@ -258,56 +258,45 @@ std::array<double, 3> reduce_coarse(const scalar_t* x, int64_t n, const Div& div
   using Accurate = Accumulator<V, Term::None, kAccurateFirst, Term::ExcessFirst>;
   const V shift(static_cast<acc_t>(affine.shift));
   const V inv_lam(static_cast<acc_t>(affine.inv_lam));
-  const int64_t num_chunks = (n + kChunk - 1) / kChunk;
-  std::vector<std::array<acc_t, 3>> partial(num_chunks);
-  at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
-      const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
-      // Loss: {sum t, sum excess, sum excess_first}; Newton: {unused, sum second, sum excess_first}.
-      std::array<acc_t, 3> chunk{0, 0, 0};
-      bool previous_was_erm = false;  // reset per chunk: the sums must not depend on the thread count
-      for (int64_t block = begin; block < end; block += kBlock) {
-        const int64_t block_end = std::min(end, block + kBlock);
-        const acc_t count = static_cast<acc_t>(block_end - block);
-        acc_t sum_t, sum_neg_abs_t, coarse_first = 0, coarse_second = 0;
+  const std::array<double, 3> total = sum_chunks(map_chunks<std::array<acc_t, 3>>(n, [&](int64_t begin, int64_t end) {
+    // Loss: {sum t, sum excess, sum excess_first}; Newton: {unused, sum second, sum excess_first}.
+    std::array<acc_t, 3> chunk{0, 0, 0};
+    bool previous_was_erm = false;  // reset per chunk: the sums must not depend on the thread count
+    for (int64_t block = begin; block < end; block += kBlock) {
+      const int64_t block_end = std::min(end, block + kBlock);
+      const acc_t count = static_cast<acc_t>(block_end - block);
+      acc_t sum_t, sum_neg_abs_t, coarse_first = 0, coarse_second = 0;
+      if (previous_was_erm) {
+        const Scan scan = accumulate_block<Scan>(x, block, block_end, n, div, shift, inv_lam);
+        sum_t = horizontal_sum(scan.a);
+        sum_neg_abs_t = horizontal_sum(scan.b);
+      } else {
+        const ScanAndCoarse sums = accumulate_block<ScanAndCoarse>(x, block, block_end, n, div, shift, inv_lam);
+        sum_t = horizontal_sum(sums.a);
+        sum_neg_abs_t = horizontal_sum(sums.d);
+        coarse_first = horizontal_sum(sums.b);
+        coarse_second = horizontal_sum(sums.c);
+      }
+      chunk[0] += kNewton ? acc_t(0) : sum_t;
+      // sum -|t| > -count: mean |t| < 1 (a NaN t takes the coarse terms, which are NaN as well).
+      const bool erm = sum_neg_abs_t > -count;
+      if (erm) {
+        const Accurate accurate = accumulate_block<Accurate>(x, block, block_end, 0, div, shift, inv_lam);
+        chunk[1] += horizontal_sum(accurate.b);
+        chunk[2] += horizontal_sum(accurate.c);
+      } else {
         if (previous_was_erm) {
-          const Scan scan = accumulate_block<Scan>(x, block, block_end, n, div, shift, inv_lam);
-          sum_t = horizontal_sum(scan.a);
-          sum_neg_abs_t = horizontal_sum(scan.b);
-        } else {
-          const ScanAndCoarse sums = accumulate_block<ScanAndCoarse>(x, block, block_end, n, div, shift, inv_lam);
-          sum_t = horizontal_sum(sums.a);
-          sum_neg_abs_t = horizontal_sum(sums.d);
+          const Coarse sums = accumulate_block<Coarse>(x, block, block_end, 0, div, shift, inv_lam);
           coarse_first = horizontal_sum(sums.b);
           coarse_second = horizontal_sum(sums.c);
         }
-        chunk[0] += kNewton ? acc_t(0) : sum_t;
-        // sum -|t| > -count: mean |t| < 1 (a NaN t takes the coarse terms, which are NaN as well).
-        const bool erm = sum_neg_abs_t > -count;
-        if (erm) {
-          const Accurate accurate = accumulate_block<Accurate>(x, block, block_end, 0, div, shift, inv_lam);
-          chunk[1] += horizontal_sum(accurate.b);
-          chunk[2] += horizontal_sum(accurate.c);
-        } else {
-          if (previous_was_erm) {
-            const Coarse sums = accumulate_block<Coarse>(x, block, block_end, 0, div, shift, inv_lam);
-            coarse_first = horizontal_sum(sums.b);
-            coarse_second = horizontal_sum(sums.c);
-          }
-          chunk[1] += kNewton ? coarse_first : coarse_first - sum_t;
-          chunk[2] += coarse_second - count;
-        }
-        previous_was_erm = erm;
+        chunk[1] += kNewton ? coarse_first : coarse_first - sum_t;
+        chunk[2] += coarse_second - count;
       }
-      partial[c] = chunk;
+      previous_was_erm = erm;
     }
-  });
-  std::array<double, 3> total{0.0, 0.0, 0.0};
-  for (size_t j = 0; j < 3; ++j) {
-    acc_t s = 0;
-    for (int64_t c = 0; c < num_chunks; ++c) s += partial[c][j];
-    total[j] = static_cast<double>(s);
-  }
+    return chunk;
+  }));
   if constexpr (kNewton) return {total[2], total[1], 0.0};
   return total;
 }
@@ -366,33 +355,27 @@ std::array<double, 2> min_max_typed(const at::Tensor& x) {
   using acc_t = at::opmath_type<scalar_t>;
   using V = Vectorized<acc_t>;
   const scalar_t* data = x.const_data_ptr<scalar_t>();
-  const int64_t n = x.numel();
-  const int64_t num_chunks = (n + kChunk - 1) / kChunk;
-  std::vector<std::array<acc_t, 2>> partial(num_chunks);
-  at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
-      const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
-      const acc_t inf = std::numeric_limits<acc_t>::infinity();
-      V lo(inf), hi(-inf);
-      int64_t i = begin;
-      // minimum/maximum propagate NaN, so a NaN anywhere makes both results NaN.
-      for (; i + V::size() <= end; i += V::size()) {
-        const V v = load<acc_t>(data + i, V::size());
-        lo = at::vec::minimum(lo, v);
-        hi = at::vec::maximum(hi, v);
-      }
-      alignas(64) acc_t lanes_lo[V::size()], lanes_hi[V::size()];
-      lo.store(lanes_lo);
-      hi.store(lanes_hi);
-      acc_t low = inf, high = -inf;
-      const auto fold = [&](acc_t a, acc_t b) {  // keeps a NaN once it has one
-        low = (std::isnan(a) || a < low) ? a : low;
-        high = (std::isnan(b) || b > high) ? b : high;
-      };
-      for (int64_t l = 0; l < V::size(); ++l) fold(lanes_lo[l], lanes_hi[l]);
-      for (; i < end; ++i) fold(static_cast<acc_t>(data[i]), static_cast<acc_t>(data[i]));
-      partial[c] = {low, high};
+  const auto partial = map_chunks<std::array<acc_t, 2>>(x.numel(), [&](int64_t begin, int64_t end) {
+    const acc_t inf = std::numeric_limits<acc_t>::infinity();
+    V lo(inf), hi(-inf);
+    int64_t i = begin;
+    // minimum/maximum propagate NaN, so a NaN anywhere makes both results NaN.
+    for (; i + V::size() <= end; i += V::size()) {
+      const V v = load<acc_t>(data + i, V::size());
+      lo = at::vec::minimum(lo, v);
+      hi = at::vec::maximum(hi, v);
     }
+    alignas(64) acc_t lanes_lo[V::size()], lanes_hi[V::size()];
+    lo.store(lanes_lo);
+    hi.store(lanes_hi);
+    acc_t low = inf, high = -inf;
+    const auto fold = [&](acc_t a, acc_t b) {  // keeps a NaN once it has one
+      low = (std::isnan(a) || a < low) ? a : low;
+      high = (std::isnan(b) || b > high) ? b : high;
+    };
+    for (int64_t l = 0; l < V::size(); ++l) fold(lanes_lo[l], lanes_hi[l]);
+    for (; i < end; ++i) fold(static_cast<acc_t>(data[i]), static_cast<acc_t>(data[i]));
+    return std::array<acc_t, 2>{low, high};
   });
   double low = std::numeric_limits<double>::infinity(), high = -low;
   for (const auto& p : partial) {
@@ -425,39 +408,33 @@ std::array<double, 2> sum_above_typed(const at::Tensor& x, double cut_d) {
   using acc_t = at::opmath_type<scalar_t>;
   using V = Vectorized<acc_t>;
   const scalar_t* data = x.const_data_ptr<scalar_t>();
-  const int64_t n = x.numel();
-  const int64_t num_chunks = (n + kChunk - 1) / kChunk;
-  std::vector<std::array<double, 2>> partial(num_chunks);
-  at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    // x_i (exact in acc_t) > cut_d  <=>  x_i > cut for cut = cut_d rounded down to acc_t.
-    acc_t cut = static_cast<acc_t>(cut_d);
-    if (static_cast<double>(cut) > cut_d) cut = std::nextafter(cut, -std::numeric_limits<acc_t>::infinity());
+  // x_i (exact in acc_t) > cut_d  <=>  x_i > cut for cut = cut_d rounded down to acc_t.
+  acc_t cut = static_cast<acc_t>(cut_d);
+  if (static_cast<double>(cut) > cut_d) cut = std::nextafter(cut, -std::numeric_limits<acc_t>::infinity());
+  const auto partial = map_chunks<std::array<double, 2>>(x.numel(), [&](int64_t begin, int64_t end) {
     const V cut_v(cut), zero(acc_t(0)), one(acc_t(1));
-    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
-      const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
-      double sum = 0.0, count = 0.0;
-      for (int64_t block = begin; block < end; block += kSumAboveBlock) {
-        const int64_t block_end = std::min(end, block + kSumAboveBlock);
-        V block_sum(zero), block_count(zero);
-        int64_t i = block;
-        for (; i + V::size() <= block_end; i += V::size()) {
-          const V v = load<acc_t>(data + i, V::size());
-          const V above = v > cut_v;
-          block_sum = block_sum + V::blendv(zero, v, above);
-          block_count = block_count + V::blendv(zero, one, above);
-        }
-        sum += static_cast<double>(horizontal_sum(block_sum));
-        count += static_cast<double>(horizontal_sum(block_count));
-        for (; i < block_end; ++i) {
-          const acc_t v = static_cast<acc_t>(data[i]);
-          if (v > cut) {
-            sum += static_cast<double>(v);
-            count += 1.0;
-          }
+    double sum = 0.0, count = 0.0;
+    for (int64_t block = begin; block < end; block += kSumAboveBlock) {
+      const int64_t block_end = std::min(end, block + kSumAboveBlock);
+      V block_sum(zero), block_count(zero);
+      int64_t i = block;
+      for (; i + V::size() <= block_end; i += V::size()) {
+        const V v = load<acc_t>(data + i, V::size());
+        const V above = v > cut_v;
+        block_sum = block_sum + V::blendv(zero, v, above);
+        block_count = block_count + V::blendv(zero, one, above);
+      }
+      sum += static_cast<double>(horizontal_sum(block_sum));
+      count += static_cast<double>(horizontal_sum(block_count));
+      for (; i < block_end; ++i) {
+        const acc_t v = static_cast<acc_t>(data[i]);
+        if (v > cut) {
+          sum += static_cast<double>(v);
+          count += 1.0;
         }
       }
-      partial[c] = {sum, count};
     }
+    return std::array<double, 2>{sum, count};
   });
   std::array<double, 2> total{0.0, 0.0};
   for (const auto& p : partial) {

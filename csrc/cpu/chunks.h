@@ -1,0 +1,34 @@
+// The fixed cut of a reduction into chunks, shared by every CPU reduction (kernels_impl.h, the robust solvers).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace dro_ext::cpu {
+
+// Reductions are cut into chunks of this many elements, independent of the thread count, so that the
+// result is bitwise repeatable; each chunk is summed in blocks to keep the float32 rounding error small.
+constexpr int64_t kChunk = 16384;
+
+// f(c, begin, end) for every chunk c = [begin, end) of [0, n), on the thread pool.
+template <typename F>
+void for_each_chunk(int64_t n, const F& f) {
+  const int64_t num_chunks = (n + kChunk - 1) / kChunk;
+  at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    for (int64_t c = chunk_begin; c < chunk_end; ++c) f(c, c * kChunk, std::min(n, (c + 1) * kChunk));
+  });
+}
+
+// chunk_result(begin, end) for every chunk [begin, end) of [0, n), in chunk order: the caller combines them
+// in that order, whichever thread computed which.
+template <typename Result, typename F>
+std::vector<Result> map_chunks(int64_t n, const F& chunk_result) {
+  std::vector<Result> results((n + kChunk - 1) / kChunk);
+  for_each_chunk(n, [&](int64_t c, int64_t begin, int64_t end) { results[c] = chunk_result(begin, end); });
+  return results;
+}
+
+}  // namespace dro_ext::cpu
