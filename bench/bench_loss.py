@@ -18,9 +18,9 @@ import math
 import torch
 
 import dro_ext
-from bench.common import (CASES, Timer, add_common_arguments, case_label, check_device, console_table, copy_pair,
-                          cuda_peak_bytes, device_info, interleaved_rounds, loadavg, markdown_table, progress,
-                          result_name, saved_tensor_bytes, select_cases, write_report)
+from bench.common import (add_common_arguments, case_label, CASES, check_device, copy_pair, cuda_peak_bytes,
+                          device_info, interleaved_rounds, loadavg, progress, publish, result_name,
+                          saved_tensor_bytes, select_cases, Timer)
 
 LAM = 0.5
 BYTES_PER_SAMPLE = 12  # float32: read l forward, read l + write grad_l backward
@@ -168,14 +168,8 @@ def main(argv=None) -> dict:
     rows = bench(device, sizes, select_cases(args.divergences), rounds=rounds, min_seconds=min_seconds,
                  dynamic=args.quick)
     name = result_name(args.name, info)
-    paths = write_report(args.out, name, rows, markdown_table(HEADER, table_rows(rows)) + "\n\n" + NOTE, info,
-                          load=(load_before, loadavg()), note=args.note, settings=settings)
-    if not args.no_plot:
-        from bench.plots import plot_loss
-        paths["png"] = plot_loss(rows, paths["md"][:-3] + ".png", title=f"{name}: {info.get('card', info['host_cpu'])}")
-    print(console_table(HEADER, table_rows(rows)))
-    progress(f"[loss] wrote {', '.join(paths.values())}")
-    return paths
+    return publish(args, "loss", name, rows, HEADER, table_rows(rows), info, load_before=load_before,
+                   settings=settings, after="\n\n" + NOTE, plot="plot_loss")
 
 
 if __name__ == "__main__":

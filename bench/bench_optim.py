@@ -16,8 +16,8 @@ import argparse
 
 import torch
 
-from bench.common import (Timer, add_common_arguments, check_device, console_table, copy_pair, cuda_peak_bytes,
-                          device_info, loadavg, markdown_table, progress, result_name, summarize, write_report)
+from bench.common import (add_common_arguments, check_device, copy_pair, cuda_peak_bytes, device_info, loadavg,
+                          progress, publish, result_name, summarize, Timer)
 from dro_ext import _backend
 from dro_ext.optim import _FUSED_DEVICE_TYPES, NormalizedSGD
 
@@ -229,15 +229,8 @@ def main(argv=None) -> dict:
             + "".join(f" {n}." for n in notes))
     name = result_name(args.name, info)
     settings = {"rounds": [s[2] for s in sizes], "threads": threads_list, "quick": args.quick}
-    paths = write_report(args.out, name, rows, markdown_table(HEADER, table_rows(rows)) + "\n\n" + note, info,
-                          load=(load_before, loadavg()), note=args.note, settings=settings)
-    if not args.no_plot:
-        from bench.plots import plot_optim
-        paths["png"] = plot_optim(rows, paths["md"][:-3] + ".png",
-                                  title=f"{name}: {info.get('card', info['host_cpu'])}")
-    print(console_table(HEADER, table_rows(rows)))
-    progress(f"[optim] wrote {', '.join(paths.values())}")
-    return paths
+    return publish(args, "optim", name, rows, HEADER, table_rows(rows), info, load_before=load_before,
+                   settings=settings, after="\n\n" + note, plot="plot_optim")
 
 
 if __name__ == "__main__":

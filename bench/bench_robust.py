@@ -30,9 +30,8 @@ from scipy import optimize, special
 import dro_ext
 from bench.bench_loss import eager_psi_star
 from bench import fast_dro_peer
-from bench.common import (CASES, Timer, add_common_arguments, case_label, check_device, console_table,
-                          device_info, interleaved_rounds, loadavg, markdown_table, progress, result_name,
-                          select_cases, write_report)
+from bench.common import (add_common_arguments, case_label, CASES, check_device, device_info, interleaved_rounds,
+                          loadavg, progress, publish, result_name, select_cases, Timer)
 
 LAM = 0.1
 FULL_SIZES = (1 << 16, 1 << 22)
@@ -238,16 +237,9 @@ def main(argv=None) -> dict:
     name = result_name(args.name, info)
     settings = {"sizes": list(sizes), "rounds": rounds, "min_seconds": min_seconds, "quick": args.quick,
                 "backend": dro_ext.backend(), "fast_dro": fast_dro_path}
-    body = NOTE + " " + peer_note + "\n\n" + markdown_table(HEADER, table_rows(rows))
-    paths = write_report(args.out, name, rows, body, info,
-                          load=(load_before, loadavg()), note=args.note, settings=settings)
-    if not args.no_plot:
-        from bench.plots import plot_robust
-        paths["png"] = plot_robust(rows, paths["md"][:-3] + ".png",
-                                   title=f"{name}: {info.get('card', info['host_cpu'])}, robust_objective vs peers")
-    print(console_table(HEADER, table_rows(rows)))
-    progress(f"[robust] wrote {', '.join(paths.values())}")
-    return paths
+    return publish(args, "robust", name, rows, HEADER, table_rows(rows), info, load_before=load_before,
+                   settings=settings, before=NOTE + " " + peer_note + "\n\n", plot="plot_robust",
+                   plot_title="robust_objective vs peers")
 
 
 if __name__ == "__main__":

@@ -303,6 +303,23 @@ def write_report(out_dir: str, name: str, rows: list[dict], table_md: str, info:
     return {"json": base + ".json", "csv": base + ".csv", "md": base + ".md"}
 
 
+def publish(args, tag: str, name: str, rows: list[dict], header: list[str], table: list[list], info: dict, *,
+            load_before, settings: dict, before: str = "", after: str = "", plot: str | None = None,
+            plot_title: str = "") -> dict[str, str]:
+    """The end of every benchmark: its report (write_report, the markdown table between `before` and `after`),
+    its plot (bench.plots.<plot>, unless --no-plot), its console table and a progress line; returns the paths."""
+    paths = write_report(args.out, name, rows, before + markdown_table(header, table) + after, info,
+                         load=(load_before, loadavg()), note=args.note, settings=settings)
+    if plot and not args.no_plot:
+        from bench import plots  # matplotlib only when plotting
+
+        title = f"{name}: {info.get('card', info['host_cpu'])}" + (f", {plot_title}" if plot_title else "")
+        paths["png"] = getattr(plots, plot)(rows, paths["md"][:-3] + ".png", title=title)
+    print(console_table(header, table))
+    progress(f"[{tag}] wrote {', '.join(paths.values())}")
+    return paths
+
+
 # ---------------------------------------------------------------------------------------------------
 # Tables and progress
 # ---------------------------------------------------------------------------------------------------
