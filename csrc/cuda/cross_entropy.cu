@@ -111,8 +111,10 @@ __device__ __forceinline__ void row_logsumexp(const scalar_t* row, int64_t num_c
     if (x > mine.max) {
       mine.sum = mine.sum * ::exp(mine.max - x) + acc_t(1);
       mine.max = x;
-    } else {
-      mine.sum += ::exp(x - mine.max);  // a NaN x makes the sum NaN
+    } else if (x != -std::numeric_limits<acc_t>::infinity()) {
+      // A NaN x makes the sum NaN. A -inf x (a masked logit) adds exp(-inf) = 0, so it is skipped: while this
+      // thread has seen only -inf, x - max would be -inf - -inf = NaN and turn a finite row's loss into NaN.
+      mine.sum += ::exp(x - mine.max);
     }
     row_sum += x;
   }

@@ -1,5 +1,6 @@
-"""pytest plugin (-p emulated_kernel): registers the emulated CUDA kernel as dro_ext's CPU kernel of
-normalized_sgd_step_, so the CPU tests run the CUDA kernel's code. Set by emulate.py."""
+"""pytest plugin (-p emulated_kernel): loads the library of one emulated .cu file (DRO_EXT_EMULATED_KERNEL, set by
+emulate.py), whose kernels register as dro_ext's CPU kernels of that file's ops, so the CPU tests run the CUDA
+kernels' code."""
 import os
 import warnings
 

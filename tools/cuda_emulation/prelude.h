@@ -1,33 +1,140 @@
 #pragma once
-// CUDA's execution model, as much of it as csrc/cuda/normalized_sgd.cu uses, on the CPU (see emulate.py):
-// a launch runs its blocks one after another, each on 512 std::threads that meet at a std::barrier for
+// CUDA's execution model, as much of it as csrc/cuda/*.cu use, on the CPU (see emulate.py). A launch
+// emulate_launch(kernel, grid, block, args...) runs its blocks one after another, each on `block` std::threads
+// (the block size of that launch: blockDim and gridDim are set per launch) that meet at a std::barrier for
 // every __syncthreads() and at the end of the block; __shared__ variables are statics (one block at a time).
+// A thread that returns early drops out of the block's __syncthreads barrier, as an exited CUDA thread does.
+// A device-side assert (CUDA_KERNEL_ASSERT) or an exception in a thread ends the launch with an error after
+// the block, where CUDA would poison the context: the op raises it on the host instead.
+#include <atomic>
 #include <barrier>
+#include <chrono>
+#include <cstdlib>
+#include <functional>
+#include <random>
 #include <cmath>
-#include <thread>
-#include <vector>
+#include <math.h>  // the float overloads of ::exp, ::log, ... in the global namespace, as CUDA's headers have
 #include <cstdint>
-struct dim3 { unsigned x = 0, y = 0, z = 0; };
-inline thread_local dim3 threadIdx, blockIdx;
-inline std::barrier<>* emu_barrier = nullptr;
-inline void __syncthreads() { emu_barrier->arrive_and_wait(); }
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  dim3() = default;
+  dim3(unsigned x_, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+inline thread_local dim3 threadIdx{0, 0, 0}, blockIdx{0, 0, 0};
+inline dim3 blockDim{0, 0, 0}, gridDim{0, 0, 0};  // one launch at a time
+
+// The generation of the block's __syncthreads barrier: bumped by the barrier's completion, so that every
+// thread reads the same value between two barriers (the BlockReduce shim uses it to catch a TempStorage
+// reused without a __syncthreads in between).
+inline std::atomic<unsigned long> emu_generation{0};
+struct EmuBump {
+  void operator()() noexcept { emu_generation.fetch_add(1, std::memory_order_relaxed); }
+};
+inline std::optional<std::barrier<EmuBump>> emu_sync;  // the current block's __syncthreads barrier
+
+// DRO_EXT_EMULATION_CHAOS=1: each thread sleeps a random 0-63 us before and after every __syncthreads and at the
+// start of each block, so that the threads of a block interleave differently from run to run: a read of shared
+// or global memory that only a missing barrier orders then fails more often than by the scheduler's chance.
+inline const bool emu_chaos = [] {
+  const char* v = std::getenv("DRO_EXT_EMULATION_CHAOS");
+  return v != nullptr && v[0] != '\0' && v[0] != '0';
+}();
+inline void emu_jitter() {
+  if (!emu_chaos) return;
+  thread_local std::minstd_rand rng(std::hash<std::thread::id>{}(std::this_thread::get_id()));
+  std::this_thread::sleep_for(std::chrono::microseconds(rng() % 64));
+}
+inline void __syncthreads() {
+  emu_jitter();
+  emu_sync->arrive_and_wait();
+  emu_jitter();
+}
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+
 #define __global__
 #define __device__
+#define __host__
 #define __forceinline__ inline
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
 #define __shared__ static
+
+// Device intrinsics the kernels use.
+template <typename T>
+T atomicAdd(T* address, T v) {
+  static_assert(std::is_integral_v<T>, "emulated atomicAdd: integers only (the kernels use no float atomics)");
+  return std::atomic_ref<T>(*address).fetch_add(v);
+}
+template <typename T>
+T __ldcg(const T* p) { return *p; }
+
+struct EmuDeviceAssert : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+#define EMU_KERNEL_ASSERT(cond)                                                                                \
+  do {                                                                                                         \
+    if (!(cond)) {                                                                                             \
+      throw EmuDeviceAssert(std::string("emulated device-side assert triggered: ") + #cond + " (block " +    \
+                            std::to_string(blockIdx.x) + ", thread " + std::to_string(threadIdx.x) + ")");     \
+    }                                                                                                          \
+  } while (0)
+
+using std::isfinite;
+using std::isinf;
 using std::isnan;
 using std::sqrt;
-template <typename K, typename... A>
-void emulate_launch(K kernel, unsigned grid, A... args) {
-  constexpr int N = 512;  // the kernels' kThreads
-  std::barrier<> bar(N);
-  emu_barrier = &bar;
-  std::vector<std::thread> threads;
-  for (int t = 0; t < N; ++t) threads.emplace_back([&, t] {
-    threadIdx.x = t;
-    for (unsigned b = 0; b < grid; ++b) { blockIdx.x = b; kernel(args...); bar.arrive_and_wait(); }
-  });
-  for (auto& th : threads) th.join();
-  emu_barrier = nullptr;
+
+struct EmuBlockEnd {
+  unsigned* block;
+  unsigned threads;
+  void operator()() noexcept {
+    ++*block;
+    emu_sync.emplace(threads, EmuBump{});  // a fresh barrier: threads that returned early dropped out of the old
+  }
+};
+
+template <typename K, typename G, typename B, typename... A>
+void emulate_launch(K kernel, G grid_arg, B block_arg, A... args) {
+  const long long grid_ll = static_cast<long long>(grid_arg), block_ll = static_cast<long long>(block_arg);
+  if (grid_ll < 1 || grid_ll > 0x7fffffffLL) throw std::runtime_error("emulated launch: invalid grid size " + std::to_string(grid_ll));
+  if (block_ll < 1 || block_ll > 1024) throw std::runtime_error("emulated launch: invalid block size " + std::to_string(block_ll));
+  const unsigned grid = static_cast<unsigned>(grid_ll), threads = static_cast<unsigned>(block_ll);
+  blockDim = dim3(threads);
+  gridDim = dim3(grid);
+  unsigned block = 0;
+  emu_sync.emplace(threads, EmuBump{});
+  std::barrier<EmuBlockEnd> end(threads, EmuBlockEnd{&block, threads});
+  std::mutex error_mutex;
+  std::exception_ptr error;
+  auto body = [&](unsigned t) {
+    threadIdx = dim3(t, 0, 0);
+    while (block < grid) {  // block is only written by the end barrier's completion
+      blockIdx = dim3(block, 0, 0);
+      try {
+        emu_jitter();
+        kernel(args...);  // each thread gets its own copies of the arguments, as on the device
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mutex);
+        if (!error) error = std::current_exception();
+      }
+      emu_sync->arrive_and_drop();
+      end.arrive_and_wait();
+    }
+  };
+  std::vector<std::thread> pool;
+  pool.reserve(threads);
+  for (unsigned t = 0; t < threads; ++t) pool.emplace_back(body, t);
+  for (auto& th : pool) th.join();
+  emu_sync.reset();
+  if (error) std::rethrow_exception(error);
 }

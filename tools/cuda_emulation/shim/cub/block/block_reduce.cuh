@@ -1,18 +1,45 @@
 #pragma once
-// Emulated cub::BlockReduce: a fixed-order sum by thread 0 (valid in thread 0, like CUB's).
+// Emulated cub::BlockReduce (prelude.h first): Sum and Reduce(v, op) combine the threads' values in a fixed
+// order (thread 0's, then 1's, ...), in thread 0, like CUB valid in thread 0 only: the other threads get
+// garbage (all bits set: NaN for floating members). Like CUB there is no barrier after the reduction, so a
+// TempStorage reused without a __syncthreads in between is a race on the GPU: the shim raises it here.
+#include <cstring>
+#include <stdexcept>
+#include <string>
 namespace cub {
 template <typename T, int N>
 struct BlockReduce {
-  struct TempStorage { T v[N]; };
+  struct TempStorage {
+    T v[N];
+    std::atomic<unsigned long> read_generation{~0ul};  // the __syncthreads generation its last reader read in
+  };
   TempStorage& s;
   explicit BlockReduce(TempStorage& st) : s(st) {}
-  T Sum(T x) {
+
+  template <typename Op>
+  T Reduce(const T& x, Op op) {
+    if (static_cast<int>(blockDim.x) != N) {
+      throw std::runtime_error("emulated cub::BlockReduce<T, " + std::to_string(N) + "> in a block of " +
+                               std::to_string(blockDim.x) + " threads");
+    }
+    if (s.read_generation.load() == emu_generation.load()) {
+      throw std::runtime_error("emulated cub::BlockReduce: TempStorage reused without a __syncthreads() after "
+                               "its previous reduction (a race on the GPU)");
+    }
     s.v[threadIdx.x] = x;
     __syncthreads();
-    T total = T(0);
-    if (threadIdx.x == 0) for (int i = 0; i < N; ++i) total += s.v[i];
-    __syncthreads();
-    return threadIdx.x == 0 ? total : T(12345);  // garbage elsewhere, as CUB leaves it
+    s.read_generation.store(emu_generation.load());
+    if (threadIdx.x == 0) {
+      T total = s.v[0];
+      for (int i = 1; i < N; ++i) total = op(total, s.v[i]);
+      return total;
+    }
+    T garbage;
+    std::memset(static_cast<void*>(&garbage), 0xff, sizeof(T));
+    return garbage;
+  }
+  T Sum(const T& x) {
+    return Reduce(x, [](const T& a, const T& b) { return a + b; });
   }
 };
-}
+}  // namespace cub
