@@ -136,6 +136,38 @@ def test_empty_batch_gives_zero(backend):
     assert torch.autograd.grad(value, logits)[0].shape == (0, 9)
 
 
+def masked_batch(device="cpu", dtype=torch.float32):
+    """Logits with masked classes (-inf), as a vocabulary mask or a constrained decoder gives: a masked prefix
+    longer than a CUDA row block's threads, single masked columns, and a row masked everywhere but its target.
+    Targets are never masked (that loss is +inf)."""
+    n, c = 6, 600
+    logits = torch.randn(n, c, dtype=torch.float64).to(dtype)
+    targets = torch.randint(300, c, (n,))
+    logits[0, :300] = -math.inf
+    logits[1, ::7] = -math.inf
+    logits[2, :] = -math.inf
+    logits[2, targets[2]] = 0.5
+    logits[3, 1:] = -math.inf
+    targets[3] = 0
+    targets[5] = -100
+    keep = targets[:, None] == torch.arange(c)  # unmask each row's target
+    logits[keep & (targets[:, None] >= 0)] = torch.randn(n, dtype=torch.float64).to(dtype)[(targets >= 0)]
+    return logits.to(device).requires_grad_(), targets.to(device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,params", [("chi2", {}), ("kl", {}), ("smoothed_cvar", {"alpha": 0.1})],
+                         ids=["chi2", "kl", "smoothed_cvar"])
+def test_masked_logits_are_left_out(backend, name, params, dtype):
+    """A -inf logit adds nothing to its row's logsumexp and gets a zero gradient; the rest of the row is exact."""
+    logits, targets = masked_batch(dtype=dtype)
+    eta = torch.tensor(5.0 / SCALE, requires_grad=True)
+    value = dro_ext.dro_cross_entropy(logits, targets, eta, LAM, name, scale=SCALE, **params)
+    grads = torch.autograd.grad(value, (logits, eta))
+    assert value.isfinite() and bool((grads[0][logits.detach() == -math.inf] == 0).all())
+    check_against_reference(value, grads, logits, targets, eta, name, params)
+
+
 def test_nan_logit_is_not_dropped(backend):
     logits = torch.randn(6, 5)
     logits[2, 3] = float("nan")

@@ -45,6 +45,24 @@ def test_cuda_matches_float64_reference(name, params, n, c, dtype):
     torch.testing.assert_close(grads[1].double(), exp_eta, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_cuda_masked_logits_match_cpu(dtype):
+    """-inf logits (masked classes): a thread whose first logits are all -inf must not turn the row's
+    logsumexp into NaN (it did, before the fix the CPU emulation found)."""
+    from test_cross_entropy import masked_batch
+
+    results = {}
+    for device in ("cpu", "cuda"):
+        logits, targets = masked_batch(device, dtype)
+        eta = torch.tensor(5.0, device=device, requires_grad=True)
+        value = dro_ext.dro_cross_entropy(logits, targets, eta, LAM, "kl", scale=SCALE)
+        results[device] = [value] + list(torch.autograd.grad(value, (logits, eta)))
+    assert results["cuda"][0].isfinite()
+    tol = ref.tolerances(dtype)
+    for got, want in zip(results["cuda"], results["cpu"]):
+        torch.testing.assert_close(got.cpu().double(), want.double(), **tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_cuda_linear_matches_cpu(dtype):
     hidden = torch.randn(300, 64, dtype=dtype) / 8
