@@ -38,8 +38,6 @@ struct Math {
   // lose every digit): the excess terms below are built from them.
   static C10_HOST_DEVICE inline T expm1(T x) { return ::expm1(x); }
   static C10_HOST_DEVICE inline T log1p(T x) { return ::log1p(x); }
-  // -log(1 - v) for v in [0, 1/2] only, where a vector build may use a cheaper polynomial (vectorized_math.h).
-  static C10_HOST_DEVICE inline T neg_log1m_half(T v) { return -::log1p(-v); }
   // a / b for b bounded away from 0 and infinity, where a vector build may divide through a reciprocal
   // estimate (a vector division costs as much as a dozen multiply-adds).
   static C10_HOST_DEVICE inline T divide(T a, T b) { return a / b; }
@@ -72,7 +70,8 @@ struct Math {
 //
 // The divergences whose accurate excess costs much more than value + first (the exponential ones: expm1,
 // log1p) also have
-//   coarse_value(t)   psi*(t) to a few roundings of 1 + |psi*(t)|, sharing its exponential with first(t),
+//   coarse_value(t)   psi*(t) to a few roundings of 1 + |psi*(t)|, sharing its exponential with first(t)
+//                     (or, where kCoarseValueAsProduct, its parts: see SmoothedCVaR),
 // with which a reduction may form sum excess = sum coarse_value - sum t and sum excess_first = sum first - N
 // over a block of samples whose mean |t| is at least 1 (there the two error bounds agree within a small
 // factor; csrc/cpu/kernels_impl.h does). `kHasCoarseValue` says it exists.
@@ -429,16 +428,23 @@ struct SmoothedCVaR {
     const T ratio = M::divide(m * M::constant(one_minus_alpha), M::constant(1.0) + cm);
     return M::select_positive(t, -ratio, ratio);
   }
-  // The softplus form: psi*(t) = (log(1 - alpha) + s_+ + log1p(e)) / alpha, s = t + shift, with
-  // log1p(e) = -log(w) = -log(1 - e w) and e w = sigmoid(-|s|) in [0, 1/2]: the exponential and the division
-  // are shared with first().
+  // The coarse value in product form (see above): psi*(t) = (log(1 - alpha) + s_+ + log(1 + e)) / alpha with
+  // s = t + shift and e = exp(-|s|) in [0, 1] (shared with first()), so that over a block of samples
+  //   sum psi*(t_i) = coarse_scale * (count * coarse_offset + sum coarse_linear(t_i) + log prod coarse_factor(t_i))
+  // where the factors 1 + e_i lie in [1, 2]: a product of a few dozen neither overflows nor loses more than a
+  // rounding per factor, and the block takes one log per lane instead of a log per sample.
   static constexpr bool kHasCoarseValue = true;
+  static constexpr bool kCoarseValueAsProduct = true;
+  C10_HOST_DEVICE inline acc_t coarse_scale() const { return inv_alpha; }
+  C10_HOST_DEVICE inline acc_t coarse_offset() const { return log1m_alpha; }
   template <typename T>
-  C10_HOST_DEVICE inline T coarse_value(T t) const {
+  C10_HOST_DEVICE inline T coarse_linear(T t) const {
+    return Math<T>::relu(t + Math<T>::constant(shift));
+  }
+  template <typename T>
+  C10_HOST_DEVICE inline T coarse_factor(T t) const {
     using M = Math<T>;
-    const T s = t + M::constant(shift);
-    const Logistic<T> g = logistic(s);
-    return (M::constant(log1m_alpha) + M::relu(s) + M::neg_log1m_half(g.ew)) * M::constant(inv_alpha);
+    return M::constant(1.0) + M::exp(M::neg_abs(t + M::constant(shift)));
   }
 };
 

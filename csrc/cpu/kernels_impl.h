@@ -56,7 +56,12 @@ inline T derivative(const Div& div, const T& t) {
 }
 
 // The per-element terms a reduction sums, of the input x and of t = (x - shift) * inv_lam.
-enum class Term { None, Input, T, NegAbsT, Excess, ExcessFirst, First, Second, CoarseValue };
+enum class Term {
+  None, Input, T, NegAbsT, Excess, ExcessFirst, First, Second, CoarseValue, CoarseLinear, CoarseFactor
+};
+
+// A running product instead of a running sum (the factors of a coarse value in product form, divergences.h).
+constexpr bool is_product(Term term) { return term == Term::CoarseFactor; }
 
 template <Term kTerm, typename Div, typename T>
 inline T term(const Div& div, const T& x, const T& t) {
@@ -74,23 +79,30 @@ inline T term(const Div& div, const T& x, const T& t) {
     return div.first(t);
   } else if constexpr (kTerm == Term::Second) {
     return div.second(t);
+  } else if constexpr (kTerm == Term::CoarseLinear) {
+    return div.coarse_linear(t);
+  } else if constexpr (kTerm == Term::CoarseFactor) {
+    return div.coarse_factor(t);
   } else {
     return div.coarse_value(t);
   }
 }
 
-// Up to four running sums in registers (a Term::None slot is never touched).
-template <typename V, Term A, Term B, Term C, Term D = Term::None>
+// Up to four running sums and a running product (E) in registers (a Term::None slot is never touched).
+template <typename V, Term A, Term B, Term C, Term D = Term::None, Term E = Term::None>
 struct Accumulator {
-  static constexpr int kSums = (A != Term::None) + (B != Term::None) + (C != Term::None) + (D != Term::None);
-  V a, b, c, d;
-  explicit Accumulator(const V& zero) : a(zero), b(zero), c(zero), d(zero) {}
+  static_assert(!is_product(A) && !is_product(B) && !is_product(C) && !is_product(D) &&
+                (E == Term::None || is_product(E)));
+  V a, b, c, d, e;
+  explicit Accumulator(const V& zero)
+      : a(zero), b(zero), c(zero), d(zero), e(typename V::value_type(1)) {}
   template <typename Div>
   inline void add(const Div& div, const V& x, const V& t) {
     if constexpr (A != Term::None) a = a + term<A>(div, x, t);
     if constexpr (B != Term::None) b = b + term<B>(div, x, t);
     if constexpr (C != Term::None) c = c + term<C>(div, x, t);
     if constexpr (D != Term::None) d = d + term<D>(div, x, t);
+    if constexpr (E != Term::None) e = e * term<E>(div, x, t);
   }
   // The terms of two vectors: one addition per running sum, so its latency is paid once per two vectors.
   template <typename Div>
@@ -99,19 +111,22 @@ struct Accumulator {
     if constexpr (B != Term::None) b = b + (term<B>(div, x1, t1) + term<B>(div, x2, t2));
     if constexpr (C != Term::None) c = c + (term<C>(div, x1, t1) + term<C>(div, x2, t2));
     if constexpr (D != Term::None) d = d + (term<D>(div, x1, t1) + term<D>(div, x2, t2));
+    if constexpr (E != Term::None) e = e * (term<E>(div, x1, t1) * term<E>(div, x2, t2));
   }
-  // Adds only the first `count` lanes of other's sums (a partial vector's unused lanes hold junk terms).
+  // Adds only the first `count` lanes of other's terms (a partial vector's unused lanes hold junk terms).
   inline void add_lanes(const Accumulator& other, const V& zero, int64_t count) {
     if constexpr (A != Term::None) a = a + V::set(zero, other.a, count);
     if constexpr (B != Term::None) b = b + V::set(zero, other.b, count);
     if constexpr (C != Term::None) c = c + V::set(zero, other.c, count);
     if constexpr (D != Term::None) d = d + V::set(zero, other.d, count);
+    if constexpr (E != Term::None) e = e * V::set(V(typename V::value_type(1)), other.e, count);
   }
   inline void add(const Accumulator& other) {
     a = a + other.a;
     b = b + other.b;
     c = c + other.c;
     d = d + other.d;
+    if constexpr (E != Term::None) e = e * other.e;
   }
 };
 
@@ -246,18 +261,32 @@ void map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affi
 // same terms in the same order.
 //
 // The Newton sums {sum excess_first, sum second} take the same two paths (coarse: sum first - count).
+//
+// A coarse value in product form (SmoothedCVaR) is summed as its linear parts and the product of its factors,
+// whose log the block takes once per lane (divergences.h).
 template <typename scalar_t, typename Div, bool kNewton>
 std::array<double, 3> reduce_coarse(const scalar_t* x, int64_t n, const Div& div, Affine affine) {
   using acc_t = at::opmath_type<scalar_t>;
   using V = Vectorized<acc_t>;
   using Scan = Accumulator<V, Term::T, Term::NegAbsT, Term::None>;
-  constexpr Term kCoarseFirst = kNewton ? Term::Second : Term::CoarseValue;
+  constexpr bool kProduct = !kNewton && requires { requires Div::kCoarseValueAsProduct; };
+  constexpr Term kCoarseFirst = kNewton ? Term::Second : (kProduct ? Term::CoarseLinear : Term::CoarseValue);
+  constexpr Term kCoarseFactor = kProduct ? Term::CoarseFactor : Term::None;
   constexpr Term kAccurateFirst = kNewton ? Term::Second : Term::Excess;
-  using Coarse = Accumulator<V, Term::None, kCoarseFirst, Term::First>;
-  using ScanAndCoarse = Accumulator<V, Term::T, kCoarseFirst, Term::First, Term::NegAbsT>;
+  using Coarse = Accumulator<V, Term::None, kCoarseFirst, Term::First, Term::None, kCoarseFactor>;
+  using ScanAndCoarse = Accumulator<V, Term::T, kCoarseFirst, Term::First, Term::NegAbsT, kCoarseFactor>;
   using Accurate = Accumulator<V, Term::None, kAccurateFirst, Term::ExcessFirst>;
   const V shift(static_cast<acc_t>(affine.shift));
   const V inv_lam(static_cast<acc_t>(affine.inv_lam));
+  // A block's sum of its first coarse term (Newton: second; Loss: the coarse value).
+  const auto coarse_sum = [&](const auto& sums, acc_t count) -> acc_t {
+    if constexpr (kProduct) {
+      return static_cast<acc_t>(div.coarse_scale()) *
+             (horizontal_sum(sums.b) + horizontal_sum(sums.e.log()) + count * static_cast<acc_t>(div.coarse_offset()));
+    } else {
+      return horizontal_sum(sums.b);
+    }
+  };
   const std::array<double, 3> total = sum_chunks(map_chunks<std::array<acc_t, 3>>(n, [&](int64_t begin, int64_t end) {
     // Loss: {sum t, sum excess, sum excess_first}; Newton: {unused, sum second, sum excess_first}.
     std::array<acc_t, 3> chunk{0, 0, 0};
@@ -274,7 +303,7 @@ std::array<double, 3> reduce_coarse(const scalar_t* x, int64_t n, const Div& div
         const ScanAndCoarse sums = accumulate_block<ScanAndCoarse>(x, block, block_end, n, div, shift, inv_lam);
         sum_t = horizontal_sum(sums.a);
         sum_neg_abs_t = horizontal_sum(sums.d);
-        coarse_first = horizontal_sum(sums.b);
+        coarse_first = coarse_sum(sums, count);
         coarse_second = horizontal_sum(sums.c);
       }
       chunk[0] += kNewton ? acc_t(0) : sum_t;
@@ -287,7 +316,7 @@ std::array<double, 3> reduce_coarse(const scalar_t* x, int64_t n, const Div& div
       } else {
         if (previous_was_erm) {
           const Coarse sums = accumulate_block<Coarse>(x, block, block_end, 0, div, shift, inv_lam);
-          coarse_first = horizontal_sum(sums.b);
+          coarse_first = coarse_sum(sums, count);
           coarse_second = horizontal_sum(sums.c);
         }
         chunk[1] += kNewton ? coarse_first : coarse_first - sum_t;

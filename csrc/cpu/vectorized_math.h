@@ -54,24 +54,6 @@ struct Math<at::vec::Vectorized<S>> {
 #endif
     return a / b;
   }
-  // -log(1 - v) for v in [0, 1/2]: v P(v) with P a degree-8 fit of -log(1 - v) / v (Chebyshev nodes; relative
-  // error 3e-8, under 3 ulp evaluated in float), where a general log would need a division or a range reduction.
-  static inline V neg_log1m_half(const V& v) {
-    if constexpr (kFloat) {
-      V p(1.40795672f);
-      p = at::vec::fmadd(p, v, V(-1.63021171f));
-      p = at::vec::fmadd(p, v, V(1.20501387f));
-      p = at::vec::fmadd(p, v, V(-0.181571648f));
-      p = at::vec::fmadd(p, v, V(0.264547586f));
-      p = at::vec::fmadd(p, v, V(0.243437439f));
-      p = at::vec::fmadd(p, v, V(0.333662003f));
-      p = at::vec::fmadd(p, v, V(0.499993742f));
-      p = at::vec::fmadd(p, v, V(1.0f));
-      return v * p;
-    } else {
-      return -(-v).log1p();
-    }
-  }
 #if defined(DRO_EXT_SIMD_FLOAT)
   // max/min return their second operand when either is NaN: with x second, NaN passes in one instruction.
   static inline V relu(const V& x) { return V(cpu::simd::max(cpu::simd::set(S(0)), x)); }
