@@ -7,7 +7,6 @@ Skipped (with the reason shown) where no CUDA device is visible. DRO_EXT_CUDA_TE
 same numerical tests on the CPU kernel instead (the tests that only mean something on CUDA skip then):
 a check of this file's references and tolerances on a machine without a GPU.
 """
-import copy
 import os
 
 import pytest
@@ -15,7 +14,9 @@ import torch
 
 from dro_ext import _backend
 from dro_ext.optim import NormalizedSGD
-from test_optim import SHAPES, assert_close_to_reference, make_params, reference, tolerance
+from test_optim import (SHAPES, assert_close_to_reference, check_each_step_moves_the_group_by_lr,
+                        check_fused_and_foreach_agree, check_grad_scaler_skips_an_inf_step_and_unscales,
+                        check_zero_gradients_leave_params_unchanged, make_params, reference, tolerance)
 
 DEVICE = torch.device(os.environ.get("DRO_EXT_CUDA_TEST_DEVICE", "cuda"))
 ON_CUDA = DEVICE.type == "cuda"
@@ -117,21 +118,7 @@ def test_many_tensors_and_a_large_one(norm):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_each_step_moves_the_group_by_lr(dtype):
-    lr = 0.3
-    global_params = on_device(make_params(SHAPES, dtype))
-    tensor_params = on_device(make_params(SHAPES, dtype))
-    opt = NormalizedSGD([dict(params=global_params), dict(params=tensor_params, norm="tensor")], lr=lr, eps=0.0)
-    rtol = 1e-12 if dtype == torch.float64 else 1e-5
-    for _ in range(5):
-        before = [p.detach().clone() for p in global_params + tensor_params]
-        for p in global_params + tensor_params:
-            p.grad = torch.randn_like(p)
-        opt.step()
-        moves = [(p.detach() - b).double().cpu() for p, b in zip(global_params + tensor_params, before)]
-        group_move = sum(float((d ** 2).sum()) for d in moves[: len(global_params)]) ** 0.5
-        assert group_move == pytest.approx(lr, rel=rtol)
-        for d in moves[len(global_params):]:
-            assert float(d.norm()) == pytest.approx(lr, rel=rtol)
+    check_each_step_moves_the_group_by_lr(dtype, DEVICE)
 
 
 @pytest.mark.parametrize("scale", [1e-25, 1e25])
@@ -156,17 +143,7 @@ def test_tiny_and_huge_gradients_still_move_by_lr(scale, norm):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("eps", [0.0, 1e-8])
 def test_zero_gradients_leave_params_unchanged(dtype, eps):
-    params = on_device(make_params(SHAPES, dtype))
-    opt = NormalizedSGD([dict(params=params[:3]), dict(params=params[3:], norm="tensor")], lr=0.1, eps=eps)
-    before = [p.detach().clone() for p in params]
-    for _ in range(2):
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        opt.step()
-    for p, b in zip(params, before):
-        assert torch.equal(p.detach(), b)  # no NaN either: NaN != NaN
-        assert torch.equal(opt.state[p]["momentum_buffer"], torch.zeros_like(p))
-        assert float(opt.state[p]["step"]) == 2.0
+    check_zero_gradients_leave_params_unchanged(dtype, eps, DEVICE)
 
 
 def test_nan_gradient_propagates():
@@ -242,35 +219,7 @@ def test_grad_scale_unscales():
 
 
 def test_grad_scaler_skips_an_inf_step_and_unscales():
-    torch.manual_seed(3)
-    model = torch.nn.Linear(5, 3).to(DEVICE)
-    twin = copy.deepcopy(model)
-    opt = NormalizedSGD(model.parameters(), lr=0.1, eps=0.0)
-    twin_opt = NormalizedSGD(twin.parameters(), lr=0.1, eps=0.0)
-    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=2.0 ** 10)
-    x = torch.randn(8, 5, device=DEVICE)
-
-    before = [p.detach().clone() for p in model.parameters()]
-    scaler.scale(model(x).square().mean()).backward()
-    model.weight.grad[0, 0] = float("inf")
-    scaler.step(opt)
-    scaler.update()
-    assert scaler.get_scale() == 2.0 ** 9
-    for p, b in zip(model.parameters(), before):
-        assert torch.equal(p.detach(), b)
-        assert float(opt.state[p]["step"]) == 0.0
-        assert torch.equal(opt.state[p]["momentum_buffer"], torch.zeros_like(p))
-
-    for _ in range(3):
-        opt.zero_grad()
-        twin_opt.zero_grad()
-        scaler.scale(model(x).square().mean()).backward()
-        twin(x).square().mean().backward()
-        scaler.step(opt)
-        scaler.update()
-        twin_opt.step()
-    for p, q in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    check_grad_scaler_skips_an_inf_step_and_unscales(DEVICE)
 
 
 @pytest.mark.parametrize("lr_dtype", [torch.float64, torch.float32])
@@ -397,24 +346,7 @@ def test_fused_is_picked_on_the_device(kwargs, monkeypatch):
 
 
 def test_fused_and_foreach_agree():
-    dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.float32, torch.float32]
-    results = {}
-    for impl in ("fused", "foreach"):
-        torch.manual_seed(4)
-        params = [torch.nn.Parameter(torch.randn(s).to(d).to(DEVICE)) for s, d in zip(SHAPES, dtypes)]
-        opt = NormalizedSGD([dict(params=params[:3]), dict(params=params[3:], norm="tensor", maximize=True)],
-                            lr=0.05, weight_decay=0.1, **{impl: True})
-        for _ in range(5):
-            for p in params:
-                p.grad = torch.randn_like(p)
-            opt.step()
-        results[impl] = (params, opt)
-    (fused_params, fused_opt), (foreach_params, foreach_opt) = results["fused"], results["foreach"]
-    for i, (p, q) in enumerate(zip(fused_params, foreach_params)):
-        tol = tolerance(torch.bfloat16 if i < 3 else p.dtype)
-        torch.testing.assert_close(p, q, **tol)
-        torch.testing.assert_close(fused_opt.state[p]["momentum_buffer"], foreach_opt.state[q]["momentum_buffer"],
-                                   **tol)
+    check_fused_and_foreach_agree(DEVICE)
 
 
 @needs_cuda

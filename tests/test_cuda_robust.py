@@ -9,38 +9,10 @@ import torch
 
 import dro_ext
 import reference as ref
-from dro_ext import _backend
+from cuda_cases import (DEVICE, DTYPES, LAYOUTS, SIZES, SKIP_WITHOUT_CUDA, make_losses,
+                        native_backend)  # noqa: F401 (native_backend: an autouse fixture)
 
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (run scripts/gpu_check.sh on a GPU)"),
-    pytest.mark.skipif(not _backend.native_available(), reason="the dro_ext extension is not built"),
-]
-
-DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-SIZES = [1, 7, 65537, 2**24 + 3]
-LAYOUTS = ["contiguous", "strided", "offset"]
-DEVICE = "cuda"
-
-
-def make_losses(n, dtype, layout, spread=1.0):
-    values = (1.0 + spread * torch.randn(n, dtype=torch.float64, device=DEVICE)).to(dtype)
-    if layout == "contiguous":
-        return values
-    if layout == "strided":
-        buffer = torch.zeros(2 * n, dtype=dtype, device=DEVICE)
-        buffer[::2] = values
-        return buffer[::2]
-    buffer = torch.zeros(n + 1, dtype=dtype, device=DEVICE)
-    buffer[1:] = values
-    return buffer[1:]
-
-
-@pytest.fixture(autouse=True)
-def _native_backend():
-    if _backend._force_python:
-        pytest.skip("DRO_EXT_FORCE_PYTHON=1: the CUDA kernels are not in use")
-    with _backend.forced_backend("native"):
-        yield
+pytestmark = SKIP_WITHOUT_CUDA
 
 
 def reference_objective(losses, lam, name, params):

@@ -21,10 +21,10 @@ def needs_native():
         pytest.fail(f"the native extension did not load: {_backend.load_error()}")
 
 
-def make_params(shapes, dtype=torch.float32):
-    params = [torch.nn.Parameter(torch.randn(s, dtype=torch.float64).to(dtype)) for s in shapes]
+def make_params(shapes, dtype=torch.float32, device="cpu"):
+    params = [torch.nn.Parameter(torch.randn(s, dtype=torch.float64).to(dtype).to(device)) for s in shapes]
     # A transposed (non-contiguous) parameter, as a weight tied to its transpose would be.
-    params.append(torch.nn.Parameter(torch.randn(6, 9, dtype=torch.float64).to(dtype).t()))
+    params.append(torch.nn.Parameter(torch.randn(6, 9, dtype=torch.float64).to(dtype).to(device).t()))
     return params
 
 
@@ -107,9 +107,14 @@ def test_mixed_dtypes_share_one_global_norm(backend):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_each_step_moves_the_group_by_lr(backend, dtype):
+    check_each_step_moves_the_group_by_lr(dtype, "cpu")
+
+
+# The check_* bodies below are shared with tests/test_cuda_optim.py, which runs them on the device.
+def check_each_step_moves_the_group_by_lr(dtype, device):
     lr = 0.3
-    global_params = make_params(SHAPES, dtype)
-    tensor_params = make_params(SHAPES, dtype)
+    global_params = make_params(SHAPES, dtype, device)
+    tensor_params = make_params(SHAPES, dtype, device)
     opt = NormalizedSGD([dict(params=global_params), dict(params=tensor_params, norm="tensor")], lr=lr, eps=0.0)
     rtol = 1e-12 if dtype == torch.float64 else 1e-5
     for _ in range(10):
@@ -117,7 +122,7 @@ def test_each_step_moves_the_group_by_lr(backend, dtype):
         for p in global_params + tensor_params:
             p.grad = torch.randn_like(p)
         opt.step()
-        moves = [(p.detach() - b).to(torch.float64) for p, b in zip(global_params + tensor_params, before)]
+        moves = [(p.detach() - b).to(torch.float64).cpu() for p, b in zip(global_params + tensor_params, before)]
         group_move = math.sqrt(sum(float((d ** 2).sum()) for d in moves[: len(global_params)]))
         assert group_move == pytest.approx(lr, rel=rtol)
         for d in moves[len(global_params):]:
@@ -140,7 +145,11 @@ def test_tiny_and_huge_gradients_still_move_by_lr(backend, scale):
 
 @pytest.mark.parametrize("eps", [0.0, 1e-8])
 def test_zero_gradients_leave_params_unchanged(backend, eps):
-    params = make_params(SHAPES)
+    check_zero_gradients_leave_params_unchanged(torch.float32, eps, "cpu")
+
+
+def check_zero_gradients_leave_params_unchanged(dtype, eps, device):
+    params = make_params(SHAPES, dtype, device)
     opt = NormalizedSGD([dict(params=params[:3]), dict(params=params[3:], norm="tensor")], lr=0.1, eps=eps)
     before = [p.detach().clone() for p in params]
     for _ in range(2):
@@ -148,7 +157,7 @@ def test_zero_gradients_leave_params_unchanged(backend, eps):
             p.grad = torch.zeros_like(p)
         opt.step()
     for p, b in zip(params, before):
-        assert torch.equal(p.detach(), b)
+        assert torch.equal(p.detach(), b)  # no NaN either: NaN != NaN
         m = opt.state[p]["momentum_buffer"]
         assert torch.equal(m, torch.zeros_like(m))
         assert float(opt.state[p]["step"]) == 2.0
@@ -231,13 +240,17 @@ def test_state_dict_round_trip_is_bitwise(backend):
 
 
 def test_grad_scaler_skips_an_inf_step_and_unscales(backend):
+    check_grad_scaler_skips_an_inf_step_and_unscales(torch.device("cpu"))
+
+
+def check_grad_scaler_skips_an_inf_step_and_unscales(device):
     torch.manual_seed(3)
-    model = torch.nn.Linear(5, 3)
+    model = torch.nn.Linear(5, 3).to(device)
     twin = copy.deepcopy(model)
     opt = NormalizedSGD(model.parameters(), lr=0.1, eps=0.0)
     twin_opt = NormalizedSGD(twin.parameters(), lr=0.1, eps=0.0)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
-    x = torch.randn(8, 5)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 10)
+    x = torch.randn(8, 5, device=device)
 
     # An inf gradient on the very first step: nothing moves, not even the step count.
     before = [p.detach().clone() for p in model.parameters()]
@@ -266,11 +279,15 @@ def test_grad_scaler_skips_an_inf_step_and_unscales(backend):
 
 def test_fused_and_foreach_agree():
     needs_native()
+    check_fused_and_foreach_agree("cpu")
+
+
+def check_fused_and_foreach_agree(device):
     dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.float32, torch.float32]
     results = {}
     for impl in ("fused", "foreach"):
         torch.manual_seed(4)
-        params = [torch.nn.Parameter(torch.randn(s).to(d)) for s, d in zip(SHAPES, dtypes)]
+        params = [torch.nn.Parameter(torch.randn(s).to(d).to(device)) for s, d in zip(SHAPES, dtypes)]
         opt = NormalizedSGD([dict(params=params[:3]), dict(params=params[3:], norm="tensor", maximize=True)],
                             lr=0.05, weight_decay=0.1, **{impl: True})
         for _ in range(5):
