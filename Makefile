@@ -43,7 +43,7 @@ cmake: $(STAMP)
 	  v, w = torch.ops.dro_ext.dro_loss(torch.arange(5.), torch.tensor(1.), 0.5, 'chi2'); print('cmake build loads:', v.item(), w.item())"
 
 # On a GPU machine: build for the visible card, CUDA tests, the suite, compute-sanitizer and the GPU benchmarks,
-# every log into OUT (scripts/gpu_check.sh; PHASES=build+test, then PHASES=suite+sanitize+bench, splits it in two).
+# every log into OUT (scripts/gpu_check.sh; PHASES=build+test+sanitize, then PHASES=bench, splits it in two).
 gpu-check:
 	@test -n "$(OUT)" || (echo "usage: make gpu-check OUT=DIR [PHASES=build+test+suite+sanitize+bench]" >&2; exit 2)
 	PYTHON=$(PYTHON) scripts/gpu_check.sh "$(OUT)" $(PHASES)
