@@ -1,16 +1,28 @@
 """What the CUDA test files of the loss and the robust objective share: the skip marks (every test is skipped,
 with its reason shown, where no GPU is visible), the dtype/size/layout matrix, the loss layouts and the fixture
 that pins the native backend."""
+import os
+
 import pytest
 import torch
 
 from dro_ext import _backend
 
-DEVICE = "cuda"
+# DRO_EXT_CUDA_TEST_DEVICE=cpu runs the tests on the CPU, where tools/cuda_emulation registers the CUDA kernels,
+# compiled as C++, as the ops' CPU kernels; the tests marked needs_cuda (graphs, streams, sync checks) skip.
+DEVICE = os.environ.get("DRO_EXT_CUDA_TEST_DEVICE", "cuda")
+ON_CUDA = torch.device(DEVICE).type == "cuda"
 SKIP_WITHOUT_CUDA = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (run scripts/gpu_check.sh on a GPU)"),
+    pytest.mark.skipif(ON_CUDA and not torch.cuda.is_available(),
+                       reason="no CUDA device visible (run scripts/gpu_check.sh on a GPU)"),
     pytest.mark.skipif(not _backend.native_available(), reason="the dro_ext extension is not built"),
 ]
+needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="DRO_EXT_CUDA_TEST_DEVICE=cpu: this test is about CUDA only")
+
+
+def on_test_device(t: torch.Tensor) -> bool:
+    """Whether t lives on the device under test (a CUDA device, or the CPU under the emulation)."""
+    return t.device.type == torch.device(DEVICE).type
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 SIZES = [1, 7, 65537, 2**24 + 3]

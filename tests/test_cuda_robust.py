@@ -9,8 +9,8 @@ import torch
 
 import dro_ext
 import reference as ref
-from cuda_cases import (DEVICE, DTYPES, LAYOUTS, SIZES, SKIP_WITHOUT_CUDA, make_losses,
-                        native_backend)  # noqa: F401 (native_backend: an autouse fixture)
+from cuda_cases import (DEVICE, DTYPES, LAYOUTS, ON_CUDA, SIZES, SKIP_WITHOUT_CUDA, make_losses,
+                        native_backend, needs_cuda, on_test_device)  # noqa: F401 (native_backend: an autouse fixture)
 
 pytestmark = SKIP_WITHOUT_CUDA
 
@@ -34,6 +34,7 @@ def eta_tolerance(dtype, lam):
     return dict(rtol=1e-4, atol=2e-4 * (1 + lam))
 
 
+@needs_cuda
 def test_robust_ops_have_cuda_kernels():
     for op in ("robust_objective", "robust_weights", "weight_stats"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"dro_ext::{op}", "CUDA"), op
@@ -49,7 +50,7 @@ def test_objective_and_weights_match_float64_cpu(name, params, n, dtype, layout)
     lam = 0.5
     losses = make_losses(n, dtype, layout)
     value, eta = dro_ext.robust_objective(losses, lam, name, **params)
-    assert value.is_cuda and eta.is_cuda and value.dtype == dtype
+    assert on_test_device(value) and on_test_device(eta) and value.dtype == dtype
     assert eta.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     want_value, want_eta = reference_objective(losses, lam, name, params)
     torch.testing.assert_close(value.double().cpu(), want_value.to(torch.float64), **value_tolerance(dtype))
@@ -59,7 +60,7 @@ def test_objective_and_weights_match_float64_cpu(name, params, n, dtype, layout)
         torch.testing.assert_close(eta.double().cpu(), want_eta, **eta_tolerance(dtype, lam))
 
     q = dro_ext.worst_case_weights(losses, lam, name, **params)
-    assert q.is_cuda and q.dtype == dtype and q.shape == losses.shape
+    assert on_test_device(q) and q.dtype == dtype and q.shape == losses.shape
     if dtype == torch.float16 and n > 65537:
         return  # q ~ 1/n is below float16's subnormal spacing: nothing meaningful left to compare
     q_ref = torch.ops.dro_ext.robust_weights(losses.cpu().double(), want_eta, lam, name, params.get("alpha"),
@@ -143,6 +144,7 @@ def test_bitwise_deterministic_over_10_runs():
                 assert torch.equal(a, b), name
 
 
+@needs_cuda
 def test_robust_objective_never_syncs():
     losses = make_losses(300_001, torch.float32, "contiguous")
     torch.cuda.synchronize()
@@ -160,6 +162,7 @@ def test_robust_objective_never_syncs():
     assert all(torch.isfinite(r[0]).item() for r in results)
 
 
+@needs_cuda
 def test_cuda_graph_capture_and_replay_match_eager():
     # No host round trip anywhere in the solve, so the whole of it (every divergence) can be captured.
     n = 30_011
@@ -193,7 +196,7 @@ def test_weight_stats_match_cpu(dtype):
     got = dro_ext.weight_stats(w, groups=groups, num_groups=13)
     want = dro_ext.weight_stats(w.cpu(), groups=groups.cpu(), num_groups=13)
     for g, e in zip(got, want):
-        assert g.is_cuda and g.dtype == e.dtype
+        assert on_test_device(g) and g.dtype == e.dtype
         torch.testing.assert_close(g.cpu(), e, rtol=1e-5, atol=1e-6)
     plain = dro_ext.weight_stats(w)
     assert plain.group_mass is None
@@ -228,11 +231,12 @@ def test_opcheck_on_cuda(name, params):
 
 def test_bad_inputs_name_the_argument():
     losses = torch.randn(5, device=DEVICE)
-    with pytest.raises(ValueError, match="eta_star"):
-        torch.ops.dro_ext.robust_weights(losses, torch.tensor(0.1), 0.5, "chi2", None, None)
+    if ON_CUDA:  # (under the CPU emulation the CPU is the device)
+        with pytest.raises(ValueError, match="eta_star"):
+            torch.ops.dro_ext.robust_weights(losses, torch.tensor(0.1), 0.5, "chi2", None, None)
+        with pytest.raises(ValueError, match="groups"):
+            torch.ops.dro_ext.weight_stats(losses, torch.zeros(5, dtype=torch.long), 2)  # groups on the CPU
     with pytest.raises(ValueError, match="lam"):
         torch.ops.dro_ext.robust_objective(losses, 0.0, "chi2", None, None)
     with pytest.raises(ValueError, match="k"):
         torch.ops.dro_ext.robust_objective(losses, 0.5, "cressie_read", None, None)
-    with pytest.raises(ValueError, match="groups"):
-        torch.ops.dro_ext.weight_stats(losses, torch.zeros(5, dtype=torch.long), 2)  # groups on the CPU
