@@ -136,7 +136,7 @@ def test_empty_batch_gives_zero(backend):
     assert torch.autograd.grad(value, logits)[0].shape == (0, 9)
 
 
-def masked_batch(device="cpu", dtype=torch.float32):
+def masked_batch(dtype=torch.float32):
     """Logits with masked classes (-inf), as a vocabulary mask or a constrained decoder gives: a masked prefix
     longer than a CUDA row block's threads, single masked columns, and a row masked everywhere but its target.
     Targets are never masked (that loss is +inf)."""
@@ -152,7 +152,7 @@ def masked_batch(device="cpu", dtype=torch.float32):
     targets[5] = -100
     keep = targets[:, None] == torch.arange(c)  # unmask each row's target
     logits[keep & (targets[:, None] >= 0)] = torch.randn(n, dtype=torch.float64).to(dtype)[(targets >= 0)]
-    return logits.to(device).requires_grad_(), targets.to(device)
+    return logits.requires_grad_(), targets
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -8,12 +8,9 @@ import torch.nn.functional as F
 
 import dro_ext
 import reference as ref
-from dro_ext import _backend
+from cuda_cases import DEVICE, SKIP_WITHOUT_CUDA, native_backend, needs_cuda  # noqa: F401 (an autouse fixture)
 
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
-    pytest.mark.skipif(not _backend.native_available(), reason="native extension not built"),
-]
+pytestmark = SKIP_WITHOUT_CUDA
 
 LAM, SCALE = 0.8, 1.3
 
@@ -28,11 +25,11 @@ def reference_value(logits, targets, eta, name, params, label_smoothing):
 @pytest.mark.parametrize("n,c", [(1, 2), (7, 50257), (1000, 7)])
 @pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
 def test_cuda_matches_float64_reference(name, params, n, c, dtype):
-    logits = torch.randn(n, c, device="cuda", dtype=torch.float64).to(dtype).requires_grad_()
-    targets = torch.randint(0, c, (n,), device="cuda")
+    logits = torch.randn(n, c, device=DEVICE, dtype=torch.float64).to(dtype).requires_grad_()
+    targets = torch.randint(0, c, (n,), device=DEVICE)
     if n > 1:
         targets[::3] = -100
-    eta = torch.tensor((math.log(c) + 0.3) / SCALE, device="cuda", requires_grad=True)
+    eta = torch.tensor((math.log(c) + 0.3) / SCALE, device=DEVICE, requires_grad=True)
     value = dro_ext.dro_cross_entropy(logits, targets, eta, LAM, name, scale=SCALE, label_smoothing=0.1, **params)
     grads = torch.autograd.grad(value, (logits, eta))
     x64, e64 = logits.detach().double().requires_grad_(), eta.detach().double().requires_grad_()
@@ -51,15 +48,17 @@ def test_cuda_masked_logits_match_cpu(dtype):
     logsumexp into NaN (it did, before the fix the CPU emulation found)."""
     from test_cross_entropy import masked_batch
 
+    batch_logits, batch_targets = masked_batch(dtype=dtype)
     results = {}
-    for device in ("cpu", "cuda"):
-        logits, targets = masked_batch(device, dtype)
+    for key, device in (("cpu", "cpu"), ("device", DEVICE)):
+        logits = batch_logits.detach().to(device).requires_grad_()
+        targets = batch_targets.to(device)
         eta = torch.tensor(5.0, device=device, requires_grad=True)
         value = dro_ext.dro_cross_entropy(logits, targets, eta, LAM, "kl", scale=SCALE)
-        results[device] = [value] + list(torch.autograd.grad(value, (logits, eta)))
-    assert results["cuda"][0].isfinite()
+        results[key] = [value] + list(torch.autograd.grad(value, (logits, eta)))
+    assert results["device"][0].isfinite()
     tol = ref.tolerances(dtype)
-    for got, want in zip(results["cuda"], results["cpu"]):
+    for got, want in zip(results["device"], results["cpu"]):
         torch.testing.assert_close(got.cpu().double(), want.double(), **tol)
 
 
@@ -70,28 +69,29 @@ def test_cuda_linear_matches_cpu(dtype):
     targets = torch.randint(0, 5000, (300,))
     targets[::7] = -100
     results = {}
-    for device in ("cpu", "cuda"):
+    for key, device in (("cpu", "cpu"), ("device", DEVICE)):
         h = hidden.to(device).requires_grad_()
         w = weight.to(device).requires_grad_()
         eta = torch.tensor(8.0, device=device, requires_grad=True)
         value = dro_ext.dro_linear_cross_entropy(h, w, targets.to(device), eta, LAM, "kl", chunk_size=64)
-        results[device] = [value] + list(torch.autograd.grad(value, (h, w, eta)))
+        results[key] = [value] + list(torch.autograd.grad(value, (h, w, eta)))
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
-    for got, want in zip(results["cuda"], results["cpu"]):
+    for got, want in zip(results["device"], results["cpu"]):
         torch.testing.assert_close(got.cpu().double(), want.double(), **tol)
 
 
+@needs_cuda
 def test_cuda_bitwise_repeatable_and_no_host_sync():
-    logits = torch.randn(4097, 3001, device="cuda")
-    targets = torch.randint(0, 3001, (4097,), device="cuda")
-    eta = torch.tensor(8.0, device="cuda")
+    logits = torch.randn(4097, 3001, device=DEVICE)
+    targets = torch.randint(0, 3001, (4097,), device=DEVICE)
+    eta = torch.tensor(8.0, device=DEVICE)
     torch.cuda.set_sync_debug_mode("error")  # any host synchronization raises
     try:
         first = torch.ops.dro_ext.dro_cross_entropy(logits, targets, eta, LAM, "smoothed_cvar", 0.1, None, 1.0,
                                                     -100, 0.0)
         second = torch.ops.dro_ext.dro_cross_entropy(logits, targets, eta, LAM, "smoothed_cvar", 0.1, None, 1.0,
                                                      -100, 0.0)
-        grad = torch.ops.dro_ext.dro_cross_entropy_backward(torch.ones((), device="cuda"), logits, targets,
+        grad = torch.ops.dro_ext.dro_cross_entropy_backward(torch.ones((), device=DEVICE), logits, targets,
                                                             first[2], first[3], -100, 0.0)
     finally:
         torch.cuda.set_sync_debug_mode(0)
@@ -99,10 +99,11 @@ def test_cuda_bitwise_repeatable_and_no_host_sync():
     assert torch.isfinite(grad).all()
 
 
+@needs_cuda
 def test_cuda_graph_capture():
-    logits = torch.randn(64, 1000, device="cuda")
-    targets = torch.randint(0, 1000, (64,), device="cuda")
-    eta = torch.tensor(7.0, device="cuda")
+    logits = torch.randn(64, 1000, device=DEVICE)
+    targets = torch.randint(0, 1000, (64,), device=DEVICE)
+    eta = torch.tensor(7.0, device=DEVICE)
     op = torch.ops.dro_ext.dro_cross_entropy
     eager = op(logits, targets, eta, LAM, "chi2", None, None, 1.0, -100, 0.0)[0]
     stream = torch.cuda.Stream()
