@@ -7,23 +7,22 @@ Skipped (with the reason shown) where no CUDA device is visible. DRO_EXT_CUDA_TE
 same numerical tests on the CPU kernel instead (the tests that only mean something on CUDA skip then):
 a check of this file's references and tolerances on a machine without a GPU.
 """
-import os
-
 import pytest
 import torch
 
+import cuda_cases
+from cuda_cases import ON_CUDA, needs_cuda
 from dro_ext import _backend
 from dro_ext.optim import NormalizedSGD
 from test_optim import (SHAPES, assert_close_to_reference, check_each_step_moves_the_group_by_lr,
                         check_fused_and_foreach_agree, check_grad_scaler_skips_an_inf_step_and_unscales,
                         check_zero_gradients_leave_params_unchanged, make_params, reference, tolerance)
 
-DEVICE = torch.device(os.environ.get("DRO_EXT_CUDA_TEST_DEVICE", "cuda"))
-ON_CUDA = DEVICE.type == "cuda"
+DEVICE = torch.device(cuda_cases.DEVICE)
 
+# Not cuda_cases.SKIP_WITHOUT_CUDA: here a missing native extension is a failure (the fixture below), not a skip.
 pytestmark = pytest.mark.skipif(ON_CUDA and not torch.cuda.is_available(),
                                 reason="no CUDA device visible: the CUDA optimizer tests need one")
-needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="DRO_EXT_CUDA_TEST_DEVICE=cpu: this test is about CUDA only")
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 OP = "dro_ext::normalized_sgd_step_"
