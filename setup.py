@@ -64,7 +64,9 @@ def extensions():
     # -fopenmp: at::parallel_for is inlined from ATen's headers as an OpenMP parallel region, so without it
     # every kernel silently runs on one thread (and -Wno-unknown-pragmas, needed for ATen's "#pragma unroll",
     # hid the warning). The symbols resolve to the libgomp torch has already loaded.
-    cxx_flags = opt + ["-fopenmp", "-Wno-unknown-pragmas", "-Wno-psabi"]
+    # -std=c++20: the kernels use concepts; torch 2.14 asks for C++20 itself, while 2.11 (the GPU machines')
+    # would pass -std=c++17 unless the flag is given here.
+    cxx_flags = opt + ["-std=c++20", "-fopenmp", "-Wno-unknown-pragmas", "-Wno-psabi"]
     common = dict(
         name="dro_ext._C",
         include_dirs=[os.path.join(ROOT, "csrc")],
@@ -75,7 +77,7 @@ def extensions():
         return [
             CUDAExtension(
                 sources=cpp_sources + cuda_sources,
-                extra_compile_args={"cxx": cxx_flags + ["-DDRO_EXT_WITH_CUDA"], "nvcc": opt + ["-DDRO_EXT_WITH_CUDA"]},
+                extra_compile_args={"cxx": cxx_flags + ["-DDRO_EXT_WITH_CUDA"], "nvcc": opt + ["-std=c++20", "-DDRO_EXT_WITH_CUDA"]},
                 **common,
             )
         ]

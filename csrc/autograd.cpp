@@ -16,6 +16,9 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
+#include <memory>
+#include <type_traits>
+
 #include "checks.h"
 
 namespace dro_ext {
@@ -155,6 +158,17 @@ class PsiStarTermsFunction : public torch::autograd::Function<PsiStarTermsFuncti
   }
 };
 
+// torch 2.14 holds autograd Nodes in c10::intrusive_ptr, earlier releases in std::shared_ptr (the GPU machines
+// have 2.11): make the node the way this torch's set_history takes it, so one source builds against both.
+template <typename NodeT>
+auto make_node() {
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, torch::autograd::Node>) {
+    return c10::make_intrusive<NodeT>();
+  } else {
+    return std::make_shared<NodeT>();
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> dro_loss_autograd(const at::Tensor& losses, const at::Tensor& eta, double lam,
                                                      c10::string_view divergence, OptDouble alpha, OptDouble k,
                                                      double scale) {
@@ -169,7 +183,7 @@ std::tuple<at::Tensor, at::Tensor> dro_loss_autograd(const at::Tensor& losses, c
     return op.call(losses, eta, lam, divergence, alpha, k, scale);
   }();
   if (torch::autograd::compute_requires_grad(losses, eta)) {
-    auto node = c10::make_intrusive<DROLossBackward>();
+    auto node = make_node<DROLossBackward>();
     node->set_next_edges(torch::autograd::collect_next_edges(losses, eta));
     node->losses = torch::autograd::SavedVariable(losses, /*is_output=*/false);
     node->eta = torch::autograd::SavedVariable(eta, /*is_output=*/false);
