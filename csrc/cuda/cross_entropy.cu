@@ -21,6 +21,7 @@
 
 #include <cub/cub.cuh>
 
+#include <climits>
 #include <cmath>
 #include <limits>
 
@@ -271,6 +272,11 @@ void with_divergence(const DivergenceSpec& spec, F&& f) {
   }
 }
 
+// The row kernels take one block per row, and a grid has at most 2^31 - 1 blocks.
+void check_row_count(int64_t rows) {
+  TORCH_CHECK(rows <= INT_MAX, "dro_cross_entropy: at most 2^31 - 1 rows (logits.size(0)) on CUDA, got ", rows);
+}
+
 // Launches the row pass and the row reduction. finalize: value/mean_weight outputs and weights scaled to w_i / n;
 // otherwise the chunk's two sums into sums_out.
 void launch_forward(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& eta,
@@ -278,6 +284,7 @@ void launch_forward(const at::Tensor& logits, const at::Tensor& targets, const a
                     at::Tensor& weights, at::Tensor& value_terms, bool write_grad, at::Tensor* value,
                     at::Tensor* mean_weight, at::Tensor* sums) {
   const int64_t rows = logits.size(0), num_classes = logits.size(1);
+  check_row_count(rows);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dro_cross_entropy_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -352,6 +359,7 @@ at::Tensor dro_cross_entropy_backward_cuda(const at::Tensor& grad, const at::Ten
   at::Tensor grad_logits = at::empty(x.sizes(), x.options());
   const int64_t rows = x.size(0), num_classes = x.size(1);
   if (rows == 0) return grad_logits;
+  check_row_count(rows);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_cross_entropy_backward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;

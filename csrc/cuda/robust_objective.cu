@@ -139,8 +139,9 @@ __global__ void __launch_bounds__(kThreads) init_solver_kernel(const MinMax<acc_
 template <typename acc_t>
 __global__ void __launch_bounds__(kThreads) kl_finalize_kernel(const Pair<acc_t>* __restrict__ partials, int count,
                                                                SolverState* state, double lam, double n) {
+  if (state->finished) return;  // the partials were skipped too (unwritten): read nothing
   const Pair<acc_t> total = reduce_partials(partials, count, Pair<acc_t>{acc_t(0), acc_t(0)}, PairSum());
-  if (threadIdx.x != 0 || state->finished) return;
+  if (threadIdx.x != 0) return;
   const double mean_exp = static_cast<double>(total.b) / n;
   const double log_mean = mean_exp > 0.5 ? log1p(static_cast<double>(total.a) / n) : log(mean_exp);
   const double eta = state->hi + lam * log_mean;
@@ -196,8 +197,9 @@ at::Tensor threshold_partials_buffer(const at::Tensor& x) {
 __global__ void __launch_bounds__(kThreads) cvar_finalize_kernel(const Pair<double>* __restrict__ partials, int count,
                                                                  const double* __restrict__ boundary,
                                                                  SolverState* state, double k) {
+  if (state->finished) return;  // the partials were skipped too (unwritten): read nothing
   const Pair<double> total = reduce_partials(partials, count, Pair<double>{0.0, 0.0}, PairSum());
-  if (threadIdx.x != 0 || state->finished) return;
+  if (threadIdx.x != 0) return;
   const double eta = *boundary;
   state->eta = eta;
   state->value = (total.a + (k - total.b) * eta) / k;
@@ -320,8 +322,9 @@ __global__ void __launch_bounds__(kThreads) multisection_kernel(
 // chi2 on its final segment A = {l > eta - 2 lam}: eta = (sum_A l + 2 lam (|A| - N)) / |A|, float64 sums.
 __global__ void __launch_bounds__(kThreads) chi2_segment_kernel(const Pair<double>* __restrict__ partials, int count,
                                                                 SolverState* state, double lam, double n) {
+  if (state->skip_segment || state->finished) return;  // the partials were skipped too: read nothing
   const Pair<double> total = reduce_partials(partials, count, Pair<double>{0.0, 0.0}, PairSum());
-  if (threadIdx.x != 0 || state->skip_segment || state->finished) return;
+  if (threadIdx.x != 0) return;
   if (total.b > 0.0) {
     const double exact = (total.a + 2.0 * lam * (total.b - n)) / total.b;
     if (exact >= state->lo && exact <= state->hi) state->eta = exact;
@@ -333,8 +336,9 @@ template <typename acc_t>
 __global__ void __launch_bounds__(kThreads) objective_finalize_kernel(const Pair<acc_t>* __restrict__ partials,
                                                                       int count, SolverState* state, double lam,
                                                                       double n) {
+  if (state->finished) return;  // the partials were skipped too (unwritten): read nothing
   const Pair<acc_t> total = reduce_partials(partials, count, Pair<acc_t>{acc_t(0), acc_t(0)}, PairSum());
-  if (threadIdx.x != 0 || state->finished) return;
+  if (threadIdx.x != 0) return;
   state->value = lam * (static_cast<double>(total.a) / n) + value_offset(state->eta);
   state->finished = 1;
 }
