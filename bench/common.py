@@ -137,6 +137,18 @@ def interleaved_rounds(timed: dict[str, Callable[[], object]], timer: Timer, *, 
     return out
 
 
+def default_min_seconds(args, device, *, quick: float, full: float) -> float:
+    """The timing budget per implementation: --min-seconds if given, else the benchmark's quick or full one.
+    On CUDA the full budget is at most 0.3 s: device events time a kernel to within a few percent in a
+    fraction of a second, where host timers on a shared CPU need seconds; and a lent GPU's minutes are few
+    (scripts/gpu_check.sh runs every benchmark in one lease)."""
+    if args.min_seconds:
+        return args.min_seconds
+    if args.quick:
+        return quick
+    return min(full, 0.3) if torch.device(device).type == "cuda" else full
+
+
 def copy_pair(numel: int, device) -> Callable[[], object]:
     """A copy of numel float32 between two buffers of the device (device to device on CUDA): 8 bytes
     move per element, read and write. Its bandwidth is the floor's."""
