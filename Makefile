@@ -5,7 +5,7 @@ TORCH_VERSION ?= 2.14.1
 export CUDA_HOME ?= /usr/local/cuda
 STAMP := build/.setup-done
 
-.PHONY: setup build test bench bench-loss cmake clean gpu-check
+.PHONY: setup build test bench bench-loss cmake clean gpu-check compat gpu-prebuilt
 
 # Dependencies, then the extension (C++ CPU kernels; CUDA ones too when a toolkit is present).
 $(STAMP): setup.py pyproject.toml
@@ -42,8 +42,22 @@ cmake: $(STAMP)
 	$(PYTHON) -c "import torch; torch.ops.load_library('build/cmake/libdro_ext_ops.so'); \
 	  v, w = torch.ops.dro_ext.dro_loss(torch.arange(5.), torch.tensor(1.), 0.5, 'chi2'); print('cmake build loads:', v.item(), w.item())"
 
-# On a GPU machine: build for the visible card, CUDA tests, the suite, compute-sanitizer and the GPU benchmarks,
-# every log into OUT (scripts/gpu_check.sh; PHASES=build+test+sanitize, then PHASES=bench, splits it in two).
+# The GPU machines' torch (2.11.0+cu130, Python 3.12) differs from the pinned one in C++ standard and autograd API.
+GPU_TORCH_VERSION ?= 2.11.0
+
+# CI: the sources build, CPU and CUDA kernels, against the GPU machines' torch too, and that build registers and
+# passes opcheck there (scripts/build_against_torch.sh; the in-place build is left alone).
+compat: $(STAMP)
+	PYTHON=$(PYTHON) scripts/build_against_torch.sh $(GPU_TORCH_VERSION) build/compat
+
+# Before a GPU lease, on the CPU machine: the same build, kept for the lease to carry (build/gpu-prebuilt) so that
+# the device's minutes go to tests and benchmarks; gpu-check uses it while it matches the sources.
+gpu-prebuilt: $(STAMP)
+	PYTHON=$(PYTHON) scripts/build_against_torch.sh $(GPU_TORCH_VERSION) build/gpu-prebuilt
+
+# On a GPU machine: build for the visible card (or take the carried prebuilt library), CUDA tests, the suite,
+# compute-sanitizer and the GPU benchmarks, every log into OUT (scripts/gpu_check.sh; PHASES=test+sanitize,
+# then PHASES=bench, splits it in two).
 gpu-check:
 	@test -n "$(OUT)" || (echo "usage: make gpu-check OUT=DIR [PHASES=build+test+suite+sanitize+bench]" >&2; exit 2)
 	PYTHON=$(PYTHON) scripts/gpu_check.sh "$(OUT)" $(PHASES)

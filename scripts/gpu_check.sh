@@ -3,20 +3,26 @@
 #
 #   scripts/gpu_check.sh DIR [PHASES]        (or: make gpu-check OUT=DIR [PHASES=...])
 #
-# PHASES is a '+'-separated subset of build, test, suite, sanitize, bench (default: all of them). A machine
-# with little time on it (~13 minutes of device time in all, 10 per command) runs the check in two halves,
-# back to back while the machine is still warm (a fresh machine rebuilds first, ~2 minutes), the CPU suite
-# left out (CI runs it):
-#   scripts/gpu_check.sh DIR build+test+sanitize     # build for the visible card, the CUDA tests, compute-sanitizer
-#   scripts/gpu_check.sh DIR bench                   # the benchmarks, each its own step (BENCHES, in that order)
-# Every phase after `build` first makes sure the extension in this checkout runs on this card (and builds it
-# if not, e.g. on a fresh machine). Each step runs under `timeout`; a failed step is recorded and the script
-# goes on. DIR/summary.txt lists every step with its exit status, time and log; the script exits non-zero
-# if any step failed. Step time limits (seconds) can be changed through the environment: BUILD_S, TEST_S,
-# SUITE_S, MEMCHECK_S, RACECHECK_S, BENCH_S (per benchmark); BENCHES picks the benchmarks and their order
-# (default: loss optim robust cross_entropy); BENCH_ARGS adds arguments to each benchmark run (e.g. --quick).
-# PACK_TO=FILE.tar.gz packs DIR into one archive at the end, for a runner that returns only a few files:
-#   PACK_TO=$OUT/gpu_check_1.tar.gz scripts/gpu_check.sh /tmp/gpu_check build+test; cp /tmp/gpu_check/summary.txt $OUT/
+# PHASES is a '+'-separated subset of build, test, suite, sanitize, bench (default: all of them). A lease of
+# ~15 minutes of device time (the machine's start included, 10 minutes per command) fits it in two calls back
+# to back while the machine is warm, the library built beforehand on the CPU machine (`make gpu-prebuilt`,
+# ~7 minutes there; carry build/gpu-prebuilt) and the CPU suite left out (CI runs it):
+#   scripts/gpu_check.sh DIR test+sanitize     # the CUDA tests (CUDA_TEST_WORKERS processes), compute-sanitizer
+#   scripts/gpu_check.sh DIR bench             # the benchmarks, each its own step (BENCHES, in that order)
+# Every phase first makes sure the extension in this checkout runs on this card; if not (a fresh machine), it
+# takes the prebuilt library when that was built from exactly these sources, else builds (~2 minutes).
+# `build` rebuilds in place for the visible card whatever is there. Each step runs under `timeout`; a failed
+# step is recorded and the script goes on. DIR/summary.txt lists every step with its exit status, time and
+# log; the script exits non-zero if any step failed. Step time limits (seconds) can be changed through the environment: BUILD_S, TEST_S,
+# SUITE_S, MEMCHECK_S, RACECHECK_S, BENCH_S (per benchmark); CUDA_TEST_WORKERS (default 8) sets the test
+# processes; BENCHES picks the benchmarks and their order (default: loss optim robust cross_entropy);
+# BENCH_ARGS adds arguments to each benchmark run (e.g. --quick).
+# TOTAL_S (seconds) caps the whole run: each step gets at most what is left. PACK_TO=FILE.tar.gz packs DIR into
+# one archive after every step, for a runner that returns only a few files and may kill the run at its limit:
+#   TOTAL_S=570 PACK_TO=$OUT/gpu_check_1.tar.gz scripts/gpu_check.sh /tmp/gpu_check test+sanitize
+# A lease, with build/gpu-prebuilt carried (device run tool: timeout_s=600 each, back to back):
+#   TOTAL_S=570 TEST_S=330 PACK_TO=$OUT/check.tar.gz make gpu-check OUT=/tmp/gc PHASES=test+sanitize
+#   TOTAL_S=570 BENCH_S=140 PACK_TO=$OUT/bench.tar.gz make gpu-check OUT=/tmp/gb PHASES=bench
 set -uo pipefail
 
 if [[ $# -lt 1 ]]; then
@@ -44,11 +50,30 @@ BENCH_ARGS="${BENCH_ARGS:-}"
 has_phase() { [[ "+$PHASES+" == *"+$1+"* ]]; }
 
 # step NAME LIMIT_S COMMAND...: runs the command under timeout with its output in DIR/NAME.log.
+# TOTAL_S caps the whole run (a lease's command limit): each step's limit shrinks to what is left of it, less a
+# margin for packing, and a step that would get under 20 s is skipped and recorded as such.
+STARTED=$(date +%s)
+TOTAL_S="${TOTAL_S:-}"
+
+# pack: DIR into PACK_TO, after every step, so that a run killed from outside still returns what it finished.
+pack() {
+  if [[ -n "${PACK_TO:-}" ]]; then tar czf "$PACK_TO" -C "$(dirname "$OUT_DIR")" "$(basename "$OUT_DIR")"; fi
+}
+
 step() {
   local name="$1" limit="$2"
   shift 2
   local log="$OUT_DIR/$name.log" start end rc
   start=$(date +%s)
+  if [[ -n "$TOTAL_S" ]]; then
+    local left=$((TOTAL_S - (start - STARTED) - 15))
+    if ((left < 20)); then
+      printf '%-22s %-8s (%ss of TOTAL_S=%s left)\n' "$name" "SKIPPED" "$left" "$TOTAL_S" | tee -a "$SUMMARY"
+      FAILED=1
+      return 1
+    fi
+    ((left < limit)) && limit=$left
+  fi
   echo "== $name (limit ${limit}s): $*" | tee -a "$OUT_DIR/gpu_check.log"
   timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
   rc=$?
@@ -58,6 +83,7 @@ step() {
   [[ $rc -ne 0 ]] && FAILED=1
   printf '%-22s %-8s rc=%-4s %5ss  %s\n' "$name" "$status" "$rc" "$((end - start))" "$log" >>"$SUMMARY"
   tail -n 3 "$log" | sed 's/^/   /' | tee -a "$OUT_DIR/gpu_check.log"
+  pack
   return $rc
 }
 
@@ -103,10 +129,30 @@ assert abs(v.item() - torch.ops.dro_ext.dro_loss(x.cpu(), torch.zeros(()), 1.0, 
 EOF
 }
 
+# A library built elsewhere against this machine's torch (make gpu-prebuilt, carried in PREBUILT_DIR), used
+# only if it was built from exactly the sources of this tree: it saves a short lease the build's minutes.
+PREBUILT_DIR="${PREBUILT_DIR:-build/gpu-prebuilt}"
+use_prebuilt() {
+  [[ -f "$PREBUILT_DIR/_C.abi3.so" && -f "$PREBUILT_DIR/sources.sha256" ]] || return 1
+  if [[ "$(cat "$PREBUILT_DIR/sources.sha256")" != "$(scripts/sources_hash.sh)" ]]; then
+    echo "prebuilt library in $PREBUILT_DIR is stale (built from other sources): not used" | tee -a "$SUMMARY"
+    return 1
+  fi
+  cp "$PREBUILT_DIR/_C.abi3.so" dro_ext/_C.abi3.so
+  if runs_here; then
+    echo "using the prebuilt library from $PREBUILT_DIR (torch $(cat "$PREBUILT_DIR/torch_version.txt" 2>/dev/null))" \
+      | tee -a "$SUMMARY"
+    return 0
+  fi
+  echo "prebuilt library in $PREBUILT_DIR does not run here: building" | tee -a "$SUMMARY"
+  rm -f dro_ext/_C.abi3.so
+  return 1
+}
+
 if has_phase build; then
   step build "$BUILD_S" "${BUILD_CMD[@]}"
 elif has_phase test || has_phase suite || has_phase sanitize || has_phase bench; then
-  if ! runs_here; then step build "$BUILD_S" "${BUILD_CMD[@]}"; fi
+  if ! runs_here && ! use_prebuilt; then step build "$BUILD_S" "${BUILD_CMD[@]}"; fi
 fi
 if ! runs_here; then
   echo "the extension does not run on this card after the build: see $OUT_DIR/build.log" | tee -a "$SUMMARY"
@@ -117,9 +163,17 @@ CUDA_TESTS=(tests/test_cuda_*.py)
 # A hung kernel fails its test after a minute (with every thread's stack in the log) instead of the whole step.
 per_test=()
 if "$PYTHON" -c "import pytest_timeout" 2>/dev/null; then per_test=(--timeout=90 --timeout-method=thread); fi
+# The CUDA tests spread over CUDA_TEST_WORKERS processes sharing the card where pytest-xdist is installed (it is
+# on the GPU machines' image): the kernels take little of the card, and torch.compile's and the float64 CPU
+# references' host work is what takes the time. Each worker has its own context, so the sync-debug, graph and
+# determinism checks are unaffected; CUDA_TEST_WORKERS=0 runs them in one process.
+cuda_parallel=()
+if [[ "${CUDA_TEST_WORKERS:-8}" != 0 ]] && "$PYTHON" -c "import xdist" 2>/dev/null; then
+  cuda_parallel=(-n "${CUDA_TEST_WORKERS:-8}")
+fi
 if has_phase test; then
-  step cuda_tests "$TEST_S" env PYTHONUNBUFFERED=1 "$PYTHON" -m pytest -q -rs --durations=15 "${per_test[@]}" \
-    --junitxml="$OUT_DIR/cuda_tests.xml" "${CUDA_TESTS[@]}"
+  step cuda_tests "$TEST_S" env PYTHONUNBUFFERED=1 "$PYTHON" -m pytest -q -rs --durations=15 "${cuda_parallel[@]}" \
+    "${per_test[@]}" --junitxml="$OUT_DIR/cuda_tests.xml" "${CUDA_TESTS[@]}"
 fi
 if has_phase suite; then
   ignores=()
@@ -156,6 +210,6 @@ fi
 echo "# done $(date -u +%Y-%m-%dT%H:%M:%SZ), $([[ $FAILED -eq 0 ]] && echo 'all steps passed' || echo 'SOME STEPS FAILED')" >>"$SUMMARY"
 cat "$SUMMARY"
 if [[ -n "${PACK_TO:-}" ]]; then
-  tar czf "$PACK_TO" -C "$(dirname "$OUT_DIR")" "$(basename "$OUT_DIR")" && echo "packed $OUT_DIR into $PACK_TO"
+  pack && echo "packed $OUT_DIR into $PACK_TO"
 fi
 exit $FAILED

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Builds the extension, CPU and CUDA kernels, against a torch release other than the installed one, in a
+# virtual environment of its own, into DIR/_C.abi3.so (stripped of debug info), and checks it there:
+#
+#   scripts/build_against_torch.sh VERSION DIR [PYTEST_ARGS...]
+#
+# The in-place build (dro_ext/_C.abi3.so) is left alone. Two uses (Makefile):
+#   make compat        CI: the sources must build against the GPU machines' torch (2.11.0+cu130), not only the
+#                      pinned 2.14.1: the two differ in C++ standard and autograd API.
+#   make gpu-prebuilt  the same build, kept in build/gpu-prebuilt for a short GPU lease to carry instead of
+#                      building there (scripts/gpu_check.sh uses it when DIR/sources.sha256 matches the tree).
+# The library is abi3 (py_limited_api), so a build made with this Python loads in the GPU machines' 3.12.
+# Importing that torch needs its CUDA libraries: they are taken from the installed torch's nvidia packages
+# (same CUDA major version) instead of downloading several GB of them again.
+set -euo pipefail
+
+if [[ $# -lt 2 ]]; then
+  echo "usage: $0 TORCH_VERSION DIR [PYTEST_ARGS...]" >&2
+  exit 2
+fi
+VERSION="$1"
+OUT_DIR="$(mkdir -p "$2" && cd "$2" && pwd)"
+shift 2
+cd "$(dirname "$0")/.."
+REPO="$(pwd)"
+PYTHON="${PYTHON:-python3}"
+export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+VENV="$REPO/build/torch-$VERSION"
+# Objects and the check's copy of the package live beside DIR, so that DIR holds only what a lease carries.
+WORK="$REPO/build/work-$(basename "$OUT_DIR")"
+
+nvidia_libs="$("$PYTHON" - <<'EOF'
+import glob, os, site
+dirs = [d for s in site.getsitepackages() for d in glob.glob(os.path.join(s, "nvidia", "**", "lib"), recursive=True)]
+print(":".join(sorted(set(dirs))))
+EOF
+)"
+export LD_LIBRARY_PATH="$nvidia_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$VERSION')" 2>/dev/null; then
+  rm -rf "$VENV"
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --no-deps "torch==$VERSION"
+  "$VENV/bin/pip" install -q filelock typing-extensions "setuptools<82" sympy networkx jinja2 fsspec numpy ninja \
+    pytest expecttest hypothesis scipy
+fi
+echo "building against $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+
+SOURCES_HASH="$(scripts/sources_hash.sh)"  # before the build: an edit during it must not pass for built
+rm -rf "$WORK/lib" "$WORK/pkg"
+rm -f "$OUT_DIR/_C.abi3.so" "$OUT_DIR/sources.sha256" "$OUT_DIR/torch_version.txt" "$OUT_DIR/tests.log"
+env DRO_EXT_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-$(nproc)}" \
+  "$VENV/bin/python" setup.py -q build_ext --build-lib "$WORK/lib" --build-temp "$WORK/tmp"
+strip --strip-debug -o "$OUT_DIR/_C.abi3.so" "$WORK/lib/dro_ext/_C.abi3.so"
+if [[ "$(scripts/sources_hash.sh)" != "$SOURCES_HASH" ]]; then
+  echo "the sources changed during the build: run it again" >&2
+  exit 1
+fi
+echo "$SOURCES_HASH" >"$OUT_DIR/sources.sha256"
+"$VENV/bin/python" -c 'import torch; print(torch.__version__)' >"$OUT_DIR/torch_version.txt"
+
+# The check: a copy of the package and its tests with this build in it, run from that copy (the checkout's
+# conftest.py would put the checkout, and its own build, first on the path). A skip would hide a build that
+# does not load, so any skip fails the check.
+mkdir -p "$WORK/pkg"
+git ls-files -z dro_ext tests conftest.py pyproject.toml | xargs -0 cp --parents -t "$WORK/pkg"
+cp "$OUT_DIR/_C.abi3.so" "$WORK/pkg/dro_ext/"
+cd "$WORK/pkg"
+"$VENV/bin/python" - <<EOF
+import dro_ext, torch
+assert dro_ext.__file__.startswith("$WORK/pkg/"), dro_ext.__file__
+assert dro_ext.backend() == "native", dro_ext._backend.load_error()
+print("dro_ext", dro_ext.backend(), "on torch", torch.__version__)
+EOF
+DRO_EXT_CUDA=1 "$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider tests/test_cuda_registration.py \
+  tests/test_compile_and_opcheck.py "$@" 2>&1 | tee "$OUT_DIR/tests.log"
+if grep -q " skipped" "$OUT_DIR/tests.log"; then
+  echo "the build against torch $VERSION skipped tests (see above): it must load and register everywhere" >&2
+  exit 1
+fi
