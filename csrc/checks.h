@@ -67,17 +67,84 @@ inline void check_losses(const at::Tensor& losses) {
                     losses.scalar_type());
 }
 
-// A 0-d floating tensor on the device of `losses`.
-inline void check_scalar_tensor(const char* arg, const at::Tensor& value, const at::Tensor& losses) {
+// A 0-d floating tensor on the device of `beside` (the op's main tensor, named beside_name in the message).
+inline void check_scalar_tensor(const char* arg, const at::Tensor& value, const at::Tensor& beside,
+                                const char* beside_name = "losses") {
   TORCH_CHECK_VALUE(value.dim() == 0, "dro_ext: ", arg, " must be a 0-d tensor, got shape ", value.sizes());
   TORCH_CHECK_TYPE(at::isFloatingType(value.scalar_type()), "dro_ext: ", arg, " must have a floating dtype, got ",
                     value.scalar_type());
-  TORCH_CHECK_VALUE(value.device() == losses.device(), "dro_ext: ", arg, " is on ", value.device(),
-                    " but losses is on ", losses.device(), "; move them to the same device");
+  TORCH_CHECK_VALUE(value.device() == beside.device(), "dro_ext: ", arg, " is on ", value.device(), " but ",
+                    beside_name, " is on ", beside.device(), "; move them to the same device");
 }
 
 inline void check_order(int64_t order) {
   TORCH_CHECK_VALUE(order >= 0 && order <= 2, "dro_ext: order must be 0, 1 or 2, got order=", order);
+}
+
+// The checks of each op over the losses, one function per op, called by its CPU and CUDA kernels alike;
+// each returns the parsed divergence.
+
+inline DivergenceSpec check_dro_loss_args(const at::Tensor& losses, const at::Tensor& eta, double lam,
+                                          c10::string_view divergence, std::optional<double> alpha,
+                                          std::optional<double> k, double scale) {
+  check_losses(losses);
+  check_scalar_tensor("eta", eta, losses);
+  check_positive("scale", scale);
+  return check_divergence_args(lam, divergence, alpha, k);
+}
+
+inline DivergenceSpec check_dro_loss_backward_args(const at::Tensor& grad, const at::Tensor& losses,
+                                                   const at::Tensor& eta, const at::Tensor& mean_weight, double lam,
+                                                   c10::string_view divergence, std::optional<double> alpha,
+                                                   std::optional<double> k, double scale) {
+  check_losses(losses);
+  check_scalar_tensor("grad", grad, losses);
+  check_scalar_tensor("eta", eta, losses);
+  check_scalar_tensor("mean_weight", mean_weight, losses);
+  check_positive("scale", scale);
+  return check_divergence_args(lam, divergence, alpha, k);
+}
+
+// psi_star_terms also takes empty or N-d losses (it is elementwise).
+inline DivergenceSpec check_psi_star_terms_args(const at::Tensor& losses, const at::Tensor& eta,
+                                                const at::Tensor& multiplier, double lam, c10::string_view divergence,
+                                                std::optional<double> alpha, std::optional<double> k, double scale,
+                                                int64_t order) {
+  TORCH_CHECK_TYPE(at::isFloatingType(losses.scalar_type()),
+                    "dro_ext: losses must have a floating dtype, got ", losses.scalar_type());
+  check_scalar_tensor("eta", eta, losses);
+  check_scalar_tensor("multiplier", multiplier, losses);
+  check_positive("scale", scale);
+  check_order(order);
+  return check_divergence_args(lam, divergence, alpha, k);
+}
+
+inline DivergenceSpec check_robust_weights_args(const at::Tensor& losses, const at::Tensor& eta_star, double lam,
+                                                c10::string_view divergence, std::optional<double> alpha,
+                                                std::optional<double> k) {
+  check_losses(losses);
+  check_scalar_tensor("eta_star", eta_star, losses);
+  return check_divergence_args(lam, divergence, alpha, k);
+}
+
+// weight_stats: 1-D floating weights and, when given, int32/int64 group ids beside them in [0, num_groups)
+// (the range is checked by the kernels, which read the ids). Returns the ids as a contiguous int64 tensor, or
+// an undefined tensor without groups.
+inline at::Tensor check_weight_stats_args(const at::Tensor& weights, const std::optional<at::Tensor>& groups,
+                                          int64_t num_groups) {
+  TORCH_CHECK_VALUE(weights.dim() == 1, "dro_ext: weights must be a 1-D tensor, got shape ", weights.sizes());
+  TORCH_CHECK_VALUE(weights.numel() > 0, "dro_ext: weights must not be empty");
+  TORCH_CHECK_TYPE(at::isFloatingType(weights.scalar_type()), "dro_ext: weights must have a floating dtype, got ",
+                    weights.scalar_type());
+  if (!groups.has_value()) return at::Tensor();
+  TORCH_CHECK_VALUE(num_groups > 0, "dro_ext: num_groups must be > 0, got num_groups=", num_groups);
+  TORCH_CHECK_VALUE(groups->sizes() == weights.sizes(), "dro_ext: groups must have shape ", weights.sizes(),
+                    ", got ", groups->sizes());
+  TORCH_CHECK_VALUE(groups->device() == weights.device(), "dro_ext: groups is on ", groups->device(),
+                    " but the weights are on ", weights.device());
+  TORCH_CHECK_VALUE(groups->scalar_type() == at::kLong || groups->scalar_type() == at::kInt,
+                    "dro_ext: groups must be an int64 or int32 tensor of group ids, got ", groups->scalar_type());
+  return groups->to(at::kLong).contiguous();
 }
 
 // The dtype reductions accumulate in: float32 for half/bfloat16/float32, float64 for float64.

@@ -53,8 +53,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dro_cross_entropy_cpu
     const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& eta, double lam,
     c10::string_view divergence, std::optional<double> alpha, std::optional<double> k, double scale,
     int64_t ignore_index, double label_smoothing) {
-  check_cross_entropy_inputs(logits, targets, eta, scale, label_smoothing);
-  const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
+  const DivergenceSpec spec =
+      check_cross_entropy_forward_args(logits, targets, eta, lam, divergence, alpha, k, scale, label_smoothing);
   const at::Tensor x = logits.contiguous(), y = targets.contiguous();
   const int64_t kept = count_kept_rows_cpu(y, x.size(1), ignore_index);
   const auto acc_options = logits.options().dtype(accumulate_type(logits.scalar_type()));
@@ -70,11 +70,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dro_cross_entropy_cpu
 at::Tensor dro_cross_entropy_backward_cpu(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& targets,
                                           const at::Tensor& lse, const at::Tensor& row_weight, int64_t ignore_index,
                                           double label_smoothing) {
-  check_cross_entropy_logits_targets(logits, targets);
-  check_scalar_beside_logits("grad", grad, logits);
-  check_row_vector("lse", lse, logits);
-  check_row_vector("row_weight", row_weight, logits);
-  check_label_smoothing(label_smoothing);
+  check_cross_entropy_backward_args(grad, logits, targets, lse, row_weight, label_smoothing);
   const at::Tensor x = logits.contiguous(), y = targets.contiguous();
   count_kept_rows_cpu(y, x.size(1), ignore_index);  // the targets index the logits: check them again
   // From the repository's buffer cache: a training loop asks for the same N x C gradient every step, and
@@ -89,11 +85,8 @@ at::Tensor dro_cross_entropy_chunk_cpu(const at::Tensor& logits, const at::Tenso
                                        const at::Tensor& inv_count, double lam, c10::string_view divergence,
                                        std::optional<double> alpha, std::optional<double> k, double scale,
                                        int64_t ignore_index, double label_smoothing, bool compute_grad) {
-  check_cross_entropy_inputs(logits, targets, eta, scale, label_smoothing);
-  check_scalar_beside_logits("inv_count", inv_count, logits);
-  TORCH_CHECK_VALUE(logits.is_contiguous(), "dro_ext: dro_cross_entropy_chunk_ overwrites logits in place, so they "
-                    "must be contiguous");
-  const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
+  const DivergenceSpec spec = check_cross_entropy_chunk_args(logits, targets, eta, inv_count, lam, divergence, alpha,
+                                                             k, scale, label_smoothing);
   const at::Tensor y = targets.contiguous();
   count_kept_rows_cpu(y, logits.size(1), ignore_index);
   at::Tensor grad = logits;  // the gradient overwrites the logits

@@ -41,20 +41,43 @@ inline void check_row_vector(const char* arg, const at::Tensor& value, const at:
                     " but logits is on ", logits.device(), "; move them to the same device");
 }
 
-// A 0-d floating tensor on the device of the logits.
-inline void check_scalar_beside_logits(const char* arg, const at::Tensor& value, const at::Tensor& logits) {
-  TORCH_CHECK_VALUE(value.dim() == 0, "dro_ext: ", arg, " must be a 0-d tensor, got shape ", value.sizes());
-  TORCH_CHECK_TYPE(at::isFloatingType(value.scalar_type()), "dro_ext: ", arg, " must have a floating dtype, got ",
-                   value.scalar_type());
-  TORCH_CHECK_VALUE(value.device() == logits.device(), "dro_ext: ", arg, " is on ", value.device(),
-                    " but logits is on ", logits.device(), "; move them to the same device");
-}
-
 inline void check_cross_entropy_inputs(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& eta,
                                        double scale, double label_smoothing) {
   check_cross_entropy_logits_targets(logits, targets);
-  check_scalar_beside_logits("eta", eta, logits);
+  check_scalar_tensor("eta", eta, logits, "logits");
   check_positive("scale", scale);
+  check_label_smoothing(label_smoothing);
+}
+
+// The checks of each cross-entropy op, called by its CPU and CUDA kernels alike; the forward ones return the
+// parsed divergence.
+
+inline DivergenceSpec check_cross_entropy_forward_args(const at::Tensor& logits, const at::Tensor& targets,
+                                                       const at::Tensor& eta, double lam, c10::string_view divergence,
+                                                       std::optional<double> alpha, std::optional<double> k,
+                                                       double scale, double label_smoothing) {
+  check_cross_entropy_inputs(logits, targets, eta, scale, label_smoothing);
+  return check_divergence_args(lam, divergence, alpha, k);
+}
+
+inline DivergenceSpec check_cross_entropy_chunk_args(const at::Tensor& logits, const at::Tensor& targets,
+                                                     const at::Tensor& eta, const at::Tensor& inv_count, double lam,
+                                                     c10::string_view divergence, std::optional<double> alpha,
+                                                     std::optional<double> k, double scale, double label_smoothing) {
+  check_cross_entropy_inputs(logits, targets, eta, scale, label_smoothing);
+  check_scalar_tensor("inv_count", inv_count, logits, "logits");
+  TORCH_CHECK_VALUE(logits.is_contiguous(), "dro_ext: dro_cross_entropy_chunk_ overwrites logits in place, so they "
+                    "must be contiguous");
+  return check_divergence_args(lam, divergence, alpha, k);
+}
+
+inline void check_cross_entropy_backward_args(const at::Tensor& grad, const at::Tensor& logits,
+                                              const at::Tensor& targets, const at::Tensor& lse,
+                                              const at::Tensor& row_weight, double label_smoothing) {
+  check_cross_entropy_logits_targets(logits, targets);
+  check_scalar_tensor("grad", grad, logits, "logits");
+  check_row_vector("lse", lse, logits);
+  check_row_vector("row_weight", row_weight, logits);
   check_label_smoothing(label_smoothing);
 }
 

@@ -23,10 +23,7 @@ namespace {
 std::tuple<at::Tensor, at::Tensor> dro_loss_cpu(
     const at::Tensor& losses, const at::Tensor& eta, double lam, c10::string_view divergence,
     std::optional<double> alpha, std::optional<double> k, double scale) {
-  check_losses(losses);
-  check_scalar_tensor("eta", eta, losses);
-  check_positive("scale", scale);
-  const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
+  const DivergenceSpec spec = check_dro_loss_args(losses, eta, lam, divergence, alpha, k, scale);
   const at::Tensor x = losses.contiguous();
   const double g_eta = scale * cpu::read_scalar(eta);
   // lam psi*(t) + G eta = l + lam (psi*(t) - t) = G eta + lam (t + excess(t)): lam * excess keeps its precision
@@ -56,13 +53,8 @@ at::Tensor psi_star_terms_cpu(
     const at::Tensor& losses, const at::Tensor& eta, const at::Tensor& multiplier, double lam,
     c10::string_view divergence, std::optional<double> alpha, std::optional<double> k, double scale,
     int64_t order) {
-  TORCH_CHECK_TYPE(at::isFloatingType(losses.scalar_type()),
-                    "dro_ext: losses must have a floating dtype, got ", losses.scalar_type());
-  check_scalar_tensor("eta", eta, losses);
-  check_scalar_tensor("multiplier", multiplier, losses);
-  check_positive("scale", scale);
-  check_order(order);
-  const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
+  const DivergenceSpec spec =
+      check_psi_star_terms_args(losses, eta, multiplier, lam, divergence, alpha, k, scale, order);
   return map_terms(losses.contiguous(), eta, cpu::read_scalar(multiplier), lam, spec, scale, order);
 }
 
@@ -70,12 +62,8 @@ std::tuple<at::Tensor, at::Tensor> dro_loss_backward_cpu(
     const at::Tensor& grad, const at::Tensor& losses, const at::Tensor& eta, const at::Tensor& mean_weight,
     double lam, c10::string_view divergence, std::optional<double> alpha, std::optional<double> k,
     double scale) {
-  check_losses(losses);
-  check_scalar_tensor("grad", grad, losses);
-  check_scalar_tensor("eta", eta, losses);
-  check_scalar_tensor("mean_weight", mean_weight, losses);
-  check_positive("scale", scale);
-  const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
+  const DivergenceSpec spec =
+      check_dro_loss_backward_args(grad, losses, eta, mean_weight, lam, divergence, alpha, k, scale);
   const double g = cpu::read_scalar(grad);
   at::Tensor grad_losses = map_terms(
       losses.contiguous(), eta, g / static_cast<double>(losses.numel()), lam, spec, scale, 1);

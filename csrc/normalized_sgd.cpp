@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include "cpu/kernels.h"
+#include "normalized_sgd_checks.h"
 
 #include <cmath>
 #include <cstring>
@@ -208,29 +209,6 @@ double read_scalar(const char* arg, const at::Tensor& t) {
   return t.item<double>();
 }
 
-void check_lists(at::TensorList params, at::TensorList grads, at::TensorList momenta, at::TensorList steps) {
-  TORCH_CHECK_VALUE(grads.size() == params.size() && momenta.size() == params.size() && steps.size() == params.size(),
-                    "dro_ext: params, grads, momenta and steps must have the same length, got ", params.size(), ", ",
-                    grads.size(), ", ", momenta.size(), ", ", steps.size());
-  for (const auto i : c10::irange(params.size())) {
-    const at::Tensor& p = params[i];
-    TORCH_CHECK_TYPE(at::isFloatingType(p.scalar_type()), "dro_ext: params[", i,
-                      "] must have a floating dtype, got ", p.scalar_type());
-    TORCH_CHECK_VALUE(p.device().is_cpu(), "dro_ext: params[", i, "] is on ", p.device(),
-                      "; this kernel takes CPU tensors only");
-    auto check_like_param = [&](const char* name, const at::Tensor& t) {
-      TORCH_CHECK_VALUE(t.scalar_type() == p.scalar_type() && t.device() == p.device() && t.sizes() == p.sizes(),
-                        "dro_ext: ", name, "[", i, "] must match params[", i, "] (", p.scalar_type(), " ", p.sizes(),
-                        " on ", p.device(), "), got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
-    };
-    check_like_param("grads", grads[i]);
-    check_like_param("momenta", momenta[i]);
-    TORCH_CHECK_VALUE(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat && steps[i].device().is_cpu(),
-                      "dro_ext: steps[", i, "] must be a one-element float32 CPU tensor, got ", steps[i].scalar_type(),
-                      " ", steps[i].sizes(), " on ", steps[i].device());
-  }
-}
-
 Operands flat_operands(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m) {
   if (p.is_non_overlapping_and_dense() && g.strides() == p.strides() && m.strides() == p.strides()) {
     return {p, g, m, false};
@@ -242,13 +220,8 @@ void normalized_sgd_step_cpu(
     at::TensorList params, at::TensorList grads, at::TensorList momenta, at::TensorList steps, const at::Tensor& lr,
     double momentum, double eps, double weight_decay, c10::string_view norm, bool maximize,
     const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
-  check_lists(params, grads, momenta, steps);
-  TORCH_CHECK_VALUE(momentum >= 0.0 && momentum < 1.0, "dro_ext: momentum must be in [0, 1), got ", momentum);
-  TORCH_CHECK_VALUE(eps >= 0.0 && std::isfinite(eps), "dro_ext: eps must be a finite number >= 0, got ", eps);
-  TORCH_CHECK_VALUE(weight_decay >= 0.0 && std::isfinite(weight_decay),
-                    "dro_ext: weight_decay must be a finite number >= 0, got ", weight_decay);
-  TORCH_CHECK_VALUE(norm == "global" || norm == "tensor", "dro_ext: norm must be 'global' or 'tensor', got '",
-                    std::string(norm), "'");
+  check_step_lists(params, grads, momenta, steps, at::kCPU);
+  check_step_hyperparameters(momentum, eps, weight_decay, norm);
   const bool per_tensor = norm == "tensor";
   // GradScaler found an inf or NaN in some gradient: the whole step is skipped, counts included.
   if (found_inf.has_value() && read_scalar("found_inf", *found_inf) != 0.0) return;

@@ -382,9 +382,7 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cpu(
 at::Tensor robust_weights_cpu(
     const at::Tensor& losses, const at::Tensor& eta_star, double lam, c10::string_view divergence,
     std::optional<double> alpha, std::optional<double> k) {
-  check_losses(losses);
-  check_scalar_tensor("eta_star", eta_star, losses);
-  const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
+  const DivergenceSpec spec = check_robust_weights_args(losses, eta_star, lam, divergence, alpha, k);
   const at::Tensor x = losses.contiguous();
   at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
   const double eta = eta_star.item<double>();
@@ -424,22 +422,8 @@ at::Tensor robust_weights_cpu(
 // weights normalized to sum to one; group_mass is empty without groups.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weight_stats_cpu(
     const at::Tensor& weights, const std::optional<at::Tensor>& groups, int64_t num_groups) {
-  TORCH_CHECK_VALUE(weights.dim() == 1, "dro_ext: weights must be a 1-D tensor, got shape ", weights.sizes());
-  TORCH_CHECK_VALUE(weights.numel() > 0, "dro_ext: weights must not be empty");
-  TORCH_CHECK_TYPE(at::isFloatingType(weights.scalar_type()), "dro_ext: weights must have a floating dtype, got ",
-                    weights.scalar_type());
-  const bool with_groups = groups.has_value();
-  at::Tensor g;
-  if (with_groups) {
-    TORCH_CHECK_VALUE(num_groups > 0, "dro_ext: num_groups must be > 0, got num_groups=", num_groups);
-    TORCH_CHECK_VALUE(groups->sizes() == weights.sizes(), "dro_ext: groups must have shape ", weights.sizes(),
-                      ", got ", groups->sizes());
-    TORCH_CHECK_VALUE(groups->device() == weights.device(), "dro_ext: groups is on ", groups->device(),
-                      " but the weights are on ", weights.device());
-    TORCH_CHECK_VALUE(groups->scalar_type() == at::kLong || groups->scalar_type() == at::kInt,
-                      "dro_ext: groups must be an int64 or int32 tensor of group ids, got ", groups->scalar_type());
-    g = groups->to(at::kLong).contiguous();
-  }
+  const at::Tensor g = check_weight_stats_args(weights, groups, num_groups);
+  const bool with_groups = g.defined();
   const at::Tensor x = weights.contiguous();
   const int64_t n = x.numel();
   const int64_t width = with_groups ? num_groups : 0;

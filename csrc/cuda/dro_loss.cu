@@ -34,10 +34,7 @@ __global__ void __launch_bounds__(kThreads) loss_finalize_kernel(
 std::tuple<at::Tensor, at::Tensor> dro_loss_cuda(
     const at::Tensor& losses, const at::Tensor& eta, double lam, c10::string_view divergence,
     std::optional<double> alpha, std::optional<double> k, double scale) {
-  check_losses(losses);
-  check_scalar_tensor("eta", eta, losses);
-  check_positive("scale", scale);
-  const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
+  const DivergenceSpec spec = check_dro_loss_args(losses, eta, lam, divergence, alpha, k, scale);
   const c10::cuda::CUDAGuard guard(losses.device());
   const at::Tensor x = losses.contiguous();
   const ShiftRef g_eta{scalar_ref(eta), scale, 0.0};
@@ -62,13 +59,8 @@ at::Tensor psi_star_terms_cuda(
     const at::Tensor& losses, const at::Tensor& eta, const at::Tensor& multiplier, double lam,
     c10::string_view divergence, std::optional<double> alpha, std::optional<double> k, double scale,
     int64_t order) {
-  TORCH_CHECK_TYPE(at::isFloatingType(losses.scalar_type()),
-                    "dro_ext: losses must have a floating dtype, got ", losses.scalar_type());
-  check_scalar_tensor("eta", eta, losses);
-  check_scalar_tensor("multiplier", multiplier, losses);
-  check_positive("scale", scale);
-  check_order(order);
-  const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
+  const DivergenceSpec spec =
+      check_psi_star_terms_args(losses, eta, multiplier, lam, divergence, alpha, k, scale, order);
   const c10::cuda::CUDAGuard guard(losses.device());
   const at::Tensor x = losses.contiguous();
   at::Tensor out = at::empty(x.sizes(), x.options());
@@ -81,12 +73,8 @@ std::tuple<at::Tensor, at::Tensor> dro_loss_backward_cuda(
     const at::Tensor& grad, const at::Tensor& losses, const at::Tensor& eta, const at::Tensor& mean_weight,
     double lam, c10::string_view divergence, std::optional<double> alpha, std::optional<double> k,
     double scale) {
-  check_losses(losses);
-  check_scalar_tensor("grad", grad, losses);
-  check_scalar_tensor("eta", eta, losses);
-  check_scalar_tensor("mean_weight", mean_weight, losses);
-  check_positive("scale", scale);
-  const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
+  const DivergenceSpec spec =
+      check_dro_loss_backward_args(grad, losses, eta, mean_weight, lam, divergence, alpha, k, scale);
   const c10::cuda::CUDAGuard guard(losses.device());
   const at::Tensor x = losses.contiguous();
   at::Tensor grad_losses = at::empty(x.sizes(), x.options());

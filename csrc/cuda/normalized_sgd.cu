@@ -44,6 +44,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "normalized_sgd_checks.h"
+
 namespace dro_ext {
 namespace {
 
@@ -344,30 +346,6 @@ ScalarArg scalar_arg(const char* name, const std::optional<at::Tensor>& tensor, 
   return arg;
 }
 
-void check_lists(at::TensorList params, at::TensorList grads, at::TensorList momenta, at::TensorList steps,
-                 c10::Device device) {
-  for (const auto i : c10::irange(params.size())) {
-    const at::Tensor& p = params[i];
-    TORCH_CHECK_TYPE(at::isFloatingType(p.scalar_type()), "dro_ext: params[", i,
-                     "] must have a floating dtype, got ", p.scalar_type());
-    const auto dtype = p.scalar_type();
-    TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16,
-                     "dro_ext: params[", i, "] must be float32, float64, float16 or bfloat16, got ", dtype);
-    TORCH_CHECK_VALUE(p.device() == device, "dro_ext: params[", i, "] is on ", p.device(), " but params[0] is on ",
-                      device, "; every tensor of one call must sit on one device");
-    auto check_like_param = [&](const char* name, const at::Tensor& t) {
-      TORCH_CHECK_VALUE(t.scalar_type() == p.scalar_type() && t.device() == p.device() && t.sizes() == p.sizes(),
-                        "dro_ext: ", name, "[", i, "] must match params[", i, "] (", p.scalar_type(), " ", p.sizes(),
-                        " on ", p.device(), "), got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
-    };
-    check_like_param("grads", grads[i]);
-    check_like_param("momenta", momenta[i]);
-    TORCH_CHECK_VALUE(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat && steps[i].device() == device,
-                      "dro_ext: steps[", i, "] must be a one-element float32 tensor on ", device, " (beside params[",
-                      i, "]), got ", steps[i].scalar_type(), " ", steps[i].sizes(), " on ", steps[i].device());
-  }
-}
-
 // One tensor's operands as flat arrays: as given when p, g and m share one dense layout, else contiguous
 // copies (p and m are copied back after the step), exactly as the CPU kernel does.
 struct Operands {
@@ -415,20 +393,13 @@ void normalized_sgd_step_cuda(
     at::TensorList params, at::TensorList grads, at::TensorList momenta, at::TensorList steps, const at::Tensor& lr,
     double momentum, double eps, double weight_decay, c10::string_view norm, bool maximize,
     const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
-  TORCH_CHECK_VALUE(grads.size() == params.size() && momenta.size() == params.size() && steps.size() == params.size(),
-                    "dro_ext: params, grads, momenta and steps must have the same length, got ", params.size(), ", ",
-                    grads.size(), ", ", momenta.size(), ", ", steps.size());
-  TORCH_CHECK_VALUE(momentum >= 0.0 && momentum < 1.0, "dro_ext: momentum must be in [0, 1), got ", momentum);
-  TORCH_CHECK_VALUE(eps >= 0.0 && std::isfinite(eps), "dro_ext: eps must be a finite number >= 0, got ", eps);
-  TORCH_CHECK_VALUE(weight_decay >= 0.0 && std::isfinite(weight_decay),
-                    "dro_ext: weight_decay must be a finite number >= 0, got ", weight_decay);
-  TORCH_CHECK_VALUE(norm == "global" || norm == "tensor", "dro_ext: norm must be 'global' or 'tensor', got '",
-                    std::string(norm), "'");
+  check_step_list_lengths(params, grads, momenta, steps);
+  check_step_hyperparameters(momentum, eps, weight_decay, norm);
   if (params.empty()) return;
   const c10::Device device = params[0].device();
   TORCH_CHECK_VALUE(device.is_cuda(), "dro_ext: params[0] is on ", device,
                     " while other arguments are CUDA tensors; every tensor of one call must sit on one device");
-  check_lists(params, grads, momenta, steps, device);
+  check_step_lists(params, grads, momenta, steps, device);
   const bool per_tensor = norm == "tensor";
 
   const c10::cuda::CUDAGuard guard(device);

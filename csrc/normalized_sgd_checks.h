@@ -1,0 +1,55 @@
+// Argument checks of normalized_sgd_step_, shared by the CPU and CUDA entry points: each failure names the
+// argument (and, for the lists, the index).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+
+#include <cmath>
+#include <string>
+
+namespace dro_ext {
+
+inline void check_step_hyperparameters(double momentum, double eps, double weight_decay, c10::string_view norm) {
+  TORCH_CHECK_VALUE(momentum >= 0.0 && momentum < 1.0, "dro_ext: momentum must be in [0, 1), got ", momentum);
+  TORCH_CHECK_VALUE(eps >= 0.0 && std::isfinite(eps), "dro_ext: eps must be a finite number >= 0, got ", eps);
+  TORCH_CHECK_VALUE(weight_decay >= 0.0 && std::isfinite(weight_decay),
+                    "dro_ext: weight_decay must be a finite number >= 0, got ", weight_decay);
+  TORCH_CHECK_VALUE(norm == "global" || norm == "tensor", "dro_ext: norm must be 'global' or 'tensor', got '",
+                    std::string(norm), "'");
+}
+
+inline void check_step_list_lengths(at::TensorList params, at::TensorList grads, at::TensorList momenta,
+                                    at::TensorList steps) {
+  TORCH_CHECK_VALUE(grads.size() == params.size() && momenta.size() == params.size() && steps.size() == params.size(),
+                    "dro_ext: params, grads, momenta and steps must have the same length, got ", params.size(), ", ",
+                    grads.size(), ", ", momenta.size(), ", ", steps.size());
+}
+
+// Every param a float32, float64, float16 or bfloat16 tensor on `device` (the one the kernel runs on), its grad
+// and momentum alike, and its step count a one-element float32 tensor beside it.
+inline void check_step_lists(at::TensorList params, at::TensorList grads, at::TensorList momenta,
+                             at::TensorList steps, c10::Device device) {
+  check_step_list_lengths(params, grads, momenta, steps);
+  for (const auto i : c10::irange(params.size())) {
+    const at::Tensor& p = params[i];
+    const auto dtype = p.scalar_type();
+    TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16,
+                     "dro_ext: params[", i, "] must be float32, float64, float16 or bfloat16, got ", dtype);
+    TORCH_CHECK_VALUE(p.device() == device, "dro_ext: params[", i, "] is on ", p.device(), " but this step runs on ",
+                      device, "; every tensor of one call must sit on one device");
+    auto check_like_param = [&](const char* name, const at::Tensor& t) {
+      TORCH_CHECK_VALUE(t.scalar_type() == p.scalar_type() && t.device() == p.device() && t.sizes() == p.sizes(),
+                        "dro_ext: ", name, "[", i, "] must match params[", i, "] (", p.scalar_type(), " ", p.sizes(),
+                        " on ", p.device(), "), got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
+    };
+    check_like_param("grads", grads[i]);
+    check_like_param("momenta", momenta[i]);
+    TORCH_CHECK_VALUE(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat && steps[i].device() == device,
+                      "dro_ext: steps[", i, "] must be a one-element float32 tensor on ", device, " (beside params[",
+                      i, "]), got ", steps[i].scalar_type(), " ", steps[i].sizes(), " on ", steps[i].device());
+  }
+}
+
+}  // namespace dro_ext
