@@ -60,7 +60,7 @@ gpu-prebuilt: $(STAMP)
 # then PHASES=bench, splits it in two).
 gpu-check:
 	@test -n "$(OUT)" || (echo "usage: make gpu-check OUT=DIR [PHASES=build+test+suite+sanitize+bench]" >&2; exit 2)
-	PYTHON=$(PYTHON) scripts/gpu_check.sh "$(OUT)" $(PHASES)
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh "$(OUT)" $(PHASES)
 
 clean:
 	rm -rf build dro_ext/*.so *.egg-info

@@ -46,13 +46,13 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
 fi
 echo "building against $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
 
-SOURCES_HASH="$(scripts/sources_hash.sh)"  # before the build: an edit during it must not pass for built
+SOURCES_HASH="$(bash scripts/sources_hash.sh)"  # before the build: an edit during it must not pass for built
 rm -rf "$WORK/lib" "$WORK/pkg"
 rm -f "$OUT_DIR/_C.abi3.so" "$OUT_DIR/sources.sha256" "$OUT_DIR/torch_version.txt" "$OUT_DIR/tests.log"
 env DRO_EXT_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-$(nproc)}" \
   "$VENV/bin/python" setup.py -q build_ext --build-lib "$WORK/lib" --build-temp "$WORK/tmp"
 strip --strip-debug -o "$OUT_DIR/_C.abi3.so" "$WORK/lib/dro_ext/_C.abi3.so"
-if [[ "$(scripts/sources_hash.sh)" != "$SOURCES_HASH" ]]; then
+if [[ "$(bash scripts/sources_hash.sh)" != "$SOURCES_HASH" ]]; then
   echo "the sources changed during the build: run it again" >&2
   exit 1
 fi

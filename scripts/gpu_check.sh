@@ -134,7 +134,7 @@ EOF
 PREBUILT_DIR="${PREBUILT_DIR:-build/gpu-prebuilt}"
 use_prebuilt() {
   [[ -f "$PREBUILT_DIR/_C.abi3.so" && -f "$PREBUILT_DIR/sources.sha256" ]] || return 1
-  if [[ "$(cat "$PREBUILT_DIR/sources.sha256")" != "$(scripts/sources_hash.sh)" ]]; then
+  if [[ "$(cat "$PREBUILT_DIR/sources.sha256")" != "$(bash scripts/sources_hash.sh)" ]]; then
     echo "prebuilt library in $PREBUILT_DIR is stale (built from other sources): not used" | tee -a "$SUMMARY"
     return 1
   fi
