@@ -49,8 +49,15 @@ echo "building against $("$VENV/bin/python" -c 'import torch; print(torch.__vers
 SOURCES_HASH="$(bash scripts/sources_hash.sh)"  # before the build: an edit during it must not pass for built
 rm -rf "$WORK/lib" "$WORK/pkg"
 rm -f "$OUT_DIR/_C.abi3.so" "$OUT_DIR/sources.sha256" "$OUT_DIR/torch_version.txt" "$OUT_DIR/tests.log"
-env DRO_EXT_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-$(nproc)}" \
-  "$VENV/bin/python" setup.py -q build_ext --build-lib "$WORK/lib" --build-temp "$WORK/tmp"
+mkdir -p "$WORK"
+# The compiler's output (thousands of warning lines from that torch's headers) goes to a log, shown on failure.
+if ! env DRO_EXT_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-$(nproc)}" \
+  "$VENV/bin/python" setup.py -q build_ext --build-lib "$WORK/lib" --build-temp "$WORK/tmp" >"$WORK/build.log" 2>&1; then
+  { grep -E "error|Error" "$WORK/build.log" || true; } | head -n 40 >&2
+  tail -n 20 "$WORK/build.log" >&2
+  echo "the build against torch $VERSION failed: full log in $WORK/build.log" >&2
+  exit 1
+fi
 strip --strip-debug -o "$OUT_DIR/_C.abi3.so" "$WORK/lib/dro_ext/_C.abi3.so"
 if [[ "$(bash scripts/sources_hash.sh)" != "$SOURCES_HASH" ]]; then
   echo "the sources changed during the build: run it again" >&2
