@@ -1,0 +1,153 @@
+"""scripts/gpu_check.sh's own logic, without a GPU: which library it uses (a carried prebuilt one only when it
+was built from the tree's sources), the TOTAL_S cap, the per-step archive and the summary. A GPU lease runs
+this script once with minutes to spare, so its bash must be right before it gets there.
+
+The script runs in a copy of the files it reads, with a stand-in for python that answers as a GPU machine's
+would: the capability query says 9.0, the "does the library run here" probe passes when dro_ext/_C.abi3.so
+holds the word `runs`, and pytest, the benchmarks and the build only say what they were asked."""
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import tarfile
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+STAND_IN_PYTHON = r"""#!/usr/bin/env bash
+echo "$*" >>"$CALLS"
+if [[ "$*" == *"get_device_capability"* ]]; then echo 9.0; exit 0; fi
+if [[ $# -eq 1 && "$1" == "-" ]]; then cat >/dev/null; grep -qs runs dro_ext/_C.abi3.so; exit; fi
+if [[ "$1" == "-c" ]]; then exit 0; fi  # import xdist / pytest_timeout: installed
+if [[ "$1" == "-m" && "$2" == "pytest" ]]; then echo "stand-in pytest"; exit 0; fi
+if [[ "$1" == "-m" && "$2" == "bench.run" ]]; then echo "stand-in bench"; echo $$ >"$CALLS.bench_pid"; exec sleep "${BENCH_SLEEP:-0}"; fi
+if [[ "$1" == "setup.py" ]]; then echo runs >dro_ext/_C.abi3.so; echo "stand-in build"; exit 0; fi
+echo "unexpected call: $*" >&2; exit 3
+"""
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
+                                reason="needs bash and coreutils' timeout")
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """A copy of what gpu_check.sh reads (scripts, csrc, setup.py, the test file names), a stand-in python."""
+    work = tmp_path / "tree"
+    for name in ("scripts", "csrc"):
+        shutil.copytree(ROOT / name, work / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "setup.py", work / "setup.py")
+    (work / "tests").mkdir()
+    for test_file in ROOT.glob("tests/test_cuda_*.py"):
+        (work / "tests" / test_file.name).write_text("")
+    (work / "dro_ext").mkdir()
+    python = tmp_path / "python"
+    python.write_text(STAND_IN_PYTHON)
+    python.chmod(0o755)
+    return work
+
+
+def sources_hash(work) -> str:
+    return subprocess.run(["bash", "scripts/sources_hash.sh"], cwd=work, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def prebuild(work, content="runs", sources=None):
+    prebuilt = work / "build" / "gpu-prebuilt"
+    prebuilt.mkdir(parents=True)
+    (prebuilt / "_C.abi3.so").write_text(content)
+    (prebuilt / "sources.sha256").write_text((sources or sources_hash(work)) + "\n")
+    (prebuilt / "torch_version.txt").write_text("2.11.0+cu130\n")
+
+
+def run_check(work, phases, **env):
+    out = work.parent / "out"
+    calls = work.parent / "calls.txt"
+    full_env = {**os.environ, "PYTHON": str(work.parent / "python"), "CALLS": str(calls),
+                "PACK_TO": str(work.parent / "check.tar.gz"), **{k: str(v) for k, v in env.items()}}
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", str(out), phases], cwd=work, env=full_env,
+                          capture_output=True, text=True, timeout=120)
+    summary = (out / "summary.txt").read_text()
+    return proc, summary, calls.read_text() if calls.exists() else ""
+
+
+def test_sources_hash_follows_the_sources(tree):
+    before = sources_hash(tree)
+    assert len(before) == 64 and before == sources_hash(tree)
+    with open(tree / "csrc" / "checks.h", "a") as f:
+        f.write("// an edit\n")
+    assert sources_hash(tree) != before
+
+
+def test_a_matching_prebuilt_library_replaces_the_build(tree):
+    prebuild(tree)
+    proc, summary, calls = run_check(tree, "test+bench", BENCHES="loss")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "using the prebuilt library from build/gpu-prebuilt (torch 2.11.0+cu130)" in summary
+    assert "setup.py" not in calls  # nothing was built
+    assert (tree / "dro_ext" / "_C.abi3.so").read_text() == "runs"
+    assert "-n 8" in calls and "test_cuda_loss.py" in calls  # the CUDA tests, on 8 workers
+    assert "--only loss --device cuda" in calls
+    assert "cuda_tests" in summary and "bench_loss" in summary and "all steps passed" in summary
+    with tarfile.open(tree.parent / "check.tar.gz") as archive:
+        names = archive.getnames()
+    assert "out/summary.txt" in names and "out/cuda_tests.log" in names and "out/bench_loss.log" in names
+
+
+@pytest.mark.parametrize("problem", ["stale", "does_not_run"])
+def test_an_unusable_prebuilt_library_is_built_instead(tree, problem):
+    if problem == "stale":
+        prebuild(tree, sources="0" * 64)
+    else:
+        prebuild(tree, content="broken")
+    proc, summary, calls = run_check(tree, "test")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    expected = "is stale" if problem == "stale" else "does not run here: building"
+    assert expected in summary
+    assert "setup.py build_ext --inplace" in calls
+    assert (tree / "dro_ext" / "_C.abi3.so").read_text().strip() == "runs"  # the fresh build's
+
+
+def test_total_s_shrinks_the_steps_and_skips_what_cannot_start(tree):
+    prebuild(tree)
+    proc, summary, _ = run_check(tree, "bench", BENCHES="loss optim robust", TOTAL_S=40, BENCH_S=100,
+                                 BENCH_SLEEP=12)
+    assert proc.returncode == 1  # a skipped step fails the run
+    limit = int(re.search(r"bench_loss \(limit (\d+)s\)", proc.stdout).group(1))
+    assert 20 <= limit <= 25  # what is left of TOTAL_S less 15 s of margin, not BENCH_S
+    assert re.search(r"bench_loss +ok", summary)
+    # 12 s later less than 20 s would be left for each of the others
+    assert re.search(r"bench_optim +SKIPPED", summary) and re.search(r"bench_robust +SKIPPED", summary)
+    assert "SOME STEPS FAILED" in summary
+
+
+def test_a_run_killed_from_outside_still_leaves_its_finished_steps_packed(tree):
+    # As the device tool stops a command at its limit: the whole process group goes, mid-step.
+    prebuild(tree)
+    out, archive = tree.parent / "out", tree.parent / "check.tar.gz"
+    env = {**os.environ, "PYTHON": str(tree.parent / "python"), "CALLS": str(tree.parent / "calls.txt"),
+           "PACK_TO": str(archive), "BENCHES": "loss", "BENCH_SLEEP": "60"}
+    proc = subprocess.Popen(["bash", "scripts/gpu_check.sh", str(out), "test+bench"], cwd=tree, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        calls, deadline = tree.parent / "calls.txt", time.monotonic() + 60
+        while not (calls.exists() and "bench.run" in calls.read_text()):
+            assert time.monotonic() < deadline, "the benchmark step never started"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        # coreutils' timeout runs the step in a process group of its own: end the sleeping stand-in too.
+        bench_pid = pathlib.Path(f"{calls}.bench_pid")
+        if bench_pid.exists():
+            try:
+                os.kill(int(bench_pid.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    with tarfile.open(archive) as packed:
+        names = packed.getnames()
+    assert "out/cuda_tests.log" in names and "out/summary.txt" in names
+    assert "out/bench_loss.log" not in names  # the step in flight had not finished
