@@ -129,6 +129,45 @@ constexpr int kVec = 16 / sizeof(scalar_t);
 
 __device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// op(w_i, r_i) on each of the n elements of one chunk, w read and written in place, r read. Where both are
+// 16-byte aligned, in whole 16-byte packs with kUnroll packs in flight per thread (a thread's loads all issue
+// before the first use), then the elements past the last whole pack one by one. The order of the calls a
+// thread makes is fixed, so a sum the op keeps is the same bits every run.
+template <typename scalar_t, typename Op>
+__device__ __forceinline__ void for_each_element_pair(scalar_t* __restrict__ w, const scalar_t* __restrict__ r,
+                                                      int64_t n, Op op) {
+  int64_t scalar_from = 0;
+  constexpr int V = kVec<scalar_t>;
+  if (aligned16(w) && aligned16(r)) {
+    using P = Pack<scalar_t, V>;
+    P* wv = reinterpret_cast<P*>(w);
+    const P* rv = reinterpret_cast<const P*>(r);
+    const int64_t num_packs = n / V;
+    for (int64_t base = threadIdx.x; base < num_packs; base += kThreads * kUnroll) {
+      P wp[kUnroll], rp[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = base + u * kThreads;
+        if (i < num_packs) {
+          wp[u] = wv[i];
+          rp[u] = rv[i];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = base + u * kThreads;
+        if (i < num_packs) {
+#pragma unroll
+          for (int j = 0; j < V; ++j) op(wp[u].val[j], rp[u].val[j]);
+          wv[i] = wp[u];
+        }
+      }
+    }
+    scalar_from = num_packs * V;
+  }
+  for (int64_t i = scalar_from + threadIdx.x; i < n; i += kThreads) op(w[i], r[i]);
+}
+
 using BlockSum = cub::BlockReduce<double, kThreads>;
 
 // Every thread gets the block's sum of `value` (a fixed reduction tree: the same bits every run).
@@ -168,42 +207,10 @@ __global__ void __launch_bounds__(kThreads) momentum_pass(TensorList list, StepA
   const auto take = static_cast<opmath_t>(first ? grad_mul : (1.0 - args.momentum) * grad_mul);
 
   opmath_t sumsq = 0;
-  int64_t scalar_from = 0;
-  constexpr int V = kVec<scalar_t>;
-  if (aligned16(g) && aligned16(m)) {
-    using P = Pack<scalar_t, V>;
-    const P* gv = reinterpret_cast<const P*>(g);
-    P* mv = reinterpret_cast<P*>(m);
-    const int64_t num_packs = n / V;
-    for (int64_t base = threadIdx.x; base < num_packs; base += kThreads * kUnroll) {
-      P gp[kUnroll], mp[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = base + u * kThreads;
-        if (i < num_packs) {
-          gp[u] = gv[i];
-          mp[u] = mv[i];
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = base + u * kThreads;
-        if (i < num_packs) {
-#pragma unroll
-          for (int j = 0; j < V; ++j) {
-            const opmath_t v = momentum_element<scalar_t, opmath_t>(mp[u].val[j], gp[u].val[j], keep, take);
-            sumsq += v * v;
-          }
-          mv[i] = mp[u];
-        }
-      }
-    }
-    scalar_from = num_packs * V;
-  }
-  for (int64_t i = scalar_from + threadIdx.x; i < n; i += kThreads) {
-    const opmath_t v = momentum_element<scalar_t, opmath_t>(m[i], g[i], keep, take);
+  for_each_element_pair(m, g, n, [&](scalar_t& m_i, scalar_t g_i) {
+    const opmath_t v = momentum_element<scalar_t, opmath_t>(m_i, g_i, keep, take);
     sumsq += v * v;
-  }
+  });
 
   __shared__ typename BlockSum::TempStorage temp;
   __shared__ double shared;
@@ -277,38 +284,9 @@ __global__ void __launch_bounds__(kThreads) update_pass(TensorList list, StepArg
   const auto decay = static_cast<opmath_t>(1.0 - args.lr.read() * args.weight_decay);
   const auto scale = static_cast<opmath_t>(scales[list.norm_slot[t]]);
 
-  int64_t scalar_from = 0;
-  constexpr int V = kVec<scalar_t>;
-  if (aligned16(p) && aligned16(m)) {
-    using P = Pack<scalar_t, V>;
-    P* pv = reinterpret_cast<P*>(p);
-    const P* mv = reinterpret_cast<const P*>(m);
-    const int64_t num_packs = n / V;
-    for (int64_t base = threadIdx.x; base < num_packs; base += kThreads * kUnroll) {
-      P pp[kUnroll], mp[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = base + u * kThreads;
-        if (i < num_packs) {
-          pp[u] = pv[i];
-          mp[u] = mv[i];
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = base + u * kThreads;
-        if (i < num_packs) {
-#pragma unroll
-          for (int j = 0; j < V; ++j) update_element<scalar_t, opmath_t>(pp[u].val[j], mp[u].val[j], decay, scale);
-          pv[i] = pp[u];
-        }
-      }
-    }
-    scalar_from = num_packs * V;
-  }
-  for (int64_t i = scalar_from + threadIdx.x; i < n; i += kThreads) {
-    update_element<scalar_t, opmath_t>(p[i], m[i], decay, scale);
-  }
+  for_each_element_pair(p, m, n, [&](scalar_t& p_i, scalar_t m_i) {
+    update_element<scalar_t, opmath_t>(p_i, m_i, decay, scale);
+  });
   // Nothing reads the counts after pass A, which has finished for every tensor before this launch.
   if (work.chunk == 0 && threadIdx.x == 0) *list.step[t] += 1.0f;
 }
