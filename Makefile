@@ -45,15 +45,14 @@ cmake: $(STAMP)
 # The GPU machines' torch (2.11.0+cu130, Python 3.12) differs from the pinned one in C++ standard and autograd API.
 GPU_TORCH_VERSION ?= 2.11.0
 
-# CI: the sources build, CPU and CUDA kernels, against the GPU machines' torch too, and that build registers and
-# passes opcheck there (scripts/build_against_torch.sh; the in-place build is left alone).
-compat: $(STAMP)
-	PYTHON=$(PYTHON) scripts/build_against_torch.sh $(GPU_TORCH_VERSION) build/compat
-
-# Before a GPU lease, on the CPU machine: the same build, kept for the lease to carry (build/gpu-prebuilt) so that
-# the device's minutes go to tests and benchmarks; gpu-check uses it while it matches the sources.
+# The sources built, CPU and CUDA kernels, against the GPU machines' torch, registered and passing opcheck there
+# (scripts/build_against_torch.sh; the in-place build is left alone), into build/gpu-prebuilt: before a GPU lease,
+# on the CPU machine, for the lease to carry so that the device's minutes go to tests and benchmarks (gpu-check
+# uses it while it matches the sources). CI runs it as `compat`: one build serves both.
 gpu-prebuilt: $(STAMP)
-	PYTHON=$(PYTHON) scripts/build_against_torch.sh $(GPU_TORCH_VERSION) build/gpu-prebuilt
+	PYTHON=$(PYTHON) bash scripts/build_against_torch.sh $(GPU_TORCH_VERSION) build/gpu-prebuilt
+
+compat: gpu-prebuilt
 
 # On a GPU machine: build for the visible card (or take the carried prebuilt library), CUDA tests, the suite,
 # compute-sanitizer and the GPU benchmarks, every log into OUT (scripts/gpu_check.sh; PHASES=test+sanitize,

@@ -4,11 +4,11 @@
 #
 #   scripts/build_against_torch.sh VERSION DIR [PYTEST_ARGS...]
 #
-# The in-place build (dro_ext/_C.abi3.so) is left alone. Two uses (Makefile):
-#   make compat        CI: the sources must build against the GPU machines' torch (2.11.0+cu130), not only the
-#                      pinned 2.14.1: the two differ in C++ standard and autograd API.
-#   make gpu-prebuilt  the same build, kept in build/gpu-prebuilt for a short GPU lease to carry instead of
-#                      building there (scripts/gpu_check.sh uses it when DIR/sources.sha256 matches the tree).
+# The in-place build (dro_ext/_C.abi3.so) is left alone. `make gpu-prebuilt` (and `make compat`, its name in CI)
+# runs it for the GPU machines' torch (2.11.0+cu130) into build/gpu-prebuilt: CI checks that the sources build
+# against it, not only against the pinned 2.14.1 (the two differ in C++ standard and autograd API), and a short
+# GPU lease carries the library instead of building there (scripts/gpu_check.sh uses it when
+# DIR/sources.sha256 matches the tree).
 # The library is abi3 (py_limited_api), so a build made with this Python loads in the GPU machines' 3.12.
 # Importing that torch needs its CUDA libraries: they are taken from the installed torch's nvidia packages
 # (same CUDA major version) instead of downloading several GB of them again.
@@ -44,7 +44,8 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
   "$VENV/bin/pip" install -q filelock typing-extensions "setuptools<82" sympy networkx jinja2 fsspec numpy ninja \
     pytest expecttest hypothesis scipy
 fi
-echo "building against $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+TORCH_BUILT="$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+echo "building against $TORCH_BUILT"
 
 SOURCES_HASH="$(bash scripts/sources_hash.sh)"  # before the build: an edit during it must not pass for built
 rm -rf "$WORK/lib" "$WORK/pkg"
@@ -64,7 +65,7 @@ if [[ "$(bash scripts/sources_hash.sh)" != "$SOURCES_HASH" ]]; then
   exit 1
 fi
 echo "$SOURCES_HASH" >"$OUT_DIR/sources.sha256"
-"$VENV/bin/python" -c 'import torch; print(torch.__version__)' >"$OUT_DIR/torch_version.txt"
+echo "$TORCH_BUILT" >"$OUT_DIR/torch_version.txt"
 
 # The check: a copy of the package and its tests with this build in it, run from that copy (the checkout's
 # conftest.py would put the checkout, and its own build, first on the path). A skip would hide a build that

@@ -13,10 +13,10 @@
 # takes the prebuilt library when that was built from exactly these sources, else builds (~2 minutes).
 # `build` rebuilds in place for the visible card whatever is there. Each step runs under `timeout`; a failed
 # step is recorded and the script goes on. DIR/summary.txt lists every step with its exit status, time and
-# log; the script exits non-zero if any step failed. Step time limits (seconds) can be changed through the environment: BUILD_S, TEST_S,
-# SUITE_S, MEMCHECK_S, RACECHECK_S, BENCH_S (per benchmark); CUDA_TEST_WORKERS (default 8) sets the test
-# processes; BENCHES picks the benchmarks and their order (default: loss optim robust cross_entropy);
-# BENCH_ARGS adds arguments to each benchmark run (e.g. --quick).
+# log; the script exits non-zero if any step failed. Step time limits (seconds) can be changed through the
+# environment: BUILD_S, TEST_S, SUITE_S, MEMCHECK_S, RACECHECK_S, BENCH_S (per benchmark); CUDA_TEST_WORKERS
+# (default 8) sets the test processes; BENCHES picks the benchmarks and their order (default: loss optim robust
+# cross_entropy); BENCH_ARGS adds arguments to each benchmark run (e.g. --quick).
 # TOTAL_S (seconds) caps the whole run: each step gets at most what is left. PACK_TO=FILE.tar.gz packs DIR into
 # one archive after every step, for a runner that returns only a few files and may kill the run at its limit:
 #   TOTAL_S=570 PACK_TO=$OUT/gpu_check_1.tar.gz scripts/gpu_check.sh /tmp/gpu_check test+sanitize
@@ -49,7 +49,6 @@ BENCH_ARGS="${BENCH_ARGS:-}"
 
 has_phase() { [[ "+$PHASES+" == *"+$1+"* ]]; }
 
-# step NAME LIMIT_S COMMAND...: runs the command under timeout with its output in DIR/NAME.log.
 # TOTAL_S caps the whole run (a lease's command limit): each step's limit shrinks to what is left of it, less a
 # margin for packing, and a step that would get under 20 s is skipped and recorded as such.
 STARTED=$(date +%s)
@@ -60,6 +59,7 @@ pack() {
   if [[ -n "${PACK_TO:-}" ]]; then tar czf "$PACK_TO" -C "$(dirname "$OUT_DIR")" "$(basename "$OUT_DIR")"; fi
 }
 
+# step NAME LIMIT_S COMMAND...: runs the command under timeout with its output in DIR/NAME.log.
 step() {
   local name="$1" limit="$2"
   shift 2
@@ -129,32 +129,39 @@ assert abs(v.item() - torch.ops.dro_ext.dro_loss(x.cpu(), torch.zeros(()), 1.0, 
 EOF
 }
 
-# A library built elsewhere against this machine's torch (make gpu-prebuilt, carried in PREBUILT_DIR), used
-# only if it was built from exactly the sources of this tree: it saves a short lease the build's minutes.
+# A library built elsewhere against this machine's torch (make gpu-prebuilt, carried in PREBUILT_DIR), put in
+# place only if it was built from exactly the sources of this tree: it saves a short lease the build's minutes.
 PREBUILT_DIR="${PREBUILT_DIR:-build/gpu-prebuilt}"
-use_prebuilt() {
+place_prebuilt() {
   [[ -f "$PREBUILT_DIR/_C.abi3.so" && -f "$PREBUILT_DIR/sources.sha256" ]] || return 1
   if [[ "$(cat "$PREBUILT_DIR/sources.sha256")" != "$(bash scripts/sources_hash.sh)" ]]; then
     echo "prebuilt library in $PREBUILT_DIR is stale (built from other sources): not used" | tee -a "$SUMMARY"
     return 1
   fi
   cp "$PREBUILT_DIR/_C.abi3.so" dro_ext/_C.abi3.so
-  if runs_here; then
-    echo "using the prebuilt library from $PREBUILT_DIR (torch $(cat "$PREBUILT_DIR/torch_version.txt" 2>/dev/null))" \
-      | tee -a "$SUMMARY"
-    return 0
-  fi
-  echo "prebuilt library in $PREBUILT_DIR does not run here: building" | tee -a "$SUMMARY"
-  rm -f dro_ext/_C.abi3.so
-  return 1
 }
 
+# Each probe starts python and a CUDA context: a few seconds of the lease, so every path probes as few times
+# as it can and `ready` remembers a probe that passed.
+ready=0
 if has_phase build; then
   step build "$BUILD_S" "${BUILD_CMD[@]}"
 elif has_phase test || has_phase suite || has_phase sanitize || has_phase bench; then
-  if ! runs_here && ! use_prebuilt; then step build "$BUILD_S" "${BUILD_CMD[@]}"; fi
+  if runs_here; then
+    ready=1
+  elif place_prebuilt; then
+    if runs_here; then
+      ready=1
+      echo "using the prebuilt library from $PREBUILT_DIR (torch $(cat "$PREBUILT_DIR/torch_version.txt" 2>/dev/null))" \
+        | tee -a "$SUMMARY"
+    else
+      echo "prebuilt library in $PREBUILT_DIR does not run here: building" | tee -a "$SUMMARY"
+      rm -f dro_ext/_C.abi3.so
+    fi
+  fi
+  if [[ $ready == 0 ]]; then step build "$BUILD_S" "${BUILD_CMD[@]}"; fi
 fi
-if ! runs_here; then
+if [[ $ready == 0 ]] && ! runs_here; then
   echo "the extension does not run on this card after the build: see $OUT_DIR/build.log" | tee -a "$SUMMARY"
   FAILED=1
 fi

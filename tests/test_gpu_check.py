@@ -63,12 +63,15 @@ def prebuild(work, content="runs", sources=None):
     (prebuilt / "torch_version.txt").write_text("2.11.0+cu130\n")
 
 
+def check_env(work, **env):
+    """The environment of a gpu_check.sh run in `work`: the stand-in python, its call log, the archive."""
+    return {**os.environ, "PYTHON": str(work.parent / "python"), "CALLS": str(work.parent / "calls.txt"),
+            "PACK_TO": str(work.parent / "check.tar.gz"), **{k: str(v) for k, v in env.items()}}
+
+
 def run_check(work, phases, **env):
-    out = work.parent / "out"
-    calls = work.parent / "calls.txt"
-    full_env = {**os.environ, "PYTHON": str(work.parent / "python"), "CALLS": str(calls),
-                "PACK_TO": str(work.parent / "check.tar.gz"), **{k: str(v) for k, v in env.items()}}
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", str(out), phases], cwd=work, env=full_env,
+    out, calls = work.parent / "out", work.parent / "calls.txt"
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", str(out), phases], cwd=work, env=check_env(work, **env),
                           capture_output=True, text=True, timeout=120)
     summary = (out / "summary.txt").read_text()
     return proc, summary, calls.read_text() if calls.exists() else ""
@@ -88,6 +91,9 @@ def test_a_matching_prebuilt_library_replaces_the_build(tree):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "using the prebuilt library from build/gpu-prebuilt (torch 2.11.0+cu130)" in summary
     assert "setup.py" not in calls  # nothing was built
+    # Python on stdin: the environment report, then the probe without a library and the one with it; no third
+    # probe (each costs the lease a python start and a CUDA context).
+    assert calls.splitlines().count("-") == 3
     assert (tree / "dro_ext" / "_C.abi3.so").read_text() == "runs"
     assert "-n 8" in calls and "test_cuda_loss.py" in calls  # the CUDA tests, on 8 workers
     assert "--only loss --device cuda" in calls
@@ -128,21 +134,20 @@ def test_a_run_killed_from_outside_still_leaves_its_finished_steps_packed(tree):
     # As the device tool stops a command at its limit: the whole process group goes, mid-step.
     prebuild(tree)
     out, archive = tree.parent / "out", tree.parent / "check.tar.gz"
-    env = {**os.environ, "PYTHON": str(tree.parent / "python"), "CALLS": str(tree.parent / "calls.txt"),
-           "PACK_TO": str(archive), "BENCHES": "loss", "BENCH_SLEEP": "60"}
+    env = check_env(tree, BENCHES="loss", BENCH_SLEEP=60)
     proc = subprocess.Popen(["bash", "scripts/gpu_check.sh", str(out), "test+bench"], cwd=tree, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    # The stand-in benchmark writes its pid just before it sleeps: then the step is in flight.
+    bench_pid, deadline = pathlib.Path(env["CALLS"] + ".bench_pid"), time.monotonic() + 60
     try:
-        calls, deadline = tree.parent / "calls.txt", time.monotonic() + 60
-        while not (calls.exists() and "bench.run" in calls.read_text()):
+        while not (bench_pid.exists() and bench_pid.read_text().strip()):
             assert time.monotonic() < deadline, "the benchmark step never started"
             time.sleep(0.2)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         # coreutils' timeout runs the step in a process group of its own: end the sleeping stand-in too.
-        bench_pid = pathlib.Path(f"{calls}.bench_pid")
-        if bench_pid.exists():
+        if bench_pid.exists() and bench_pid.read_text().strip():
             try:
                 os.kill(int(bench_pid.read_text()), signal.SIGKILL)
             except ProcessLookupError:
