@@ -25,12 +25,12 @@ C10_HOST_DEVICE inline acc_t dro_argument(acc_t loss, const DROTermParams<acc_t>
   return (loss - p.g_eta) * p.inv_lam;
 }
 
-// Row i's share of the value, lam * psi*(t_i) + G eta, whose mean over the kept rows is the objective; formed
-// in the one place as l_i + lam * (psi*(t_i) - t_i) (equal, since lam t_i + G eta == l_i), which keeps its
-// absolute error near eps |l_i - G eta| however large lam is, where the first form cancels (the ERM limit).
+// Row i's share of the value, lam * psi*(t_i) + G eta, whose mean over the kept rows is the objective
+// (divergences.h's penalized_value: formed as l_i + lam * (psi*(t_i) - t_i), which keeps its precision however
+// large lam is, and +inf for a row whose loss is +inf).
 template <typename acc_t, typename Div>
 C10_HOST_DEVICE inline acc_t value_term(const Div& div, acc_t t, acc_t loss, const DROTermParams<acc_t>& p) {
-  return loss + p.lam * div.excess(t);
+  return penalized_value(div, t, loss, p.lam, p.g_eta);
 }
 
 }  // namespace dro_ext

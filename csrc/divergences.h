@@ -448,6 +448,21 @@ struct SmoothedCVaR {
   }
 };
 
+// One sample's share of the penalized objective, lam psi*(t) + s with t = (l - s) / lam, for scalar T (the
+// per-element value term of the CUDA loss and of the fused cross-entropy on both devices; the CPU loss kernel,
+// which sums t and excess in separate vector lanes, handles the same case after its reduction).
+//
+// Formed as l + lam excess(t): lam t + s == l, and this form keeps its absolute error near eps |l - s| however
+// large lam is, where lam psi*(t) + s cancels catastrophically (the ERM limit; DESIGN.md, Numerics). It is
+// inf - inf where t is infinite (a loss of +-inf, or an overflowing division by a tiny lam), and only there:
+// those samples take lam psi*(t) + s itself, which is +inf at t = +inf and psi*'s finite limit at -inf (the
+// sample's weight psi*'(-inf) is 0). A NaN t stays NaN.
+template <typename Div, typename T>
+C10_HOST_DEVICE inline T penalized_value(const Div& div, T t, T l, T lam, T s) {
+  const T v = l + lam * div.excess(t);
+  return (v != v && t == t) ? lam * div.value(t) + s : v;
+}
+
 // The parameters a divergence was asked for; only the ones it uses are read.
 struct DivergenceSpec {
   Divergence kind;

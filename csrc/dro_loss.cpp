@@ -11,6 +11,8 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include <cmath>
+
 #include "checks.h"
 #include "cpu/kernels.h"
 #include "cpu/output_buffer.h"
@@ -31,7 +33,13 @@ std::tuple<at::Tensor, at::Tensor> dro_loss_cpu(
   // l - G eta to a rounding.
   const auto sums = cpu::cpu_kernels().reduce(x, spec, cpu::Affine{g_eta, 1.0 / lam}, cpu::Sums::Loss);
   const double n = static_cast<double>(x.numel());
-  const double value = g_eta + lam * (sums[0] / n + sums[1] / n);
+  double value = g_eta + lam * (sums[0] / n + sums[1] / n);
+  if (std::isnan(value)) {
+    // inf - inf from an infinite t (a loss of +-inf), or a NaN loss: a second pass sums psi*(t) itself, which
+    // is +inf for a loss of +inf, finite for -inf, and NaN for NaN (divergences.h's penalized_value, which the
+    // CUDA kernel applies per element). Costs nothing on finite losses.
+    value = g_eta + lam * cpu::cpu_kernels().reduce(x, spec, cpu::Affine{g_eta, 1.0 / lam}, cpu::Sums::Value)[0] / n;
+  }
   const double mean_weight = 1.0 + sums[2] / n;
   auto options = losses.options();
   return {cpu::make_scalar(value, options),

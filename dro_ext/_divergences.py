@@ -106,8 +106,9 @@ def _select_positive(x, if_pos, if_nonpos):
 
 def _relu(x):
     # max(x, 0) whose value and gradient are NaN at a NaN (torch.relu's gradient there is 0, which would
-    # silently drop the sample from the gradient); the gradient at 0 is 0, the subgradient of DESIGN.md.
-    return x * _select_positive(x, 1.0, 0.0)
+    # silently drop the sample from the gradient); the gradient at 0 is 0, the subgradient of DESIGN.md. A select,
+    # not x times a 0/1 factor, so that -inf gives 0 (-inf * 0 is NaN).
+    return _select_positive(x, x, 0.0)
 
 
 def _neg_abs(t):
@@ -141,7 +142,10 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
     name = spec.name
     if name == "chi2":
         if order == 0:
-            return _select_positive(t + 2.0, t + t * t * 0.25, -1.0)
+            # m (1 + m/4) with m = max(t, -2), as csrc/divergences.h: a select of t + t^2/4 would send its zero
+            # gradient through t + t^2/4 at t = -inf, where that gradient is 0 * -inf = NaN.
+            m = _select_positive(t + 2.0, t, -2.0)
+            return m + m * m * 0.25
         if order == 1:
             return _relu(t + 2.0) * 0.5
         return _select_positive(t + 2.0, 0.5, 0.0)
@@ -163,12 +167,17 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
         return _select_positive(t - cut, 0.0, torch.exp(below))
     if name == "cressie_read":
         k = spec.k
-        u, at, log_u = _cressie_read_parts(t, k)
         power = 1.0 / (k - 1.0)
         if order == 0:
+            # (u^(p+1) - 1) / k = (e + a t (1 + e)) / k. At t = +inf its autograd gradient would be
+            # exp(inf) * d log1p(inf) = inf * 0, so it is evaluated at a stand-in t = 0 there, and the result
+            # there is t * t: +inf with slope +inf, as psi* (and 0 with slope 0 elsewhere).
+            infinite = t == math.inf
+            above = torch.where(infinite, t, 0.0)
+            u, at, log_u = _cressie_read_parts(torch.where(infinite, 0.0, t), k)
             e = torch.expm1(log_u * power)
-            # (u^(p+1) - 1) / k = (e + a t (1 + e)) / k
-            return _select_positive(u, (e + at * (e + 1.0)) / k, -1.0 / k)
+            return torch.where(infinite, above * above, _select_positive(u, (e + at * (e + 1.0)) / k, -1.0 / k))
+        u, _, log_u = _cressie_read_parts(t, k)
         if order == 2:
             power -= 1.0
         return _select_positive(u, torch.exp(log_u * power), 0.0)
@@ -226,3 +235,27 @@ def excess_first(t: torch.Tensor, spec: Spec) -> torch.Tensor:
         ratio = m * (1.0 - spec.alpha) / (1.0 + cm)
         return _select_positive(t, -ratio, ratio)
     raise AssertionError(name)
+
+
+def penalized_value(x: torch.Tensor, t: torch.Tensor, lam: float, g_eta: torch.Tensor, spec: Spec) -> torch.Tensor:
+    """Each sample's lam psi*(t) + G eta for t = (x - G eta) / lam, elementwise (csrc/divergences.h's
+    penalized_value), differentiable by autograd.
+
+    Formed as x + lam (psi*(t) - t): the G eta terms cancel, and lam * excess keeps its precision as lam grows,
+    where lam psi*(t) + G eta would not (DESIGN.md, Numerics). That form is inf - inf where t is infinite (a loss
+    of +-inf), and there the kernels take lam psi*(t) + G eta itself: +inf at t = +inf, psi*'s finite limit at
+    -inf. Here those samples get the excess form at a stand-in t = 0 (exactly G eta) plus their limit, built so
+    that autograd gives their true gradients without meeting inf - inf or 0 * inf (torch.where sends a zero
+    gradient into the branch it drops):
+      t = +inf: lam t w with w = psi*'(+inf) > 0, which is +inf with gradient w;
+      t = -inf: the constant lam psi*(-inf) (its weight psi*'(-inf) is 0).
+    """
+    infinite = t.isinf()
+    above, below = t == math.inf, t == -math.inf
+    t_above = torch.where(above, t, 0.0)
+    w_above = psi_star(t_above.detach(), spec, 1)
+    limit_below = psi_star(torch.where(below, t, 0.0).detach(), spec, 0)
+    limits = torch.where(above, t_above * w_above, torch.where(below, limit_below, 0.0))
+    x_finite = torch.where(infinite, g_eta, x)
+    t_finite = torch.where(infinite, 0.0, t)
+    return x_finite + lam * (excess(t_finite, spec) + limits)

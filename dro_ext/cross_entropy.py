@@ -25,7 +25,7 @@ from torch import nn
 
 from dro_ext import _backend
 from dro_ext._divergences import Spec, accumulate_dtype, as_eta, check_divergence, check_positive
-from dro_ext._divergences import excess as _excess_torch
+from dro_ext._divergences import penalized_value as _penalized_value_torch
 from dro_ext._divergences import psi_star as _psi_star_torch
 
 __all__ = ["DROCrossEntropyLoss", "DROLinearCrossEntropyLoss", "dro_cross_entropy", "dro_linear_cross_entropy"]
@@ -98,10 +98,9 @@ def _checked_scalars(lam, divergence, alpha, k, scale, ignore_index, label_smoot
 
 
 def _value_terms(losses, t, lam, g_eta, spec: Spec):
-    """Row i's share of the value, lam*psi*(t_i) + G*eta == l_i + lam*(psi*(t_i) - t_i), in the second form, which
-    keeps its precision as lam grows (csrc/cross_entropy_terms.h's value_term)."""
-    del g_eta  # cancels exactly: lam*t_i + G*eta == l_i
-    return losses + lam * _excess_torch(t, spec)
+    """Row i's share of the value, lam*psi*(t_i) + G*eta, formed as csrc/cross_entropy_terms.h's value_term does
+    (l_i + lam*(psi*(t_i) - t_i), which keeps its precision as lam grows; +inf for a row whose loss is +inf)."""
+    return _penalized_value_torch(losses, t, lam, g_eta, spec)
 
 
 def _row_losses(x, targets, ignore_index, label_smoothing):

@@ -21,7 +21,7 @@ from dro_ext._divergences import (
     check_losses,
     check_positive,
 )
-from dro_ext._divergences import excess as _excess_torch
+from dro_ext._divergences import penalized_value as _penalized_value_torch
 from dro_ext._divergences import psi_star as _psi_star_torch
 
 __all__ = ["DIVERGENCES", "dro_loss", "dro_weights", "psi_star"]
@@ -62,10 +62,9 @@ if _backend.native_available():
 def _fallback_dro_loss(losses, eta, lam, spec: Spec, scale):
     acc = accumulate_dtype(losses.dtype)
     x = losses.to(acc).contiguous()  # a strided view would be summed in another order than its copy
-    t = (x - scale * eta.to(acc)) / lam
-    # lam psi*(t) + G eta = l + lam (psi*(t) - t): the G eta terms cancel, and lam * excess keeps its precision
-    # as lam grows, where lam psi*(t) + G eta would not (DESIGN.md, Numerics).
-    value = x.mean() + lam * _excess_torch(t, spec).mean()
+    g_eta = scale * eta.to(acc)
+    t = (x - g_eta) / lam
+    value = _penalized_value_torch(x, t, lam, g_eta, spec).mean()
     return value.to(losses.dtype)
 
 
@@ -112,7 +111,8 @@ def dro_loss(losses, eta, lam, divergence="chi2", *, alpha=None, k=None, scale=1
     no gradient). Gradients flow to both: ``dL/dl_i = w_i/N`` and ``dL/deta = scale*(1 - mean w)`` with
     ``w = dro_weights(...)``. The result has the dtype of ``losses``; sums accumulate in float32 (float64
     for float64 input). ``kl`` overflows to ``inf`` once ``(l - scale*eta)/lam`` exceeds ~88 in float32;
-    use :func:`dro_ext.robust_objective` for an overflow-free value.
+    use :func:`dro_ext.robust_objective` for an overflow-free value. A loss of ``+inf`` gives ``+inf`` (its
+    weight is ``psi*'(+inf)``); a loss of ``-inf`` adds ``lam*psi*(-inf) + scale*eta``, its limit, with weight 0.
     """
     if (_backend.use_native() and isinstance(losses, torch.Tensor) and isinstance(eta, torch.Tensor)
             and eta.device == losses.device):

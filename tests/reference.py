@@ -46,6 +46,85 @@ def dro_loss(losses, eta, lam, name, alpha=None, k=None, scale=1.0):
     return lam * psi_star(t, name, alpha, k).mean() + scale * eta
 
 
+def weight_at_infinity(sign: float, name: str, alpha=None, k=None) -> float:
+    """psi*'(+inf) (sign > 0: the slope of psi* at infinity, 1/alpha where the density ratio is capped at
+    1/alpha, else +inf) or psi*'(-inf) (sign < 0: 0 for every divergence)."""
+    if sign < 0:
+        return 0.0
+    return 1.0 / alpha if name in ("cvar", "kl_cvar", "smoothed_cvar") else math.inf
+
+
+def dro_loss_with_one_infinite(losses, eta, lam, name, bad_index, alpha=None, k=None, scale=1.0):
+    """(value, w, dL/deta) in float64 for losses whose entry bad_index is +inf or -inf and the rest finite.
+
+    The value is mean_i lam psi*(t_i) + G eta with psi*(+inf) = +inf and psi*(-inf) its finite limit (the table
+    above gives both); w_i = psi*'(t_i), the finite samples' by autograd and the infinite one's from
+    weight_at_infinity; dL/deta = G (1 - mean w)."""
+    losses = losses.detach().double()
+    eta = float(eta.detach()) if isinstance(eta, torch.Tensor) else float(eta)
+    n = losses.numel()
+    keep = torch.arange(n, device=losses.device) != bad_index
+    finite = losses[keep].clone().requires_grad_()
+    total = lam * psi_star((finite - scale * eta) / lam, name, alpha, k).sum()
+    (w_finite,) = torch.autograd.grad(total, finite)  # lam * psi*'(t) * (1/lam)
+    bad = float(losses[bad_index])
+    limit = lam * float(psi_star(torch.tensor(bad, dtype=torch.float64), name, alpha, k))
+    w = torch.empty(n, dtype=torch.float64, device=losses.device)
+    w[keep] = w_finite
+    w[bad_index] = weight_at_infinity(bad, name, alpha, k)
+    value = (float(total.detach()) + limit) / n + scale * eta
+    return value, w, scale * (1.0 - float(w.sum()) / n)
+
+
+def assert_weights_close(got_w, losses, eta, lam, name, alpha=None, k=None, scale=1.0):
+    """got_w (N * dL/dl, in the losses' dtype) against w_i = psi*'(t_i) of the float64 reference, elementwise
+    within the dtype's tolerances plus what the op's own rounding can move w by:
+      - the kernels form t = (l - G eta) / lam in the accumulate dtype (float32 below float64): a few of its
+        ulps of (|l| + |G eta|) / lam, which psi*'' multiplies (steep at cressie_read's kink for k > 2, where one
+        sample in millions lands close enough to move w by more than any flat tolerance);
+      - w / N is stored in the losses' dtype: below its smallest normal only the subnormal spacing is left,
+        which is N times that in units of w (float16 at N = 2^24: about 1).
+    """
+    dtype, n = losses.dtype, losses.numel()
+    tol = tolerances(dtype)
+    acc_eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    l64 = losses.detach().double()
+    eta = float(eta.detach()) if isinstance(eta, torch.Tensor) else float(eta)
+    t = (l64 - scale * eta) / lam
+    wiggle = 4 * acc_eps * (l64.abs() + abs(scale * eta)) / lam
+
+    def weight(tt):
+        tt = tt.clone().requires_grad_()
+        (w,) = torch.autograd.grad(psi_star(tt, name, alpha, k).sum(), tt)
+        return w
+
+    expected = weight(t)
+    band = (weight(t + wiggle) - weight(t - wiggle)).abs()
+    finfo = torch.finfo(dtype)
+    storage = n * finfo.smallest_normal * finfo.eps
+    allowed = tol["atol"] + tol["rtol"] * expected.abs() + band + storage
+    error = (got_w.detach().double().to(expected.device) - expected).abs()
+    worst = int(torch.argmax(error - allowed))
+    assert bool((error <= allowed).all()), (
+        f"{name}: w[{worst}] = {float(got_w[worst])}, expected {float(expected[worst])} at t = {float(t[worst])} "
+        f"(error {float(error[worst]):.3g} > allowed {float(allowed[worst]):.3g}); "
+        f"{int((error > allowed).sum())} of {n} outside")
+
+
+def assert_matches_one_infinite(value, grads, losses, eta, lam, name, bad_index, alpha=None, k=None, scale=1.0):
+    """dro_loss's value and (dL/dl, dL/deta) at losses with one +-inf entry against dro_loss_with_one_infinite:
+    +inf gives +inf (never NaN, though the ops form the value as mean l + lam mean (psi*(t) - t), which is
+    inf - inf there), -inf the finite limit; the infinite sample's gradient is psi*'(+-inf) / N."""
+    n, dtype = losses.numel(), losses.dtype
+    exp_value, exp_w, exp_eta = dro_loss_with_one_infinite(losses, eta, lam, name, bad_index, alpha, k, scale)
+    tol = tolerances(dtype)
+    # assert_close compares infinities exactly (same sign) and treats NaN as a mismatch.
+    torch.testing.assert_close(value.double().cpu(), torch.tensor(exp_value, dtype=torch.float64), **tol)
+    torch.testing.assert_close(grads[0].double().cpu() * n, exp_w.cpu(), **dict(tol, atol=max(tol["atol"], 5e-5)))
+    torch.testing.assert_close(grads[1].double().cpu(), torch.tensor(exp_eta, dtype=torch.float64),
+                               rtol=1e-4, atol=1e-4)
+
+
 def psi(s: float, name: str, alpha=None, k=None) -> float:
     """The divergence whose conjugate the table lists (chi2 per DESIGN.md's erratum: (s-1)^2)."""
     if s < 0:

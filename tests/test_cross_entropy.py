@@ -178,6 +178,24 @@ def test_nan_logit_is_not_dropped(backend):
     assert dro_ext.dro_linear_cross_entropy(hidden, weight, targets, 0.5, LAM, "chi2").isnan()
 
 
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_infinite_row_loss_makes_the_objective_infinite(backend, name, params):
+    """A row whose target logit is -inf has a cross-entropy of +inf, and the objective is +inf, as the reference's
+    (never NaN, though it is formed as l + lam (psi*(t) - t), which is inf - inf there); likewise from the LM head
+    with a bias of -inf on the row's target class."""
+    logits, targets, eta = make_batch(7, 5, torch.float32)  # rows 0, 3 and 6 are ignored
+    logits = logits.detach()
+    logits[1, targets[1]] = -math.inf
+    value = dro_ext.dro_cross_entropy(logits, targets, eta, LAM, name, scale=SCALE, **params)
+    expected = reference_value(logits.double(), targets, eta.detach().double(), LAM, name, params)
+    assert float(expected) == math.inf and float(value.detach()) == math.inf
+    hidden, weight, bias = torch.randn(7, 3), torch.randn(5, 3), torch.randn(5)
+    bias[targets[1]] = -math.inf
+    value = dro_ext.dro_linear_cross_entropy(hidden, weight, targets, eta, LAM, name, bias=bias, scale=SCALE,
+                                             **params)
+    assert float(value.detach()) == math.inf
+
+
 # ---------------------------------------------------------------------------------------------------
 # dro_linear_cross_entropy
 # ---------------------------------------------------------------------------------------------------

@@ -80,6 +80,16 @@ def test_cuda_linear_matches_cpu(dtype):
         torch.testing.assert_close(got.cpu().double(), want.double(), **tol)
 
 
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_cuda_infinite_row_loss_makes_the_objective_infinite(name, params):
+    """A target logit of -inf: that row's cross-entropy is +inf, and so is the objective (not NaN)."""
+    logits = torch.randn(9, 5, device=DEVICE)
+    targets = torch.randint(0, 5, (9,), device=DEVICE)
+    logits[4, targets[4]] = -math.inf
+    value = dro_ext.dro_cross_entropy(logits, targets, 0.5, LAM, name, scale=SCALE, **params)
+    assert float(value) == math.inf
+
+
 @needs_cuda
 def test_cuda_bitwise_repeatable_and_no_host_sync():
     logits = torch.randn(4097, 3001, device=DEVICE)

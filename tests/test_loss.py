@@ -38,18 +38,14 @@ def test_loss_and_gradients_match_float64_reference(backend, name, params, n, dt
     assert grad_l.dtype == dtype and grad_eta.dtype == torch.float32
 
     # The reference sees exactly the rounded inputs the op saw.
-    l64 = losses.detach().double().requires_grad_()
     e64 = eta.detach().double().requires_grad_()
-    expected = ref.dro_loss(l64, e64, lam, name, scale=scale, **case_kwargs(params))
-    exp_l, exp_eta = torch.autograd.grad(expected, (l64, e64))
+    expected = ref.dro_loss(losses.detach().double(), e64, lam, name, scale=scale, **case_kwargs(params))
+    (exp_eta,) = torch.autograd.grad(expected, e64)
 
     tol = ref.tolerances(dtype)
     torch.testing.assert_close(value.double(), expected, **tol)
-    # grad_l = w/N: compare w, which is O(1). Rounding t = (l - G eta)/lam to the input precision moves w
-    # by up to |psi*''| times that rounding, which is large right at the kinks (cressie_read with k > 2 has
-    # psi*'' unbounded there), so the float32 check allows a few ulps of t times that slope.
-    w_tol = dict(tol, atol=5e-5) if dtype == torch.float32 else tol
-    torch.testing.assert_close(grad_l.double() * n, exp_l * n, **w_tol)
+    # grad_l = w/N: compare w, which is O(1), allowing for what rounding t and storing w/N can move it by.
+    ref.assert_weights_close(grad_l.double() * n, losses, eta, lam, name, scale=scale, **case_kwargs(params))
     eta_tol = ref.tolerances(torch.float32) if dtype != torch.float64 else dict(rtol=1e-6, atol=1e-6)
     if dtype in (torch.float16, torch.bfloat16):
         eta_tol = dict(rtol=1e-5, atol=1e-5)
@@ -144,6 +140,34 @@ def test_nan_propagates_never_dropped(backend):
         grad_l, grad_eta = torch.autograd.grad(value, (losses, eta))
         assert torch.isnan(grad_l[17]) and torch.isnan(grad_eta), name
         assert torch.isnan(dro_ext.psi_star(torch.tensor([float("nan")]), name, **params)).all(), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("bad", [math.inf, -math.inf], ids=["plus_inf", "minus_inf"])
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_infinite_loss_gives_the_limit_not_nan(backend, name, params, bad, dtype):
+    # 1500 samples: several of the native kernel's blocks, of which only the one holding the infinity is special.
+    lam, scale, eta = 0.7, 1.3, torch.tensor(0.6, requires_grad=True)
+    losses = random_losses(1500, dtype)
+    losses[17] = bad
+    losses.requires_grad_()
+    value = dro_ext.dro_loss(losses, eta, lam, name, scale=scale, **params)
+    grads = torch.autograd.grad(value, (losses, eta))
+    ref.assert_matches_one_infinite(value, grads, losses, eta, lam, name, 17, scale=scale, **case_kwargs(params))
+
+
+def test_psi_star_and_weights_at_infinity(backend):
+    t = torch.tensor([-math.inf, math.inf], dtype=torch.float64, requires_grad=True)
+    for name, params in ref.CASES:
+        kwargs = case_kwargs(params)
+        value = dro_ext.psi_star(t, name, **params)
+        expected = ref.psi_star(t.detach(), name, **kwargs)
+        assert expected[1] == math.inf and expected[0].isfinite(), name
+        torch.testing.assert_close(value, expected, rtol=1e-12, atol=0.0)
+        w = torch.tensor([ref.weight_at_infinity(s, name, **kwargs) for s in (-1.0, 1.0)], dtype=torch.float64)
+        torch.testing.assert_close(dro_ext.dro_weights(t.detach(), 0.0, 1.0, name, **params), w)
+        (slope,) = torch.autograd.grad(value.sum(), t)  # psi*'s gradient is the weight, infinities included
+        torch.testing.assert_close(slope, w)
 
 
 def test_cvar_subgradient_is_zero_at_the_kink(backend):

@@ -27,6 +27,9 @@ enum class Sums {
   Newton,
   // {sum_i first(t_i), 0, 0}: the total weight, relatively accurate when every weight is tiny.
   Weight,
+  // {sum_i psi*(t_i), 0, 0}: the loss value shift + lam mean psi*(t) where Loss's form is inf - inf (some t_i
+  // is infinite; divergences.h's penalized_value).
+  Value,
 };
 
 struct KernelTable {

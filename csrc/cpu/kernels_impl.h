@@ -57,7 +57,7 @@ inline T derivative(const Div& div, const T& t) {
 
 // The per-element terms a reduction sums, of the input x and of t = (x - shift) * inv_lam.
 enum class Term {
-  None, Input, T, NegAbsT, Excess, ExcessFirst, First, Second, CoarseValue, CoarseLinear, CoarseFactor
+  None, Input, T, NegAbsT, Value, Excess, ExcessFirst, First, Second, CoarseValue, CoarseLinear, CoarseFactor
 };
 
 // A running product instead of a running sum (the factors of a coarse value in product form, divergences.h).
@@ -71,6 +71,8 @@ inline T term(const Div& div, const T& x, const T& t) {
     return t;
   } else if constexpr (kTerm == Term::NegAbsT) {
     return Math<T>::neg_abs(t);
+  } else if constexpr (kTerm == Term::Value) {
+    return div.value(t);
   } else if constexpr (kTerm == Term::Excess) {
     return div.excess(t);
   } else if constexpr (kTerm == Term::ExcessFirst) {
@@ -352,6 +354,8 @@ std::array<double, 3> reduce_impl(const at::Tensor& x, const DivergenceSpec& spe
           } else {
             return reduce_terms<scalar_t, Div, Term::ExcessFirst, Term::Second>(data, n, div, affine);
           }
+        case Sums::Value:
+          return reduce_terms<scalar_t, Div, Term::Value, Term::None>(data, n, div, affine);
         default:
           return reduce_terms<scalar_t, Div, Term::First, Term::None>(data, n, div, affine);
       }

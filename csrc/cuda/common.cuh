@@ -213,16 +213,13 @@ __device__ __forceinline__ T derivative(const Div& div, T t, int order) {
   return order == 0 ? div.value(t) : (order == 1 ? div.first(t) : div.second(t));
 }
 
-// The per-element term of the loss VALUE, in one place:
-//   L = lam * mean_i value_term(div, t_i, l_i, inv_lam) + value_offset(G eta)
-// with value_term = l / lam + excess(t) and no offset, i.e. L = mean l + lam * mean (psi*(t) - t): lam psi*(t) + G eta
-// == l + lam (psi*(t) - t) exactly, and this form keeps its absolute error near eps |l - G eta| however large lam
-// is (the ERM limit L -> mean l), where lam psi*(t) + G eta cancels catastrophically (DESIGN.md, Numerics).
+// The per-element term of the loss VALUE, in one place: L = lam * mean_i value_term(div, t_i, l_i, shift, inv_lam),
+// with value_term = psi*(t) + shift / lam formed as l / lam + excess(t) (divergences.h's penalized_value, divided
+// by lam: it keeps its precision as lam grows, and takes psi*(t) itself where t is infinite).
 template <typename Div, typename T>
-__device__ __forceinline__ T value_term(const Div& div, T t, T l, T inv_lam) {
-  return l * inv_lam + div.excess(t);
+__device__ __forceinline__ T value_term(const Div& div, T t, T l, T shift, T inv_lam) {
+  return penalized_value(div, t, l * inv_lam, T(1), shift * inv_lam);
 }
-__host__ __device__ inline double value_offset(double /*g_eta*/) { return 0.0; }
 
 // Per-thread partial sums of (derivative A, derivative B) of psi* at t_i = (x_i - shift) * inv_lam over the
 // elements this thread owns; A == 0 is the loss value term.
@@ -235,7 +232,7 @@ __device__ __forceinline__ Pair<at::opmath_type<scalar_t>> thread_derivative_sum
   for_each_element<acc_t>(x, n, [&](acc_t l) {
     const acc_t t = (l - shift) * inv_lam;
     if constexpr (A == 0) {
-      s.a += value_term(div, t, l, inv_lam);
+      s.a += value_term(div, t, l, shift, inv_lam);
     } else {
       s.a += derivative<A>(div, t);
     }

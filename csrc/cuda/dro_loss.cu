@@ -19,14 +19,14 @@ namespace dro_ext::cuda {
 
 namespace {
 
-// L = lam * (sum value_term / N) + value_offset(G eta), mean_weight = sum w / N, as the CPU forms them.
+// L = lam * (sum value_term / N), mean_weight = sum w / N, as the CPU forms them.
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads) loss_finalize_kernel(
-    const Pair<acc_t>* __restrict__ partials, int count, ShiftRef g_eta, double lam, double n,
+    const Pair<acc_t>* __restrict__ partials, int count, double lam, double n,
     scalar_t* __restrict__ value, acc_t* __restrict__ mean_weight) {
   const Pair<acc_t> total = reduce_partials(partials, count, Pair<acc_t>{acc_t(0), acc_t(0)}, PairSum());
   if (threadIdx.x == 0) {
-    *value = static_cast<scalar_t>(lam * (static_cast<double>(total.a) / n) + value_offset(g_eta.read()));
+    *value = static_cast<scalar_t>(lam * (static_cast<double>(total.a) / n));
     *mean_weight = static_cast<acc_t>(static_cast<double>(total.b) / n);
   }
 }
@@ -48,7 +48,7 @@ std::tuple<at::Tensor, at::Tensor> dro_loss_cuda(
     using acc_t = at::opmath_type<scalar_t>;
     loss_finalize_kernel<scalar_t, acc_t><<<1, kThreads, 0, stream>>>(
         reinterpret_cast<const Pair<acc_t>*>(partials.const_data_ptr<acc_t>()), static_cast<int>(partials.size(0)),
-        g_eta, lam, static_cast<double>(x.numel()), value.mutable_data_ptr<scalar_t>(),
+        lam, static_cast<double>(x.numel()), value.mutable_data_ptr<scalar_t>(),
         mean_weight.mutable_data_ptr<acc_t>());
     DRO_EXT_CUDA_CHECK_LAUNCH();
   });

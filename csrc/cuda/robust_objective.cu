@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(kThreads) chi2_segment_kernel(const Pair<doubl
   }
 }
 
-// Psi = L(eta*) = lam * mean value_term + value_offset(eta*), from the (psi*, psi*') sums at eta*.
+// Psi = L(eta*) = lam * mean value_term, from the (psi*, psi*') sums at eta*.
 template <typename acc_t>
 __global__ void __launch_bounds__(kThreads) objective_finalize_kernel(const Pair<acc_t>* __restrict__ partials,
                                                                       int count, SolverState* state, double lam,
@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(kThreads) objective_finalize_kernel(const Pair
   if (state->finished) return;  // the partials were skipped too (unwritten): read nothing
   const Pair<acc_t> total = reduce_partials(partials, count, Pair<acc_t>{acc_t(0), acc_t(0)}, PairSum());
   if (threadIdx.x != 0) return;
-  state->value = lam * (static_cast<double>(total.a) / n) + value_offset(state->eta);
+  state->value = lam * (static_cast<double>(total.a) / n);
   state->finished = 1;
 }
 
