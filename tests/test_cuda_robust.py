@@ -34,6 +34,29 @@ def eta_tolerance(dtype, lam):
     return dict(rtol=1e-4, atol=2e-4 * (1 + lam))
 
 
+def assert_weights_close(got, losses64, eta, lam, name, params, tol):
+    """n * q (got) against n * robust_weights of the float64 CPU kernel at eta, elementwise within tol plus what
+    moving each loss by the op's rounding of t (a few ulps of |l| + |eta| in the accumulate dtype) moves the
+    reference by: psi*'' is unbounded at cressie_read's kink for k > 2, and among 2^24 losses one lands close
+    enough to it to beat any flat tolerance (the CPU kernels, run through this test, showed it)."""
+    n = losses64.numel()
+    eps = torch.finfo(torch.float32).eps  # the accumulate dtype below float64 (float64 runs are tighter still)
+
+    def weights(x):
+        return torch.ops.dro_ext.robust_weights(x, eta, lam, name, params.get("alpha"), params.get("k")) * n
+
+    expected = weights(losses64)
+    shift = 4 * eps * (losses64.abs() + eta.abs())
+    band = (weights(losses64 + shift) - weights(losses64 - shift)).abs()
+    allowed = tol["atol"] + tol["rtol"] * expected.abs() + band
+    error = (got - expected).abs()
+    worst = int(torch.argmax(error - allowed))
+    assert bool((error <= allowed).all()), (
+        f"{name}: n q[{worst}] = {float(got[worst])}, expected {float(expected[worst])} at l = "
+        f"{float(losses64[worst])} (error {float(error[worst]):.3g} > allowed {float(allowed[worst]):.3g}); "
+        f"{int((error > allowed).sum())} of {n} outside")
+
+
 @needs_cuda
 def test_robust_ops_have_cuda_kernels():
     for op in ("robust_objective", "robust_weights", "weight_stats"):
@@ -63,11 +86,9 @@ def test_objective_and_weights_match_float64_cpu(name, params, n, dtype, layout)
     assert on_test_device(q) and q.dtype == dtype and q.shape == losses.shape
     if dtype == torch.float16 and n > 65537:
         return  # q ~ 1/n is below float16's subnormal spacing: nothing meaningful left to compare
-    q_ref = torch.ops.dro_ext.robust_weights(losses.cpu().double(), want_eta, lam, name, params.get("alpha"),
-                                             params.get("k"))
     # Compare n * q (O(1) per sample) where q is not in a low-precision dtype whose rounding dominates.
     q_tol = dict(rtol=2e-3, atol=2e-3) if dtype in (torch.float32, torch.float64) else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(q.double().cpu() * n, q_ref * n, **q_tol)
+    assert_weights_close(q.double().cpu() * n, losses.cpu().double(), want_eta, lam, name, params, q_tol)
     total = q.double().sum().item()
     assert abs(total - 1.0) <= (1e-4 if dtype in (torch.float32, torch.float64) else 2e-2) * max(1.0, n / 65537)
 
