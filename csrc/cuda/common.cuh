@@ -18,6 +18,7 @@
 
 #include <cstdint>
 
+#include "cuda/divergence_dispatch.cuh"
 #include "divergences.h"
 
 namespace dro_ext::cuda {
@@ -94,21 +95,6 @@ struct ShiftRef {
   double offset;
   __device__ __forceinline__ double read() const { return scale * ref.read() + offset; }
 };
-
-// visit_divergence for host code that launches kernels: divergences.h's visit_divergence is host+device, and
-// nvcc warns (20014) for each host lambda it is instantiated with. Same mapping of the kind to its functor.
-template <typename acc_t, typename F>
-void launch_for_divergence(const DivergenceSpec& spec, F&& f) {
-  switch (spec.kind) {
-    case Divergence::KL: return f(KL<acc_t>{});
-    case Divergence::CVaR: return f(CVaR<acc_t>(spec.alpha));
-    case Divergence::KLCVaR: return f(KLCVaR<acc_t>(spec.alpha));
-    case Divergence::CressieRead: return f(CressieRead<acc_t>(spec.k));
-    case Divergence::SmoothedCVaR: return f(SmoothedCVaR<acc_t>(spec.alpha));
-    case Divergence::Chi2:
-    default: return f(Chi2<acc_t>{});
-  }
-}
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

@@ -28,6 +28,7 @@
 #include "checks.h"
 #include "cross_entropy_checks.h"
 #include "cross_entropy_terms.h"
+#include "cuda/divergence_dispatch.cuh"
 #include "divergences.h"
 
 namespace dro_ext::cuda_cross_entropy {
@@ -258,20 +259,6 @@ row_backward_kernel(const scalar_t* logits, const int64_t* targets, int64_t num_
                                       static_cast<acc_t>(label_smoothing));
 }
 
-// Host-side choice of the divergence functor (visit_divergence is host+device; this keeps the launch in host code).
-template <typename acc_t, typename F>
-void with_divergence(const DivergenceSpec& spec, F&& f) {
-  switch (spec.kind) {
-    case Divergence::KL: return f(KL<acc_t>{});
-    case Divergence::CVaR: return f(CVaR<acc_t>(spec.alpha));
-    case Divergence::KLCVaR: return f(KLCVaR<acc_t>(spec.alpha));
-    case Divergence::CressieRead: return f(CressieRead<acc_t>(spec.k));
-    case Divergence::SmoothedCVaR: return f(SmoothedCVaR<acc_t>(spec.alpha));
-    case Divergence::Chi2:
-    default: return f(Chi2<acc_t>{});
-  }
-}
-
 // The row kernels take one block per row, and a grid has at most 2^31 - 1 blocks.
 void check_row_count(int64_t rows) {
   TORCH_CHECK(rows <= INT_MAX, "dro_cross_entropy: at most 2^31 - 1 rows (logits.size(0)) on CUDA, got ", rows);
@@ -289,7 +276,7 @@ void launch_forward(const at::Tensor& logits, const at::Tensor& targets, const a
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dro_cross_entropy_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     if (rows > 0) {
-      with_divergence<acc_t>(spec, [&](auto div) {
+      cuda::launch_for_divergence<acc_t>(spec, [&](auto div) {
         row_forward_kernel<scalar_t, acc_t, decltype(div)><<<rows, kRowThreads, 0, stream>>>(
             logits.const_data_ptr<scalar_t>(), targets.const_data_ptr<int64_t>(), num_classes, div, args,
             device_scalar(eta), inv_count ? device_scalar(*inv_count) : device_scalar(eta),

@@ -63,14 +63,14 @@ class Kernel:
 KERNELS = {
     "optim": Kernel("normalized_sgd.cu", (), ("tests/test_optim.py", "tests/test_cuda_optim.py"),
                     deselect_simd_repeats=False),  # its selection as before --kernel existed
-    "loss": Kernel("dro_loss.cu", ("psi_star_kernels.cuh", "common.cuh"),
+    "loss": Kernel("dro_loss.cu", ("psi_star_kernels.cuh", "common.cuh", "divergence_dispatch.cuh"),
                    ("tests/test_loss.py", "tests/test_precision.py"),
                    large="not test_large_outputs_never_share_live_memory"),
-    "robust": Kernel("robust_objective.cu", ("psi_star_kernels.cuh", "common.cuh"),
+    "robust": Kernel("robust_objective.cu", ("psi_star_kernels.cuh", "common.cuh", "divergence_dispatch.cuh"),
                      ("tests/test_robust.py", "tests/test_precision.py"),
                      large="not test_float32_large and not test_cvar_large_matches_full_sort and not 524291 "
                            "and not test_linear_exact_segment_large"),
-    "cross_entropy": Kernel("cross_entropy.cu", (), ("tests/test_cross_entropy.py",)),
+    "cross_entropy": Kernel("cross_entropy.cu", ("divergence_dispatch.cuh",), ("tests/test_cross_entropy.py",)),
 }
 
 
