@@ -11,8 +11,6 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
-#include <cmath>
-
 #include "checks.h"
 #include "cpu/kernels.h"
 #include "cpu/output_buffer.h"
@@ -28,22 +26,10 @@ std::tuple<at::Tensor, at::Tensor> dro_loss_cpu(
   const DivergenceSpec spec = check_dro_loss_args(losses, eta, lam, divergence, alpha, k, scale);
   const at::Tensor x = losses.contiguous();
   const double g_eta = scale * cpu::read_scalar(eta);
-  // lam psi*(t) + G eta = l + lam (psi*(t) - t) = G eta + lam (t + excess(t)): lam * excess keeps its precision
-  // as lam grows, where lam psi*(t) + G eta would cancel catastrophically (DESIGN.md, Numerics); lam t is
-  // l - G eta to a rounding.
-  const auto sums = cpu::cpu_kernels().reduce(x, spec, cpu::Affine{g_eta, 1.0 / lam}, cpu::Sums::Loss);
-  const double n = static_cast<double>(x.numel());
-  double value = g_eta + lam * (sums[0] / n + sums[1] / n);
-  if (std::isnan(value)) {
-    // inf - inf from an infinite t (a loss of +-inf), or a NaN loss: a second pass sums psi*(t) itself, which
-    // is +inf for a loss of +inf, finite for -inf, and NaN for NaN (divergences.h's penalized_value, which the
-    // CUDA kernel applies per element). Costs nothing on finite losses.
-    value = g_eta + lam * cpu::cpu_kernels().reduce(x, spec, cpu::Affine{g_eta, 1.0 / lam}, cpu::Sums::Value)[0] / n;
-  }
-  const double mean_weight = 1.0 + sums[2] / n;
+  const cpu::PenalizedMean mean = cpu::penalized_mean(x, spec, g_eta, lam);
   auto options = losses.options();
-  return {cpu::make_scalar(value, options),
-          cpu::make_scalar(mean_weight, options.dtype(accumulate_type(losses.scalar_type())))};
+  return {cpu::make_scalar(mean.value, options),
+          cpu::make_scalar(mean.mean_weight, options.dtype(accumulate_type(losses.scalar_type())))};
 }
 
 // out_i = multiplier * psi*^(order)((x_i - G eta) / lam), into a fresh contiguous tensor like x.

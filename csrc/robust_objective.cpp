@@ -246,12 +246,9 @@ Solution solve_cvar(const at::Tensor& x, double alpha) {
   return {split.eta, value, 1};
 }
 
-// L(eta) = lam mean psi*((l - eta)/lam) + eta = mean l + lam mean excess((l - eta)/lam): one pass of the
-// loss kernel.
+// L(eta) = lam mean psi*((l - eta)/lam) + eta: one pass of the loss kernel.
 double objective_at(const at::Tensor& x, const DivergenceSpec& spec, double lam, double eta) {
-  const auto sums = cpu::cpu_kernels().reduce(x, spec, cpu::Affine{eta, 1.0 / lam}, cpu::Sums::Loss);
-  const double n = static_cast<double>(x.numel());
-  return eta + lam * (sums[0] / n + sums[1] / n);
+  return cpu::penalized_mean(x, spec, eta, lam).value;
 }
 
 // psi*' = (1 + t/c)_+ for some c > 0 (chi2: c = 2; cressie_read at k = 2: c = 1), or 0 when it is not

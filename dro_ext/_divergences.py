@@ -250,8 +250,8 @@ def penalized_value(x: torch.Tensor, t: torch.Tensor, lam: float, g_eta: torch.T
       t = +inf: lam t w with w = psi*'(+inf) > 0, which is +inf with gradient w;
       t = -inf: the constant lam psi*(-inf) (its weight psi*'(-inf) is 0).
     """
-    infinite = t.isinf()
     above, below = t == math.inf, t == -math.inf
+    infinite = above | below
     t_above = torch.where(above, t, 0.0)
     w_above = psi_star(t_above.detach(), spec, 1)
     limit_below = psi_star(torch.where(below, t, 0.0).detach(), spec, 0)

@@ -97,12 +97,6 @@ def _checked_scalars(lam, divergence, alpha, k, scale, ignore_index, label_smoot
 # ---------------------------------------------------------------------------------------------------
 
 
-def _value_terms(losses, t, lam, g_eta, spec: Spec):
-    """Row i's share of the value, lam*psi*(t_i) + G*eta, formed as csrc/cross_entropy_terms.h's value_term does
-    (l_i + lam*(psi*(t_i) - t_i), which keeps its precision as lam grows; +inf for a row whose loss is +inf)."""
-    return _penalized_value_torch(losses, t, lam, g_eta, spec)
-
-
 def _row_losses(x, targets, ignore_index, label_smoothing):
     """F.cross_entropy(x, targets, reduction="none") on the (N, C) logits x, 0 on ignored rows."""
     return F.cross_entropy(x, targets, reduction="none", ignore_index=ignore_index, label_smoothing=label_smoothing)
@@ -167,7 +161,7 @@ def _fallback_dro_cross_entropy(logits, targets, eta, lam, spec, scale, ignore_i
     g_eta = scale * eta.to(acc)
     t = (losses - g_eta) / lam
     kept = keep.sum()
-    total = torch.where(keep, _value_terms(losses, t, lam, g_eta, spec), 0.0).sum()
+    total = torch.where(keep, _penalized_value_torch(losses, t, lam, g_eta, spec), 0.0).sum()
     return (total / kept.clamp(min=1)).to(logits.dtype)
 
 
@@ -231,7 +225,7 @@ def _chunk_fallback_(logits, targets, eta, inv_count, lam, spec, scale, ignore_i
     g_eta = scale * eta.to(acc)
     t = (losses - g_eta) / lam
     weights = torch.where(keep, _psi_star_torch(t, spec, 1), 0.0)
-    sums = torch.stack([torch.where(keep, _value_terms(losses, t, lam, g_eta, spec), 0.0).sum(), weights.sum()])
+    sums = torch.stack([torch.where(keep, _penalized_value_torch(losses, t, lam, g_eta, spec), 0.0).sum(), weights.sum()])
     if compute_grad:
         grad = unnormalized.div_(row_sum[:, None])  # softmax
         grad.sub_(label_smoothing / x.shape[1])

@@ -103,12 +103,18 @@ def assert_weights_close(got_w, losses, eta, lam, name, alpha=None, k=None, scal
     finfo = torch.finfo(dtype)
     storage = n * finfo.smallest_normal * finfo.eps
     allowed = tol["atol"] + tol["rtol"] * expected.abs() + band + storage
-    error = (got_w.detach().double().to(expected.device) - expected).abs()
+    assert_within(f"{name}: w", got_w.detach().double().to(expected.device), expected, allowed, "t", t)
+
+
+def assert_within(what, got, expected, allowed, at_name, at):
+    """|got - expected| <= allowed elementwise (float64 tensors of one shape); a failure names the worst element,
+    the input `at` it was computed at, and how many elements are outside."""
+    error = (got - expected).abs()
     worst = int(torch.argmax(error - allowed))
     assert bool((error <= allowed).all()), (
-        f"{name}: w[{worst}] = {float(got_w[worst])}, expected {float(expected[worst])} at t = {float(t[worst])} "
-        f"(error {float(error[worst]):.3g} > allowed {float(allowed[worst]):.3g}); "
-        f"{int((error > allowed).sum())} of {n} outside")
+        f"{what}[{worst}] = {float(got[worst])}, expected {float(expected[worst])} at {at_name} = "
+        f"{float(at[worst])} (error {float(error[worst]):.3g} > allowed {float(allowed[worst]):.3g}); "
+        f"{int((error > allowed).sum())} of {error.numel()} outside")
 
 
 def assert_matches_one_infinite(value, grads, losses, eta, lam, name, bad_index, alpha=None, k=None, scale=1.0):

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <array>
+#include <cmath>
 
 #include "divergences.h"
 
@@ -61,5 +62,26 @@ const KernelTable& kernels_default();
 const KernelTable& kernels_avx2();    // falls back to kernels_default() where AVX2 is not compiled in
 const KernelTable& kernels_avx512();  // likewise
 const KernelTable& cpu_kernels();
+
+// The penalized objective over the contiguous 1-D x and its mean weight, with t_i = (x_i - shift) / lam:
+//   value = mean_i lam psi*(t_i) + shift,  mean_weight = mean_i psi*'(t_i),
+// from one Loss pass (dro_loss, and the robust objective at its eta). The value is formed as
+// shift + lam (mean t + mean excess(t)) = mean x + lam mean (psi*(t) - t), which keeps its precision as lam grows,
+// where lam mean psi*(t) + shift would cancel catastrophically (DESIGN.md, Numerics); lam t is x - shift to a
+// rounding. That form is inf - inf where some t is infinite (a loss of +-inf): a NaN value takes a second pass
+// summing psi*(t) itself, +inf for a loss of +inf, finite for -inf and NaN for NaN (divergences.h's
+// penalized_value, which the CUDA kernel applies per element). Finite losses never pay for it.
+struct PenalizedMean {
+  double value;
+  double mean_weight;
+};
+inline PenalizedMean penalized_mean(const at::Tensor& x, const DivergenceSpec& spec, double shift, double lam) {
+  const Affine affine{shift, 1.0 / lam};
+  const auto sums = cpu_kernels().reduce(x, spec, affine, Sums::Loss);
+  const double n = static_cast<double>(x.numel());
+  double value = shift + lam * (sums[0] / n + sums[1] / n);
+  if (std::isnan(value)) value = shift + lam * (cpu_kernels().reduce(x, spec, affine, Sums::Value)[0] / n);
+  return {value, 1.0 + sums[2] / n};
+}
 
 }  // namespace dro_ext::cpu
