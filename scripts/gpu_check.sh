@@ -3,26 +3,31 @@
 #
 #   scripts/gpu_check.sh DIR [PHASES]        (or: make gpu-check OUT=DIR [PHASES=...])
 #
-# PHASES is a '+'-separated subset of build, test, suite, sanitize, bench (default: all of them). A lease of
-# ~15 minutes of device time (the machine's start included, 10 minutes per command) fits it in two calls back
-# to back while the machine is warm, the library built beforehand on the CPU machine (`make gpu-prebuilt`,
-# ~7 minutes there; carry build/gpu-prebuilt) and the CPU suite left out (CI runs it):
-#   scripts/gpu_check.sh DIR test+sanitize     # the CUDA tests (CUDA_TEST_WORKERS processes), compute-sanitizer
-#   scripts/gpu_check.sh DIR bench             # the benchmarks, each its own step (BENCHES, in that order)
-# Every phase first makes sure the extension in this checkout runs on this card; if not (a fresh machine), it
-# takes the prebuilt library when that was built from exactly these sources, else builds (~2 minutes).
-# `build` rebuilds in place for the visible card whatever is there. Each step runs under `timeout`; a failed
-# step is recorded and the script goes on. DIR/summary.txt lists every step with its exit status, time and
-# log; the script exits non-zero if any step failed. Step time limits (seconds) can be changed through the
-# environment: BUILD_S, TEST_S, SUITE_S, MEMCHECK_S, RACECHECK_S, BENCH_S (per benchmark); CUDA_TEST_WORKERS
-# (default 8) sets the test processes; BENCHES picks the benchmarks and their order (default: loss optim robust
-# cross_entropy); BENCH_ARGS adds arguments to each benchmark run (e.g. --quick).
-# TOTAL_S (seconds) caps the whole run: each step gets at most what is left. PACK_TO=FILE.tar.gz packs DIR into
-# one archive after every step, for a runner that returns only a few files and may kill the run at its limit:
-#   TOTAL_S=570 PACK_TO=$OUT/gpu_check_1.tar.gz scripts/gpu_check.sh /tmp/gpu_check test+sanitize
-# A lease, with build/gpu-prebuilt carried (device run tool: timeout_s=600 each, back to back):
-#   TOTAL_S=570 TEST_S=330 PACK_TO=$OUT/check.tar.gz make gpu-check OUT=/tmp/gc PHASES=test+sanitize
-#   TOTAL_S=570 BENCH_S=140 PACK_TO=$OUT/bench.tar.gz make gpu-check OUT=/tmp/gb PHASES=bench
+# PHASES is a '+'-separated list of build, test, suite, sanitize, bench, run in the order given (default:
+# build+test+suite+sanitize+bench). Every phase first makes sure the extension in this checkout runs on this card;
+# if not (a fresh machine), it takes the prebuilt library when that was built from exactly these sources, else
+# builds (~2 minutes). `build` rebuilds in place for the visible card whatever is there. Each step runs under
+# `timeout`; a failed step is recorded and the script goes on. DIR/summary.txt lists every step with its exit
+# status, time and log; the script exits non-zero if any step failed or was skipped.
+#
+# Run again with the same DIR (the machine still warm), it runs only the steps that DIR/summary.txt does not show
+# as run to an end (ok, FAILED or TIMEOUT): those skipped for lack of TOTAL_S and the one a killed run was in. So
+# the second call of a lease is the first call's command again, with the time that is left.
+#
+# Step time limits (seconds) can be changed through the environment: BUILD_S, TEST_S, SUITE_S, MEMCHECK_S,
+# RACECHECK_S, BENCH_S (per benchmark); CUDA_TEST_WORKERS (default 8) sets the test processes; BENCHES picks the
+# benchmarks and their order (default: loss optim robust cross_entropy); BENCH_ARGS adds arguments to each
+# benchmark run (e.g. --quick). TOTAL_S (seconds) caps the whole run: each step gets at most what is left, and a
+# step that would get under 20 s is skipped (and left for a rerun). PACK_TO=FILE.tar.gz packs DIR into one archive
+# after every step, for a runner that returns only a few files and may kill the run at its limit.
+#
+# A lease of 15 minutes of device time, the machine's start (one to two minutes) included, 10 minutes per command:
+# build the library beforehand on the CPU machine (`make gpu-prebuilt`), carry build/gpu-prebuilt, leave the CPU
+# suite out (CI runs it), and make two calls back to back while the machine is warm (it stays so 30 s):
+#   timeout_s=600:  TOTAL_S=585 TEST_S=240 BENCH_S=100 MEMCHECK_S=60 RACECHECK_S=60 PACK_TO=$OUT/check.tar.gz \
+#                     bash scripts/gpu_check.sh /tmp/gc test+bench+sanitize
+#   timeout_s=L:    the same command with TOTAL_S=L-15, L = the lease's budget_left_s less ~20 s: it runs what the
+#                   first call skipped or cut short.
 set -uo pipefail
 
 if [[ $# -lt 1 ]]; then
@@ -64,6 +69,15 @@ step() {
   local name="$1" limit="$2"
   shift 2
   local log="$OUT_DIR/$name.log" start end rc
+  # A rerun into the same DIR runs only what an earlier run skipped or did not reach (killed mid-step): a step
+  # that ran to an end, even a failed or timed-out one, would spend the lease on the same answer again.
+  local earlier
+  earlier="$(grep -Es "^$name +(ok|FAILED|TIMEOUT) " "$SUMMARY" | tail -n 1 | awk '{print $2}')"
+  if [[ -n "$earlier" ]]; then
+    echo "== $name: $earlier in an earlier run into $OUT_DIR, not run again" | tee -a "$OUT_DIR/gpu_check.log"
+    [[ "$earlier" != ok ]] && FAILED=1
+    return 0
+  fi
   start=$(date +%s)
   if [[ -n "$TOTAL_S" ]]; then
     local left=$((TOTAL_S - (start - STARTED) - 15))
@@ -178,32 +192,36 @@ cuda_parallel=()
 if [[ "${CUDA_TEST_WORKERS:-8}" != 0 ]] && "$PYTHON" -c "import xdist" 2>/dev/null; then
   cuda_parallel=(-n "${CUDA_TEST_WORKERS:-8}")
 fi
-if has_phase test; then
+
+phase_test() {
   step cuda_tests "$TEST_S" env PYTHONUNBUFFERED=1 "$PYTHON" -m pytest -q -rs --durations=15 "${cuda_parallel[@]}" \
     "${per_test[@]}" --junitxml="$OUT_DIR/cuda_tests.xml" "${CUDA_TESTS[@]}"
-fi
-if has_phase suite; then
-  ignores=()
+}
+
+phase_suite() {
+  local ignores=() parallel=() f
   for f in "${CUDA_TESTS[@]}"; do ignores+=("--ignore=$f"); done
   # The CPU tests spread over the cores where pytest-xdist is installed.
-  parallel=()
   if "$PYTHON" -c "import xdist" 2>/dev/null; then parallel=(-n 4); fi
   step suite "$SUITE_S" env PYTHONUNBUFFERED=1 "$PYTHON" -m pytest -q -rs "${parallel[@]}" "${per_test[@]}" \
     --junitxml="$OUT_DIR/suite.xml" tests "${ignores[@]}"
-fi
-if has_phase sanitize; then
-  if command -v compute-sanitizer >/dev/null 2>&1; then
-    # The caching allocator would hide out-of-bounds accesses inside its larger blocks from memcheck.
-    step memcheck "$MEMCHECK_S" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
-      --print-limit 50 "$PYTHON" scripts/cuda_smoke.py
-    step racecheck "$RACECHECK_S" compute-sanitizer --tool racecheck --error-exitcode 1 --print-limit 50 \
-      "$PYTHON" scripts/cuda_smoke.py
-  else
+}
+
+phase_sanitize() {
+  if ! command -v compute-sanitizer >/dev/null 2>&1; then
     echo "compute-sanitizer not found (looked in PATH and $CUDA_HOME/bin)" | tee -a "$SUMMARY"
     FAILED=1
+    return
   fi
-fi
-if has_phase bench; then
+  # The caching allocator would hide out-of-bounds accesses inside its larger blocks from memcheck.
+  step memcheck "$MEMCHECK_S" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
+    --print-limit 50 "$PYTHON" scripts/cuda_smoke.py
+  step racecheck "$RACECHECK_S" compute-sanitizer --tool racecheck --error-exitcode 1 --print-limit 50 \
+    "$PYTHON" scripts/cuda_smoke.py
+}
+
+phase_bench() {
+  local bench
   mkdir -p "$OUT_DIR/bench"
   # One step per benchmark, each under its own limit and writing its own result files, in the order the issues
   # need them: a slow one (torch.compile of the peers dominates on a fresh machine) cannot cost the others
@@ -212,7 +230,17 @@ if has_phase bench; then
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
     step "bench_$bench" "$BENCH_S" "$PYTHON" -m bench.run --only "$bench" --device cuda --out "$OUT_DIR/bench" $BENCH_ARGS
   done
-fi
+}
+
+# The phases in the order PHASES names them (build ran above, before anything that needs the library).
+IFS='+' read -r -a phase_list <<<"$PHASES"
+for phase in "${phase_list[@]}"; do
+  case "$phase" in
+    build) ;;
+    test | suite | sanitize | bench) "phase_$phase" ;;
+    *) echo "unknown phase '$phase' (build, test, suite, sanitize, bench)" | tee -a "$SUMMARY"; FAILED=1 ;;
+  esac
+done
 
 echo "# done $(date -u +%Y-%m-%dT%H:%M:%SZ), $([[ $FAILED -eq 0 ]] && echo 'all steps passed' || echo 'SOME STEPS FAILED')" >>"$SUMMARY"
 cat "$SUMMARY"

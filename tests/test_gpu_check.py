@@ -156,3 +156,44 @@ def test_a_run_killed_from_outside_still_leaves_its_finished_steps_packed(tree):
         names = packed.getnames()
     assert "out/cuda_tests.log" in names and "out/summary.txt" in names
     assert "out/bench_loss.log" not in names  # the step in flight had not finished
+
+
+def test_phases_run_in_the_order_given(tree):
+    prebuild(tree)
+    proc, summary, calls = run_check(tree, "bench+test", BENCHES="optim loss")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    steps = re.findall(r"^(\w+) +ok ", summary, flags=re.M)
+    assert steps == ["bench_optim", "bench_loss", "cuda_tests"]
+    assert calls.index("--only optim") < calls.index("--only loss") < calls.index("-m pytest")
+    proc, summary, _ = run_check(tree, "test+sanitise")
+    assert proc.returncode == 1 and "unknown phase 'sanitise'" in summary
+
+
+def test_a_rerun_into_the_same_folder_runs_only_what_the_first_left(tree):
+    # The lease's second call: the first ran out of TOTAL_S after one benchmark; the same command again runs the
+    # two it skipped, and neither the tests nor the finished benchmark a second time.
+    prebuild(tree)
+    first, summary, _ = run_check(tree, "test+bench", BENCHES="loss optim robust", TOTAL_S=40, BENCH_SLEEP=12)
+    assert first.returncode == 1
+    assert re.search(r"bench_optim +SKIPPED", summary) and re.search(r"bench_robust +SKIPPED", summary)
+    calls_file = tree.parent / "calls.txt"
+    calls_file.unlink()
+    second, summary, calls = run_check(tree, "test+bench", BENCHES="loss optim robust", BENCH_SLEEP=0)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "-m pytest" not in calls and "--only loss" not in calls
+    assert "--only optim" in calls and "--only robust" in calls
+    assert "cuda_tests: ok in an earlier run" in second.stdout
+    assert re.search(r"bench_optim +ok", summary) and re.search(r"bench_robust +ok", summary)
+    with tarfile.open(tree.parent / "check.tar.gz") as archive:  # the archive holds both runs' logs
+        names = archive.getnames()
+    assert {"out/cuda_tests.log", "out/bench_loss.log", "out/bench_optim.log", "out/bench_robust.log"} <= set(names)
+
+
+def test_a_rerun_does_not_repeat_a_failed_step(tree):
+    prebuild(tree)
+    out = tree.parent / "out"
+    out.mkdir()
+    (out / "summary.txt").write_text("cuda_tests             FAILED   rc=1       80s  /x/cuda_tests.log\n")
+    proc, summary, calls = run_check(tree, "test")
+    assert proc.returncode == 1  # the earlier failure still fails the run
+    assert "-m pytest" not in calls and "cuda_tests: FAILED in an earlier run" in proc.stdout
