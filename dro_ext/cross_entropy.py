@@ -258,6 +258,16 @@ def _linear_cross_entropy_with_grads(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(value, mean_weight, grad_hidden, grad_weight, grad_bias) for a unit upstream gradient; a gradient that
     is not needed comes back empty (shape (0,)) and costs nothing."""
+    return _linear_cross_entropy_chunks(hidden, weight, bias, targets, eta, lam, divergence, alpha, k, scale,
+                                        ignore_index, label_smoothing, chunk_size, native, grad_hidden_needed,
+                                        grad_weight_needed, grad_bias_needed)
+
+
+def _linear_cross_entropy_chunks(hidden, weight, bias, targets, eta, lam, divergence, alpha, k, scale, ignore_index,
+                                 label_smoothing, chunk_size, native, grad_hidden_needed, grad_weight_needed,
+                                 grad_bias_needed):
+    """The op's chunk loop (a function of its own so that a test can run it on fake CUDA tensors, where the op
+    itself would run its fake kernel)."""
     spec = Spec(divergence, alpha, k)
     rows, vocab = hidden.shape[0], weight.shape[0]
     acc = accumulate_dtype(hidden.dtype)

@@ -330,8 +330,9 @@ def weight_stats(
     Give either ``weights`` (any non-negative 1-D tensor; it is normalized to sum to one) or ``losses`` and
     ``lam`` (with ``divergence``, ``alpha``, ``k``): then the weights are ``dro_weights(losses, eta, ...)``
     at the given ``eta`` (e.g. the trained ``DROLoss.eta``), or the worst-case distribution when ``eta`` is
-    None. ``groups`` is an optional integer tensor of group ids in ``[0, num_groups)``, one per sample;
-    pass ``num_groups`` to avoid a device sync (ids outside ``[0, num_groups)`` raise IndexError). One
+    None. ``groups`` is an optional integer tensor of group ids in ``[0, num_groups)``, one per sample; ids
+    outside ``[0, num_groups)`` raise IndexError, for which the CUDA op reads one flag on the host, so a call
+    with ``groups`` waits for the device once (and once more for ``groups.max()`` without ``num_groups``). One
     pass over the weights in the native op (four small reductions in the fallback); never differentiable.
     ``group`` (a process group): the statistics of the weights (or losses) of every rank together.
     """

@@ -1,10 +1,18 @@
-"""Every dro_ext op has a CUDA kernel in a CUDA build of the extension. Needs no GPU: the dispatcher knows
-which kernels are registered whether or not a device is visible (CONTRACTS.md rule 4)."""
+"""The CUDA path, checked without a GPU:
+ - every dro_ext op has a CUDA kernel in a CUDA build of the extension (the dispatcher knows which kernels are
+   registered whether or not a device is visible; CONTRACTS.md rule 4);
+ - the Python layer around the ops reads nothing back to the host for CUDA tensors: run on fake CUDA tensors
+   (FakeTensorMode needs no device), every public function's forward and the optimizer step are recorded op by
+   op, and a host read (.item(), bool(), float(), a copy to the CPU) fails the test. The kernels' own host code
+   and the backward passes are left to the sync-debug tests of tests/test_cuda_*.py on a GPU."""
 import os
 import pathlib
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dro_ext import _backend
 
@@ -87,3 +95,121 @@ def test_cuda_tensors_route_to_native_ops():
         assert robust._native_for_device_type("cuda")
     with _backend.forced_backend("python"):
         assert not robust._native_for_device_type("cuda")
+
+
+class _HostReads(TorchDispatchMode):
+    """Records every op that would bring device data to the host: a scalar read, or an op with a CUDA input and
+    a CPU output (a copy to the CPU). A scalar read answers a stand-in number so that the run goes on and every
+    read is found, not just the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads.append(func.name())
+            return 1.0 if args[0].dtype.is_floating_point else (False if args[0].dtype == torch.bool else 1)
+        out = func(*args, **kwargs)
+        tensors_in = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors_out = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if any(t.device.type == "cuda" for t in tensors_in) and any(t.device.type == "cpu" for t in tensors_out):
+            self.reads.append(func.name())
+        return out
+
+
+DIVERGENCE_ARGS = [("chi2", {}), ("kl", {}), ("cvar", {"alpha": 0.3}), ("kl_cvar", {"alpha": 0.2}),
+                   ("cressie_read", {"k": 3.5}), ("smoothed_cvar", {"alpha": 0.1})]
+
+
+def _public_forwards(dev):
+    """(name, thunk) for every public function's forward and the optimizer step, on tensors on `dev`."""
+    import dro_ext
+    from dro_ext import cross_entropy
+
+    losses = torch.randn(1001, device=dev)
+    eta = torch.zeros((), device=dev, requires_grad=True)
+    calls = []
+    for div, kw in DIVERGENCE_ARGS:
+        calls += [
+            (f"dro_loss[{div}]", lambda div=div, kw=kw: dro_ext.dro_loss(losses.requires_grad_(), eta, 0.5, div, **kw)),
+            (f"dro_weights[{div}]", lambda div=div, kw=kw: dro_ext.dro_weights(losses, eta, 0.5, div, **kw)),
+            (f"psi_star[{div}]", lambda div=div, kw=kw: dro_ext.psi_star(losses, div, **kw)),
+            (f"robust_objective[{div}]", lambda div=div, kw=kw: dro_ext.robust_objective(losses, 0.5, div, **kw)),
+            (f"worst_case_weights[{div}]", lambda div=div, kw=kw: dro_ext.worst_case_weights(losses, 0.5, div, **kw)),
+        ]
+    module = dro_ext.DROLoss("kl_cvar", lam=0.5, alpha=0.2)
+    module.eta = torch.nn.Parameter(torch.zeros((), device=dev))  # (.to() cannot swap a fake tensor in)
+    calls += [("DROLoss", lambda: module(losses)),
+              ("weight_stats", lambda: dro_ext.weight_stats(losses.detach().abs())),
+              ("weight_stats(losses, eta)", lambda: dro_ext.weight_stats(losses=losses, eta=eta, lam=0.5))]
+
+    logits = torch.randn(3, 7, 50, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 50, (3, 7), device=dev)
+    hidden = torch.randn(21, 16, device=dev, requires_grad=True)
+    weight = torch.randn(50, 16, device=dev, requires_grad=True)
+    bias = torch.randn(50, device=dev, requires_grad=True)
+    ce_module = dro_ext.DROCrossEntropyLoss("chi2", lam=0.5, label_smoothing=0.1)
+    ce_module.eta = torch.nn.Parameter(torch.zeros((), device=dev))
+    calls += [
+        ("dro_cross_entropy", lambda: dro_ext.dro_cross_entropy(logits, targets, eta, 0.5, "kl", ignore_index=3)),
+        ("DROCrossEntropyLoss", lambda: ce_module(logits, targets)),
+        ("dro_linear_cross_entropy", lambda: dro_ext.dro_linear_cross_entropy(
+            hidden, weight, targets.reshape(-1), eta, 0.5, bias=bias, chunk_size=8)),
+        # The op's chunk loop itself: the op above runs its fake kernel under FakeTensorMode.
+        ("linear cross-entropy chunk loop", lambda: cross_entropy._linear_cross_entropy_chunks(
+            hidden.detach(), weight.detach(), bias.detach(), targets.reshape(-1), eta.detach(), 0.5, "cvar", 0.3,
+            None, 1.0, 3, 0.1, 8, True, True, True, True)),
+    ]
+
+    params = [torch.nn.Parameter(torch.randn(s, device=dev, dtype=d))
+              for s, d in (((33, 5), torch.float32), ((7,), torch.bfloat16), ((4,), torch.float16))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    plain = dro_ext.NormalizedSGD(params, lr=0.1)
+    decayed = dro_ext.NormalizedSGD(params, lr=0.1, weight_decay=0.01, norm="tensor", maximize=True)
+    decayed.param_groups[0]["lr"] = torch.tensor(0.05, device=dev)  # a device lr, as a scheduler may set
+
+    def amp_step():
+        plain.grad_scale, plain.found_inf = torch.full((), 1024.0, device=dev), torch.zeros((), device=dev)
+        try:
+            plain.step()
+        finally:
+            del plain.grad_scale, plain.found_inf
+
+    calls += [("NormalizedSGD.step", plain.step), ("NormalizedSGD.step(lr tensor, decay, tensor norm)", decayed.step),
+              ("NormalizedSGD.step(grad_scale, found_inf)", amp_step)]
+    return calls
+
+
+def test_the_python_layer_reads_nothing_on_the_host_for_cuda_tensors():
+    if not _built_with_cuda():
+        pytest.skip("the extension was built without CUDA (DRO_EXT_CUDA=0 or no toolkit): CUDA tensors take "
+                    "the fallback, whose robust objective iterates on the host by design")
+    reads = {}
+    with _backend.forced_backend("native"), FakeTensorMode():
+        for name, call in _public_forwards("cuda"):
+            recorder = _HostReads()
+            with recorder:
+                out = call()
+            assert all(t.device.type == "cuda" for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)), name
+            if recorder.reads:
+                reads[name] = recorder.reads
+    assert not reads, f"host reads on the CUDA path: {reads}"
+
+
+def test_the_host_read_recorder_sees_each_kind_of_read():
+    # The recorder itself: each way of reading device data on the host is caught, and device work is not.
+    with FakeTensorMode():
+        x = torch.randn(5, device="cuda")
+        for read in (lambda: x.sum().item(), lambda: bool(x.gt(0).any()), lambda: float(x[0]), lambda: x.cpu(),
+                     lambda: x.to("cpu", torch.float64), lambda: x.tolist()):
+            recorder = _HostReads()
+            with recorder:
+                read()
+            assert recorder.reads, "a host read went unrecorded"
+        recorder = _HostReads()
+        with recorder:
+            torch.where(x > 0, x * 2, x.new_zeros(())).sum().to(torch.float64)
+        assert recorder.reads == []
