@@ -28,6 +28,7 @@
 #include "checks.h"
 #include "cross_entropy_checks.h"
 #include "cross_entropy_terms.h"
+#include "cuda/common.cuh"
 #include "cuda/divergence_dispatch.cuh"
 #include "divergences.h"
 
@@ -36,32 +37,6 @@ namespace {
 
 constexpr int kRowThreads = 256;
 constexpr int kReduceThreads = 512;
-
-// A 0-d floating tensor read on the device, whatever its dtype, so nothing is copied to the host.
-struct DeviceScalar {
-  const void* ptr;
-  int kind;  // 0 float, 1 double, 2 half, 3 bfloat16
-
-  __device__ __forceinline__ double read() const {
-    switch (kind) {
-      case 1: return *static_cast<const double*>(ptr);
-      case 2: return static_cast<double>(static_cast<float>(*static_cast<const c10::Half*>(ptr)));
-      case 3: return static_cast<double>(static_cast<float>(*static_cast<const c10::BFloat16*>(ptr)));
-      default: return static_cast<double>(*static_cast<const float*>(ptr));
-    }
-  }
-};
-
-DeviceScalar device_scalar(const at::Tensor& t) {
-  int kind = 0;
-  switch (t.scalar_type()) {
-    case at::kDouble: kind = 1; break;
-    case at::kHalf: kind = 2; break;
-    case at::kBFloat16: kind = 3; break;
-    default: kind = 0;
-  }
-  return {t.const_data_ptr(), kind};
-}
 
 // The parameters of the DRO terms, before eta is known (it is read on the device).
 struct TermArgs {
@@ -152,7 +127,7 @@ __device__ __forceinline__ void zero_row(scalar_t* grad, int64_t num_classes) {
 template <typename scalar_t, typename acc_t, typename Div>
 __global__ void __launch_bounds__(kRowThreads)
 row_forward_kernel(const scalar_t* logits, const int64_t* targets, int64_t num_classes, Div div, TermArgs args,
-                   DeviceScalar eta, DeviceScalar inv_count, acc_t* lse_out, acc_t* weight_out, acc_t* value_out,
+                   cuda::ScalarRef eta, cuda::ScalarRef inv_count, acc_t* lse_out, acc_t* weight_out, acc_t* value_out,
                    scalar_t* grad) {
   const int64_t i = blockIdx.x;
   const scalar_t* row = logits + i * num_classes;
@@ -243,7 +218,7 @@ reduce_rows_kernel(const int64_t* targets, int64_t rows, int64_t ignore_index, c
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kRowThreads)
 row_backward_kernel(const scalar_t* logits, const int64_t* targets, int64_t num_classes, const acc_t* lse,
-                    const acc_t* row_weight, DeviceScalar grad_value, int64_t ignore_index, double label_smoothing,
+                    const acc_t* row_weight, cuda::ScalarRef grad_value, int64_t ignore_index, double label_smoothing,
                     scalar_t* grad) {
   const int64_t i = blockIdx.x;
   const int64_t target = targets[i];
@@ -279,7 +254,7 @@ void launch_forward(const at::Tensor& logits, const at::Tensor& targets, const a
       cuda::launch_for_divergence<acc_t>(spec, [&](auto div) {
         row_forward_kernel<scalar_t, acc_t, decltype(div)><<<rows, kRowThreads, 0, stream>>>(
             logits.const_data_ptr<scalar_t>(), targets.const_data_ptr<int64_t>(), num_classes, div, args,
-            device_scalar(eta), inv_count ? device_scalar(*inv_count) : device_scalar(eta),
+            cuda::scalar_ref(eta), inv_count ? cuda::scalar_ref(*inv_count) : cuda::scalar_ref(eta),
             lse ? lse->mutable_data_ptr<acc_t>() : nullptr, weights.mutable_data_ptr<acc_t>(),
             value_terms.mutable_data_ptr<acc_t>(), write_grad ? logits.data_ptr<scalar_t>() : nullptr);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -345,7 +320,7 @@ at::Tensor dro_cross_entropy_backward_cuda(const at::Tensor& grad, const at::Ten
     using acc_t = at::opmath_type<scalar_t>;
     row_backward_kernel<scalar_t, acc_t><<<rows, kRowThreads, 0, stream>>>(
         x.const_data_ptr<scalar_t>(), y.const_data_ptr<int64_t>(), num_classes, lse_c.const_data_ptr<acc_t>(),
-        weight_c.const_data_ptr<acc_t>(), device_scalar(grad), ignore_index, label_smoothing,
+        weight_c.const_data_ptr<acc_t>(), cuda::scalar_ref(grad), ignore_index, label_smoothing,
         grad_logits.mutable_data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

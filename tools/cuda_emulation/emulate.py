@@ -70,7 +70,8 @@ KERNELS = {
                      ("tests/test_robust.py", "tests/test_precision.py"),
                      large="not test_float32_large and not test_cvar_large_matches_full_sort and not 524291 "
                            "and not test_linear_exact_segment_large"),
-    "cross_entropy": Kernel("cross_entropy.cu", ("divergence_dispatch.cuh",), ("tests/test_cross_entropy.py",)),
+    "cross_entropy": Kernel("cross_entropy.cu", ("common.cuh", "divergence_dispatch.cuh"),
+                            ("tests/test_cross_entropy.py",)),
 }
 
 
