@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 import dro_ext
-from bench.common import (add_common_arguments, default_min_seconds, device_info, loadavg, markdown_table, result_name,
-                          synchronize, time_fn, write_report)
+from bench.common import (add_common_arguments, default_min_seconds, device_info, loadavg, markdown_table,
+                          partial_writer, result_name, synchronize, time_fn, write_report)
 
 LAM, DIVERGENCE = 0.5, "chi2"
 IMPLS = ("fused", "eager", "compiled", "mean_ce")
@@ -165,9 +165,10 @@ def cuda_peak_bytes(run):
 # ---------------------------------------------------------------------------------------------------
 
 
-def bench(device, quick, rounds, min_seconds, kinds=("logits", "linear")):
+def bench(device, quick, rounds, min_seconds, kinds=("logits", "linear"), on_case=None):
+    """Each case in kinds; on_case(rows, done) after each (bench.common.partial_writer)."""
     rows = []
-    for kind in kinds:
+    for done, kind in enumerate(kinds, 1):
         sizes = case_sizes(kind, device, quick)
         torch._dynamo.reset()
         runs = make_case(kind, sizes, device)
@@ -195,6 +196,8 @@ def bench(device, quick, rounds, min_seconds, kinds=("logits", "linear")):
             })
         print(f"{device} {kind} ({describe(kind, sizes)}): " + "  ".join(
             f"{impl}={1e3 * times[impl]:.1f}ms/{peaks[impl] / 2**20:.0f}MiB" for impl in IMPLS), flush=True)
+        if on_case:
+            on_case(rows, done)
     return rows
 
 
@@ -230,14 +233,16 @@ def main(argv=None):
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.min_seconds = default_min_seconds(args, device, quick=0.2, full=3.0)
     kinds = (args.case,) if args.case else ("logits", "linear")
-    rows = bench(device, args.quick, args.rounds, args.min_seconds, kinds)
     info = device_info(device)
     name = args.name or result_name("cross_entropy", info)
     if args.case and not args.name:
         name += "_" + args.case
+    settings = {"quick": args.quick, "rounds": args.rounds}
+    on_case = partial_writer(args, name, info, table, load_before=load_before, settings=settings, total=len(kinds))
+    rows = bench(device, args.quick, args.rounds, args.min_seconds, kinds, on_case)
     # Tables only: the memory column is the point of this benchmark and reads best as a table (--no-plot is implied).
     return write_report(args.out, name, rows, table(rows), info, load=(load_before, loadavg()),
-                        note=args.note, settings={"quick": args.quick, "rounds": args.rounds})
+                        note=args.note, settings=settings)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ import torch
 
 import dro_ext
 from bench.common import (add_common_arguments, case_label, CASES, check_device, copy_pair, cuda_peak_bytes,
-                          default_min_seconds, device_info, interleaved_rounds, loadavg, progress, publish, result_name,
-                          saved_tensor_bytes, select_cases, Timer)
+                          default_min_seconds, device_info, interleaved_rounds, loadavg, markdown_table, partial_writer,
+                          progress, publish, result_name, saved_tensor_bytes, select_cases, Timer)
 
 LAM = 0.5
 BYTES_PER_SAMPLE = 12  # float32: read l forward, read l + write grad_l backward
@@ -117,7 +117,8 @@ def bench_case(name, params, n, device, timer, impls, *, rounds, min_seconds) ->
     return rows
 
 
-def bench(device, sizes, cases, *, rounds, min_seconds, dynamic=False) -> list[dict]:
+def bench(device, sizes, cases, *, rounds, min_seconds, dynamic=False, on_case=None) -> list[dict]:
+    """Every (case, N); on_case(rows, done) after each (bench.common.partial_writer)."""
     timer = Timer(device)
     rows = []
     total = len(sizes) * len(cases)
@@ -129,6 +130,8 @@ def bench(device, sizes, cases, *, rounds, min_seconds, dynamic=False) -> list[d
         rows += case_rows
         progress(f"[loss {i}/{total}] {case_label(name, params):>22} N={n:>9}: " + "  ".join(
             f"{r['impl']} {r['median_ms']:.3f} ms" for r in case_rows) + f"  floor {case_rows[0]['floor_ms']:.3f} ms")
+        if on_case:
+            on_case(rows, i)
     return rows
 
 
@@ -166,9 +169,11 @@ def main(argv=None) -> dict:
                 "backend": dro_ext.backend()}
     info = device_info(device)
     load_before = loadavg()
-    rows = bench(device, sizes, select_cases(args.divergences), rounds=rounds, min_seconds=min_seconds,
-                 dynamic=args.quick)
     name = result_name(args.name, info)
+    cases = select_cases(args.divergences)
+    on_case = partial_writer(args, name, info, lambda rows: markdown_table(HEADER, table_rows(rows)) + "\n\n" + NOTE,
+                             load_before=load_before, settings=settings, total=len(cases) * len(sizes))
+    rows = bench(device, sizes, cases, rounds=rounds, min_seconds=min_seconds, dynamic=args.quick, on_case=on_case)
     return publish(args, "loss", name, rows, HEADER, table_rows(rows), info, load_before=load_before,
                    settings=settings, after="\n\n" + NOTE, plot="plot_loss")
 

@@ -17,7 +17,7 @@ import argparse
 import torch
 
 from bench.common import (add_common_arguments, check_device, copy_pair, cuda_peak_bytes, device_info, loadavg,
-                          progress, publish, result_name, summarize, Timer)
+                          markdown_table, partial_writer, progress, publish, result_name, summarize, Timer)
 from dro_ext import _backend
 from dro_ext.optim import _FUSED_DEVICE_TYPES, NormalizedSGD
 
@@ -205,6 +205,10 @@ def main(argv=None) -> dict:
     load_before = loadavg()
     rows, notes = [], []
     total = len(threads_list) * len(sizes)
+    name = result_name(args.name, info)
+    settings = {"rounds": [s[2] for s in sizes], "threads": threads_list, "quick": args.quick}
+    on_case = partial_writer(args, name, info, lambda rows: markdown_table(HEADER, table_rows(rows)),
+                             load_before=load_before, settings=settings, total=total)
     try:
         for i, (threads, (label, shapes, rounds)) in enumerate(
                 ((t, s) for t in dict.fromkeys(threads_list) for s in sizes), 1):
@@ -214,6 +218,7 @@ def main(argv=None) -> dict:
             notes += [n for n in size_notes if n not in notes]
             progress(f"[optim {i}/{total}] {size_rows[0]['list']}, {threads} threads: " + "  ".join(
                 f"{r['peer']} {1e3 * r['median_s']:.2f} ms" for r in size_rows))
+            on_case(rows, i)
     finally:  # bench.run runs the next benchmark in this process
         torch.set_num_threads(default_threads)
     bandwidths = ", ".join(f"{r['list']} at {r['threads']} threads: {r['copy_gb_per_s']:.1f} GB/s" for r in rows
@@ -227,8 +232,6 @@ def main(argv=None) -> dict:
             f"a step, so a step can beat this floor (x floor < 1). torch.optim.SGD does no norm: a lower bound. "
             f"1-minute load average during each list (before, after): {loads} on {info['cores']} cores."
             + "".join(f" {n}." for n in notes))
-    name = result_name(args.name, info)
-    settings = {"rounds": [s[2] for s in sizes], "threads": threads_list, "quick": args.quick}
     return publish(args, "optim", name, rows, HEADER, table_rows(rows), info, load_before=load_before,
                    settings=settings, after="\n\n" + note, plot="plot_optim")
 

@@ -31,9 +31,11 @@ import dro_ext
 from bench.bench_loss import eager_psi_star
 from bench import fast_dro_peer
 from bench.common import (add_common_arguments, case_label, CASES, check_device, default_min_seconds, device_info,
-                          interleaved_rounds, loadavg, progress, publish, result_name, select_cases, Timer)
+                          interleaved_rounds, loadavg, markdown_table, partial_writer, progress, publish, result_name,
+                          select_cases, Timer)
 
 LAM = 0.1
+DTYPES = (torch.float32, torch.float64)
 FULL_SIZES = (1 << 16, 1 << 22)
 QUICK_SIZES = (1 << 12,)
 METHODS = ("dro_ext", "bisection (torch, tol 1e-4)", "scipy bounded (numpy f64)")
@@ -155,16 +157,16 @@ def lognormal_losses(n: int, seed: int = 0) -> torch.Tensor:
     return torch.exp(torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 0.75)
 
 
-def bench(device, sizes, cases, *, rounds, min_seconds, quick=False, fast_dro_class=None) -> list[dict]:
+def bench(device, sizes, cases, *, rounds, min_seconds, quick=False, fast_dro_class=None, on_case=None) -> list[dict]:
+    """Every (N, dtype, case); on_case(rows, done) after each (bench.common.partial_writer)."""
     timer = Timer(device)
     rows = []
-    dtypes = (torch.float32, torch.float64)
-    total = len(sizes) * len(dtypes) * len(cases)
+    total = len(sizes) * len(DTYPES) * len(cases)
     step = 0
     for n in sizes:
         base = lognormal_losses(n)
         big = n > (1 << 20)
-        for dtype in dtypes:
+        for dtype in DTYPES:
             losses = base.to(device=device, dtype=dtype)
             l64 = losses.double().cpu().numpy()
             for name, params in cases:
@@ -188,6 +190,8 @@ def bench(device, sizes, cases, *, rounds, min_seconds, quick=False, fast_dro_cl
                 progress(f"[robust {step}/{total}] {label:>22} N=2^{int(math.log2(n))} {rows[-1]['dtype']}: " +
                          "  ".join(f"{r['method'].split(' ')[0]} {r['median_ms']:.3f} ms (err {r['abs_error']:.1e})"
                                    for r in rows[-len(stats):]))
+                if on_case:
+                    on_case(rows, step)
     return rows
 
 
@@ -231,13 +235,17 @@ def main(argv=None) -> dict:
     min_seconds = default_min_seconds(args, device, quick=0.02, full=1.0)
     info = device_info(device)
     load_before = loadavg()
-    rows = bench(device, sizes, select_cases(args.divergences), rounds=rounds, min_seconds=min_seconds,
-                 quick=args.quick, fast_dro_class=fast_dro_class)
     peer_note = (NOTE_FAST_DRO.format(path=fast_dro_path, commit=fast_dro_peer.commit_of(fast_dro_path))
                  if fast_dro_path else NOTE_NO_FAST_DRO)
     name = result_name(args.name, info)
     settings = {"sizes": list(sizes), "rounds": rounds, "min_seconds": min_seconds, "quick": args.quick,
                 "backend": dro_ext.backend(), "fast_dro": fast_dro_path}
+    cases = select_cases(args.divergences)
+    on_case = partial_writer(args, name, info,
+                             lambda rows: NOTE + " " + peer_note + "\n\n" + markdown_table(HEADER, table_rows(rows)),
+                             load_before=load_before, settings=settings, total=len(sizes) * len(DTYPES) * len(cases))
+    rows = bench(device, sizes, cases, rounds=rounds, min_seconds=min_seconds, quick=args.quick,
+                 fast_dro_class=fast_dro_class, on_case=on_case)
     return publish(args, "robust", name, rows, HEADER, table_rows(rows), info, load_before=load_before,
                    settings=settings, before=NOTE + " " + peer_note + "\n\n", plot="plot_robust",
                    plot_title="robust_objective vs peers")

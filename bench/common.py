@@ -315,6 +315,18 @@ def write_report(out_dir: str, name: str, rows: list[dict], table_md: str, info:
     return {"json": base + ".json", "csv": base + ".csv", "md": base + ".md"}
 
 
+def partial_writer(args, name: str, info: dict, table_md: Callable[[list[dict]], str], *, load_before,
+                   settings: dict, total: int) -> Callable[[list[dict], int], None]:
+    """A benchmark loop's checkpoint, called as write(rows, done) after each case: the report of the cases so far
+    (no plot), its settings marked partial, so that a run stopped at a time limit (a GPU lease) still leaves the
+    cases it finished in its result files. The report at the end of the run overwrites it."""
+    def write(rows: list[dict], done: int) -> None:
+        if done < total:
+            write_report(args.out, name, rows, table_md(rows), info, load=(load_before, loadavg()), note=args.note,
+                         settings={**settings, "partial": f"{done} of {total} cases, the run had not ended"})
+    return write
+
+
 def publish(args, tag: str, name: str, rows: list[dict], header: list[str], table: list[list], info: dict, *,
             load_before, settings: dict, before: str = "", after: str = "", plot: str | None = None,
             plot_title: str = "") -> dict[str, str]:

@@ -164,6 +164,7 @@ def _rows(out, name):
     with open(out / f"{name}.json") as f:
         data = json.load(f)
     assert data["meta"]["settings"]["quick"] is True and data["meta"]["machine"]
+    assert "partial" not in data["meta"]["settings"]  # the finished run's report replaced the checkpoints
     return data["rows"]
 
 
@@ -239,3 +240,43 @@ def test_quick_prints_progress_on_stderr_and_tables_on_stdout(quick_run):
     assert "[loss 1/" in proc.stderr and "[optim 1/" in proc.stderr and "[robust 1/" in proc.stderr
     assert "case" in proc.stdout and "ms/step" in proc.stdout
     assert not any(line.startswith(("[loss", "[optim", "[robust")) for line in proc.stdout.splitlines())
+
+
+class _Stopped(Exception):
+    """Stands in for the time limit that kills a benchmark mid-run."""
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("bench_loss", ["--divergences", "chi2", "--sizes", "4096", "8192"]),
+    ("bench_robust", ["--divergences", "chi2", "--sizes", "4096"]),
+    ("bench_optim", ["--threads", "1", "2"]),
+    ("bench_cross_entropy", []),
+])
+def test_a_stopped_benchmark_leaves_the_cases_it_finished(tmp_path, monkeypatch, module, argv):
+    # The run stops right after its first case's checkpoint, as a GPU lease's limit would stop it: the result files
+    # hold that case, marked partial.
+    import importlib
+    bench_module = importlib.import_module(f"bench.{module}")
+    real_writer = bench_module.partial_writer
+
+    def writer_then_stop(*args, **kwargs):
+        write = real_writer(*args, **kwargs)
+
+        def write_and_stop(rows, done):
+            write(rows, done)
+            raise _Stopped
+        return write_and_stop
+
+    monkeypatch.setattr(bench_module, "partial_writer", writer_then_stop)
+    with pytest.raises(_Stopped):
+        bench_module.main(["--quick", "--no-plot", "--out", str(tmp_path), *argv])
+    name = {"bench_loss": "loss", "bench_robust": "robust", "bench_optim": "optim",
+            "bench_cross_entropy": "cross_entropy"}[module]
+    with open(tmp_path / f"{name}.json") as f:
+        data = json.load(f)
+    assert data["meta"]["settings"]["partial"] == "1 of 2 cases, the run had not ended"
+    assert data["rows"] and all(r["median_ms" if "median_ms" in r else "median_s"] > 0 for r in data["rows"])
+    md = (tmp_path / f"{name}.md").read_text()
+    assert "partial=1 of 2 cases" in md and "|---|" in md
+    with open(tmp_path / f"{name}.csv") as f:
+        assert sum(1 for _ in f) == len(data["rows"]) + 1
