@@ -24,7 +24,7 @@
 # A lease of 15 minutes of device time, the machine's start (one to two minutes) included, 10 minutes per command:
 # build the library beforehand on the CPU machine (`make gpu-prebuilt`), carry build/gpu-prebuilt, leave the CPU
 # suite out (CI runs it), and make two calls back to back while the machine is warm (it stays so 30 s):
-#   timeout_s=600:  TOTAL_S=585 TEST_S=240 MEMCHECK_S=60 RACECHECK_S=60 BENCH_S=150 PACK_TO=$OUT/check.tar.gz \
+#   timeout_s=600:  TOTAL_S=585 TEST_S=240 MEMCHECK_S=60 RACECHECK_S=60 BENCH_S=200 PACK_TO=$OUT/check.tar.gz \
 #                     bash scripts/gpu_check.sh /tmp/gc test+sanitize+bench
 #   timeout_s=L:    the same command with TOTAL_S=L-15, L = the lease's budget_left_s less ~20 s: it runs what the
 #                   first call skipped or was stopped in (the benchmarks that did not fit, most likely).
