@@ -3,8 +3,10 @@
    registered whether or not a device is visible; CONTRACTS.md rule 4);
  - the Python layer around the ops reads nothing back to the host for CUDA tensors: run on fake CUDA tensors
    (FakeTensorMode needs no device), every public function's forward and the optimizer step are recorded op by
-   op, and a host read (.item(), bool(), float(), a copy to the CPU) fails the test. The kernels' own host code
-   and the backward passes are left to the sync-debug tests of tests/test_cuda_*.py on a GPU."""
+   op, and a host read (.item(), bool(), float(), a copy to the CPU) fails the test; so are the backward
+   formulas written in Python, called directly (the autograd engine cannot run on fake CUDA tensors). The kernels'
+   own host code and the C++ backward of dro_loss are left to the sync-debug tests of tests/test_cuda_*.py on a
+   GPU."""
 import os
 import pathlib
 
@@ -183,13 +185,61 @@ def _public_forwards(dev):
     return calls
 
 
+class _Ctx:
+    """The part of an autograd ctx that the ops' Python setup_context and backward functions use."""
+
+    def __init__(self, needs_input_grad):
+        self.needs_input_grad = needs_input_grad
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *tensors):
+        pass
+
+    def set_materialize_grads(self, value):
+        pass
+
+
+def _python_backwards(dev):
+    """(name, thunk) running setup_context on a forward's inputs and output, then backward, for each op whose
+    autograd formula is written in Python (the autograd engine itself cannot run on fake CUDA tensors)."""
+    from dro_ext import cross_entropy, robust
+
+    eta = torch.zeros((), device=dev)
+    logits = torch.randn(21, 50, device=dev, dtype=torch.bfloat16)
+    targets = torch.randint(0, 50, (21,), device=dev)
+    hidden, weight, bias = torch.randn(21, 16, device=dev), torch.randn(50, 16, device=dev), torch.randn(50, device=dev)
+    losses = torch.randn(1001, device=dev)
+    grad = torch.ones((), device=dev)
+    ops = [
+        ("dro_cross_entropy backward", cross_entropy._dro_cross_entropy_setup_context,
+         cross_entropy._dro_cross_entropy_backward, torch.ops.dro_ext.dro_cross_entropy,
+         (logits, targets, eta, 0.5, "kl", None, None, 1.0, 3, 0.1), (True, False, True), grad.bfloat16()),
+        ("dro_linear_cross_entropy backward", cross_entropy._linear_setup_context, cross_entropy._linear_backward,
+         cross_entropy._linear_cross_entropy_with_grads,
+         (hidden, weight, bias, targets, eta, 0.5, "chi2", None, None, 1.0, -100, 0.0, 8, True, True, True, True),
+         (True, True, True, False, True), grad),
+        ("robust_objective backward", robust._robust_objective_setup_context, robust._robust_objective_backward,
+         torch.ops.dro_ext.robust_objective, (losses, 0.5, "cressie_read", None, 1.5), (True,), grad),
+    ]
+
+    def thunk(setup_context, backward, forward, inputs, needs, grad_value):
+        ctx = _Ctx(needs + (False,) * (len(inputs) - len(needs)))
+        setup_context(ctx, inputs, forward(*inputs))
+        grads = [g for g in backward(ctx, grad_value, None) if g is not None]
+        assert len(grads) == sum(needs), "a gradient that was asked for did not come back"
+        return grads
+    return [(name, lambda args=args: thunk(*args)) for name, *args in ops]
+
+
 def test_the_python_layer_reads_nothing_on_the_host_for_cuda_tensors():
     if not _built_with_cuda():
         pytest.skip("the extension was built without CUDA (DRO_EXT_CUDA=0 or no toolkit): CUDA tensors take "
                     "the fallback, whose robust objective iterates on the host by design")
     reads = {}
     with _backend.forced_backend("native"), FakeTensorMode():
-        for name, call in _public_forwards("cuda"):
+        for name, call in _public_forwards("cuda") + _python_backwards("cuda"):
             recorder = _HostReads()
             with recorder:
                 out = call()
