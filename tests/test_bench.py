@@ -280,3 +280,20 @@ def test_a_stopped_benchmark_leaves_the_cases_it_finished(tmp_path, monkeypatch,
     assert "partial=1 of 2 cases" in md and "|---|" in md
     with open(tmp_path / f"{name}.csv") as f:
         assert sum(1 for _ in f) == len(data["rows"]) + 1
+
+
+def test_robust_reference_root_is_brentqs_to_1e15_with_a_good_or_a_bad_guess():
+    # The reference eta: brentq on the costly exact g, inside a narrow bracket from a cheap guess when that holds the
+    # root, and over the whole bracket when it does not.
+    from bench.bench_robust import exact_root
+    calls = []
+
+    def g(x):
+        calls.append(x)
+        return math.tan(0.3 - x)  # decreasing, root 0.3, not linear (brentq would be exact at once on a line)
+
+    eta = exact_root(g, lambda x: math.tan(0.3 - x) * 1.001, 0.0, 1.0)  # a close guess
+    assert abs(eta - 0.3) <= 2e-15 and all(abs(x - 0.3) <= 1.1e-9 for x in calls) and len(calls) <= 6
+    calls.clear()
+    eta = exact_root(g, lambda x: 0.5 - x, 0.0, 1.0)  # the guess's root, 0.5, is far from g's
+    assert abs(eta - 0.3) <= 2e-15 and any(abs(x - 0.3) > 1e-3 for x in calls)
