@@ -19,6 +19,7 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -94,6 +95,33 @@ using std::isinf;
 using std::isnan;
 using std::sqrt;
 
+// DRO_EXT_EMULATION_BLOCK_ORDER=reverse|shuffle: the blocks of each launch run in reverse order, or in an order
+// scrambled anew for each launch (block i runs as blockIdx (a*i + c) mod grid, a coprime to grid), instead of 0, 1,
+// 2, ...: a GPU runs blocks in no set order, so a kernel whose result depends on which block runs first or last
+// (a "last block" combine that assumes it is block grid-1, say) fails here too.
+inline const int emu_block_order_mode = [] {
+  const char* v = std::getenv("DRO_EXT_EMULATION_BLOCK_ORDER");
+  if (v == nullptr || v[0] == '\0' || std::string(v) == "forward") return 0;
+  if (std::string(v) == "reverse") return 1;
+  if (std::string(v) == "shuffle") return 2;
+  throw std::runtime_error("DRO_EXT_EMULATION_BLOCK_ORDER must be forward, reverse or shuffle");
+}();
+struct EmuBlockOrder {
+  unsigned grid;
+  unsigned long long a = 1, c = 0;
+  explicit EmuBlockOrder(unsigned grid_) : grid(grid_) {
+    if (emu_block_order_mode != 2 || grid < 2) return;
+    static std::mt19937_64 rng(20261126);
+    c = rng() % grid;
+    for (a = rng() % grid | 1; std::gcd(a, static_cast<unsigned long long>(grid)) != 1; a = (a + 2) % grid) {
+    }
+  }
+  unsigned operator()(unsigned i) const {
+    if (emu_block_order_mode == 1) return grid - 1 - i;
+    return static_cast<unsigned>((a * i + c) % grid);
+  }
+};
+
 struct EmuBlockEnd {
   unsigned* block;
   unsigned threads;
@@ -112,6 +140,7 @@ void emulate_launch(K kernel, G grid_arg, B block_arg, A... args) {
   blockDim = dim3(threads);
   gridDim = dim3(grid);
   unsigned block = 0;
+  const EmuBlockOrder order(grid);
   emu_sync.emplace(threads, EmuBump{});
   std::barrier<EmuBlockEnd> end(threads, EmuBlockEnd{&block, threads});
   std::mutex error_mutex;
@@ -119,7 +148,7 @@ void emulate_launch(K kernel, G grid_arg, B block_arg, A... args) {
   auto body = [&](unsigned t) {
     threadIdx = dim3(t, 0, 0);
     while (block < grid) {  // block is only written by the end barrier's completion
-      blockIdx = dim3(block, 0, 0);
+      blockIdx = dim3(order(block), 0, 0);
       try {
         emu_jitter();
         kernel(args...);  // each thread gets its own copies of the arguments, as on the device
