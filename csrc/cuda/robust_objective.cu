@@ -298,6 +298,9 @@ __global__ void __launch_bounds__(kThreads) multisection_kernel(
     partials[blockIdx.x] = block;
     __threadfence();  // the partial is visible to every block before the counter says so
     is_last = atomicAdd(&state->blocks_done, 1u) == gridDim.x - 1;
+    // And, in the last block, the other blocks' partials are visible to this thread before the barrier hands its
+    // answer to the others (the acquire side of the pattern, at the thread that observed the counter).
+    __threadfence();
   }
   __syncthreads();
   if (!is_last) return;
