@@ -6,8 +6,11 @@
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace dro_ext {
 
@@ -25,6 +28,23 @@ inline void check_step_list_lengths(at::TensorList params, at::TensorList grads,
   TORCH_CHECK_VALUE(grads.size() == params.size() && momenta.size() == params.size() && steps.size() == params.size(),
                     "dro_ext: params, grads, momenta and steps must have the same length, got ", params.size(), ", ",
                     grads.size(), ", ", momenta.size(), ", ", steps.size());
+}
+
+// No tensor given twice in a list the step updates in place: the CPU kernel would update it twice, and the CUDA
+// kernel's blocks, which run at once, would race on it (a step count shared by two params loses increments).
+inline void check_each_tensor_once(const char* name, at::TensorList list) {
+  std::vector<std::pair<const void*, size_t>> starts;
+  starts.reserve(list.size());
+  for (const auto i : c10::irange(list.size())) {
+    if (list[i].numel() > 0) starts.emplace_back(list[i].const_data_ptr(), i);  // empty ones may share nullptr
+  }
+  std::sort(starts.begin(), starts.end());
+  for (size_t j = 1; j < starts.size(); ++j) {
+    TORCH_CHECK_VALUE(starts[j].first != starts[j - 1].first, "dro_ext: ", name, "[",
+                      std::min(starts[j - 1].second, starts[j].second), "] and ", name, "[",
+                      std::max(starts[j - 1].second, starts[j].second),
+                      "] are the same memory; the step updates each in place, so each must appear once");
+  }
 }
 
 // Every param a float32, float64, float16 or bfloat16 tensor on `device` (the one the kernel runs on), its grad
@@ -50,6 +70,9 @@ inline void check_step_lists(at::TensorList params, at::TensorList grads, at::Te
                       "dro_ext: steps[", i, "] must be a one-element float32 tensor on ", device, " (beside params[",
                       i, "]), got ", steps[i].scalar_type(), " ", steps[i].sizes(), " on ", steps[i].device());
   }
+  check_each_tensor_once("params", params);
+  check_each_tensor_once("momenta", momenta);
+  check_each_tensor_once("steps", steps);
 }
 
 }  // namespace dro_ext

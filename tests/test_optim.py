@@ -373,6 +373,30 @@ def test_native_op_rejects_mismatched_lists():
         torch.ops.dro_ext.normalized_sgd_step_([p], [p], [m], [step], lr, 0.9, 0.0, 0.0, "layer")
 
 
+def test_native_op_rejects_a_tensor_given_twice():
+    # The step updates params, momenta and steps in place (the CUDA kernel from blocks that run at once): a tensor
+    # given twice in one of those lists is an error naming both places; grads are only read and may repeat.
+    needs_native()
+    p, q, m, n = torch.zeros(3), torch.zeros(2), torch.zeros(3), torch.zeros(2)
+    g = torch.ones(3)
+    step, lr = torch.zeros(()), torch.tensor(0.1)
+    with pytest.raises(ValueError, match=r"steps\[0\] and steps\[1\] are the same memory"):
+        torch.ops.dro_ext.normalized_sgd_step_([p, q], [g, g[:2]], [m, n], [step, step], lr, 0.9, 0.0)
+    with pytest.raises(ValueError, match=r"params\[0\] and params\[2\] are the same memory"):
+        torch.ops.dro_ext.normalized_sgd_step_([p, q, p], [g, g[:2], g], [m, n, m.clone()],
+                                               [step, torch.zeros(()), torch.zeros(())], lr, 0.9, 0.0)
+    with pytest.raises(ValueError, match=r"momenta\[0\] and momenta\[1\] are the same memory"):
+        torch.ops.dro_ext.normalized_sgd_step_([p, p.clone()], [g, g], [m, m], [step, torch.zeros(())], lr, 0.9, 0.0)
+    # Nothing was touched by the refused calls; the same call with distinct tensors runs (the same grad twice too).
+    assert float(step) == 0.0 and not p.any() and not m.any()
+    torch.ops.dro_ext.normalized_sgd_step_([p, q], [g, g[:2]], [m, n], [step, torch.zeros(())], lr, 0.9, 0.0)
+    assert float(step) == 1.0 and p.ne(0).all()
+    # Empty tensors hold no memory to share.
+    e1, e2 = torch.zeros(0), torch.zeros(0)
+    torch.ops.dro_ext.normalized_sgd_step_([e1, e2], [e1, e2], [torch.zeros(0), torch.zeros(0)],
+                                           [torch.zeros(()), torch.zeros(())], lr, 0.9, 0.0)
+
+
 def _op_args(grad_scale=None, found_inf=None, norm="global"):
     shapes = [(1,), (7, 3), (100,)]
     dtypes = [torch.float32, torch.float64, torch.bfloat16]
