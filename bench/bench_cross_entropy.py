@@ -166,7 +166,7 @@ def cuda_peak_bytes(run):
 
 
 def bench(device, quick, rounds, min_seconds, kinds=("logits", "linear"), on_case=None):
-    """Each case in kinds; on_case(rows, done) after each (bench.common.partial_writer)."""
+    """Each case in kinds; on_case(rows, done, total) after each (bench.common.partial_writer)."""
     rows = []
     for done, kind in enumerate(kinds, 1):
         sizes = case_sizes(kind, device, quick)
@@ -197,7 +197,7 @@ def bench(device, quick, rounds, min_seconds, kinds=("logits", "linear"), on_cas
         print(f"{device} {kind} ({describe(kind, sizes)}): " + "  ".join(
             f"{impl}={1e3 * times[impl]:.1f}ms/{peaks[impl] / 2**20:.0f}MiB" for impl in IMPLS), flush=True)
         if on_case:
-            on_case(rows, done)
+            on_case(rows, done, len(kinds))
     return rows
 
 
@@ -238,7 +238,7 @@ def main(argv=None):
     if args.case and not args.name:
         name += "_" + args.case
     settings = {"quick": args.quick, "rounds": args.rounds}
-    on_case = partial_writer(args, name, info, table, load_before=load_before, settings=settings, total=len(kinds))
+    on_case = partial_writer(args, name, info, table, load_before=load_before, settings=settings)
     rows = bench(device, args.quick, args.rounds, args.min_seconds, kinds, on_case)
     # Tables only: the memory column is the point of this benchmark and reads best as a table (--no-plot is implied).
     return write_report(args.out, name, rows, table(rows), info, load=(load_before, loadavg()),

@@ -118,7 +118,7 @@ def bench_case(name, params, n, device, timer, impls, *, rounds, min_seconds) ->
 
 
 def bench(device, sizes, cases, *, rounds, min_seconds, dynamic=False, on_case=None) -> list[dict]:
-    """Every (case, N); on_case(rows, done) after each (bench.common.partial_writer)."""
+    """Every (case, N); on_case(rows, done, total) after each (bench.common.partial_writer)."""
     timer = Timer(device)
     rows = []
     total = len(sizes) * len(cases)
@@ -131,7 +131,7 @@ def bench(device, sizes, cases, *, rounds, min_seconds, dynamic=False, on_case=N
         progress(f"[loss {i}/{total}] {case_label(name, params):>22} N={n:>9}: " + "  ".join(
             f"{r['impl']} {r['median_ms']:.3f} ms" for r in case_rows) + f"  floor {case_rows[0]['floor_ms']:.3f} ms")
         if on_case:
-            on_case(rows, i)
+            on_case(rows, i, total)
     return rows
 
 
@@ -170,12 +170,13 @@ def main(argv=None) -> dict:
     info = device_info(device)
     load_before = loadavg()
     name = result_name(args.name, info)
-    cases = select_cases(args.divergences)
-    on_case = partial_writer(args, name, info, lambda rows: markdown_table(HEADER, table_rows(rows)) + "\n\n" + NOTE,
-                             load_before=load_before, settings=settings, total=len(cases) * len(sizes))
-    rows = bench(device, sizes, cases, rounds=rounds, min_seconds=min_seconds, dynamic=args.quick, on_case=on_case)
+    after = "\n\n" + NOTE
+    on_case = partial_writer(args, name, info, lambda rows: markdown_table(HEADER, table_rows(rows)) + after,
+                             load_before=load_before, settings=settings)
+    rows = bench(device, sizes, select_cases(args.divergences), rounds=rounds, min_seconds=min_seconds,
+                 dynamic=args.quick, on_case=on_case)
     return publish(args, "loss", name, rows, HEADER, table_rows(rows), info, load_before=load_before,
-                   settings=settings, after="\n\n" + NOTE, plot="plot_loss")
+                   settings=settings, after=after, plot="plot_loss")
 
 
 if __name__ == "__main__":

@@ -208,7 +208,7 @@ def main(argv=None) -> dict:
     name = result_name(args.name, info)
     settings = {"rounds": [s[2] for s in sizes], "threads": threads_list, "quick": args.quick}
     on_case = partial_writer(args, name, info, lambda rows: markdown_table(HEADER, table_rows(rows)),
-                             load_before=load_before, settings=settings, total=total)
+                             load_before=load_before, settings=settings)
     try:
         for i, (threads, (label, shapes, rounds)) in enumerate(
                 ((t, s) for t in dict.fromkeys(threads_list) for s in sizes), 1):
@@ -218,7 +218,7 @@ def main(argv=None) -> dict:
             notes += [n for n in size_notes if n not in notes]
             progress(f"[optim {i}/{total}] {size_rows[0]['list']}, {threads} threads: " + "  ".join(
                 f"{r['peer']} {1e3 * r['median_s']:.2f} ms" for r in size_rows))
-            on_case(rows, i)
+            on_case(rows, i, total)
     finally:  # bench.run runs the next benchmark in this process
         torch.set_num_threads(default_threads)
     bandwidths = ", ".join(f"{r['list']} at {r['threads']} threads: {r['copy_gb_per_s']:.1f} GB/s" for r in rows

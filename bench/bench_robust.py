@@ -172,7 +172,7 @@ def lognormal_losses(n: int, seed: int = 0) -> torch.Tensor:
 
 
 def bench(device, sizes, cases, *, rounds, min_seconds, quick=False, fast_dro_class=None, on_case=None) -> list[dict]:
-    """Every (N, dtype, case); on_case(rows, done) after each (bench.common.partial_writer)."""
+    """Every (N, dtype, case); on_case(rows, done, total) after each (bench.common.partial_writer)."""
     timer = Timer(device)
     rows = []
     total = len(sizes) * len(DTYPES) * len(cases)
@@ -205,7 +205,7 @@ def bench(device, sizes, cases, *, rounds, min_seconds, quick=False, fast_dro_cl
                          "  ".join(f"{r['method'].split(' ')[0]} {r['median_ms']:.3f} ms (err {r['abs_error']:.1e})"
                                    for r in rows[-len(stats):]))
                 if on_case:
-                    on_case(rows, step)
+                    on_case(rows, step, total)
     return rows
 
 
@@ -254,14 +254,13 @@ def main(argv=None) -> dict:
     name = result_name(args.name, info)
     settings = {"sizes": list(sizes), "rounds": rounds, "min_seconds": min_seconds, "quick": args.quick,
                 "backend": dro_ext.backend(), "fast_dro": fast_dro_path}
-    cases = select_cases(args.divergences)
-    on_case = partial_writer(args, name, info,
-                             lambda rows: NOTE + " " + peer_note + "\n\n" + markdown_table(HEADER, table_rows(rows)),
-                             load_before=load_before, settings=settings, total=len(sizes) * len(DTYPES) * len(cases))
-    rows = bench(device, sizes, cases, rounds=rounds, min_seconds=min_seconds, quick=args.quick,
-                 fast_dro_class=fast_dro_class, on_case=on_case)
+    before = NOTE + " " + peer_note + "\n\n"
+    on_case = partial_writer(args, name, info, lambda rows: before + markdown_table(HEADER, table_rows(rows)),
+                             load_before=load_before, settings=settings)
+    rows = bench(device, sizes, select_cases(args.divergences), rounds=rounds, min_seconds=min_seconds,
+                 quick=args.quick, fast_dro_class=fast_dro_class, on_case=on_case)
     return publish(args, "robust", name, rows, HEADER, table_rows(rows), info, load_before=load_before,
-                   settings=settings, before=NOTE + " " + peer_note + "\n\n", plot="plot_robust",
+                   settings=settings, before=before, plot="plot_robust",
                    plot_title="robust_objective vs peers")
 
 

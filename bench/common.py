@@ -316,11 +316,11 @@ def write_report(out_dir: str, name: str, rows: list[dict], table_md: str, info:
 
 
 def partial_writer(args, name: str, info: dict, table_md: Callable[[list[dict]], str], *, load_before,
-                   settings: dict, total: int) -> Callable[[list[dict], int], None]:
-    """A benchmark loop's checkpoint, called as write(rows, done) after each case: the report of the cases so far
-    (no plot), its settings marked partial, so that a run stopped at a time limit (a GPU lease) still leaves the
+                   settings: dict) -> Callable[[list[dict], int, int], None]:
+    """A benchmark loop's checkpoint, called as write(rows, done, total) after each case: the report of the cases so
+    far (no plot), its settings marked partial, so that a run stopped at a time limit (a GPU lease) still leaves the
     cases it finished in its result files. The report at the end of the run overwrites it."""
-    def write(rows: list[dict], done: int) -> None:
+    def write(rows: list[dict], done: int, total: int) -> None:
         if done < total:
             write_report(args.out, name, rows, table_md(rows), info, load=(load_before, loadavg()), note=args.note,
                          settings={**settings, "partial": f"{done} of {total} cases, the run had not ended"})

@@ -262,16 +262,15 @@ def test_a_stopped_benchmark_leaves_the_cases_it_finished(tmp_path, monkeypatch,
     def writer_then_stop(*args, **kwargs):
         write = real_writer(*args, **kwargs)
 
-        def write_and_stop(rows, done):
-            write(rows, done)
+        def write_and_stop(rows, done, total):
+            write(rows, done, total)
             raise _Stopped
         return write_and_stop
 
     monkeypatch.setattr(bench_module, "partial_writer", writer_then_stop)
     with pytest.raises(_Stopped):
         bench_module.main(["--quick", "--no-plot", "--out", str(tmp_path), *argv])
-    name = {"bench_loss": "loss", "bench_robust": "robust", "bench_optim": "optim",
-            "bench_cross_entropy": "cross_entropy"}[module]
+    name = module.removeprefix("bench_")
     with open(tmp_path / f"{name}.json") as f:
         data = json.load(f)
     assert data["meta"]["settings"]["partial"] == "1 of 2 cases, the run had not ended"

@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import reference as ref
 from dro_ext import _backend
 
 # The ops issue 8 gives a CUDA kernel; any other op the extension defines must have one too (checked below).
@@ -121,10 +122,6 @@ class _HostReads(TorchDispatchMode):
         return out
 
 
-DIVERGENCE_ARGS = [("chi2", {}), ("kl", {}), ("cvar", {"alpha": 0.3}), ("kl_cvar", {"alpha": 0.2}),
-                   ("cressie_read", {"k": 3.5}), ("smoothed_cvar", {"alpha": 0.1})]
-
-
 def _public_forwards(dev):
     """(name, thunk) for every public function's forward and the optimizer step, on tensors on `dev`."""
     import dro_ext
@@ -133,13 +130,14 @@ def _public_forwards(dev):
     losses = torch.randn(1001, device=dev)
     eta = torch.zeros((), device=dev, requires_grad=True)
     calls = []
-    for div, kw in DIVERGENCE_ARGS:
+    for (div, kw), case in zip(ref.CASES, ref.CASE_IDS):
         calls += [
-            (f"dro_loss[{div}]", lambda div=div, kw=kw: dro_ext.dro_loss(losses.requires_grad_(), eta, 0.5, div, **kw)),
-            (f"dro_weights[{div}]", lambda div=div, kw=kw: dro_ext.dro_weights(losses, eta, 0.5, div, **kw)),
-            (f"psi_star[{div}]", lambda div=div, kw=kw: dro_ext.psi_star(losses, div, **kw)),
-            (f"robust_objective[{div}]", lambda div=div, kw=kw: dro_ext.robust_objective(losses, 0.5, div, **kw)),
-            (f"worst_case_weights[{div}]", lambda div=div, kw=kw: dro_ext.worst_case_weights(losses, 0.5, div, **kw)),
+            (f"dro_loss[{case}]", lambda div=div, kw=kw: dro_ext.dro_loss(losses.requires_grad_(), eta, 0.5, div, **kw)),
+            (f"dro_weights[{case}]", lambda div=div, kw=kw: dro_ext.dro_weights(losses, eta, 0.5, div, **kw)),
+            (f"psi_star[{case}]", lambda div=div, kw=kw: dro_ext.psi_star(losses, div, **kw)),
+            (f"robust_objective[{case}]", lambda div=div, kw=kw: dro_ext.robust_objective(losses, 0.5, div, **kw)),
+            (f"worst_case_weights[{case}]",
+             lambda div=div, kw=kw: dro_ext.worst_case_weights(losses, 0.5, div, **kw)),
         ]
     module = dro_ext.DROLoss("kl_cvar", lam=0.5, alpha=0.2)
     module.eta = torch.nn.Parameter(torch.zeros((), device=dev))  # (.to() cannot swap a fake tensor in)
