@@ -55,14 +55,17 @@ def eager_linear_loss(hidden, weight, targets, eta):
 
 def make_case(kind, sizes, device):
     """The inputs and, per implementation, a function running one forward + backward."""
-    g = torch.Generator(device="cpu").manual_seed(0)
+    # The inputs are drawn where they live, in their dtype: at the CUDA sizes a host draw of 2 billion float32
+    # normals and their copy would take seconds of a short GPU lease (the CPU inputs are what they were).
+    g = torch.Generator(device=device).manual_seed(0)
     dtype = getattr(torch, sizes["dtype"])
+    draw = dict(generator=g, device=device, dtype=dtype)
     eta = torch.tensor(float(torch.log(torch.tensor(float(sizes.get("c", sizes.get("v")))))), device=device,
                        requires_grad=True)
     if kind == "logits":
         n, c = sizes["n"], sizes["c"]
-        logits = torch.randn(n, c, generator=g).to(device=device, dtype=dtype).requires_grad_()
-        targets = torch.randint(0, c, (n,), generator=g).to(device)
+        logits = torch.randn(n, c, **draw).requires_grad_()
+        targets = torch.randint(0, c, (n,), generator=g, device=device)
         inputs = (logits, targets, eta)
         wrt = (logits, eta)
         fns = {
@@ -73,9 +76,9 @@ def make_case(kind, sizes, device):
         }
     else:
         n, h, v = sizes["n"], sizes["h"], sizes["v"]
-        hidden = (torch.randn(n, h, generator=g) / h**0.5).to(device=device, dtype=dtype).requires_grad_()
-        weight = torch.randn(v, h, generator=g).to(device=device, dtype=dtype).requires_grad_()
-        targets = torch.randint(0, v, (n,), generator=g).to(device)
+        hidden = (torch.randn(n, h, **draw) / h**0.5).requires_grad_()
+        weight = torch.randn(v, h, **draw).requires_grad_()
+        targets = torch.randint(0, v, (n,), generator=g, device=device)
         inputs = (hidden, weight, targets, eta)
         wrt = (hidden, weight, eta)
         fns = {
