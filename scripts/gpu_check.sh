@@ -8,7 +8,8 @@
 # if not (a fresh machine), it takes the prebuilt library when that was built from exactly these sources, else
 # builds (~2 minutes). `build` rebuilds in place for the visible card whatever is there. Each step runs under
 # `timeout`; a failed step is recorded and the script goes on. DIR/summary.txt lists every step with its exit
-# status, time and log; the script exits non-zero if any step failed or was skipped.
+# status, time and log; the script exits non-zero if any step failed or was skipped. After the benchmarks,
+# DIR/targets.md (python -m bench.targets) says which of the issues' speed and memory targets they met.
 #
 # Run again with the same DIR (the machine still warm), it runs only the steps that DIR/summary.txt does not show
 # as run to an end (ok, FAILED or TIMEOUT): those skipped for lack of TOTAL_S and the one a killed run was in. So
@@ -232,6 +233,11 @@ phase_bench() {
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
     step "bench_$bench" "$BENCH_S" "$PYTHON" -m bench.run --only "$bench" --device cuda --out "$OUT_DIR/bench" $BENCH_ARGS
   done
+  # Every issue target against what the benchmarks wrote so far (this run's and an earlier one's into DIR), in
+  # DIR/targets.md and on the console: a second, not a step, and so run again after every rerun.
+  timeout 60 "$PYTHON" -m bench.targets "$OUT_DIR/bench" >"$OUT_DIR/targets.md" 2>&1
+  cat "$OUT_DIR/targets.md"
+  pack
 }
 
 # The phases in the order PHASES names them (build ran above, before anything that needs the library).

@@ -24,6 +24,7 @@ if [[ "$*" == *"get_device_capability"* ]]; then echo 9.0; exit 0; fi
 if [[ $# -eq 1 && "$1" == "-" ]]; then cat >/dev/null; grep -qs runs dro_ext/_C.abi3.so; exit; fi
 if [[ "$1" == "-c" ]]; then exit 0; fi  # import xdist / pytest_timeout: installed
 if [[ "$1" == "-m" && "$2" == "pytest" ]]; then echo "stand-in pytest"; exit 0; fi
+if [[ "$1" == "-m" && "$2" == "bench.targets" ]]; then echo "stand-in targets of $3"; exit 0; fi
 if [[ "$1" == "-m" && "$2" == "bench.run" ]]; then echo "stand-in bench"; echo $$ >"$CALLS.bench_pid"; exec sleep "${BENCH_SLEEP:-0}"; fi
 if [[ "$1" == "setup.py" ]]; then echo runs >dro_ext/_C.abi3.so; echo "stand-in build"; exit 0; fi
 echo "unexpected call: $*" >&2; exit 3
@@ -98,9 +99,13 @@ def test_a_matching_prebuilt_library_replaces_the_build(tree):
     assert "-n 8" in calls and "test_cuda_loss.py" in calls  # the CUDA tests, on 8 workers
     assert "--only loss --device cuda" in calls
     assert "cuda_tests" in summary and "bench_loss" in summary and "all steps passed" in summary
+    # The issue targets, checked against the benchmarks' results, on the console and in DIR/targets.md.
+    out = tree.parent / "out"
+    assert (out / "targets.md").read_text() == f"stand-in targets of {out}/bench\n"
+    assert f"stand-in targets of {out}/bench" in proc.stdout
     with tarfile.open(tree.parent / "check.tar.gz") as archive:
         names = archive.getnames()
-    assert "out/summary.txt" in names and "out/cuda_tests.log" in names and "out/bench_loss.log" in names
+    assert {"out/summary.txt", "out/cuda_tests.log", "out/bench_loss.log", "out/targets.md"} <= set(names)
 
 
 @pytest.mark.parametrize("problem", ["stale", "does_not_run"])
@@ -182,6 +187,7 @@ def test_a_rerun_into_the_same_folder_runs_only_what_the_first_left(tree):
     assert second.returncode == 0, second.stdout + second.stderr
     assert "-m pytest" not in calls and "--only loss" not in calls
     assert "--only optim" in calls and "--only robust" in calls
+    assert "-m bench.targets" in calls  # the targets again, over both runs' results
     assert "cuda_tests: ok in an earlier run" in second.stdout
     assert re.search(r"bench_optim +ok", summary) and re.search(r"bench_robust +ok", summary)
     with tarfile.open(tree.parent / "check.tar.gz") as archive:  # the archive holds both runs' logs

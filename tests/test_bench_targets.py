@@ -1,0 +1,123 @@
+"""bench/targets.py: each issue target read from result files as the benchmarks write them, met or missed at its
+threshold, the worst case named, partial and quick runs said as such. GPU result files are written here by hand
+(no GPU is needed), with values on both sides of each threshold; the committed CPU results check that the reader
+still matches the benchmarks' schema."""
+import json
+import pathlib
+
+import pytest
+
+from bench import targets
+from bench.common import CASES, case_label
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def write(folder, name, rows, **settings):
+    with open(folder / f"{name}.json", "w") as f:
+        json.dump({"meta": {"settings": {"quick": False, **settings}}, "rows": rows}, f)
+
+
+def verdicts(folder, text_part):
+    """{file: (measured, verdict)} of the targets whose text holds text_part."""
+    _, rows = targets.report([str(folder)])
+    return {r[2]: (r[3], r[4]) for r in rows if text_part in r[1]}
+
+
+def loss_rows(eager_speedup, n=4096, device="cuda:0"):
+    rows = []
+    for i, (label, speedup) in enumerate(zip([case_label(*c) for c in CASES], eager_speedup)):
+        rows.append({"device": device, "case": label, "n": n, "impl": "fused", "fused_speedup": 1.0, "x_floor": 1.1})
+        rows.append({"device": device, "case": label, "n": n, "impl": "eager", "fused_speedup": speedup})
+    return rows
+
+
+def test_a_target_met_in_every_case_and_missed_in_one(tmp_path):
+    write(tmp_path, "loss_h100", loss_rows([3.0] * len(CASES)))
+    assert verdicts(tmp_path, "3x faster than eager") == {"loss_h100.json": ("3x (worst: chi2)", "met")}
+    speedups = [4.0] * len(CASES)
+    speedups[2] = 2.99
+    write(tmp_path, "loss_h100", loss_rows(speedups))
+    measured, verdict = verdicts(tmp_path, "3x faster than eager")["loss_h100.json"]
+    assert measured == f"2.99x (worst: {case_label(*CASES[2])})"
+    assert verdict == f"MISSED in 1 of {len(CASES)}"
+
+
+def test_a_bandwidth_target_reads_the_time_over_the_floor(tmp_path):
+    rows = loss_rows([4.0] * len(CASES), n=1 << 24)
+    write(tmp_path, "loss_h100", rows)  # x_floor 1.1: 91% of the copy bandwidth
+    assert verdicts(tmp_path, "85% of copy bandwidth")["loss_h100.json"][1] == "met"
+    rows[-2]["x_floor"] = 1.25  # the last case's fused row: 80%
+    write(tmp_path, "loss_h100", rows)
+    measured, verdict = verdicts(tmp_path, "85% of copy bandwidth")["loss_h100.json"]
+    assert measured.startswith("0.8 of copy bw (worst: smoothed_cvar") and verdict.startswith("MISSED in 1 of")
+
+
+def test_a_run_that_did_not_end_says_how_many_cases_it_saw(tmp_path):
+    write(tmp_path, "loss_h100", loss_rows([5.0, 5.0, 5.0]), partial="3 of 21 cases, the run had not ended")
+    assert verdicts(tmp_path, "3x faster than eager")["loss_h100.json"][1] == \
+        f"met (partial: 3 of {len(CASES)} cases measured)"
+    # the 2^24 rows were not reached at all
+    assert verdicts(tmp_path, "85% of copy bandwidth")["loss_h100.json"] == ("", "not measured (no such rows)")
+
+
+def test_quick_runs_other_devices_and_missing_files_do_not_count(tmp_path):
+    write(tmp_path, "loss_h100", loss_rows([5.0] * len(CASES)), quick=True)
+    write(tmp_path, "loss", loss_rows([5.0] * len(CASES), device="cpu"))  # a CPU run: not a CUDA target's
+    assert verdicts(tmp_path, "3x faster than eager") == {"loss_h100.json": ("", "not measured (a --quick run)")}
+    assert verdicts(tmp_path, "1.5x faster than the best foreach") == {
+        "": ("", "not measured (no optim result on cuda)")}
+
+
+def test_the_optimizer_targets_take_the_100m_list_and_the_best_foreach(tmp_path):
+    rows = []
+    for lst in ("resnet18 (62 tensors, 11.7M)", "gpt-100M (148 tensors, 101.2M)"):
+        big = lst.startswith("gpt")
+        rows += [{"device": "cuda:0", "list": lst, "peer": "NormalizedSGD fused", "fused_speedup": 1.0,
+                  "over_floor": 1.2 if big else 3.0, "best_foreach": False},
+                 {"device": "cuda:0", "list": lst, "peer": "foreach lerp_item", "fused_speedup": 1.4 if big else 9.0,
+                  "over_floor": 2.0, "best_foreach": True},
+                 {"device": "cuda:0", "list": lst, "peer": "foreach mul_add_item", "fused_speedup": 1.6,
+                  "over_floor": 2.2, "best_foreach": False}]
+    write(tmp_path, "optim_h100", rows)
+    assert verdicts(tmp_path, "80% of copy bandwidth") == {"optim_h100.json": ("0.833 of copy bw", "met")}
+    assert verdicts(tmp_path, "1.5x faster than the best foreach") == {"optim_h100.json": ("1.4x", "MISSED in 1 of 1")}
+
+
+@pytest.mark.parametrize("ours,bisection,met", [(0.0, 0.0, True), (1e-9, 1e-6, True), (2e-6, 1e-6, False)])
+def test_the_robust_objective_must_be_no_less_accurate_than_the_bisection(tmp_path, ours, bisection, met):
+    rows = [{"device": "cuda:0", "case": "chi2", "n": 1 << 22, "dtype": "float32", "method": "dro_ext",
+             "time_vs_dro_ext": 1.0, "abs_error": ours},
+            {"device": "cuda:0", "case": "chi2", "n": 1 << 22, "dtype": "float32",
+             "method": "bisection (torch, tol 1e-4)", "time_vs_dro_ext": 25.0, "abs_error": bisection},
+            {"device": "cuda:0", "case": "chi2", "n": 1 << 16, "dtype": "float32",  # not the target's N
+             "method": "bisection (torch, tol 1e-4)", "time_vs_dro_ext": 2.0, "abs_error": 0.0}]
+    write(tmp_path, "robust_h100", rows)
+    assert verdicts(tmp_path, "20x faster")["robust_h100.json"][1].startswith("met (partial: 1 of")
+    verdict = verdicts(tmp_path, "error no larger")["robust_h100.json"][1]
+    assert verdict.startswith("met (partial" if met else "MISSED in 1 of 1")
+
+
+def test_the_gpu_cross_entropy_target_takes_the_issues_sizes_only(tmp_path):
+    def rows(sizes, eager_time, memory):
+        return [{"device": "cuda:0", "case": "linear", "sizes": sizes, "impl": "fused", "time_vs_fused": 1.0,
+                 "memory_vs_eager": memory},
+                {"device": "cuda:0", "case": "linear", "sizes": sizes, "impl": "eager", "time_vs_fused": eager_time,
+                 "memory_vs_eager": 1.0}]
+    write(tmp_path, "cross_entropy_h100", rows(targets.CE_GPU_LINEAR, 1 / 1.05, 0.08) +
+          rows("N=256, H=128, V=4096, bfloat16", 0.5, 0.9))
+    assert verdicts(tmp_path, "within 1.1x of eager's time")["cross_entropy_h100.json"] == ("1.05x eager's", "met")
+    assert verdicts(tmp_path, "10% of eager's peak memory")["cross_entropy_h100.json"] == ("0.08x eager's", "met")
+    write(tmp_path, "cross_entropy_h100", rows(targets.CE_GPU_LINEAR, 1 / 1.2, 0.12))
+    assert verdicts(tmp_path, "within 1.1x of eager's time")["cross_entropy_h100.json"][1] == "MISSED in 1 of 1"
+    assert verdicts(tmp_path, "10% of eager's peak memory")["cross_entropy_h100.json"][1] == "MISSED in 1 of 1"
+
+
+def test_the_committed_cpu_results_match_the_readers_schema():
+    # Every CPU target finds its rows in the committed cross-entropy results (a renamed field or changed size
+    # label in the benchmark would leave them 'not measured'); the verdicts themselves are the results'.
+    _, rows = targets.report([str(ROOT / "bench" / "results")])
+    cpu = [r for r in rows if r[2] == "cross_entropy.json"]
+    assert len(cpu) == sum(t.device == "cpu" for t in targets.TARGETS) == 5
+    for r in cpu:
+        assert r[3] and r[4].split(" ")[0] in ("met", "MISSED"), r
