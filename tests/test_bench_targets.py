@@ -6,6 +6,7 @@ import json
 import pathlib
 
 import pytest
+import torch
 
 from bench import targets
 from bench.common import CASES, case_label
@@ -121,3 +122,17 @@ def test_the_committed_cpu_results_match_the_readers_schema():
     assert len(cpu) == sum(t.device == "cpu" for t in targets.TARGETS) == 5
     for r in cpu:
         assert r[3] and r[4].split(" ")[0] in ("met", "MISSED"), r
+
+
+def test_the_benchmarks_full_settings_measure_every_targets_sizes():
+    # The targets hold the issues' sizes; a benchmark whose full run stopped measuring them would leave its
+    # targets 'not measured' on the one GPU run there is.
+    from bench import bench_cross_entropy, bench_loss, bench_optim, bench_robust
+    assert {4096, 1 << 24} <= set(bench_loss.FULL_SIZES) and 1 << 22 in bench_robust.FULL_SIZES
+    assert bench_robust.DTYPES == (torch.float32, torch.float64) and bench_robust.METHODS[1].startswith("bisection")
+    assert sum(t.cases == tuple(targets.ROBUST_CASES) for t in targets.TARGETS) == 2
+    assert 100e6 < sum(torch.Size(s).numel() for s in bench_optim.gpt_shapes()) < 110e6
+    describe, cases = bench_cross_entropy.describe, bench_cross_entropy.CASES
+    assert describe("linear", cases["cuda"]["linear"]) == targets.CE_GPU_LINEAR
+    assert describe("linear", cases["cpu"]["linear"]) == targets.CE_CPU_LINEAR
+    assert describe("logits", cases["cpu"]["logits"]) == targets.CE_CPU_LOGITS
