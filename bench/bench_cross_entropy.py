@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import dro_ext
+from dro_ext.cross_entropy import default_chunk_size
 from bench.common import (add_common_arguments, default_min_seconds, device_info, loadavg, markdown_table,
                           partial_writer, result_name, synchronize, time_fn, write_report)
 
@@ -43,6 +44,10 @@ CASES = {
              "linear": dict(n=16384, h=4096, v=128256, dtype="bfloat16")},
 }
 QUICK = {"logits": dict(n=512, c=4096), "linear": dict(n=256, h=128, v=4096)}
+# Chunk sizes the linear case also runs on CUDA beside the default one (default_chunk_size: 512 rows at the issue's
+# sizes), so that the one GPU run shows where the default stands: each chunk reads and writes the whole weight
+# gradient in its addmm, whose arithmetic intensity grows with the chunk.
+CUDA_CHUNK_SIZES = (256, 1024, 2048, 4096)
 
 
 def eager_logits_loss(logits, targets, eta):
@@ -53,8 +58,9 @@ def eager_linear_loss(hidden, weight, targets, eta):
     return eager_logits_loss(F.linear(hidden, weight), targets, eta)
 
 
-def make_case(kind, sizes, device):
-    """The inputs and, per implementation, a function running one forward + backward."""
+def make_case(kind, sizes, device, chunk_sizes=()):
+    """The inputs and, per implementation, a function running one forward + backward. For the linear case,
+    `fused chunk=C` runs the fused op at chunk_size C beside its default (`fused`), for each C in chunk_sizes."""
     # The inputs are drawn where they live, in their dtype: at the CUDA sizes a host draw of 2 billion float32
     # normals and their copy would take seconds of a short GPU lease (the CPU inputs are what they were).
     g = torch.Generator(device=device).manual_seed(0)
@@ -87,6 +93,10 @@ def make_case(kind, sizes, device):
             "compiled": torch.compile(eager_linear_loss, fullgraph=True),
             "mean_ce": lambda x, w, y, e: F.cross_entropy(F.linear(x, w), y),
         }
+        default = default_chunk_size(n, h, v, hidden.element_size())
+        for c in (c for c in chunk_sizes if c != default):
+            fns[f"fused chunk={c}"] = (lambda c: lambda x, w, y, e: dro_ext.dro_linear_cross_entropy(
+                x, w, y, e, LAM, DIVERGENCE, chunk_size=c))(c)
 
     def runner(impl):
         fn = fns[impl]
@@ -96,7 +106,7 @@ def make_case(kind, sizes, device):
             value = fn(*inputs)
             return torch.autograd.grad(value, targets_wrt)
         return run
-    return {impl: runner(impl) for impl in IMPLS}
+    return {impl: runner(impl) for impl in fns}
 
 
 def case_sizes(kind, device, quick):
@@ -124,9 +134,9 @@ def _status_kib(field):
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def probe_cpu_memory(kind, impl, quick):
+def probe_cpu_memory(kind, impl, quick, chunk_sizes=()):
     """Runs in a fresh process: peak resident memory of one forward+backward above the resident memory before it."""
-    runs = make_case(kind, case_sizes(kind, torch.device("cpu"), quick), "cpu")
+    runs = make_case(kind, case_sizes(kind, torch.device("cpu"), quick), "cpu", chunk_sizes)
     run = runs[impl]
     out = run()  # warm-up: compiles, loads kernels, builds the thread pool
     del out
@@ -139,12 +149,13 @@ def probe_cpu_memory(kind, impl, quick):
     return 1024 * (peak - baseline)
 
 
-def cpu_peak_bytes(kind, impl, quick):
+def cpu_peak_bytes(kind, impl, quick, chunk_sizes=()):
     # DRO_EXT_CPU_BUFFER_CACHE=0: a buffer the extension keeps from the warm-up run would be resident before the
     # measured run and hide from its peak.
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072",
                DRO_EXT_CPU_BUFFER_CACHE="0")
-    cmd = [sys.executable, "-m", "bench.bench_cross_entropy", "--probe", kind, impl] + (["--quick"] if quick else [])
+    cmd = [sys.executable, "-m", "bench.bench_cross_entropy", "--probe", kind, impl] + (["--quick"] if quick else []) + \
+        ["--chunk-sizes", *map(str, chunk_sizes)]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])["peak_extra_bytes"]
@@ -168,25 +179,26 @@ def cuda_peak_bytes(run):
 # ---------------------------------------------------------------------------------------------------
 
 
-def bench(device, quick, rounds, min_seconds, kinds=("logits", "linear"), on_case=None):
+def bench(device, quick, rounds, min_seconds, kinds=("logits", "linear"), on_case=None, chunk_sizes=()):
     """Each case in kinds; on_case(rows, done, total) after each (bench.common.partial_writer)."""
     rows = []
     for done, kind in enumerate(kinds, 1):
         sizes = case_sizes(kind, device, quick)
         torch._dynamo.reset()
-        runs = make_case(kind, sizes, device)
-        per_round = {impl: [] for impl in IMPLS}
+        runs = make_case(kind, sizes, device, chunk_sizes)
+        impls = list(runs)
+        per_round = {impl: [] for impl in impls}
         for _ in range(rounds):
-            for impl in IMPLS:
+            for impl in impls:
                 per_round[impl].append(time_fn(runs[impl], device, warmup=1, min_reps=1,
                                                min_seconds=min_seconds / rounds))
         if device.type == "cuda":
-            peaks = {impl: cuda_peak_bytes(runs[impl]) for impl in IMPLS}
+            peaks = {impl: cuda_peak_bytes(runs[impl]) for impl in impls}
         else:
             del runs  # the probes run in fresh processes; free this one's inputs first
-            peaks = {impl: cpu_peak_bytes(kind, impl, quick) for impl in IMPLS}
-        times = {impl: statistics.median(r["median_s"] for r in per_round[impl]) for impl in IMPLS}
-        for impl in IMPLS:
+            peaks = {impl: cpu_peak_bytes(kind, impl, quick, chunk_sizes) for impl in impls}
+        times = {impl: statistics.median(r["median_s"] for r in per_round[impl]) for impl in impls}
+        for impl in impls:
             rows.append({
                 "device": str(device), "case": kind, "sizes": describe(kind, sizes), "divergence": DIVERGENCE,
                 "impl": impl, "median_ms": 1e3 * times[impl],
@@ -198,7 +210,7 @@ def bench(device, quick, rounds, min_seconds, kinds=("logits", "linear"), on_cas
                 "memory_vs_eager": peaks[impl] / peaks["eager"] if peaks["eager"] else None,
             })
         print(f"{device} {kind} ({describe(kind, sizes)}): " + "  ".join(
-            f"{impl}={1e3 * times[impl]:.1f}ms/{peaks[impl] / 2**20:.0f}MiB" for impl in IMPLS), flush=True)
+            f"{impl}={1e3 * times[impl]:.1f}ms/{peaks[impl] / 2**20:.0f}MiB" for impl in impls), flush=True)
         if on_case:
             on_case(rows, done, len(kinds))
     return rows
@@ -211,7 +223,8 @@ def table(rows):
     return (markdown_table(header, body) + "\n\nForward + backward (gradients to the logits or to hidden and weight, "
             "and to eta), divergence chi2, lam 0.5. `eager` is F.cross_entropy(reduction=\"none\") + dro_ext.dro_loss "
             "(after F.linear for the linear case), `compiled` that under torch.compile(fullgraph=True), `mean_ce` "
-            "plain mean cross-entropy (no DRO, no eta). `time / fused` is that row's time over the fused op's; "
+            "plain mean cross-entropy (no DRO, no eta), `fused chunk=C` the fused linear op at chunk_size C (`fused`: "
+            "its default). `time / fused` is that row's time over the fused op's; "
             "`peak extra` is the memory one forward+backward needs above its inputs, gradients included (CPU: "
             "resident-set high-water mark in a fresh process per implementation; CUDA: max_memory_allocated).")
 
@@ -222,15 +235,20 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=None, help="default 3 (1 with --quick)")
     parser.add_argument("--min-seconds", type=float, default=None, help="per implementation, over all rounds "
                         "(default 3 s on the CPU, 0.3 s on CUDA; 0.2 with --quick)")
+    parser.add_argument("--chunk-sizes", type=int, nargs="*", default=None,
+                        help="the linear case also runs the fused op at these chunk sizes (default: "
+                        f"{' '.join(map(str, CUDA_CHUNK_SIZES))} on CUDA, none on the CPU or with --quick)")
     parser.add_argument("--probe", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
     parser.add_argument("--name", default=None)
     parser.add_argument("--case", choices=["logits", "linear"], default=None,
                         help="run one case only (its results go to <name>_<case> unless --name is given)")
     args = parser.parse_args(argv)
-    if args.probe:
-        print(json.dumps({"peak_extra_bytes": probe_cpu_memory(*args.probe, args.quick)}))
-        return
     device = torch.device(args.device)
+    if args.chunk_sizes is None:
+        args.chunk_sizes = CUDA_CHUNK_SIZES if device.type == "cuda" and not args.quick else ()
+    if args.probe:
+        print(json.dumps({"peak_extra_bytes": probe_cpu_memory(*args.probe, args.quick, args.chunk_sizes)}))
+        return
     print(f"dro_ext backend: {dro_ext.backend()}", flush=True)
     load_before = loadavg()
     args.rounds = args.rounds or (1 if args.quick else 3)
@@ -240,9 +258,9 @@ def main(argv=None):
     name = args.name or result_name("cross_entropy", info)
     if args.case and not args.name:
         name += "_" + args.case
-    settings = {"quick": args.quick, "rounds": args.rounds}
+    settings = {"quick": args.quick, "rounds": args.rounds, "chunk_sizes": list(args.chunk_sizes)}
     on_case = partial_writer(args, name, info, table, load_before=load_before, settings=settings)
-    rows = bench(device, args.quick, args.rounds, args.min_seconds, kinds, on_case)
+    rows = bench(device, args.quick, args.rounds, args.min_seconds, kinds, on_case, args.chunk_sizes)
     # Tables only: the memory column is the point of this benchmark and reads best as a table (--no-plot is implied).
     return write_report(args.out, name, rows, table(rows), info, load=(load_before, loadavg()),
                         note=args.note, settings=settings)

@@ -235,6 +235,34 @@ def test_quick_writes_table_csv_and_png(quick_run, name):
     assert image[..., :3].std() > 0.05  # something is drawn, not a blank canvas
 
 
+def test_quick_cross_entropy_json_has_both_cases_and_every_implementation(quick_run):
+    out, _ = quick_run
+    rows = _rows(out, "cross_entropy")
+    from bench.bench_cross_entropy import IMPLS
+    assert [(r["case"], r["impl"]) for r in rows] == [(case, impl) for case in ("logits", "linear") for impl in IMPLS]
+    for r in rows:
+        assert r["median_ms"] > 0 and r["peak_extra_MiB"] > 0 and r["memory_vs_eager"] > 0
+    assert all(r["time_vs_fused"] == 1.0 for r in rows if r["impl"] == "fused")
+
+
+def test_the_linear_case_runs_other_chunk_sizes_beside_the_default(tmp_path):
+    # As on CUDA by default: each chunk size given (but the default's, 256 rows at the quick sizes) is one more
+    # implementation, timed and measured like the others.
+    from bench import bench_cross_entropy
+    from dro_ext.cross_entropy import default_chunk_size
+    quick = bench_cross_entropy.QUICK["linear"]
+    assert default_chunk_size(quick["n"], quick["h"], quick["v"]) == 256
+    bench_cross_entropy.main(["--quick", "--case", "linear", "--chunk-sizes", "64", "256", "--out", str(tmp_path)])
+    with open(tmp_path / "cross_entropy_linear.json") as f:
+        data = json.load(f)
+    assert data["meta"]["settings"]["chunk_sizes"] == [64, 256]
+    rows = {r["impl"]: r for r in data["rows"]}
+    assert list(rows) == [*bench_cross_entropy.IMPLS, "fused chunk=64"]
+    assert rows["fused chunk=64"]["median_ms"] > 0 and rows["fused chunk=64"]["peak_extra_MiB"] > 0
+    # a quarter of the chunk: less memory than the default's chunk of logits
+    assert rows["fused chunk=64"]["peak_extra_MiB"] < rows["fused"]["peak_extra_MiB"]
+
+
 def test_quick_prints_progress_on_stderr_and_tables_on_stdout(quick_run):
     _, proc = quick_run
     assert "[loss 1/" in proc.stderr and "[optim 1/" in proc.stderr and "[robust 1/" in proc.stderr
