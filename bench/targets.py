@@ -66,6 +66,25 @@ def _robust_error_ratio(rows):
     return {c: ours[c] / max(theirs[c], 1e-300) for c in ours if c in theirs}
 
 
+def _cross_entropy(device, case, sizes, text, impl, value, **bound) -> Target:
+    """An issue-11 target on the `case` rows of that size, read from the `impl` row by `value`."""
+    op = "dro_cross_entropy" if case == "logits" else "dro_linear_cross_entropy"
+    return Target(11, "cross_entropy", device, f"{op} {sizes}: {text}",
+                  lambda rows: _by_case(rows, _case, value, sizes=sizes, impl=impl), cases=(case,), **bound)
+
+
+def _time_over_fused(r):  # a peer's row: its time over the fused op's
+    return r["time_vs_fused"]
+
+
+def _fused_over_time(r):  # a peer's row: the fused op's time over the peer's
+    return 1 / r["time_vs_fused"]
+
+
+def _memory_over_eager(r):
+    return r["memory_vs_eager"]
+
+
 CE_CPU_LOGITS = "N=4096, C=32000, float32"
 CE_CPU_LINEAR = "N=2048, H=1024, V=32000, float32"
 CE_GPU_LINEAR = "N=16384, H=4096, V=128256, bfloat16"
@@ -94,27 +113,19 @@ TARGETS = (
            at_least=20, cases=tuple(ROBUST_CASES)),
     Target(8, "robust", "cuda", "robust_objective at N=2^22: error no larger than the bisection's, every case",
            _robust_error_ratio, at_most=1, cases=tuple(ROBUST_CASES), unit="x its error"),
-    Target(11, "cross_entropy", "cpu", f"dro_cross_entropy {CE_CPU_LOGITS}: >= 1.5x faster than eager",
-           lambda rows: _by_case(rows, _case, lambda r: r["time_vs_fused"], sizes=CE_CPU_LOGITS, impl="eager"),
-           at_least=1.5, cases=("logits",)),
-    Target(11, "cross_entropy", "cpu", f"dro_cross_entropy {CE_CPU_LOGITS}: no slower than compiled",
-           lambda rows: _by_case(rows, _case, lambda r: r["time_vs_fused"], sizes=CE_CPU_LOGITS, impl="compiled"),
-           at_least=1, cases=("logits",)),
-    Target(11, "cross_entropy", "cpu", f"dro_cross_entropy {CE_CPU_LOGITS}: <= 1/2 of eager's peak extra memory",
-           lambda rows: _by_case(rows, _case, lambda r: r["memory_vs_eager"], sizes=CE_CPU_LOGITS, impl="fused"),
-           at_most=0.5, cases=("logits",), unit="x eager's"),
-    Target(11, "cross_entropy", "cpu", f"dro_linear_cross_entropy {CE_CPU_LINEAR}: within 1.1x of eager's time",
-           lambda rows: _by_case(rows, _case, lambda r: 1 / r["time_vs_fused"], sizes=CE_CPU_LINEAR, impl="eager"),
-           at_most=1.1, cases=("linear",), unit="x eager's"),
-    Target(11, "cross_entropy", "cpu", f"dro_linear_cross_entropy {CE_CPU_LINEAR}: <= 25% of eager's peak memory",
-           lambda rows: _by_case(rows, _case, lambda r: r["memory_vs_eager"], sizes=CE_CPU_LINEAR, impl="fused"),
-           at_most=0.25, cases=("linear",), unit="x eager's"),
-    Target(11, "cross_entropy", "cuda", f"dro_linear_cross_entropy {CE_GPU_LINEAR}: within 1.1x of eager's time",
-           lambda rows: _by_case(rows, _case, lambda r: 1 / r["time_vs_fused"], sizes=CE_GPU_LINEAR, impl="eager"),
-           at_most=1.1, cases=("linear",), unit="x eager's"),
-    Target(11, "cross_entropy", "cuda", f"dro_linear_cross_entropy {CE_GPU_LINEAR}: <= 10% of eager's peak memory",
-           lambda rows: _by_case(rows, _case, lambda r: r["memory_vs_eager"], sizes=CE_GPU_LINEAR, impl="fused"),
-           at_most=0.10, cases=("linear",), unit="x eager's"),
+    _cross_entropy("cpu", "logits", CE_CPU_LOGITS, ">= 1.5x faster than eager", "eager", _time_over_fused,
+                   at_least=1.5),
+    _cross_entropy("cpu", "logits", CE_CPU_LOGITS, "no slower than compiled", "compiled", _time_over_fused, at_least=1),
+    _cross_entropy("cpu", "logits", CE_CPU_LOGITS, "<= 1/2 of eager's peak extra memory", "fused", _memory_over_eager,
+                   at_most=0.5, unit="x eager's"),
+    _cross_entropy("cpu", "linear", CE_CPU_LINEAR, "within 1.1x of eager's time", "eager", _fused_over_time,
+                   at_most=1.1, unit="x eager's"),
+    _cross_entropy("cpu", "linear", CE_CPU_LINEAR, "<= 25% of eager's peak memory", "fused", _memory_over_eager,
+                   at_most=0.25, unit="x eager's"),
+    _cross_entropy("cuda", "linear", CE_GPU_LINEAR, "within 1.1x of eager's time", "eager", _fused_over_time,
+                   at_most=1.1, unit="x eager's"),
+    _cross_entropy("cuda", "linear", CE_GPU_LINEAR, "<= 10% of eager's peak memory", "fused", _memory_over_eager,
+                   at_most=0.10, unit="x eager's"),
 )
 
 
