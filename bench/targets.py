@@ -1,4 +1,4 @@
-"""The speed and memory targets of the open issues, checked against the benchmarks' result files: each one met,
+"""The speed and memory targets of issues 8 and 11, checked against the benchmarks' result files: each one met,
 missed, or not measured. Issue 8 sets the CUDA targets of the loss, the optimizer step and the robust objective;
 issue 11 those of the fused cross-entropy, on the CPU and on a GPU.
 
