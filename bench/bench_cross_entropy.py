@@ -93,10 +93,10 @@ def make_case(kind, sizes, device, chunk_sizes=()):
             "compiled": torch.compile(eager_linear_loss, fullgraph=True),
             "mean_ce": lambda x, w, y, e: F.cross_entropy(F.linear(x, w), y),
         }
+        def fused_at(chunk):
+            return lambda x, w, y, e: dro_ext.dro_linear_cross_entropy(x, w, y, e, LAM, DIVERGENCE, chunk_size=chunk)
         default = default_chunk_size(n, h, v, hidden.element_size())
-        for c in (c for c in chunk_sizes if c != default):
-            fns[f"fused chunk={c}"] = (lambda c: lambda x, w, y, e: dro_ext.dro_linear_cross_entropy(
-                x, w, y, e, LAM, DIVERGENCE, chunk_size=c))(c)
+        fns.update({f"fused chunk={c}": fused_at(c) for c in chunk_sizes if c != default})
 
     def runner(impl):
         fn = fns[impl]
@@ -154,8 +154,8 @@ def cpu_peak_bytes(kind, impl, quick, chunk_sizes=()):
     # measured run and hide from its peak.
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072",
                DRO_EXT_CPU_BUFFER_CACHE="0")
-    cmd = [sys.executable, "-m", "bench.bench_cross_entropy", "--probe", kind, impl] + (["--quick"] if quick else []) + \
-        ["--chunk-sizes", *map(str, chunk_sizes)]
+    cmd = [sys.executable, "-m", "bench.bench_cross_entropy", "--probe", kind, impl,
+           "--chunk-sizes", *map(str, chunk_sizes)] + (["--quick"] if quick else [])
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])["peak_extra_bytes"]

@@ -7,7 +7,8 @@ issue 11 those of the fused cross-entropy, on the CPU and on a GPU.
 A DIR holds what bench.run writes there: <bench>.json from a CPU run, <bench>_<card>.json from a GPU run
 (loss_h100.json). Prints one markdown table, a row per target and result file. A --quick run does not count (its
 sizes are not the targets'); a run that did not end (its settings say partial) counts for the cases it finished,
-and a verdict on fewer cases than its target covers says how many it saw. scripts/gpu_check.sh prints this table after the benchmarks.
+and a verdict on fewer cases than its target covers says how many it saw. scripts/gpu_check.sh prints this table
+after the benchmarks.
 """
 from __future__ import annotations
 
