@@ -85,17 +85,22 @@ def test_the_optimizer_targets_take_the_100m_list_and_the_best_foreach(tmp_path)
     assert verdicts(tmp_path, "1.5x faster than the best foreach") == {"optim_h100.json": ("1.4x", "MISSED in 1 of 1")}
 
 
-@pytest.mark.parametrize("ours,bisection,met", [(0.0, 0.0, True), (1e-9, 1e-6, True), (2e-6, 1e-6, False)])
-def test_the_robust_objective_must_be_no_less_accurate_than_the_bisection(tmp_path, ours, bisection, met):
-    rows = [{"device": "cuda:0", "case": "chi2", "n": 1 << 22, "dtype": "float32", "method": "dro_ext",
-             "time_vs_dro_ext": 1.0, "abs_error": ours},
-            {"device": "cuda:0", "case": "chi2", "n": 1 << 22, "dtype": "float32",
-             "method": "bisection (torch, tol 1e-4)", "time_vs_dro_ext": 25.0, "abs_error": bisection},
-            {"device": "cuda:0", "case": "chi2", "n": 1 << 16, "dtype": "float32",  # not the target's N
-             "method": "bisection (torch, tol 1e-4)", "time_vs_dro_ext": 2.0, "abs_error": 0.0}]
+@pytest.mark.parametrize("dtype,error,met", [
+    ("float64", 0.0, True), ("float64", 60 * 2.0**-52 * 4, True), ("float64", 70 * 2.0**-52 * 4, False),
+    ("float32", 60 * 2.0**-23 * 4, True), ("float32", 70 * 2.0**-23 * 4, False)])
+def test_the_robust_objective_is_solved_to_the_rounding_of_its_dtype(tmp_path, dtype, error, met):
+    # Psi = 4: the error allowed is ROUNDING_EPS = 64 epsilons of the dtype times 4.
+    assert targets.ROUNDING_EPS == 64
+    rows = [{"device": "cuda:0", "case": "chi2", "n": 1 << 22, "dtype": dtype, "method": "dro_ext",
+             "time_vs_dro_ext": 1.0, "abs_error": error, "reference": -4.0},
+            {"device": "cuda:0", "case": "chi2", "n": 1 << 22, "dtype": dtype,
+             "method": "bisection (torch, tol 1e-4)", "time_vs_dro_ext": 25.0, "abs_error": 1e-3, "reference": -4.0},
+            {"device": "cuda:0", "case": "chi2", "n": 1 << 16, "dtype": dtype,  # not the target's N
+             "method": "bisection (torch, tol 1e-4)", "time_vs_dro_ext": 2.0, "abs_error": 0.0, "reference": -4.0}]
     write(tmp_path, "robust_h100", rows)
     assert verdicts(tmp_path, "20x faster")["robust_h100.json"][1].startswith("met (partial: 1 of")
-    verdict = verdicts(tmp_path, "error no larger")["robust_h100.json"][1]
+    measured, verdict = verdicts(tmp_path, "tighter tolerance")["robust_h100.json"]
+    assert measured == f"{error / (4 * {'float32': 2.0**-23, 'float64': 2.0**-52}[dtype]):.3g} eps*Psi"
     assert verdict.startswith("met (partial" if met else "MISSED in 1 of 1")
 
 
