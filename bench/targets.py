@@ -20,6 +20,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from bench.common import CASES, RESULTS_DIR, case_label, markdown_table
 
 LOSS_CASES = [case_label(*c) for c in CASES]
@@ -64,13 +66,13 @@ def _case_dtype(r):
 # ROUNDING_EPS machine epsilons of the dtype times |Psi|. The committed CPU run is within 22 in every case (3.3 in
 # float32); the bisection is within 1 in float32 (Psi is flat at its optimum) and 200 to 300,000 in float64.
 ROUNDING_EPS = 64
-_EPS = {"float32": 2.0**-23, "float64": 2.0**-52}
 
 
 def _robust_rounding(rows):
     """dro_ext's |Psi - reference| in units of eps(dtype) |Psi|, per case and dtype at 2^22."""
-    return _by_case(rows, _case_dtype, lambda r: r["abs_error"] / (_EPS[r["dtype"]] * max(abs(r["reference"]), 1e-300)),
-                    n=1 << 22, method="dro_ext")
+    def in_eps(r):
+        return r["abs_error"] / (torch.finfo(getattr(torch, r["dtype"])).eps * max(abs(r["reference"]), 1e-300))
+    return _by_case(rows, _case_dtype, in_eps, n=1 << 22, method="dro_ext")
 
 
 def _cross_entropy(device, case, sizes, text, impl, value, **bound) -> Target:
