@@ -115,6 +115,39 @@ def test_cvar_ties_and_fractional_tail_match_cpu(values, alpha):
         torch.testing.assert_close(q.cpu(), dro_ext.worst_case_weights(losses.cpu(), 1.0, "cvar", alpha=alpha))
 
 
+def select_edge_losses(dtype, n_lognormal):
+    """Losses that test cvar's radix select on the keys of its floats: both zeros, subnormals and normals of both
+    signs, the largest magnitudes, runs of adjacent floats (keys equal but for their last digit), ties, and
+    n_lognormal lognormal losses (one digit of the key from the next: many blocks, many bins), shuffled."""
+    info = torch.finfo(dtype)
+    ones = [torch.tensor(1.0, dtype=dtype)]
+    for _ in range(40):  # 1 and the next 40 floats above it
+        ones.append(torch.nextafter(ones[-1], torch.tensor(2.0, dtype=dtype)))
+    special = torch.tensor([0.0, -0.0, 0.0, info.tiny / 2, -info.tiny / 2, info.tiny, -info.tiny, info.max / 8,
+                            -info.max / 8, info.max / 8, -1.0, -1.0, 3.0, 3.0, 3.0, -2.5, 1e-3, -1e-3],
+                           dtype=torch.float64).to(dtype)
+    generator = torch.Generator().manual_seed(n_lognormal)
+    lognormal = torch.exp(0.75 * torch.randn(n_lognormal, dtype=torch.float64, generator=generator)).to(dtype)
+    losses = torch.cat([torch.stack(ones), special, -torch.stack(ones[::3]), lognormal])
+    return losses[torch.randperm(losses.numel(), generator=generator)]
+
+
+@pytest.mark.parametrize("n_lognormal", [0, 100_003])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cvar_boundary_is_exact_for_every_rank(dtype, n_lognormal):
+    """eta* of cvar is the ceil(alpha N)-th largest loss exactly, for ranks from the top to the bottom; the tail
+    mean matches the CPU's to the rounding of the dtype."""
+    losses = select_edge_losses(dtype, n_lognormal).to(DEVICE)
+    n = losses.numel()
+    for j in sorted({1, 2, 3, 17, n // 3, n // 2, n - 20, n - 1, n}):
+        alpha = (j - 0.5) / n  # ceil(alpha N) = j
+        value, eta = dro_ext.robust_objective(losses, 1.0, "cvar", alpha=alpha)
+        want_value, want_eta = reference_objective(losses, 1.0, "cvar", {"alpha": alpha})
+        assert eta.double().cpu() == want_eta, (j, eta.item(), want_eta.item())
+        assert eta.double().cpu() == torch.sort(losses.double().cpu(), descending=True).values[j - 1]
+        torch.testing.assert_close(value.double().cpu(), want_value.to(torch.float64), **value_tolerance(dtype))
+
+
 @pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
 def test_special_values_match_cpu(name, params):
     inf, nan = float("inf"), float("nan")

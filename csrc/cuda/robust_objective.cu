@@ -2,7 +2,8 @@
 // algorithms and results these mirror):
 //
 //   robust_objective  kl: a max pass, then one sum pass at shift max l (a device logsumexp);
-//                     cvar: a device radix sort of the losses (CUB), then one pass over the top ceil(alpha N)
+//                     cvar: the ceil(alpha N)-th largest loss by a device radix select (cuda/radix_select.cuh:
+//                       one launch per 11-bit digit of its key, no sort), then one pass summing the losses above it
 //                       for the tail mean with the fractional boundary sample;
 //                     chi2 and the others: multisection on g(eta) = mean psi*'((l - eta)/lam) - 1, which is
 //                       non-increasing with g(min l) >= 0 >= g(max l), the bracket in device memory. Each pass
@@ -21,6 +22,7 @@
 //                     a fixed order, then ONE host read of the bad-id flag to raise IndexError as the CPU does.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -31,6 +33,7 @@
 
 #include "checks.h"
 #include "cuda/psi_star_kernels.cuh"
+#include "cuda/radix_select.cuh"
 
 namespace dro_ext::cuda {
 
@@ -193,7 +196,7 @@ at::Tensor threshold_partials_buffer(const at::Tensor& x) {
   return at::empty({blocks, 2}, x.options().dtype(at::kDouble));
 }
 
-// cvar: eta* = the j-th largest loss (sorted[j - 1]); Psi = (sum_{l > eta*} l + (k - #{l > eta*}) eta*) / k.
+// cvar: eta* = the j-th largest loss (the boundary); Psi = (sum_{l > eta*} l + (k - #{l > eta*}) eta*) / k.
 __global__ void __launch_bounds__(kThreads) cvar_finalize_kernel(const Pair<double>* __restrict__ partials, int count,
                                                                  const double* __restrict__ boundary,
                                                                  SolverState* state, double k) {
@@ -402,27 +405,20 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
       DRO_EXT_CUDA_CHECK_LAUNCH();
     });
   } else if (spec.kind == Divergence::CVaR) {
-    TORCH_CHECK(n <= INT_MAX, "dro_ext: robust_objective with cvar on CUDA supports at most 2^31 - 1 losses, got ", n);
     const double tail = tail_size(spec.alpha, n);
     const int64_t j = std::min<int64_t>(n, std::max<int64_t>(1, static_cast<int64_t>(std::ceil(tail))));
-    const at::Tensor keys = x.to(at::kDouble);
-    at::Tensor sorted = at::empty_like(keys);
-    size_t temp_bytes = 0;
-    C10_CUDA_CHECK(cub::DeviceRadixSort::SortKeysDescending(
-        nullptr, temp_bytes, keys.const_data_ptr<double>(), sorted.mutable_data_ptr<double>(), static_cast<int>(n), 0,
-        64, stream));
-    at::Tensor temp = at::empty({static_cast<int64_t>(temp_bytes)}, x.options().dtype(at::kByte));
-    C10_CUDA_CHECK(cub::DeviceRadixSort::SortKeysDescending(
-        temp.mutable_data_ptr(), temp_bytes, keys.const_data_ptr<double>(), sorted.mutable_data_ptr<double>(),
-        static_cast<int>(n), 0, 64, stream));
-    const double* boundary = sorted.const_data_ptr<double>() + (j - 1);
-    // The j - 1 losses before the boundary are >= it; those > it are the full-weight tail.
-    const at::Tensor head = sorted.narrow(0, 0, j - 1);
-    at::Tensor tail_partials = threshold_partials_buffer(head);
-    launch_threshold_partials<Threshold::kAboveSum>(head, ShiftRef{scalar_ref(boundary), 1.0, 0.0}, finished,
-                                                   tail_partials);
-    cvar_finalize_kernel<<<1, kThreads, 0, stream>>>(reinterpret_cast<const Pair<double>*>(tail_partials.const_data_ptr<double>()),
-                                                     static_cast<int>(tail_partials.size(0)), boundary, state, tail);
+    at::Tensor select_buffer = at::zeros({static_cast<int64_t>(sizeof(SelectState))}, x.options().dtype(at::kByte));
+    auto* select = reinterpret_cast<SelectState*>(select_buffer.mutable_data_ptr());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_cuda_cvar_select", [&] {
+      launch_select(x.const_data_ptr<scalar_t>(), n, j, finished, select, reduce_blocks<scalar_t>(n), stream);
+    });
+    // The losses above the boundary are the full-weight tail: their float64 sum and count in one pass.
+    at::Tensor partials_above = threshold_partials_buffer(x);
+    launch_threshold_partials<Threshold::kAboveSum>(x, ShiftRef{scalar_ref(&select->value), 1.0, 0.0}, finished,
+                                                   partials_above);
+    cvar_finalize_kernel<<<1, kThreads, 0, stream>>>(reinterpret_cast<const Pair<double>*>(partials_above.const_data_ptr<double>()),
+                                                     static_cast<int>(partials_above.size(0)), &select->value, state,
+                                                     tail);
     DRO_EXT_CUDA_CHECK_LAUNCH();
   } else {
     const int budget = pass_budget(eps);

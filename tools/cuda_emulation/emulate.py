@@ -6,9 +6,10 @@ wrapped in a generic lambda, so its template arguments are deduced as nvcc does;
 std::thread per CUDA thread of the launch's block size, the blocks of a launch one after another, blockDim and
 gridDim per launch, a std::barrier for __syncthreads, __shared__ variables as statics), the stream, guard and
 launch-check headers are stubs (shim/), cub::BlockReduce combines in a fixed order (valid in thread 0 only,
-and it raises on a TempStorage reused without a __syncthreads), cub::DeviceRadixSort is a stable sort on the
-same radix digits, atomicAdd is a std::atomic_ref, CUDA_KERNEL_ASSERT raises after the launch, and the file
-registers its ops for the CPU in place of the real CPU kernels. The CPU tests then run the CUDA code:
+and it raises on a TempStorage reused without a __syncthreads; cub::BlockScan likewise, in thread order),
+cub::DeviceRadixSort is a stable sort on the same radix digits, atomicAdd is a std::atomic_ref, CUDA_KERNEL_ASSERT
+raises after the launch, and the file registers its ops for the CPU in place of the real CPU kernels. The CPU
+tests then run the CUDA code:
 
     --kernel optim          csrc/cuda/normalized_sgd.cu   (the default; tests/test_optim.py, tests/test_cuda_optim.py)
     --kernel loss           csrc/cuda/dro_loss.cu         (tests/test_loss.py, tests/test_precision.py)
@@ -66,7 +67,8 @@ KERNELS = {
     "loss": Kernel("dro_loss.cu", ("psi_star_kernels.cuh", "common.cuh", "divergence_dispatch.cuh"),
                    ("tests/test_loss.py", "tests/test_precision.py"),
                    large="not test_large_outputs_never_share_live_memory"),
-    "robust": Kernel("robust_objective.cu", ("psi_star_kernels.cuh", "common.cuh", "divergence_dispatch.cuh"),
+    "robust": Kernel("robust_objective.cu", ("psi_star_kernels.cuh", "common.cuh", "divergence_dispatch.cuh",
+                                             "radix_select.cuh"),
                      ("tests/test_robust.py", "tests/test_precision.py"),
                      large="not test_float32_large and not test_cvar_large_matches_full_sort and not 524291 "
                            "and not test_linear_exact_segment_large"),

@@ -1,0 +1,144 @@
+// The j-th largest element of a floating tensor on the device, exactly, by radix select: one launch per
+// kSelectDigitBits-bit digit of the element's order-preserving key (2 for half/bfloat16, 3 for float32, 6 for
+// float64). Each launch counts, in a shared-memory histogram per block, the digit of every element whose higher
+// digits match the ones already chosen; the blocks add their counts into one global histogram with integer
+// atomics (exact in any order, so the result is deterministic), and the last block to finish picks the bin that
+// holds the j-th largest and clears the histogram for the next digit. The last digit leaves the element's value
+// in device memory; nothing is read on the host.
+//
+// It replaces a full device sort (CUB radix sort of the losses as float64 keys: eight 8-bit passes, each reading
+// and writing N doubles) where only one order statistic is needed: cvar's robust objective at N = 2^22.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "cuda/common.cuh"
+
+namespace dro_ext::cuda {
+
+constexpr int kSelectDigitBits = 11;
+constexpr int kSelectBins = 1 << kSelectDigitBits;
+static_assert(kSelectBins % kThreads == 0, "each thread of the last block owns the same number of bins");
+
+// The bits of a floating value as an unsigned integer that orders like the value: a larger value has a larger
+// key. -0.0 takes +0.0's key, as they compare equal. NaN is never passed (the callers check for it first).
+template <typename scalar_t>
+struct SelectKey {
+  using bits_t = std::conditional_t<sizeof(scalar_t) == 8, uint64_t,
+                                    std::conditional_t<sizeof(scalar_t) == 4, uint32_t, uint16_t>>;
+  static constexpr int kBits = 8 * static_cast<int>(sizeof(scalar_t));
+  static constexpr bits_t kSign = bits_t(bits_t(1) << (kBits - 1));
+
+  __host__ __device__ static uint64_t of(scalar_t v) {
+    if (static_cast<double>(v) == 0.0) v = scalar_t(0);
+    bits_t bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    return (bits & kSign) ? bits_t(~bits) : bits_t(bits | kSign);
+  }
+
+  __host__ __device__ static double value(uint64_t key) {
+    const bits_t k = static_cast<bits_t>(key);
+    const bits_t bits = (k & kSign) ? bits_t(k ^ kSign) : bits_t(~k);
+    scalar_t v;
+    std::memcpy(&v, &bits, sizeof(bits));
+    return static_cast<double>(v);
+  }
+};
+
+// Zero-initialized by the caller (at::zeros): nothing chosen, nothing above, the counter at rest, an empty
+// histogram.
+struct SelectState {
+  unsigned long long prefix;  // the key bits chosen so far, in place (the bits below them zero)
+  unsigned long long above;   // elements whose key is above every key with that prefix
+  double value;               // the j-th largest element, after the last digit
+  unsigned int blocks_done;   // last-block-done counter, reset by the last block
+  unsigned long long histogram[kSelectBins];
+};
+
+// One digit: bits [shift, shift + bits) of the key, among the elements whose bits above shift + bits equal the
+// prefix. Returns at once when *skip is set (the caller's answer is already known: NaN, inf, N = 1, ...).
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) select_digit_kernel(const scalar_t* __restrict__ x, int64_t n, int64_t j,
+                                                                int shift, int bits, const int* skip,
+                                                                SelectState* state) {
+  using Key = SelectKey<scalar_t>;
+  if (*skip) return;
+  __shared__ unsigned int counts[kSelectBins];
+  for (int i = threadIdx.x; i < kSelectBins; i += kThreads) counts[i] = 0u;
+  const int decided = shift + bits;  // the bits at and above this one are the prefix
+  const unsigned long long prefix = state->prefix;
+  const unsigned long long rank = static_cast<unsigned long long>(j) - state->above;  // 1-based, within the prefix
+  const uint64_t digit_mask = (uint64_t{1} << bits) - 1;
+  __syncthreads();
+  for_each_element<scalar_t>(x, n, [&](scalar_t v) {
+    const uint64_t key = Key::of(v);
+    if (decided >= Key::kBits || (key >> decided) == (prefix >> decided)) {
+      atomicAdd(&counts[(key >> shift) & digit_mask], 1u);
+    }
+  });
+  __syncthreads();
+  for (int i = threadIdx.x; i < kSelectBins; i += kThreads) {
+    if (counts[i] != 0u) atomicAdd(&state->histogram[i], static_cast<unsigned long long>(counts[i]));
+  }
+  __threadfence();  // this thread's additions are visible to every block before the counter says so
+  __syncthreads();
+  __shared__ bool is_last;
+  if (threadIdx.x == 0) {
+    is_last = atomicAdd(&state->blocks_done, 1u) == gridDim.x - 1;
+    __threadfence();  // the acquire side, at the thread that observed the counter (as multisection_kernel)
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+
+  // Thread t owns the kPerThread bins t * kPerThread ... from the top, so the block's exclusive scan in thread
+  // order counts the elements in the bins above each thread's.
+  constexpr int kPerThread = kSelectBins / kThreads;
+  unsigned long long mine[kPerThread];
+  unsigned long long local = 0;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int bin = kSelectBins - 1 - (static_cast<int>(threadIdx.x) * kPerThread + i);
+    mine[i] = __ldcg(&state->histogram[bin]);  // bypass L1: added by other SMs
+    state->histogram[bin] = 0ull;              // clear for the next digit (every block is done with it)
+    local += mine[i];
+  }
+  using Scan = cub::BlockScan<unsigned long long, kThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  unsigned long long before;
+  Scan(scan_storage).ExclusiveSum(local, before);
+  // Exactly one thread's bins hold the rank-th largest (1 <= rank <= the prefix's count, as 1 <= j <= N).
+  if (before < rank && rank <= before + local) {
+    unsigned long long count = before;
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      if (rank <= count + mine[i]) {
+        const uint64_t bin = static_cast<uint64_t>(kSelectBins - 1 - (static_cast<int>(threadIdx.x) * kPerThread + i));
+        state->prefix = prefix | (bin << shift);
+        state->above += count;
+        if (shift == 0) state->value = Key::value(state->prefix);
+        break;
+      }
+      count += mine[i];
+    }
+  }
+  if (threadIdx.x == 0) state->blocks_done = 0u;
+}
+
+// Leaves the j-th largest of x (1 <= j <= N, no NaN; contiguous) in state->value, one launch per digit, unless
+// *skip. state: a zeroed SelectState in device memory.
+template <typename scalar_t>
+void launch_select(const scalar_t* x, int64_t n, int64_t j, const int* skip, SelectState* state, int blocks,
+                   cudaStream_t stream) {
+  for (int decided = SelectKey<scalar_t>::kBits; decided > 0;) {
+    const int bits = decided < kSelectDigitBits ? decided : kSelectDigitBits;
+    const int shift = decided - bits;
+    select_digit_kernel<<<blocks, kThreads, 0, stream>>>(x, n, j, shift, bits, skip, state);
+    DRO_EXT_CUDA_CHECK_LAUNCH();
+    decided = shift;
+  }
+}
+
+}  // namespace dro_ext::cuda
