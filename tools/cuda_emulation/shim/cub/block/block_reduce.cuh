@@ -4,31 +4,18 @@
 // garbage (all bits set: NaN for floating members). Like CUB there is no barrier after the reduction, so a
 // TempStorage reused without a __syncthreads in between is a race on the GPU: the shim raises it here.
 #include <cstring>
-#include <stdexcept>
-#include <string>
+
+#include <cub/block/block_storage.cuh>
 namespace cub {
 template <typename T, int N>
 struct BlockReduce {
-  struct TempStorage {
-    T v[N];
-    std::atomic<unsigned long> read_generation{~0ul};  // the __syncthreads generation its last reader read in
-  };
+  using TempStorage = emu_detail::BlockStorage<T, N>;
   TempStorage& s;
   explicit BlockReduce(TempStorage& st) : s(st) {}
 
   template <typename Op>
   T Reduce(const T& x, Op op) {
-    if (static_cast<int>(blockDim.x) != N) {
-      throw std::runtime_error("emulated cub::BlockReduce<T, " + std::to_string(N) + "> in a block of " +
-                               std::to_string(blockDim.x) + " threads");
-    }
-    if (s.read_generation.load() == emu_generation.load()) {
-      throw std::runtime_error("emulated cub::BlockReduce: TempStorage reused without a __syncthreads() after "
-                               "its previous reduction (a race on the GPU)");
-    }
-    s.v[threadIdx.x] = x;
-    __syncthreads();
-    s.read_generation.store(emu_generation.load());
+    s.publish(x, "BlockReduce");
     if (threadIdx.x == 0) {
       T total = s.v[0];
       for (int i = 1; i < N; ++i) total = op(total, s.v[i]);
