@@ -6,8 +6,8 @@
 // holds the j-th largest and clears the histogram for the next digit. The last digit leaves the element's value
 // in device memory; nothing is read on the host.
 //
-// It replaces a full device sort (CUB radix sort of the losses as float64 keys: eight 8-bit passes, each reading
-// and writing N doubles) where only one order statistic is needed: cvar's robust objective at N = 2^22.
+// Why not a device sort: cvar's robust objective needs one order statistic, and CUB's radix sort of the losses as
+// float64 keys makes eight 8-bit passes, each reading and writing N doubles; this reads the losses once per digit.
 #pragma once
 
 #include <cstdint>
