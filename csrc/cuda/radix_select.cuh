@@ -96,13 +96,13 @@ __global__ void __launch_bounds__(kThreads) select_digit_kernel(const scalar_t* 
   // Thread t owns the kPerThread bins t * kPerThread ... from the top, so the block's exclusive scan in thread
   // order counts the elements in the bins above each thread's.
   constexpr int kPerThread = kSelectBins / kThreads;
+  const auto bin_of = [](int i) { return kSelectBins - 1 - (static_cast<int>(threadIdx.x) * kPerThread + i); };
   unsigned long long mine[kPerThread];
   unsigned long long local = 0;
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
-    const int bin = kSelectBins - 1 - (static_cast<int>(threadIdx.x) * kPerThread + i);
-    mine[i] = __ldcg(&state->histogram[bin]);  // bypass L1: added by other SMs
-    state->histogram[bin] = 0ull;              // clear for the next digit (every block is done with it)
+    mine[i] = __ldcg(&state->histogram[bin_of(i)]);  // bypass L1: added by other SMs
+    state->histogram[bin_of(i)] = 0ull;              // clear for the next digit (every block is done with it)
     local += mine[i];
   }
   using Scan = cub::BlockScan<unsigned long long, kThreads>;
@@ -115,8 +115,7 @@ __global__ void __launch_bounds__(kThreads) select_digit_kernel(const scalar_t* 
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
       if (rank <= count + mine[i]) {
-        const uint64_t bin = static_cast<uint64_t>(kSelectBins - 1 - (static_cast<int>(threadIdx.x) * kPerThread + i));
-        state->prefix = prefix | (bin << shift);
+        state->prefix = prefix | (static_cast<uint64_t>(bin_of(i)) << shift);
         state->above += count;
         if (shift == 0) state->value = Key::value(state->prefix);
         break;
