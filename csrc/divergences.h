@@ -76,6 +76,43 @@ struct Math {
 // over a block of samples whose mean |t| is at least 1 (there the two error bounds agree within a small
 // factor; csrc/cpu/kernels_impl.h does). `kHasCoarseValue` says it exists.
 
+// Runs. The CUDA multisection wants excess_first of every loss at K equally spaced points per pass,
+// t_j = t_c - (j - c) d (j = 0..K-1, spacing d > 0 in t, c the run's center). Where psi*' is exponential in t
+// the K values follow from ONE exponential per loss, since e^(t_c - (j - c) d) = e^(t_c) e^(-(j - c) d):
+//   expm1(t_j) = expm1(t_c) f_j + g_j  with  f_j = e^(-(j - c) d), g_j = expm1(-(j - c) d),
+// one fused multiply-add per point from per-pass constants, instead of an expm1 per point (~25 instructions
+// each on a GPU; the pass was compute-bound). Both terms are exact to a rounding or so, so the error does not
+// grow along the run; it is at most ~eps max(1, f_j) |expm1(t_c)| on top of the direct one. A divergence with
+// kHasExcessFirstRun has
+//   run_fits<K>(d)           whether a run of spacing d keeps every product finite and that error small
+//   run_table<K>(d)          the per-pass constants (formed in double, once per pass)
+//   excess_first_run(t_c, table, out)   out[j] = excess_first(t_c - (j - c) d) to the accuracy above
+// and callers evaluate excess_first point by point where run_fits is false (wide brackets, early passes).
+template <typename acc_t, int K>
+struct ExcessFirstRunTable {
+  int center;        // c: the point whose t the caller forms from the loss
+  acc_t step[K];     // (j - c) d: t_j = t_c - step[j]
+  acc_t factor[K];   // e^(-+(j - c) d)
+  acc_t offset[K];   // e^(-+(j - c) d) - 1
+  acc_t clamp;       // the largest argument the run's one exponential is given
+  // The table for exponent signs s * (j - c) d (s = -1: e^(t_j); s = +1: e^(-t_j)).
+  C10_HOST_DEVICE ExcessFirstRunTable(int c, double d, double sign, double clamp_)
+      : center(c), clamp(static_cast<acc_t>(clamp_)) {
+    for (int j = 0; j < K; ++j) {
+      const double x = static_cast<double>(j - c) * d;
+      step[j] = static_cast<acc_t>(x);
+      factor[j] = static_cast<acc_t>(::exp(sign * x));
+      offset[j] = static_cast<acc_t>(::expm1(sign * x));
+    }
+  }
+};
+
+// Arguments up to which exp(x) of the type stays finite with room for a factor of e^8.
+template <typename acc_t>
+C10_HOST_DEVICE constexpr double exp_headroom() {
+  return sizeof(acc_t) == sizeof(float) ? 80.0 : 700.0;
+}
+
 // psi(s) = (s - 1)^2 (see the erratum in DESIGN.md): psi*(t) = -1 + (t + 2)_+^2 / 4, which is t + t^2/4
 // for t > -2 and -1 below. With m = max(t, -2): psi*(t) = m (1 + m/4), psi*(t) - t = m^2/4 + (m - t) and
 // psi*'(t) - 1 = m/2, each exact to a rounding or two (m - t is exact or 0).
@@ -216,6 +253,32 @@ struct KLCVaR {
     using M = Math<T>;
     T c = M::constant(cut);
     return M::exp(M::min(t, c)) - M::constant(1.0) + M::relu(t - c) * M::constant(inv_alpha);
+  }
+  // The run (see ExcessFirstRunTable) from its first, largest point t_0: expm1(t_j) = expm1(t_0) e^(-j d) +
+  // expm1(-j d), the factors at most 1, so the run's error is that of the one expm1 whatever d is. Points at
+  // or past the cut take 1/alpha - 1; t_0 is clamped to cut + (K - 1) d, beyond which every point is past it,
+  // so the exponential stays finite when that bound is inside the type's range (run_fits).
+  static constexpr bool kHasExcessFirstRun = true;
+  template <int K>
+  C10_HOST_DEVICE inline bool run_fits(double d) const {
+    const double top = static_cast<double>(cut) + (K - 1) * d;
+    return top == top && top <= exp_headroom<acc_t>();
+  }
+  template <int K>
+  C10_HOST_DEVICE inline ExcessFirstRunTable<acc_t, K> run_table(double d) const {
+    return ExcessFirstRunTable<acc_t, K>(0, d, -1.0, static_cast<double>(cut) + (K - 1) * d);
+  }
+  template <int K>
+  C10_HOST_DEVICE inline void excess_first_run(acc_t t0, const ExcessFirstRunTable<acc_t, K>& run,
+                                               acc_t (&out)[K]) const {
+    using M = Math<acc_t>;
+    const acc_t base = M::expm1(M::min(t0, run.clamp));  // NaN stays NaN
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      const acc_t t = t0 - run.step[j];
+      // t >= cut fails for NaN, which takes the product: NaN as well.
+      out[j] = t >= cut ? inv_alpha_minus_1 : base * run.factor[j] + run.offset[j];
+    }
   }
 };
 
@@ -433,6 +496,34 @@ struct SmoothedCVaR {
   //   sum psi*(t_i) = coarse_scale * (count * coarse_offset + sum coarse_linear(t_i) + log prod coarse_factor(t_i))
   // where the factors 1 + e_i lie in [1, 2]: a product of a few dozen neither overflows nor loses more than a
   // rounding per factor, and the block takes one log per lane instead of a log per sample.
+  // The run (see ExcessFirstRunTable) around its middle point: with D = expm1(-t),
+  //   psi*'(t) - 1 = (1 - alpha)(1 - e^-t) / (alpha + (1 - alpha) e^-t) = -P / (1 + P),  P = (1 - alpha) D,
+  // which is the two-sided form above in one expression (D in (-1, 0) for t > 0, >= 0 otherwise), and
+  // D_j = expm1(-t_c) e^((j - c) d) + expm1((j - c) d). Factors up to e^(c d) scale expm1(-t_c)'s absolute error
+  // (it is ~eps where D is near -1, a loss far above the points), so runs are kept to (K - 1) d <= 2: at most
+  // e times the error of expm1 itself. -t_c is clamped so that D stays finite; past the clamp every D_j is
+  // above e^70 and -P / (1 + P) is -1 to the last bit, as it should be.
+  static constexpr bool kHasExcessFirstRun = true;
+  template <int K>
+  C10_HOST_DEVICE inline bool run_fits(double d) const {
+    return (K - 1) * d <= 2.0;  // false for NaN
+  }
+  template <int K>
+  C10_HOST_DEVICE inline ExcessFirstRunTable<acc_t, K> run_table(double d) const {
+    constexpr int c = (K - 1) / 2;
+    return ExcessFirstRunTable<acc_t, K>(c, d, 1.0, exp_headroom<acc_t>() - (K - 1 - c) * d);
+  }
+  template <int K>
+  C10_HOST_DEVICE inline void excess_first_run(acc_t tc, const ExcessFirstRunTable<acc_t, K>& run,
+                                               acc_t (&out)[K]) const {
+    using M = Math<acc_t>;
+    const acc_t base = M::expm1(M::min(-tc, run.clamp));  // NaN stays NaN
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      const acc_t p = (base * run.factor[j] + run.offset[j]) * one_minus_alpha;
+      out[j] = M::divide(-p, M::constant(1.0) + p);  // 1 + p >= alpha: no division by ~0
+    }
+  }
   static constexpr bool kHasCoarseValue = true;
   static constexpr bool kCoarseValueAsProduct = true;
   C10_HOST_DEVICE inline acc_t coarse_scale() const { return inv_alpha; }

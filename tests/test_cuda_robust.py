@@ -170,6 +170,25 @@ def test_extreme_lambda_and_spread_match_cpu(name, params, lam):
     torch.testing.assert_close(got_eta.cpu(), want_eta, **eta_tolerance(torch.float64, lam))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("lam", [1e-3, 0.1, 10.0, 1e4])
+@pytest.mark.parametrize("alpha", [0.01, 0.5, 0.97])
+@pytest.mark.parametrize("name", ["kl_cvar", "smoothed_cvar"])
+def test_exponential_divergences_match_cpu_for_every_cut_and_lambda(name, alpha, lam, dtype):
+    """kl_cvar and smoothed_cvar take the split points of a multisection pass from one exponential per loss where
+    their spacing allows (divergences.h, ExcessFirstRunTable) and point by point where it does not: lambda from
+    1e-3 (wide spacings for most passes) to 1e4 (narrow from the first) over lognormal losses with outliers takes
+    both, with the kl_cvar cut -log(alpha) from 0.03 to 4.6 and smoothed_cvar's saturation on either side."""
+    g = torch.Generator().manual_seed(17)
+    losses = torch.exp(0.75 * torch.randn(30_011, generator=g, dtype=torch.float64))
+    losses[::997] *= 40.0  # outliers: a bracket wide in units of lam, and losses far past the points
+    losses = losses.to(device=DEVICE, dtype=dtype)
+    value, eta = dro_ext.robust_objective(losses, lam, name, alpha=alpha)
+    want_value, want_eta = reference_objective(losses, lam, name, {"alpha": alpha})
+    torch.testing.assert_close(value.double().cpu(), want_value, **value_tolerance(dtype))
+    torch.testing.assert_close(eta.double().cpu(), want_eta, **eta_tolerance(dtype, lam))
+
+
 @pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
 def test_danskin_gradient_is_the_worst_case_distribution(name, params):
     losses = make_losses(4097, torch.float64, "contiguous").requires_grad_()
