@@ -17,6 +17,7 @@
 #include <cub/cub.cuh>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/divergence_dispatch.cuh"
 #include "divergences.h"
@@ -123,11 +124,12 @@ int map_blocks(int64_t n) {
   return static_cast<int>(std::max<int64_t>(1, std::min(kMaxMapBlocks, ceil_div(n, per_block))));
 }
 
-// Calls f(acc_t(x_i)) for the elements this thread owns in a grid-stride loop over all of x: 16-byte
-// vector loads over the aligned body, scalar loads for the (< one vector) head before it and tail after it.
-// Works for any element-aligned x (a view at an odd offset included).
+// Calls f(e, std::integral_constant<int, K>{}) with e the next K elements (as acc_t) this thread owns, in a
+// grid-stride loop over all of x: K = one 16-byte vector's worth over the aligned body, K = 1 for the (< one
+// vector) head before it and the tail after it. Works for any element-aligned x (a view at an odd offset
+// included); the order in which a thread sees its elements depends only on n and x's alignment.
 template <typename acc_t, typename scalar_t, typename F>
-__device__ __forceinline__ void for_each_element(const scalar_t* __restrict__ x, int64_t n, F&& f) {
+__device__ __forceinline__ void for_each_vector(const scalar_t* __restrict__ x, int64_t n, F&& f) {
   constexpr int kVec = vec_size<scalar_t>();
   using Vec = AlignedVec<scalar_t, kVec>;
   const int64_t misalign = static_cast<int64_t>((reinterpret_cast<uintptr_t>(x) / sizeof(scalar_t)) % kVec);
@@ -139,11 +141,28 @@ __device__ __forceinline__ void for_each_element(const scalar_t* __restrict__ x,
   const Vec* vx = reinterpret_cast<const Vec*>(x + head);
   for (int64_t v = tid; v < body; v += stride) {
     const Vec data = vx[v];
+    acc_t e[kVec];
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) f(static_cast<acc_t>(data.v[j]));
+    for (int j = 0; j < kVec; ++j) e[j] = static_cast<acc_t>(data.v[j]);
+    f(e, std::integral_constant<int, kVec>{});
   }
-  if (tid < head) f(static_cast<acc_t>(x[tid]));
-  if (tail_begin + tid < n) f(static_cast<acc_t>(x[tail_begin + tid]));
+  if (tid < head) {
+    const acc_t e[1] = {static_cast<acc_t>(x[tid])};
+    f(e, std::integral_constant<int, 1>{});
+  }
+  if (tail_begin + tid < n) {
+    const acc_t e[1] = {static_cast<acc_t>(x[tail_begin + tid])};
+    f(e, std::integral_constant<int, 1>{});
+  }
+}
+
+// Calls f(acc_t(x_i)) for the elements this thread owns, in for_each_vector's order.
+template <typename acc_t, typename scalar_t, typename F>
+__device__ __forceinline__ void for_each_element(const scalar_t* __restrict__ x, int64_t n, F&& f) {
+  for_each_vector<acc_t>(x, n, [&](const acc_t* e, auto count) {
+#pragma unroll
+    for (int j = 0; j < decltype(count)::value; ++j) f(e[j]);
+  });
 }
 
 template <typename T>
@@ -207,24 +226,90 @@ __device__ __forceinline__ T value_term(const Div& div, T t, T l, T shift, T inv
   return penalized_value(div, t, l * inv_lam, T(1), shift * inv_lam);
 }
 
+// Per-thread sums of (value_term, psi*') for a divergence with a coarse value (divergences.h: kl, kl_cvar,
+// smoothed_cvar, whose accurate excess costs an expm1 and a log1p on top of first()'s exponential). As
+// csrc/cpu/kernels_impl.h's reduce_coarse does per block, each vector of losses whose mean |t| is at least 1 sums
+// the coarse value, which shares first()'s exponential: there its error, a few roundings of 1 + |psi*(t)|, is
+// within a small factor of the accurate term's. Any other vector (the ERM regime, and NaN) sums value_term itself.
+// The coarse terms enter as sum value_term = sum psi*(t) + count shift / lam (value_term = psi*(t) + shift / lam);
+// smoothed_cvar's coarse value is summed in product form, its factors (in [1, 2]) multiplied 16 at a time between
+// logarithms: a logarithm per 16 losses costs ~1 instruction a loss, and the flush runs wherever a thread owns
+// four float32 vectors (any n >= 4096: reduce_blocks gives each thread ~4), not only past 2^24. Every sum sees its terms in the thread's fixed order:
+// deterministic.
+template <typename scalar_t, typename Div>
+__device__ __forceinline__ Pair<at::opmath_type<scalar_t>> thread_loss_sums_coarse(
+    const scalar_t* __restrict__ x, int64_t n, const Div& div, at::opmath_type<scalar_t> shift,
+    at::opmath_type<scalar_t> inv_lam) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr bool kProduct = requires { requires Div::kCoarseValueAsProduct; };
+  constexpr int kFlush = 16;  // factors per product: at most 2^16
+  acc_t accurate = 0, first = 0, coarse = 0, coarse_count = 0;
+  acc_t log_product = 0, product = 1;  // kProduct only
+  int factors = 0;
+  for_each_vector<acc_t>(x, n, [&](const acc_t* l, auto count) {
+    constexpr int K = decltype(count)::value;
+    acc_t t[K];
+    acc_t abs_t = 0;
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      t[j] = (l[j] - shift) * inv_lam;
+      abs_t += ::fabs(t[j]);
+      first += div.first(t[j]);
+    }
+    if (abs_t >= static_cast<acc_t>(K)) {  // false for NaN
+      coarse_count += static_cast<acc_t>(K);
+#pragma unroll
+      for (int j = 0; j < K; ++j) {
+        if constexpr (kProduct) {
+          coarse += div.coarse_linear(t[j]);
+          product *= div.coarse_factor(t[j]);
+        } else {
+          coarse += div.coarse_value(t[j]);
+        }
+      }
+      if constexpr (kProduct) {
+        factors += K;
+        if (factors >= kFlush) {
+          log_product += ::log(product);
+          product = 1;
+          factors = 0;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < K; ++j) accurate += value_term(div, t[j], l[j], shift, inv_lam);
+    }
+  });
+  if constexpr (kProduct) {
+    coarse = static_cast<acc_t>(div.coarse_scale()) *
+             (coarse + (log_product + ::log(product)) + coarse_count * static_cast<acc_t>(div.coarse_offset()));
+  }
+  return Pair<acc_t>{accurate + (coarse + coarse_count * (shift * inv_lam)), first};
+}
+
 // Per-thread partial sums of (derivative A, derivative B) of psi* at t_i = (x_i - shift) * inv_lam over the
-// elements this thread owns; A == 0 is the loss value term.
+// elements this thread owns; A == 0 is the loss value term (with B == 1, through the coarse value where the
+// divergence has one: thread_loss_sums_coarse).
 template <int A, int B, typename scalar_t, typename Div>
 __device__ __forceinline__ Pair<at::opmath_type<scalar_t>> thread_derivative_sums(
     const scalar_t* __restrict__ x, int64_t n, const Div& div, at::opmath_type<scalar_t> shift,
     at::opmath_type<scalar_t> inv_lam) {
   using acc_t = at::opmath_type<scalar_t>;
-  Pair<acc_t> s{acc_t(0), acc_t(0)};
-  for_each_element<acc_t>(x, n, [&](acc_t l) {
-    const acc_t t = (l - shift) * inv_lam;
-    if constexpr (A == 0) {
-      s.a += value_term(div, t, l, shift, inv_lam);
-    } else {
-      s.a += derivative<A>(div, t);
-    }
-    s.b += derivative<B>(div, t);
-  });
-  return s;
+  if constexpr (A == 0 && B == 1 && requires { requires Div::kHasCoarseValue; }) {
+    return thread_loss_sums_coarse(x, n, div, shift, inv_lam);
+  } else {
+    Pair<acc_t> s{acc_t(0), acc_t(0)};
+    for_each_element<acc_t>(x, n, [&](acc_t l) {
+      const acc_t t = (l - shift) * inv_lam;
+      if constexpr (A == 0) {
+        s.a += value_term(div, t, l, shift, inv_lam);
+      } else {
+        s.a += derivative<A>(div, t);
+      }
+      s.b += derivative<B>(div, t);
+    });
+    return s;
+  }
 }
 
 // Launch checks on the current stream (no sync).
