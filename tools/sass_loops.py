@@ -2,7 +2,7 @@
 
 Without a GPU, the compute cost of a kernel can still be read off the machine code: this compiles csrc/cuda/*.cu
 (device code only, for one architecture), disassembles it with cuobjdump and, for every kernel whose demangled
-name matches --kernel, prints its largest loop (a backward branch and what it jumps over): SASS instructions
+name matches --kernel, prints each of its loops that load from global memory (a backward branch and what it jumps over): SASS instructions
 (NOPs left out), those on the loop's cheapest path through its branches, MUFU operations (exp2, log2, reciprocal: a quarter rate) and global loads. The loops of
 csrc/cuda/common.cuh's for_each_vector load one 16-byte vector a trip (4 float32, 8 half, 2 float64), so
 instructions / (4 * loads) is the float32 cost per loss of every branch in the body together, and the cheapest
@@ -67,16 +67,18 @@ def demangle(names: list[str]) -> list[str]:
     return [re.sub(r"dro_ext::(cuda::)?(\(anonymous namespace\)::)?", "", n) for n in out]
 
 
-def largest_loop(body: str) -> list[tuple[int, str]]:
+def loops(body: str) -> list[list[tuple[int, str]]]:
+    """The body of every loop (a backward branch and the instructions it jumps back over) that loads from global
+    memory, in address order."""
     instructions = [(int(a, 16), i.strip()) for a, i in INSTRUCTION.findall(body) if not i.startswith("NOP")]
-    best = None
+    found = []
     for address, text in instructions:
         match = BRANCH_TARGET.search(text)
         if match and int(match.group(1), 16) < address:
-            start = int(match.group(1), 16)
-            if best is None or address - start > best[1] - best[0]:
-                best = (start, address)
-    return [] if best is None else [(a, t) for a, t in instructions if best[0] <= a <= best[1]]
+            loop = [(a, t) for a, t in instructions if int(match.group(1), 16) <= a <= address]
+            if any(re.search(r"\bLDG\b", t) for _, t in loop):
+                found.append(loop)
+    return found
 
 
 def shortest_trip(loop: list[tuple[int, str]]) -> int:
@@ -127,17 +129,15 @@ def main() -> None:
             for name, function in sorted(zip(names, functions)):
                 if not pattern.search(name):
                     continue
-                loop = largest_loop(function)
-                if not loop:
-                    continue
-                texts = [t for _, t in loop]
-                mufu = sum("MUFU" in t for t in texts)
-                loads = sum(re.search(r"\bLDG\b", t) is not None for t in texts)
-                print(f"{len(texts):6d} instructions ({shortest_trip(loop):4d} on the cheapest path) {mufu:4d} MUFU "
-                      f"{loads:3d} loads  {name[:150]}")
-                if args.listing:
-                    for address, text in loop:
-                        print(f"    {address:#06x}  {text}")
+                for loop in loops(function):
+                    texts = [t for _, t in loop]
+                    mufu = sum("MUFU" in t for t in texts)
+                    loads = sum(re.search(r"\bLDG\b", t) is not None for t in texts)
+                    print(f"{len(texts):6d} instructions ({shortest_trip(loop):4d} on the cheapest path) {mufu:4d} "
+                          f"MUFU {loads:3d} loads  {name[:150]}")
+                    if args.listing:
+                        for address, text in loop:
+                            print(f"    {address:#06x}  {text}")
 
 
 if __name__ == "__main__":

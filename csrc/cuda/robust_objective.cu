@@ -42,11 +42,12 @@ namespace dro_ext::cuda {
 namespace {
 
 // Interior points per multisection pass: each pass shrinks the bracket 8-fold for 7 evaluations of psi*' per
-// loss. By the SASS of the float32 pass loop (nvcc 13, sm_90, per loss): ~30 instructions for chi2 and
-// cressie_read k = 2, ~45 for k = 3/2, ~470 for other k; kl_cvar ~234 and smoothed_cvar ~370 point by point,
-// ~70 and ~170 as a run. An H100 SXM issues ~40 instructions per loss in the time HBM delivers a float32
-// (132 SMs x 128 lanes x 1.98 GHz against 3.35 TB/s; fewer from L2, where a 2^22 pass's 16 MB stays): the
-// first two are memory-bound, the exponential divergences compute-bound, several-fold less so as runs.
+// loss. The float32 pass loop costs per loss (tools/sass_loops.py, nvcc 13, sm_90, cheapest path): ~30 SASS
+// instructions for chi2 and cressie_read k = 2, ~45 for k = 3/2, ~430 for other k; kl_cvar ~234 and smoothed_cvar
+// ~350 point by point, ~70 and ~140 as a run. An H100 SXM issues ~40 instructions per loss in the time HBM
+// delivers a float32 (132 SMs x 128 lanes x 1.98 GHz against 3.35 TB/s; fewer from L2, where a 2^22 pass's
+// 16 MB stays): the first two are memory-bound, the exponential divergences compute-bound, several-fold less so
+// as runs.
 constexpr int kSplit = 7;
 
 // Passes that take a bracket of width <= 2 max|l| below 4 eps max(|l|, lam), i.e. shrink it by 1/(2 eps),
