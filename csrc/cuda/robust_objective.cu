@@ -24,7 +24,6 @@
 //                     a fixed order, then ONE host read of the bad-id flag to raise IndexError as the CPU does.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -106,11 +105,13 @@ __global__ void __launch_bounds__(kThreads) min_max_kernel(const scalar_t* __res
   if (threadIdx.x == 0) partials[blockIdx.x] = block;
 }
 
-// Combines the min/max partials and initializes the solver exactly as solve() in the CPU file does.
+// Combines the min/max partials and initializes the solver exactly as solve() in the CPU file does; clears cvar's
+// select state when given one.
 template <typename acc_t>
 __global__ void __launch_bounds__(kThreads) init_solver_kernel(const MinMax<acc_t>* __restrict__ partials, int count,
                                                                SolverState* state, double lam, double eps,
-                                                               bool iterative) {
+                                                               bool iterative, SelectState* select) {
+  if (select != nullptr) clear_select_state(select);
   const acc_t inf = std::numeric_limits<acc_t>::infinity();
   const MinMax<acc_t> m = reduce_partials(partials, count, MinMax<acc_t>{inf, -inf, 0}, MinMaxOp());
   if (threadIdx.x != 0) return;
@@ -407,6 +408,14 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
   auto* state = reinterpret_cast<SolverState*>(state_buffer.mutable_data_ptr());
   const int* finished = &state->finished;
 
+  // cvar's radix select state, cleared by the init kernel.
+  at::Tensor select_buffer;
+  SelectState* select = nullptr;
+  if (spec.kind == Divergence::CVaR) {
+    select_buffer = at::empty({static_cast<int64_t>(sizeof(SelectState))}, x.options().dtype(at::kByte));
+    select = reinterpret_cast<SelectState*>(select_buffer.mutable_data_ptr());
+  }
+
   // min, max and NaN in one pass; the solver starts from them.
   at::Tensor partials = derivative_partials_buffer(x);  // (blocks, 2) of the accumulate dtype
   const int blocks = static_cast<int>(partials.size(0));
@@ -417,7 +426,7 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
     auto* mm = reinterpret_cast<MinMax<acc_t>*>(minmax.mutable_data_ptr<acc_t>());
     min_max_kernel<<<blocks, kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(), n, mm);
     DRO_EXT_CUDA_CHECK_LAUNCH();
-    init_solver_kernel<acc_t><<<1, kThreads, 0, stream>>>(mm, blocks, state, lam, eps, iterative);
+    init_solver_kernel<acc_t><<<1, kThreads, 0, stream>>>(mm, blocks, state, lam, eps, iterative, select);
     DRO_EXT_CUDA_CHECK_LAUNCH();
   });
 
@@ -433,8 +442,6 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
   } else if (spec.kind == Divergence::CVaR) {
     const double tail = tail_size(spec.alpha, n);
     const int64_t j = std::min<int64_t>(n, std::max<int64_t>(1, static_cast<int64_t>(std::ceil(tail))));
-    at::Tensor select_buffer = at::zeros({static_cast<int64_t>(sizeof(SelectState))}, x.options().dtype(at::kByte));
-    auto* select = reinterpret_cast<SelectState*>(select_buffer.mutable_data_ptr());
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_cuda_cvar_select", [&] {
       launch_select(x.const_data_ptr<scalar_t>(), n, j, finished, select, reduce_blocks<scalar_t>(n), stream);
     });
