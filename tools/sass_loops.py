@@ -51,7 +51,8 @@ def tool(name: str) -> str:
 
 def compile_cubin(source: pathlib.Path, arch: str, out: pathlib.Path) -> None:
     from torch.utils.cpp_extension import include_paths
-    includes = [ROOT / "csrc", *include_paths(), sysconfig.get_paths()["include"]]
+    # The csrc/ the source lives in (csrc/cuda/X.cu), so that another checkout's file takes its own headers.
+    includes = [source.resolve().parents[1], *include_paths(), sysconfig.get_paths()["include"]]
     command = [tool("nvcc"), "-cubin", f"-arch={arch}", "-O3", "-std=c++20", "--expt-relaxed-constexpr",
                "-DDRO_EXT_WITH_CUDA", "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
                "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
