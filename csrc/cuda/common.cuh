@@ -233,9 +233,9 @@ __device__ __forceinline__ T value_term(const Div& div, T t, T l, T shift, T inv
 // within a small factor of the accurate term's. Any other vector (the ERM regime, and NaN) sums value_term itself.
 // The coarse terms enter as sum value_term = sum psi*(t) + count shift / lam (value_term = psi*(t) + shift / lam);
 // smoothed_cvar's coarse value is summed in product form, its factors (in [1, 2]) multiplied 16 at a time between
-// logarithms: about an instruction a loss, and the flush runs wherever a thread owns four float32 vectors (any
-// n >= 4096, by reduce_blocks), not only past 2^24. Every sum sees its terms in the thread's fixed order:
-// deterministic.
+// logarithms: about an instruction a loss, and the flush runs in any thread that owns four float32 vectors
+// (reduce_blocks gives most threads ~4 from n = 4096 on), not only past 2^24. Every sum sees its terms in the
+// thread's fixed order: deterministic.
 template <typename scalar_t, typename Div>
 __device__ __forceinline__ Pair<at::opmath_type<scalar_t>> thread_loss_sums_coarse(
     const scalar_t* __restrict__ x, int64_t n, const Div& div, at::opmath_type<scalar_t> shift,
