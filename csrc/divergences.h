@@ -496,6 +496,19 @@ struct SmoothedCVaR {
   //   sum psi*(t_i) = coarse_scale * (count * coarse_offset + sum coarse_linear(t_i) + log prod coarse_factor(t_i))
   // where the factors 1 + e_i lie in [1, 2]: a product of a few dozen neither overflows nor loses more than a
   // rounding per factor, and the block takes one log per lane instead of a log per sample.
+  static constexpr bool kHasCoarseValue = true;
+  static constexpr bool kCoarseValueAsProduct = true;
+  C10_HOST_DEVICE inline acc_t coarse_scale() const { return inv_alpha; }
+  C10_HOST_DEVICE inline acc_t coarse_offset() const { return log1m_alpha; }
+  template <typename T>
+  C10_HOST_DEVICE inline T coarse_linear(T t) const {
+    return Math<T>::relu(t + Math<T>::constant(shift));
+  }
+  template <typename T>
+  C10_HOST_DEVICE inline T coarse_factor(T t) const {
+    using M = Math<T>;
+    return M::constant(1.0) + M::exp(M::neg_abs(t + M::constant(shift)));
+  }
   // The run (see ExcessFirstRunTable) around its middle point: with D = expm1(-t),
   //   psi*'(t) - 1 = (1 - alpha)(1 - e^-t) / (alpha + (1 - alpha) e^-t) = -P / (1 + P),  P = (1 - alpha) D,
   // which is the two-sided form above in one expression (D in (-1, 0) for t > 0, >= 0 otherwise), and
@@ -523,19 +536,6 @@ struct SmoothedCVaR {
       const acc_t p = (base * run.factor[j] + run.offset[j]) * one_minus_alpha;
       out[j] = M::divide(-p, M::constant(1.0) + p);  // 1 + p >= alpha: no division by ~0
     }
-  }
-  static constexpr bool kHasCoarseValue = true;
-  static constexpr bool kCoarseValueAsProduct = true;
-  C10_HOST_DEVICE inline acc_t coarse_scale() const { return inv_alpha; }
-  C10_HOST_DEVICE inline acc_t coarse_offset() const { return log1m_alpha; }
-  template <typename T>
-  C10_HOST_DEVICE inline T coarse_linear(T t) const {
-    return Math<T>::relu(t + Math<T>::constant(shift));
-  }
-  template <typename T>
-  C10_HOST_DEVICE inline T coarse_factor(T t) const {
-    using M = Math<T>;
-    return M::constant(1.0) + M::exp(M::neg_abs(t + M::constant(shift)));
   }
 };
 
