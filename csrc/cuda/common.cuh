@@ -178,6 +178,22 @@ struct PairSum {
   }
 };
 
+// The last-block-done pattern: every thread calls it once its writes for the last block are made (global memory);
+// it returns, in every thread, whether this block is the last of the grid to arrive at the counter, and in that
+// block every other block's writes are then visible. The caller's last block resets *counter for the next launch.
+__device__ __forceinline__ bool arrive_last(unsigned int* counter) {
+  __threadfence();  // this thread's writes are visible to every block before the counter says so
+  __syncthreads();
+  __shared__ bool is_last;
+  if (threadIdx.x == 0) {
+    is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    __threadfence();  // the acquire side, at the thread that observed the counter, before the barrier hands it on
+  }
+  __syncthreads();
+  if (is_last) __threadfence();
+  return is_last;
+}
+
 // The block-wide combination of v under op, valid in thread 0. Safe to call repeatedly in one kernel.
 template <typename T, typename Op>
 __device__ __forceinline__ T block_reduce(const T& v, Op op) {

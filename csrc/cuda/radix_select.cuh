@@ -94,16 +94,7 @@ __global__ void __launch_bounds__(kThreads) select_digit_kernel(const scalar_t* 
   for (int i = threadIdx.x; i < kSelectBins; i += kThreads) {
     if (counts[i] != 0u) atomicAdd(&state->histogram[i], static_cast<unsigned long long>(counts[i]));
   }
-  __threadfence();  // this thread's additions are visible to every block before the counter says so
-  __syncthreads();
-  __shared__ bool is_last;
-  if (threadIdx.x == 0) {
-    is_last = atomicAdd(&state->blocks_done, 1u) == gridDim.x - 1;
-    __threadfence();  // the acquire side, at the thread that observed the counter (as multisection_kernel)
-  }
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
+  if (!arrive_last(&state->blocks_done)) return;
 
   // Thread t owns the kPerThread bins t * kPerThread ... from the top, so the block's exclusive scan in thread
   // order counts the elements in the bins above each thread's.
@@ -139,7 +130,7 @@ __global__ void __launch_bounds__(kThreads) select_digit_kernel(const scalar_t* 
 }
 
 // Leaves the j-th largest of x (1 <= j <= N, no NaN; contiguous) in state->value, one launch per digit, unless
-// *skip. state: a zeroed SelectState in device memory.
+// *skip. state: a SelectState in device memory that an earlier launch cleared (clear_select_state).
 template <typename scalar_t>
 void launch_select(const scalar_t* x, int64_t n, int64_t j, const int* skip, SelectState* state, int blocks,
                    cudaStream_t stream) {

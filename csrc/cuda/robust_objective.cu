@@ -323,18 +323,8 @@ __global__ void __launch_bounds__(kThreads) multisection_kernel(
     });
   }
   const SplitSums<acc_t> block = block_reduce(s, SplitSumsOp());
-  __shared__ bool is_last;
-  if (threadIdx.x == 0) {
-    partials[blockIdx.x] = block;
-    __threadfence();  // the partial is visible to every block before the counter says so
-    is_last = atomicAdd(&state->blocks_done, 1u) == gridDim.x - 1;
-    // And, in the last block, the other blocks' partials are visible to this thread before the barrier hands its
-    // answer to the others (the acquire side of the pattern, at the thread that observed the counter).
-    __threadfence();
-  }
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
+  if (threadIdx.x == 0) partials[blockIdx.x] = block;
+  if (!arrive_last(&state->blocks_done)) return;
   SplitSums<acc_t> v;
 #pragma unroll
   for (int j = 0; j < kSplit; ++j) v.v[j] = acc_t(0);
