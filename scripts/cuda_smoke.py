@@ -52,7 +52,7 @@ def optimizer_and_cross_entropy():
         targets[2] = -100
         results = []
         for device in ("cpu", "cuda"):
-            x = logits.to(device).requires_grad_(True)
+            x = logits.detach().to(device).requires_grad_(True)
             eta = torch.tensor(0.3, device=device, requires_grad=True)
             value = dro_ext.dro_cross_entropy(x, targets.to(device), eta, 0.5, "cvar", alpha=0.3, label_smoothing=0.1)
             value.backward()
@@ -63,8 +63,8 @@ def optimizer_and_cross_entropy():
         weight = torch.randn(23, 16, dtype=torch.float64).to(dtype)
         results = []
         for device in ("cpu", "cuda"):
-            h = hidden.to(device).requires_grad_(True)
-            w = weight.to(device).requires_grad_(True)
+            h = hidden.detach().to(device).requires_grad_(True)
+            w = weight.detach().to(device).requires_grad_(True)
             eta = torch.tensor(0.1, device=device, requires_grad=True)
             value = dro_ext.dro_linear_cross_entropy(h, w, torch.arange(11, device=device), eta, 0.5, "kl", chunk_size=4)
             value.backward()

@@ -7,6 +7,7 @@ Skipped (with the reason shown) where no CUDA device is visible. DRO_EXT_CUDA_TE
 same numerical tests on the CPU kernel instead (the tests that only mean something on CUDA skip then):
 a check of this file's references and tolerances on a machine without a GPU.
 """
+import io
 import pytest
 import torch
 
@@ -350,7 +351,9 @@ def test_fused_and_foreach_agree():
 
 @needs_cuda
 def test_state_loaded_from_a_cpu_checkpoint():
-    # load_state_dict keeps "step" on the CPU where it was saved; the step moves it beside the parameter.
+    # load_state_dict keeps "step" on the CPU where it was saved; the step moves it beside the parameter. The state
+    # goes through a saved checkpoint: a live optimizer's state_dict() shares its "step" tensors (as torch.optim's
+    # does), so loading it directly would count the CPU optimizer's next step on the GPU one too.
     cpu_params = make_params(SHAPES[:3])
     cpu_opt = NormalizedSGD(cpu_params, lr=0.1)
     for p in cpu_params:
@@ -358,7 +361,10 @@ def test_state_loaded_from_a_cpu_checkpoint():
     cpu_opt.step()
     params = on_device(cpu_params)
     opt = NormalizedSGD(params, lr=0.1)
-    opt.load_state_dict(cpu_opt.state_dict())
+    checkpoint = io.BytesIO()
+    torch.save(cpu_opt.state_dict(), checkpoint)
+    checkpoint.seek(0)
+    opt.load_state_dict(torch.load(checkpoint))
     grads = [torch.randn_like(p) for p in cpu_params]
     for p, q, g in zip(cpu_params, params, grads):
         p.grad, q.grad = g, g.to(DEVICE)
