@@ -266,6 +266,20 @@ def check_linear_against_reference(name, params, n, v, chunk, with_bias, dtype):
     torch.testing.assert_close(grads[-1].double(), exp_grads[-1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+@pytest.mark.parametrize("rows,hidden,vocab,element_size", [(2048, 1024, 32000, 4), (16384, 4096, 128256, 2),
+                                                             (7, 16, 23, 4), (100000, 64, 50257, 8)])
+def test_default_chunk_size_holds_about_its_device_budget_of_logits(device_type, rows, hidden, vocab, element_size):
+    from dro_ext.cross_entropy import CHUNK_LOGIT_BYTES, default_chunk_size
+    chunk = default_chunk_size(rows, hidden, vocab, element_size, device_type)
+    assert 1 <= chunk <= rows and chunk & (chunk - 1) == 0 or chunk == rows
+    budget_rows = CHUNK_LOGIT_BYTES[device_type] // (vocab * element_size)
+    # A power of two within a factor 2 of the budget (or of N / ceil(V / H) rows, whichever is larger), capped by N.
+    matched = -(-rows // -(-vocab // hidden))
+    target = max(budget_rows, matched, 1)
+    assert chunk == rows or target / 2 < chunk <= target
+
+
 @pytest.mark.parametrize("chunk", [1, 5, 7, 100])
 def test_linear_chunking_does_not_change_the_result(backend, chunk):
     hidden, weight = torch.randn(7, 6, dtype=torch.float64), torch.randn(13, 6, dtype=torch.float64)
