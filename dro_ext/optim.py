@@ -11,6 +11,8 @@ tensor alone (``norm="tensor"``). Two implementations compute this: the fused na
 from __future__ import annotations
 
 import math
+import operator
+from itertools import repeat
 
 import torch
 from torch.optim import Optimizer
@@ -165,6 +167,34 @@ class NormalizedSGD(Optimizer):
         device = params[0].device
         return device.type in _FUSED_DEVICE_TYPES and all(p.device == device for p in params)
 
+    def _group_lists(self, group):
+        """(params, grads, momenta, steps) of the group's params that have a gradient, and the cached _GroupPlan
+        they came from (None when built afresh). A plan is reused while the group, the state dict, the group's
+        param list and the backend are the ones it was built from and every param still has a gradient: then a
+        step reads only p.grad and the state entries, instead of running _init_group's checks again (at ~150
+        tensors those cost more host time than the kernels' launches)."""
+        if not torch.compiler.is_compiling():  # the cache is host bookkeeping torch.compile need not trace
+            plan = self._plans.get(id(group)) if hasattr(self, "_plans") else None
+            if plan is not None and plan.valid_for(self, group):
+                grads = [p.grad for p in plan.params]
+                if all(map(operator.is_not, grads, repeat(None))):
+                    try:
+                        momenta = [state["momentum_buffer"] for state in plan.states]
+                        steps = [state["step"] for state in plan.states]
+                    except KeyError:  # a state entry cleared since: rebuild
+                        pass
+                    else:
+                        return plan.params, grads, momenta, steps, plan
+        params, grads, momenta, steps = [], [], [], []
+        self._init_group(group, params, grads, momenta, steps)
+        plan = None
+        if params and len(params) == len(group["params"]) and not torch.compiler.is_compiling():
+            plan = _GroupPlan(self, group, params)
+            if not hasattr(self, "_plans"):
+                self._plans = {}
+            self._plans[id(group)] = plan
+        return params, grads, momenta, steps, plan
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -174,33 +204,92 @@ class NormalizedSGD(Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         for group in self.param_groups:
-            params, grads, momenta, steps = [], [], [], []
-            self._init_group(group, params, grads, momenta, steps)
+            params, grads, momenta, steps, plan = self._group_lists(group)
             if not params:
                 continue
-            if _distributed.has_dtensor(params):  # FSDP2: local shards, one all-reduce for the norm
+            dtensor = plan.dtensor if plan is not None else _distributed.has_dtensor(params)
+            fused = plan.fused if plan is not None else self._use_fused(group, params)
+            if dtensor:  # FSDP2: local shards, one all-reduce for the norm
                 _distributed.sharded_normalized_sgd_step(
                     params, grads, momenta, steps, lr=group["lr"], momentum=group["momentum"], eps=group["eps"],
                     weight_decay=group["weight_decay"], norm=group["norm"], maximize=group["maximize"],
-                    grad_scale=grad_scale, found_inf=found_inf, fused=self._use_fused(group, params))
+                    grad_scale=grad_scale, found_inf=found_inf, fused=fused)
                 continue
-            step_fn = _fused_step if self._use_fused(group, params) else _foreach_step
-            step_fn(params, grads, momenta, steps, lr=group["lr"], momentum=group["momentum"], eps=group["eps"],
-                    weight_decay=group["weight_decay"], norm=group["norm"], maximize=group["maximize"],
-                    grad_scale=grad_scale, found_inf=found_inf)
+            if fused:
+                _fused_step(params, grads, momenta, steps, lr=group["lr"], momentum=group["momentum"],
+                            eps=group["eps"], weight_decay=group["weight_decay"], norm=group["norm"],
+                            maximize=group["maximize"], grad_scale=grad_scale, found_inf=found_inf,
+                            one_device=plan is not None)
+            else:
+                _foreach_step(params, grads, momenta, steps, lr=group["lr"], momentum=group["momentum"],
+                              eps=group["eps"], weight_decay=group["weight_decay"], norm=group["norm"],
+                              maximize=group["maximize"], grad_scale=grad_scale, found_inf=found_inf)
         return loss
 
 
-def _fused_step(params, grads, momenta, steps, *, lr, momentum, eps, weight_decay, norm, maximize,
-                grad_scale, found_inf):
+class _GroupPlan:
+    """What one param group's step hands to the kernels, kept between steps (NormalizedSGD._group_lists): the
+    params (all of the group's, each with a gradient when built), their state entries, and the choices made from
+    them (sharded or not, fused or foreach). It holds the objects it was built from and is valid only while the
+    optimizer still has exactly those: load_state_dict replaces the state dict and the groups, add_param_group
+    adds a group, and a changed param list, "fused"/"foreach" setting or backend shows here too."""
+
+    __slots__ = ("group", "state", "group_params", "num_params", "fused_setting", "native", "params", "states",
+                 "dtensor", "fused")
+
+    def __init__(self, optimizer, group, params):
+        self.group = group
+        self.state = optimizer.state
+        self.group_params = group["params"]
+        self.num_params = len(group["params"])
+        self.fused_setting = (group["fused"], group["foreach"])
+        self.native = _backend.use_native()
+        self.params = params
+        self.states = [optimizer.state[p] for p in params]
+        self.dtensor = _distributed.has_dtensor(params)
+        self.fused = optimizer._use_fused(group, params)
+        if self.fused and not self.dtensor:
+            _check_one_device(params)
+
+    def valid_for(self, optimizer, group) -> bool:
+        return (self.group is group and self.state is optimizer.state and self.group_params is group["params"]
+                and self.num_params == len(group["params"]) and self.fused_setting == (group["fused"], group["foreach"])
+                and self.native == _backend.use_native())
+
+
+def _check_one_device(params):
     device = params[0].device
     if any(p.device != device for p in params):
         raise ValueError("dro_ext.NormalizedSGD: the fused step needs every parameter of a group on one device "
                          "(the global norm spans the group); use foreach=True for a group across devices")
-    if not isinstance(lr, torch.Tensor):
-        lr = torch.tensor(lr, dtype=torch.float64)
+
+
+# lr as the op takes it (a float64 tensor on the CPU, read there without a sync), made once per value: a training
+# loop passes the same float step after step.
+_lr_tensors: dict = {}
+
+
+def _lr_tensor(lr):
+    if isinstance(lr, torch.Tensor):
+        return lr
+    if torch.compiler.is_compiling():
+        return torch.tensor(lr, dtype=torch.float64)
+    tensor = _lr_tensors.get(lr)
+    if tensor is None:
+        tensor = torch.tensor(lr, dtype=torch.float64)
+        if len(_lr_tensors) >= 64:  # a schedule that changes lr every step: keep the cache small
+            _lr_tensors.clear()
+        _lr_tensors[lr] = tensor
+    return tensor
+
+
+def _fused_step(params, grads, momenta, steps, *, lr, momentum, eps, weight_decay, norm, maximize,
+                grad_scale, found_inf, one_device=False):
+    if not one_device:  # a cached plan checked this when it was built
+        _check_one_device(params)
     torch.ops.dro_ext.normalized_sgd_step_(
-        params, grads, momenta, steps, lr, momentum, eps, weight_decay, norm, maximize, grad_scale, found_inf
+        params, grads, momenta, steps, _lr_tensor(lr), momentum, eps, weight_decay, norm, maximize, grad_scale,
+        found_inf
     )
 
 

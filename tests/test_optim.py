@@ -319,6 +319,54 @@ def test_which_implementation_runs(backend, kwargs, monkeypatch):
     assert len(calls) == (1 if backend == "native" and not kwargs else 0)
 
 
+def test_cached_step_lists_follow_every_change_to_the_optimizer(backend, monkeypatch):
+    # A step reuses its group's lists while nothing they came from has changed (dro_ext.optim._GroupPlan). After
+    # each change below the next step must do exactly what an optimizer that rebuilds them every step does.
+    from dro_ext import optim
+
+    def run(cached):
+        torch.manual_seed(0)
+        params = make_params(SHAPES[:3])
+        extra = torch.nn.Parameter(torch.randn(5))
+        opt = NormalizedSGD(params, lr=0.1, momentum=0.8)
+        rebuilt = []
+        init_group = opt._init_group
+        opt._init_group = lambda *args: rebuilt.append(1) or init_group(*args)
+
+        def step():
+            for p in opt.param_groups[0]["params"] + [extra]:
+                p.grad = torch.randn_like(p)
+            if changes:
+                changes.pop(0)()
+            opt.step()
+
+        changes = [
+            lambda: None, lambda: None,
+            lambda: setattr(params[1], "grad", None),  # a param without a gradient this step
+            lambda: None,
+            lambda: opt.state[params[0]].__setitem__("momentum_buffer", torch.zeros_like(params[0])),
+            lambda: opt.state[params[2]].clear(),  # a param that starts over (m = g)
+            lambda: opt.load_state_dict(copy.deepcopy(opt.state_dict())),
+            lambda: opt.add_param_group({"params": [extra], "lr": 0.3}),
+            lambda: opt.param_groups[0].__setitem__("lr", 0.05),
+            lambda: opt.param_groups[0].__setitem__("foreach", True),
+            lambda: None,
+        ]
+        for _ in range(len(changes)):
+            step()
+        return [p.detach().clone() for p in params + [extra]], opt, len(rebuilt)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(optim._GroupPlan, "valid_for", lambda self, optimizer, group: False)
+        expected, ref_opt, ref_rebuilds = run(cached=False)
+    got, opt, rebuilds = run(cached=True)
+    assert rebuilds < ref_rebuilds  # the cached lists were used (else this test would compare a run with itself)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+    for p, q in zip(opt.param_groups[0]["params"], ref_opt.param_groups[0]["params"]):
+        assert torch.equal(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"])
+
+
 def test_fused_step_is_deterministic():
     needs_native()
     runs = []
