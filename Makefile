@@ -58,7 +58,7 @@ compat: gpu-prebuilt
 # compute-sanitizer and the GPU benchmarks, every log into OUT (scripts/gpu_check.sh: PHASES in the order given;
 # run again into the same OUT, it runs only what the first run skipped or was stopped in).
 gpu-check:
-	@test -n "$(OUT)" || (echo "usage: make gpu-check OUT=DIR [PHASES=build+test+suite+sanitize+bench]" >&2; exit 2)
+	@test -n "$(OUT)" || (echo "usage: make gpu-check OUT=DIR [PHASES=build+test+suite+sanitize+bench+profile]" >&2; exit 2)
 	PYTHON=$(PYTHON) bash scripts/gpu_check.sh "$(OUT)" $(PHASES)
 
 clean:

@@ -3,12 +3,14 @@
 #
 #   scripts/gpu_check.sh DIR [PHASES]        (or: make gpu-check OUT=DIR [PHASES=...])
 #
-# PHASES is a '+'-separated list of build, test, suite, sanitize, bench, run in the order given (default:
-# build+test+suite+sanitize+bench). Every phase first makes sure the extension in this checkout runs on this card;
-# if not (a fresh machine), it takes the prebuilt library when that was built from exactly these sources, else
-# builds (~2 minutes). `build` rebuilds in place for the visible card whatever is there. Each step runs under
-# `timeout`; a failed step is recorded and the script goes on. DIR/summary.txt lists every step with its exit
-# status, time and log; the script exits non-zero if any step failed or was skipped. After the benchmarks,
+# PHASES is a '+'-separated list of build, test, suite, sanitize, bench, profile, run in the order given (default:
+# build+test+suite+sanitize+bench+profile). profile (python -m bench.profile_kernels, ~30 s) splits each op's time
+# into host work, kernel launches and kernel time (CUDA-graph replay), into DIR/bench/profile_<card>.json.
+# Every phase first makes sure the extension in this checkout runs on this card; if not (a fresh machine), it
+# takes the prebuilt library when that was built from exactly these sources, else builds (~2 minutes). `build`
+# rebuilds in place for the visible card whatever is there. Each step runs under `timeout`; a failed step is
+# recorded and the script goes on. DIR/summary.txt lists every step with its exit status, time and log; the
+# script exits non-zero if any step failed or was skipped. After the benchmarks,
 # DIR/targets.md (python -m bench.targets) says which of the issues' speed and memory targets they met.
 #
 # Run again with the same DIR (the machine still warm), it runs only the steps that DIR/summary.txt does not show
@@ -16,7 +18,7 @@
 # the second call of a lease is the first call's command again, with the time that is left.
 #
 # Step time limits (seconds) can be changed through the environment: BUILD_S, TEST_S, SUITE_S, MEMCHECK_S,
-# RACECHECK_S, BENCH_S (per benchmark); CUDA_TEST_WORKERS (default 8) sets the test processes; BENCHES picks the
+# RACECHECK_S, BENCH_S (per benchmark), PROFILE_S; CUDA_TEST_WORKERS (default 8) sets the test processes; BENCHES picks the
 # benchmarks and their order (default: loss optim robust cross_entropy); BENCH_ARGS adds arguments to each
 # benchmark run (e.g. --quick). TOTAL_S (seconds) caps the whole run: each step gets at most what is left, and a
 # step that would get under 20 s is skipped (and left for a rerun). PACK_TO=FILE.tar.gz packs DIR into one archive
@@ -26,7 +28,7 @@
 # build the library beforehand on the CPU machine (`make gpu-prebuilt`), carry build/gpu-prebuilt, leave the CPU
 # suite out (CI runs it), and make two calls back to back while the machine is warm (it stays so 30 s):
 #   timeout_s=600:  TOTAL_S=585 TEST_S=240 MEMCHECK_S=60 RACECHECK_S=60 BENCH_S=200 PACK_TO=$OUT/check.tar.gz \
-#                     bash scripts/gpu_check.sh /tmp/gc test+sanitize+bench
+#                     bash scripts/gpu_check.sh /tmp/gc test+sanitize+bench+profile
 #   timeout_s=L:    the same command with TOTAL_S=L-15, L = the lease's budget_left_s less ~20 s: it runs what the
 #                   first call skipped or was stopped in (the benchmarks that did not fit, most likely).
 # The limits are caps, not estimates: a step ends when its work does. On a fresh machine torch.compile of the
@@ -38,7 +40,7 @@ if [[ $# -lt 1 ]]; then
   exit 2
 fi
 OUT_DIR="$(mkdir -p "$1" && cd "$1" && pwd)"
-PHASES="${2:-build+test+suite+sanitize+bench}"
+PHASES="${2:-build+test+suite+sanitize+bench+profile}"
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
@@ -52,6 +54,7 @@ SUITE_S="${SUITE_S:-90}"
 MEMCHECK_S="${MEMCHECK_S:-90}"
 RACECHECK_S="${RACECHECK_S:-90}"
 BENCH_S="${BENCH_S:-135}"
+PROFILE_S="${PROFILE_S:-120}"
 BENCHES="${BENCHES:-loss optim robust cross_entropy}"
 BENCH_ARGS="${BENCH_ARGS:-}"
 
@@ -240,13 +243,18 @@ phase_bench() {
   pack
 }
 
+phase_profile() {
+  mkdir -p "$OUT_DIR/bench"
+  step profile "$PROFILE_S" env PYTHONUNBUFFERED=1 "$PYTHON" -m bench.profile_kernels --out "$OUT_DIR/bench"
+}
+
 # The phases in the order PHASES names them (build ran above, before anything that needs the library).
 IFS='+' read -r -a phase_list <<<"$PHASES"
 for phase in "${phase_list[@]}"; do
   case "$phase" in
     build) ;;
-    test | suite | sanitize | bench) "phase_$phase" ;;
-    *) echo "unknown phase '$phase' (build, test, suite, sanitize, bench)" | tee -a "$SUMMARY"; FAILED=1 ;;
+    test | suite | sanitize | bench | profile) "phase_$phase" ;;
+    *) echo "unknown phase '$phase' (build, test, suite, sanitize, bench, profile)" | tee -a "$SUMMARY"; FAILED=1 ;;
   esac
 done
 

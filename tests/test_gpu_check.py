@@ -26,6 +26,7 @@ if [[ "$1" == "-c" ]]; then exit 0; fi  # import xdist / pytest_timeout: install
 if [[ "$1" == "-m" && "$2" == "pytest" ]]; then echo "stand-in pytest"; exit 0; fi
 if [[ "$1" == "-m" && "$2" == "bench.targets" ]]; then echo "stand-in targets of $3"; exit 0; fi
 if [[ "$1" == "-m" && "$2" == "bench.run" ]]; then echo "stand-in bench"; echo $$ >"$CALLS.bench_pid"; exec sleep "${BENCH_SLEEP:-0}"; fi
+if [[ "$1" == "-m" && "$2" == "bench.profile_kernels" ]]; then echo "stand-in profile into $4"; exit 0; fi
 if [[ "$1" == "setup.py" ]]; then echo runs >dro_ext/_C.abi3.so; echo "stand-in build"; exit 0; fi
 echo "unexpected call: $*" >&2; exit 3
 """
@@ -165,11 +166,13 @@ def test_a_run_killed_from_outside_still_leaves_its_finished_steps_packed(tree):
 
 def test_phases_run_in_the_order_given(tree):
     prebuild(tree)
-    proc, summary, calls = run_check(tree, "bench+test", BENCHES="optim loss")
+    proc, summary, calls = run_check(tree, "bench+profile+test", BENCHES="optim loss")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     steps = re.findall(r"^(\w+) +ok ", summary, flags=re.M)
-    assert steps == ["bench_optim", "bench_loss", "cuda_tests"]
-    assert calls.index("--only optim") < calls.index("--only loss") < calls.index("-m pytest")
+    assert steps == ["bench_optim", "bench_loss", "profile", "cuda_tests"]
+    assert (calls.index("--only optim") < calls.index("--only loss") < calls.index("-m bench.profile_kernels")
+            < calls.index("-m pytest"))
+    assert re.search(r"bench\.profile_kernels --out \S+/out/bench", calls)
     proc, summary, _ = run_check(tree, "test+sanitise")
     assert proc.returncode == 1 and "unknown phase 'sanitise'" in summary
 
