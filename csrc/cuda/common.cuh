@@ -124,10 +124,13 @@ int map_blocks(int64_t n) {
   return static_cast<int>(std::max<int64_t>(1, std::min(kMaxMapBlocks, ceil_div(n, per_block))));
 }
 
-// Calls f(e, std::integral_constant<int, K>{}) with e the next K elements (as acc_t) this thread owns, in a
-// grid-stride loop over all of x: K = one 16-byte vector's worth over the aligned body, K = 1 for the (< one
+// Calls f(e, std::integral_constant<int, K>{}, whole_warp) with e the next K elements (as acc_t) this thread owns,
+// in a grid-stride loop over all of x: K = one 16-byte vector's worth over the aligned body, K = 1 for the (< one
 // vector) head before it and the tail after it. Works for any element-aligned x (a view at an odd offset
-// included); the order in which a thread sees its elements depends only on n and x's alignment.
+// included); the order in which a thread sees its elements depends only on n and x's alignment. whole_warp is
+// true, in every lane of the warp alike, when all 32 lanes are in the same body iteration (32 consecutive
+// vectors): only then may f use full-mask warp intrinsics (warp_sum). It depends only on n, x's alignment and the
+// launch shape (blockDim a multiple of 32), so a decision made from it is deterministic.
 template <typename acc_t, typename scalar_t, typename F>
 __device__ __forceinline__ void for_each_vector(const scalar_t* __restrict__ x, int64_t n, F&& f) {
   constexpr int kVec = vec_size<scalar_t>();
@@ -139,27 +142,37 @@ __device__ __forceinline__ void for_each_vector(const scalar_t* __restrict__ x, 
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const Vec* vx = reinterpret_cast<const Vec*>(x + head);
+  const int64_t lane = threadIdx.x % 32;
   for (int64_t v = tid; v < body; v += stride) {
     const Vec data = vx[v];
     acc_t e[kVec];
 #pragma unroll
     for (int j = 0; j < kVec; ++j) e[j] = static_cast<acc_t>(data.v[j]);
-    f(e, std::integral_constant<int, kVec>{});
+    f(e, std::integral_constant<int, kVec>{}, v - lane + 31 < body);
   }
   if (tid < head) {
     const acc_t e[1] = {static_cast<acc_t>(x[tid])};
-    f(e, std::integral_constant<int, 1>{});
+    f(e, std::integral_constant<int, 1>{}, false);
   }
   if (tail_begin + tid < n) {
     const acc_t e[1] = {static_cast<acc_t>(x[tail_begin + tid])};
-    f(e, std::integral_constant<int, 1>{});
+    f(e, std::integral_constant<int, 1>{}, false);
   }
+}
+
+// The sum of v over the 32 lanes of the warp, bitwise the same in every lane (each butterfly step adds the same
+// two values in every lane: a + b == b + a). Every lane of the warp must call it together.
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
 }
 
 // Calls f(acc_t(x_i)) for the elements this thread owns, in for_each_vector's order.
 template <typename acc_t, typename scalar_t, typename F>
 __device__ __forceinline__ void for_each_element(const scalar_t* __restrict__ x, int64_t n, F&& f) {
-  for_each_vector<acc_t>(x, n, [&](const acc_t* e, auto count) {
+  for_each_vector<acc_t>(x, n, [&](const acc_t* e, auto count, bool) {
 #pragma unroll
     for (int j = 0; j < decltype(count)::value; ++j) f(e[j]);
   });
@@ -244,9 +257,13 @@ __device__ __forceinline__ T value_term(const Div& div, T t, T l, T shift, T inv
 
 // Per-thread sums of (value_term, psi*') for a divergence with a coarse value (divergences.h: kl, kl_cvar,
 // smoothed_cvar, whose accurate excess costs an expm1 and a log1p on top of first()'s exponential). As
-// csrc/cpu/kernels_impl.h's reduce_coarse does per block, each vector of losses whose mean |t| is at least 1 sums
-// the coarse value, which shares first()'s exponential: there its error, a few roundings of 1 + |psi*(t)|, is
-// within a small factor of the accurate term's. Any other vector (the ERM regime, and NaN) sums value_term itself.
+// csrc/cpu/kernels_impl.h's reduce_coarse does per block of 512 losses, each warp's 32 vectors (128 float32
+// losses) whose mean |t| is at least 1 sum the coarse value, which shares first()'s exponential: there its error, a
+// few roundings of 1 + |psi*(t)|, is within a small factor of the accurate term's. Any other warp (the ERM regime,
+// and NaN) sums value_term itself. The choice is the warp's, not each lane's: a lane-by-lane choice sent nearly
+// every warp down both paths (some lane of 32 almost always falls short), and on an H100 smoothed_cvar's forward
+// then took 77 us at 2^24 against chi2's 32 (bench/results/h100_2026-11-27). Vectors outside a whole-warp
+// iteration (the grid's last, the head and the tail) choose alone.
 // The coarse terms enter as sum value_term = sum psi*(t) + count shift / lam (value_term = psi*(t) + shift / lam);
 // smoothed_cvar's coarse value is summed in product form, its factors (in [1, 2]) multiplied 16 at a time between
 // logarithms: about an instruction a loss, and the flush runs in any thread that owns four float32 vectors
@@ -262,7 +279,7 @@ __device__ __forceinline__ Pair<at::opmath_type<scalar_t>> thread_loss_sums_coar
   acc_t accurate = 0, first = 0, coarse = 0, coarse_count = 0;
   acc_t log_product = 0, product = 1;  // kProduct only
   int factors = 0;
-  for_each_vector<acc_t>(x, n, [&](const acc_t* l, auto count) {
+  for_each_vector<acc_t>(x, n, [&](const acc_t* l, auto count, bool whole_warp) {
     constexpr int K = decltype(count)::value;
     acc_t t[K];
     acc_t abs_t = 0;
@@ -272,7 +289,8 @@ __device__ __forceinline__ Pair<at::opmath_type<scalar_t>> thread_loss_sums_coar
       abs_t += ::fabs(t[j]);
       first += div.first(t[j]);
     }
-    if (abs_t >= static_cast<acc_t>(K)) {  // false for NaN
+    // False for NaN (a NaN sum in the warp's case).
+    if (whole_warp ? warp_sum(abs_t) >= static_cast<acc_t>(32 * K) : abs_t >= static_cast<acc_t>(K)) {
       coarse_count += static_cast<acc_t>(K);
 #pragma unroll
       for (int j = 0; j < K; ++j) {

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <random>
 #include <cmath>
 #include <math.h>  // the float overloads of ::exp, ::log, ... in the global namespace, as CUDA's headers have
@@ -62,6 +63,37 @@ inline void __syncthreads() {
   emu_jitter();
 }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+
+// Warps: the 32 threads of each warp meet at a barrier of their own for every full-mask shuffle. A lane that
+// has returned drops out of it and is counted, so that a shuffle a returned lane would be named in (undefined on
+// a GPU) fails here instead of reading a stale value.
+inline std::vector<std::unique_ptr<std::barrier<>>> emu_warp_sync;
+inline std::unique_ptr<std::atomic<unsigned>[]> emu_warp_exited;
+alignas(16) inline unsigned char emu_lane_slot[1024][16];
+inline void emu_reset_warps(unsigned threads) {
+  emu_warp_sync.clear();
+  for (unsigned w = 0; w * 32 < threads; ++w) {
+    emu_warp_sync.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - w * 32)));
+  }
+  emu_warp_exited.reset(new std::atomic<unsigned>[emu_warp_sync.size()]());
+}
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
+  static_assert(sizeof(T) <= 16, "emulated __shfl_xor_sync: at most 16 bytes");
+  const unsigned t = threadIdx.x, w = t / 32;
+  if (mask != 0xffffffffu || (w + 1) * 32 > blockDim.x || lane_mask < 0 || lane_mask > 31) {
+    throw std::runtime_error("emulated __shfl_xor_sync: only full-warp masks within whole warps are emulated");
+  }
+  emu_jitter();
+  std::memcpy(emu_lane_slot[t], &v, sizeof(T));
+  emu_warp_sync[w]->arrive_and_wait();
+  const bool lane_missing = emu_warp_exited[w].load() != 0;
+  T out;
+  std::memcpy(&out, emu_lane_slot[(t & ~31u) | ((t % 32) ^ static_cast<unsigned>(lane_mask))], sizeof(T));
+  emu_warp_sync[w]->arrive_and_wait();
+  if (lane_missing) throw std::runtime_error("emulated __shfl_xor_sync: a lane of the mask has returned");
+  return out;
+}
 
 #define __global__
 #define __device__
@@ -128,6 +160,7 @@ struct EmuBlockEnd {
   void operator()() noexcept {
     ++*block;
     emu_sync.emplace(threads, EmuBump{});  // a fresh barrier: threads that returned early dropped out of the old
+    emu_reset_warps(threads);
   }
 };
 
@@ -142,6 +175,7 @@ void emulate_launch(K kernel, G grid_arg, B block_arg, A... args) {
   unsigned block = 0;
   const EmuBlockOrder order(grid);
   emu_sync.emplace(threads, EmuBump{});
+  emu_reset_warps(threads);
   std::barrier<EmuBlockEnd> end(threads, EmuBlockEnd{&block, threads});
   std::mutex error_mutex;
   std::exception_ptr error;
@@ -157,6 +191,8 @@ void emulate_launch(K kernel, G grid_arg, B block_arg, A... args) {
         if (!error) error = std::current_exception();
       }
       emu_sync->arrive_and_drop();
+      emu_warp_exited[t / 32].fetch_add(1);
+      emu_warp_sync[t / 32]->arrive_and_drop();
       end.arrive_and_wait();
     }
   };
