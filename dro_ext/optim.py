@@ -188,11 +188,14 @@ class NormalizedSGD(Optimizer):
         params, grads, momenta, steps = [], [], [], []
         self._init_group(group, params, grads, momenta, steps)
         plan = None
-        if params and len(params) == len(group["params"]) and not torch.compiler.is_compiling():
-            plan = _GroupPlan(self, group, params)
-            if not hasattr(self, "_plans"):
-                self._plans = {}
-            self._plans[id(group)] = plan
+        if not torch.compiler.is_compiling():
+            # Plans of groups or states the optimizer no longer has go: they would keep old momentum buffers alive.
+            plans = {key: kept for key, kept in getattr(self, "_plans", {}).items()
+                     if key != id(group) and any(kept.group is g for g in self.param_groups)
+                     and kept.valid_for(self, kept.group)}
+            if params and len(params) == len(group["params"]):
+                plan = plans[id(group)] = _GroupPlan(self, group, params)
+            self._plans = plans
         return params, grads, momenta, steps, plan
 
     @torch.no_grad()

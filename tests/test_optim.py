@@ -367,6 +367,24 @@ def test_cached_step_lists_follow_every_change_to_the_optimizer(backend, monkeyp
         assert torch.equal(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"])
 
 
+def test_cached_step_lists_let_go_of_a_replaced_state(backend):
+    # After load_state_dict the old momentum buffers belong to nobody: the optimizer's cached lists must not keep
+    # them alive (on a GPU that would be a second copy of every buffer).
+    import gc
+    import weakref
+    params = make_params(SHAPES[:2])
+    opt = NormalizedSGD(params, lr=0.1)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    old = weakref.ref(opt.state[params[0]]["momentum_buffer"])
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    opt.step()
+    gc.collect()
+    assert old() is None
+
+
 def test_fused_step_is_deterministic():
     needs_native()
     runs = []
