@@ -18,9 +18,10 @@ import math
 import torch
 
 import dro_ext
-from bench.common import (add_common_arguments, case_label, CASES, check_device, copy_pair, cuda_peak_bytes,
-                          default_min_seconds, device_info, interleaved_rounds, loadavg, markdown_table, partial_writer,
-                          progress, publish, result_name, saved_tensor_bytes, select_cases, Timer)
+from bench.common import (add_common_arguments, capture_cuda_graph, case_label, CASES, check_device, copy_pair,
+                          cuda_peak_bytes, default_min_seconds, device_info, interleaved_rounds, loadavg,
+                          markdown_table, partial_writer, progress, publish, result_name, saved_tensor_bytes,
+                          select_cases, Timer)
 
 LAM = 0.5
 BYTES_PER_SAMPLE = 12  # float32: read l forward, read l + write grad_l backward
@@ -95,24 +96,37 @@ def bench_case(name, params, n, device, timer, impls, *, rounds, min_seconds) ->
         del runs["compiled"]
     copy = copy_pair(n, device)
     timed = dict(runs, copy=copy)
+    # On CUDA the fused and eager forward + backward also replay from a CUDA graph: their kernels' own time, which
+    # the per-call times above hide wherever the host's work of launching them takes longer (bench.profile_kernels).
+    graph_impls = []
+    if torch.device(device).type == "cuda":
+        for impl in ("fused", "eager"):
+            replay = capture_cuda_graph(runs[impl]) if impl in runs else None
+            if replay is not None:
+                timed[f"{impl} (graph)"] = replay
+                graph_impls.append(impl)
     stats = interleaved_rounds(timed, timer, rounds=rounds, min_seconds=min_seconds,
                                min_reps=3 if n >= 1 << 24 else 10)
     bandwidth = 8 * n / stats["copy"]["median_s"]
     floor_s = BYTES_PER_SAMPLE * n / bandwidth
     fused_s = stats["fused"]["median_s"]
     rows = []
-    for impl, fn in impls.items():
+    for impl in [*impls, *(f"{g} (graph)" for g in graph_impls)]:
+        fn = impls.get(impl)
         t = stats[impl]
+        graph = fn is None
+        base_s = stats["fused (graph)"]["median_s"] if graph and "fused (graph)" in stats else fused_s
         # Saved-tensor hooks do not see inside a compiled graph's own saved activations.
-        saved = None if impl == "compiled" else saved_tensor_bytes(
+        saved = None if impl == "compiled" or graph else saved_tensor_bytes(
             lambda: fn(losses, eta, name, params), exclude=(losses, eta))
         rows.append({
             "device": str(device), "case": case_label(name, params), "divergence": name, **params, "n": n,
             "dtype": "float32", "impl": impl, "median_ms": 1e3 * t["median_s"], "p25_ms": 1e3 * t["p25_s"],
             "p75_ms": 1e3 * t["p75_s"], "reps": t["reps"], "ns_per_sample": 1e9 * t["median_s"] / n,
             "achieved_GBps": BYTES_PER_SAMPLE * n / t["median_s"] / 1e9, "copy_bandwidth_GBps": bandwidth / 1e9,
-            "floor_ms": 1e3 * floor_s, "x_floor": t["median_s"] / floor_s, "fused_speedup": t["median_s"] / fused_s,
-            "saved_for_backward_bytes": saved, "cuda_peak_bytes": cuda_peak_bytes(runs[impl], device),
+            "floor_ms": 1e3 * floor_s, "x_floor": t["median_s"] / floor_s, "fused_speedup": t["median_s"] / base_s,
+            "saved_for_backward_bytes": saved,
+            "cuda_peak_bytes": None if graph else cuda_peak_bytes(runs[impl], device),
         })
     return rows
 
@@ -147,7 +161,9 @@ NOTE = ("Forward + backward of the loss at lam = 0.5, float32. `x floor` is the 
         "copy bandwidth at the same size, timed in the same interleaved rounds); `x fused` is that row's time over "
         "the fused op's time; `saved bytes` is what autograd keeps for backward beyond the losses and eta (not "
         "measurable inside a compiled graph; on CUDA the JSON also has the peak allocated memory of a "
-        "forward + backward, `cuda_peak_bytes`).")
+        "forward + backward, `cuda_peak_bytes`). On CUDA, `fused (graph)` and `eager (graph)` are the same forward + "
+        "backward replayed from a CUDA graph: the kernels' own time, without the host's work of launching them; "
+        "their `x fused` is over `fused (graph)`.")
 
 
 def main(argv=None) -> dict:

@@ -149,6 +149,31 @@ def default_min_seconds(args, device, *, quick: float, full: float) -> float:
     return min(full, 0.3) if torch.device(device).type == "cuda" else full
 
 
+def capture_cuda_graph(fn: Callable[[], object], calls: int = 1) -> Callable[[], object] | None:
+    """calls back-to-back fn() captured in one CUDA graph (after three warm-up calls on a side stream, as
+    torch.cuda.graphs asks): a zero-argument function that replays them, or None (with the reason on stderr) where fn
+    cannot be captured. A replay runs the kernels without the host work of launching them: its time is the
+    kernels' own, launch gaps included."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        return graph.replay
+    except Exception as exc:  # noqa: BLE001 - not capturable (a host sync, say): the caller leaves it out
+        progress(f"CUDA graph capture failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        torch.cuda.synchronize()
+        return None
+
+
 def copy_pair(numel: int, device) -> Callable[[], object]:
     """A copy of numel float32 between two buffers of the device (device to device on CUDA): 8 bytes
     move per element, read and write. Its bandwidth is the floor's."""

@@ -21,7 +21,7 @@ import torch
 
 import dro_ext
 from bench import bench_loss, bench_optim, bench_robust
-from bench.common import CASES, case_label, copy_pair, device_info
+from bench.common import CASES, capture_cuda_graph, case_label, copy_pair, device_info
 
 GRAPH_REPS = 20  # calls per captured graph: one replay launch is spread over them
 
@@ -64,32 +64,18 @@ def kernels_per_call(fn, calls: int) -> dict:
 
 def graph_ms(fn, replays: int) -> float | None:
     """Time per call replayed from a CUDA graph of GRAPH_REPS calls; None when fn cannot be captured."""
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(GRAPH_REPS):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        samples = []
-        for _ in range(replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / GRAPH_REPS)
-        return statistics.median(samples)
-    except Exception as exc:  # noqa: BLE001 - not capturable (a host sync, say): reported as no graph time
-        print(f"    graph capture failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-        torch.cuda.synchronize()
+    replay = capture_cuda_graph(fn, GRAPH_REPS)
+    if replay is None:
         return None
+    samples = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / GRAPH_REPS)
+    return statistics.median(samples)
 
 
 def measure(group: str, case: str, n: int, impl: str, fn, floor_bytes: float, copy_gbps: float, calls: int,

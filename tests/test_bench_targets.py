@@ -54,6 +54,25 @@ def test_a_bandwidth_target_reads_the_time_over_the_floor(tmp_path):
     assert measured.startswith("0.8 of copy bw (worst: smoothed_cvar") and verdict.startswith("MISSED in 1 of")
 
 
+def test_the_graph_replay_targets_read_the_graph_rows_only(tmp_path):
+    # The per-call rows say missed, the graph rows met: each target reads its own rows.
+    rows = loss_rows([2.0] * len(CASES)) + loss_rows([4.0] * len(CASES), n=1 << 24)
+    for r in rows:
+        r["x_floor"] = 2.0  # 50% of the copy bandwidth per call
+    graph = [dict(r, impl=f"{r['impl']} (graph)") for r in rows]
+    for r in graph:
+        r["fused_speedup"] = 3.5 if r["impl"] == "eager (graph)" else 1.0
+        r["x_floor"] = 1.1
+    write(tmp_path, "loss_h100", rows + graph)
+    assert verdicts(tmp_path, "3x faster than eager")["loss_h100.json"][1].startswith("MISSED in 7")
+    assert verdicts(tmp_path, "85% of copy bandwidth")["loss_h100.json"][1].startswith("MISSED in 7")
+    assert verdicts(tmp_path, "3x less time than eager's")["loss_h100.json"] == ("3.5x (worst: chi2)", "met")
+    assert verdicts(tmp_path, "replayed from a CUDA graph: >= 85%")["loss_h100.json"][1] == "met"
+    graph[-2]["x_floor"] = 1.25  # the last case's fused graph row: 80%
+    write(tmp_path, "loss_h100", rows + graph)
+    assert verdicts(tmp_path, "replayed from a CUDA graph: >= 85%")["loss_h100.json"][1] == f"MISSED in 1 of {len(CASES)}"
+
+
 def test_a_run_that_did_not_end_says_how_many_cases_it_saw(tmp_path):
     write(tmp_path, "loss_h100", loss_rows([5.0, 5.0, 5.0]), partial="3 of 21 cases, the run had not ended")
     assert verdicts(tmp_path, "3x faster than eager")["loss_h100.json"][1] == \
