@@ -102,6 +102,14 @@ def test_the_optimizer_targets_take_the_100m_list_and_the_best_foreach(tmp_path)
     write(tmp_path, "optim_h100", rows)
     assert verdicts(tmp_path, "80% of copy bandwidth") == {"optim_h100.json": ("0.833 of copy bw", "met")}
     assert verdicts(tmp_path, "1.5x faster than the best foreach") == {"optim_h100.json": ("1.4x", "MISSED in 1 of 1")}
+    assert verdicts(tmp_path, "replayed from a CUDA graph: >= 80%") == {
+        "optim_h100.json": ("", "not measured (no such rows)")}
+    # The graph rows: read by their own target only, and never the best foreach.
+    rows.append({"device": "cuda:0", "list": "gpt-100M (148 tensors, 101.2M)", "peer": "NormalizedSGD fused (graph)",
+                 "fused_speedup": 1.0, "over_floor": 0.9, "best_foreach": False})
+    write(tmp_path, "optim_h100", rows)
+    assert verdicts(tmp_path, "replayed from a CUDA graph: >= 80%") == {"optim_h100.json": ("1.11 of copy bw", "met")}
+    assert verdicts(tmp_path, "80% of copy bandwidth") == {"optim_h100.json": ("0.833 of copy bw", "met")}
 
 
 @pytest.mark.parametrize("dtype,error,met", [
