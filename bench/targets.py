@@ -98,33 +98,41 @@ CE_CPU_LOGITS = "N=4096, C=32000, float32"
 CE_CPU_LINEAR = "N=2048, H=1024, V=32000, float32"
 CE_GPU_LINEAR = "N=16384, H=4096, V=128256, bfloat16"
 
+def _loss_at_4096(impl: str, text: str, at_least: float) -> Target:
+    """The fused loss's speedup over the `impl` rows at N = 4096, every divergence."""
+    return Target(8, "loss", "cuda", text,
+                  lambda rows: _by_case(rows, _case, lambda r: r["fused_speedup"], n=4096, impl=impl),
+                  at_least=at_least, cases=tuple(LOSS_CASES))
+
+
+def _loss_bandwidth(impl: str, text: str) -> Target:
+    """The `impl` rows' share of the copy bandwidth at N = 2^24 (12 B/sample), every divergence."""
+    return Target(8, "loss", "cuda", text,
+                  lambda rows: _by_case(rows, _case, lambda r: 1 / r["x_floor"], n=1 << 24, impl=impl),
+                  at_least=0.85, cases=tuple(LOSS_CASES), unit=" of copy bw")
+
+
+def _optim_bandwidth(peer: str, text: str) -> Target:
+    """The `peer` row's share of the copy bandwidth (24 B/param) on the 100M-parameter list."""
+    return Target(8, "optim", "cuda", text,
+                  lambda rows: _by_case(rows, lambda r: "", lambda r: 1 / r["over_floor"],
+                                        list=lambda s: str(s).startswith("gpt-100M"), peer=peer),
+                  at_least=0.8, unit=" of copy bw")
+
+
 TARGETS = (
-    Target(8, "loss", "cuda", "loss fwd+bwd at N=4096: >= 3x faster than eager, every divergence",
-           lambda rows: _by_case(rows, _case, lambda r: r["fused_speedup"], n=4096, impl="eager"),
-           at_least=3, cases=tuple(LOSS_CASES)),
-    Target(8, "loss", "cuda", "loss fwd+bwd at N=4096: no slower than torch.compile, every divergence",
-           lambda rows: _by_case(rows, _case, lambda r: r["fused_speedup"], n=4096, impl="compiled"),
-           at_least=1, cases=tuple(LOSS_CASES)),
-    Target(8, "loss", "cuda", "loss fwd+bwd at N=2^24: >= 85% of copy bandwidth (12 B/sample), every divergence",
-           lambda rows: _by_case(rows, _case, lambda r: 1 / r["x_floor"], n=1 << 24, impl="fused"),
-           at_least=0.85, cases=tuple(LOSS_CASES), unit=" of copy bw"),
-    # The same two readings from the CUDA-graph replays bench_loss adds on CUDA: the kernels' own time, where the
-    # per-call times above also hold the host's work of launching them (more than the kernels' at every N on the
-    # H100 of bench/results/h100_2026-11-27). Reported beside the per-call verdicts, not instead of them.
-    Target(8, "loss", "cuda", "loss kernels at N=4096, replayed from a CUDA graph: >= 3x less time than eager's",
-           lambda rows: _by_case(rows, _case, lambda r: r["fused_speedup"], n=4096, impl="eager (graph)"),
-           at_least=3, cases=tuple(LOSS_CASES)),
-    Target(8, "loss", "cuda", "loss kernels at N=2^24, replayed from a CUDA graph: >= 85% of copy bw",
-           lambda rows: _by_case(rows, _case, lambda r: 1 / r["x_floor"], n=1 << 24, impl="fused (graph)"),
-           at_least=0.85, cases=tuple(LOSS_CASES), unit=" of copy bw"),
-    Target(8, "optim", "cuda", "NormalizedSGD step at 100M params: >= 80% of copy bandwidth (24 B/param)",
-           lambda rows: _by_case(rows, lambda r: "", lambda r: 1 / r["over_floor"],
-                                 list=lambda s: str(s).startswith("gpt-100M"), peer="NormalizedSGD fused"),
-           at_least=0.8, unit=" of copy bw"),
-    Target(8, "optim", "cuda", "NormalizedSGD kernels at 100M params, replayed from a CUDA graph: >= 80% of copy bw",
-           lambda rows: _by_case(rows, lambda r: "", lambda r: 1 / r["over_floor"],
-                                 list=lambda s: str(s).startswith("gpt-100M"), peer="NormalizedSGD fused (graph)"),
-           at_least=0.8, unit=" of copy bw"),
+    _loss_at_4096("eager", "loss fwd+bwd at N=4096: >= 3x faster than eager, every divergence", 3),
+    _loss_at_4096("compiled", "loss fwd+bwd at N=4096: no slower than torch.compile, every divergence", 1),
+    _loss_bandwidth("fused", "loss fwd+bwd at N=2^24: >= 85% of copy bandwidth (12 B/sample), every divergence"),
+    # The same readings from the CUDA-graph replays the benchmarks add on CUDA: the kernels' own time, where the
+    # per-call times also hold the host's work of launching them (more than the kernels' at every N on the H100 of
+    # bench/results/h100_2026-11-27). Reported beside the per-call verdicts, not instead of them.
+    _loss_at_4096("eager (graph)", "loss kernels at N=4096, replayed from a CUDA graph: >= 3x less time than eager's",
+                  3),
+    _loss_bandwidth("fused (graph)", "loss kernels at N=2^24, replayed from a CUDA graph: >= 85% of copy bw"),
+    _optim_bandwidth("NormalizedSGD fused", "NormalizedSGD step at 100M params: >= 80% of copy bandwidth (24 B/param)"),
+    _optim_bandwidth("NormalizedSGD fused (graph)",
+                     "NormalizedSGD kernels at 100M params, replayed from a CUDA graph: >= 80% of copy bw"),
     Target(8, "optim", "cuda", "NormalizedSGD step at 100M params: >= 1.5x faster than the best foreach",
            lambda rows: _by_case(rows, lambda r: "", lambda r: r["fused_speedup"],
                                  list=lambda s: str(s).startswith("gpt-100M"), best_foreach=True),
