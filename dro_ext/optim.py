@@ -267,32 +267,16 @@ def _check_one_device(params):
                          "(the global norm spans the group); use foreach=True for a group across devices")
 
 
-# lr as the op takes it (a float64 tensor on the CPU, read there without a sync), made once per value: a training
-# loop passes the same float step after step.
-_lr_tensors: dict = {}
-
-
-def _lr_tensor(lr):
-    if isinstance(lr, torch.Tensor):
-        return lr
-    if torch.compiler.is_compiling():
-        return torch.tensor(lr, dtype=torch.float64)
-    tensor = _lr_tensors.get(lr)
-    if tensor is None:
-        tensor = torch.tensor(lr, dtype=torch.float64)
-        if len(_lr_tensors) >= 64:  # a schedule that changes lr every step: keep the cache small
-            _lr_tensors.clear()
-        _lr_tensors[lr] = tensor
-    return tensor
-
-
 def _fused_step(params, grads, momenta, steps, *, lr, momentum, eps, weight_decay, norm, maximize,
                 grad_scale, found_inf, one_device=False):
     if not one_device:  # a cached plan checked this when it was built
         _check_one_device(params)
+    if not isinstance(lr, torch.Tensor):
+        # Made anew each step (~2 us): a tensor kept across steps would be whatever the first step's mode made it
+        # (a FakeTensor under FakeTensorMode, say) for every later step.
+        lr = torch.tensor(lr, dtype=torch.float64)
     torch.ops.dro_ext.normalized_sgd_step_(
-        params, grads, momenta, steps, _lr_tensor(lr), momentum, eps, weight_decay, norm, maximize, grad_scale,
-        found_inf
+        params, grads, momenta, steps, lr, momentum, eps, weight_decay, norm, maximize, grad_scale, found_inf
     )
 
 

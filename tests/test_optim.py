@@ -385,6 +385,26 @@ def test_cached_step_lists_let_go_of_a_replaced_state(backend):
     assert old() is None
 
 
+def test_a_step_under_fake_tensor_mode_leaves_later_real_steps_alone(backend):
+    # torch.compile and the registration tests step optimizers on FakeTensors; nothing made then (an lr tensor
+    # kept for later steps, say) may reach a real step afterwards.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        fake = make_params(SHAPES[:2])
+        fake_opt = NormalizedSGD(fake, lr=0.1)
+        for p in fake:
+            p.grad = torch.randn_like(p)
+        fake_opt.step()
+    params = make_params(SHAPES[:2])
+    before = [p.detach().clone() for p in params]
+    opt = NormalizedSGD(params, lr=0.1)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    moved = math.sqrt(sum(float(((p.detach() - b) ** 2).sum()) for p, b in zip(params, before)))
+    assert moved == pytest.approx(0.1, rel=1e-5)
+
+
 def test_fused_step_is_deterministic():
     needs_native()
     runs = []
