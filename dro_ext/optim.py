@@ -110,6 +110,7 @@ class NormalizedSGD(Optimizer):
         defaults = dict(lr=lr, momentum=momentum, eps=eps, weight_decay=weight_decay, norm=norm,
                         maximize=maximize, foreach=foreach, fused=fused)
         super().__init__(params, defaults)
+        self._plans = {}  # id(group) -> _GroupPlan: the step lists kept between steps (_group_lists)
 
     def add_param_group(self, param_group):
         # Checked per group, so a group that overrides a default gets the same errors as the constructor.
@@ -126,7 +127,8 @@ class NormalizedSGD(Optimizer):
                 raise ValueError(f"dro_ext.NormalizedSGD: parameters must be floating point, got {p.dtype}")
 
     def __setstate__(self, state):
-        super().__setstate__(state)
+        super().__setstate__(state)  # load_state_dict comes here too, with the new state and groups
+        self._plans = {}
         for group in self.param_groups:
             group.setdefault("norm", "global")
             group.setdefault("maximize", False)
@@ -174,7 +176,7 @@ class NormalizedSGD(Optimizer):
         step reads only p.grad and the state entries, instead of running _init_group's checks again (at ~150
         tensors those cost more host time than the kernels' launches)."""
         if not torch.compiler.is_compiling():  # the cache is host bookkeeping torch.compile need not trace
-            plan = self._plans.get(id(group)) if hasattr(self, "_plans") else None
+            plan = self._plans.get(id(group))
             if plan is not None and plan.valid_for(self, group):
                 grads = [p.grad for p in plan.params]
                 if all(map(operator.is_not, grads, repeat(None))):
@@ -190,7 +192,7 @@ class NormalizedSGD(Optimizer):
         plan = None
         if not torch.compiler.is_compiling():
             # Plans of groups or states the optimizer no longer has go: they would keep old momentum buffers alive.
-            plans = {key: kept for key, kept in getattr(self, "_plans", {}).items()
+            plans = {key: kept for key, kept in self._plans.items()
                      if key != id(group) and any(kept.group is g for g in self.param_groups)
                      and kept.valid_for(self, kept.group)}
             if params and len(params) == len(group["params"]):
