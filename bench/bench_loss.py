@@ -18,10 +18,10 @@ import math
 import torch
 
 import dro_ext
-from bench.common import (add_common_arguments, capture_cuda_graph, case_label, CASES, check_device, copy_pair,
-                          cuda_peak_bytes, default_min_seconds, device_info, interleaved_rounds, loadavg,
-                          markdown_table, partial_writer, progress, publish, result_name, saved_tensor_bytes,
-                          select_cases, Timer)
+from bench.common import (GRAPH_SUFFIX, add_common_arguments, case_label, CASES, check_device, copy_pair,
+                          cuda_peak_bytes, default_min_seconds, device_info, graph_replays, interleaved_rounds,
+                          loadavg, markdown_table, partial_writer, progress, publish, result_name,
+                          saved_tensor_bytes, select_cases, Timer)
 
 LAM = 0.5
 BYTES_PER_SAMPLE = 12  # float32: read l forward, read l + write grad_l backward
@@ -96,26 +96,21 @@ def bench_case(name, params, n, device, timer, impls, *, rounds, min_seconds) ->
         del runs["compiled"]
     copy = copy_pair(n, device)
     timed = dict(runs, copy=copy)
-    # On CUDA the fused and eager forward + backward also replay from a CUDA graph: their kernels' own time, which
-    # the per-call times above hide wherever the host's work of launching them takes longer (bench.profile_kernels).
-    graph_impls = []
-    if torch.device(device).type == "cuda":
-        for impl in ("fused", "eager"):
-            replay = capture_cuda_graph(runs[impl]) if impl in runs else None
-            if replay is not None:
-                timed[f"{impl} (graph)"] = replay
-                graph_impls.append(impl)
+    # On CUDA the fused and eager forward + backward also replay from a CUDA graph: their kernels' own time.
+    graphs = graph_replays(runs, ("fused", "eager"), device)
+    timed.update(graphs)
     stats = interleaved_rounds(timed, timer, rounds=rounds, min_seconds=min_seconds,
                                min_reps=3 if n >= 1 << 24 else 10)
     bandwidth = 8 * n / stats["copy"]["median_s"]
     floor_s = BYTES_PER_SAMPLE * n / bandwidth
     fused_s = stats["fused"]["median_s"]
     rows = []
-    for impl in [*impls, *(f"{g} (graph)" for g in graph_impls)]:
+    fused_graph = "fused" + GRAPH_SUFFIX
+    for impl in [*impls, *graphs]:
         fn = impls.get(impl)
         t = stats[impl]
-        graph = fn is None
-        base_s = stats["fused (graph)"]["median_s"] if graph and "fused (graph)" in stats else fused_s
+        graph = impl in graphs
+        base_s = stats[fused_graph]["median_s"] if graph and fused_graph in stats else fused_s
         # Saved-tensor hooks do not see inside a compiled graph's own saved activations.
         saved = None if impl == "compiled" or graph else saved_tensor_bytes(
             lambda: fn(losses, eta, name, params), exclude=(losses, eta))

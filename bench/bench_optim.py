@@ -16,16 +16,15 @@ import argparse
 
 import torch
 
-from bench.common import (add_common_arguments, capture_cuda_graph, check_device, copy_pair, cuda_peak_bytes,
-                          device_info, loadavg, markdown_table, partial_writer, progress, publish, result_name,
-                          summarize, Timer)
+from bench.common import (GRAPH_SUFFIX, add_common_arguments, check_device, copy_pair, cuda_peak_bytes,
+                          device_info, graph_replays, loadavg, markdown_table, partial_writer, progress, publish,
+                          result_name, summarize, Timer)
 from dro_ext import _backend
 from dro_ext.optim import _FUSED_DEVICE_TYPES, NormalizedSGD
 
 LR, BETA, EPS = 0.01, 0.9, 1e-8
 BYTES_PER_PARAM = 24
 FUSED = "NormalizedSGD fused"
-GRAPH = " (graph)"  # a peer's name with this suffix: the same step replayed from a CUDA graph
 
 
 def resnet18_shapes():
@@ -147,11 +146,7 @@ def bench_size(name, shapes, rounds, device, timer):
     timed = dict(peers, copy=copy_pair(numel, device))
     # On CUDA the fused step and the foreach one that needs no host sync also replay from a CUDA graph: the kernels'
     # own time, without the host's work of launching them, which on the H100 was a third of the fused step's.
-    if torch.device(device).type == "cuda":
-        for peer in (FUSED, "foreach lerp_tensor"):
-            replay = capture_cuda_graph(peers[peer]) if peer in peers else None
-            if replay is not None:
-                timed[peer + GRAPH] = replay
+    timed.update(graph_replays(peers, (FUSED, "foreach lerp_tensor"), device))
     load_before = loadavg()
     for fn in timed.values():
         fn()
@@ -170,15 +165,16 @@ def bench_size(name, shapes, rounds, device, timer):
     reference = FUSED if FUSED in stats else best_foreach
     rows = []
     for peer, t in stats.items():
-        graph = peer.endswith(GRAPH)
-        base = FUSED + GRAPH if graph and FUSED + GRAPH in stats else reference
+        graph = peer.endswith(GRAPH_SUFFIX)
+        base = FUSED + GRAPH_SUFFIX if graph and FUSED + GRAPH_SUFFIX in stats else reference
         rows.append({
             "device": str(device), "list": label, "tensors": len(shapes), "params": numel, "peer": peer,
             "median_s": t["median_s"], "p25_s": t["p25_s"], "p75_s": t["p75_s"], "steps": t["reps"],
             "gb_per_s": BYTES_PER_PARAM * numel / t["median_s"] / 1e9,
             "fused_speedup": t["median_s"] / stats[base]["median_s"], "over_floor": t["median_s"] / floor_s,
             "floor_s": floor_s, "copy_gb_per_s": bandwidth / 1e9, "best_foreach": peer == best_foreach,
-            "loadavg_1m": [load_before, loadavg()], "cuda_peak_bytes": None if graph else cuda_peak_bytes(peers[peer], device),
+            "loadavg_1m": [load_before, loadavg()],
+            "cuda_peak_bytes": None if graph else cuda_peak_bytes(peers[peer], device),
         })
     return rows, notes
 
@@ -242,8 +238,8 @@ def main(argv=None) -> dict:
             f"cache also reads the destination before writing it) and a copy keeps fewer streams in flight than "
             f"a step, so a step can beat this floor (x floor < 1). torch.optim.SGD does no norm: a lower bound. "
             f"1-minute load average during each list (before, after): {loads} on {info['cores']} cores. "
-            f"On CUDA a peer named '...{GRAPH}' is that step replayed from a CUDA graph (the kernels' own time, "
-            f"without the host's launching), its 'x fused' over {FUSED}{GRAPH}'s."
+            f"On CUDA a peer named '...{GRAPH_SUFFIX}' is that step replayed from a CUDA graph (the kernels' own time, "
+            f"without the host's launching), its 'x fused' over {FUSED}{GRAPH_SUFFIX}'s."
             + "".join(f" {n}." for n in notes))
     return publish(args, "optim", name, rows, HEADER, table_rows(rows), info, load_before=load_before,
                    settings=settings, after="\n\n" + note, plot="plot_optim")

@@ -174,6 +174,23 @@ def capture_cuda_graph(fn: Callable[[], object], calls: int = 1) -> Callable[[],
         return None
 
 
+GRAPH_SUFFIX = " (graph)"  # a timed function's name with this suffix: the same function replayed from a CUDA graph
+
+
+def graph_replays(fns: dict[str, Callable[[], object]], names, device) -> dict[str, Callable[[], object]]:
+    """On CUDA, {name + GRAPH_SUFFIX: its replay} for each of `names` in fns that a CUDA graph captures
+    (capture_cuda_graph); nothing on other devices. Timed beside the per-call functions, a replay gives the
+    kernels' own time where the host's work of launching them takes longer (bench.profile_kernels)."""
+    if torch.device(device).type != "cuda":
+        return {}
+    replays = {}
+    for name in names:
+        replay = capture_cuda_graph(fns[name]) if name in fns else None
+        if replay is not None:
+            replays[name + GRAPH_SUFFIX] = replay
+    return replays
+
+
 def copy_pair(numel: int, device) -> Callable[[], object]:
     """A copy of numel float32 between two buffers of the device (device to device on CUDA): 8 bytes
     move per element, read and write. Its bandwidth is the floor's."""

@@ -87,9 +87,9 @@ def measure(group: str, case: str, n: int, impl: str, fn, floor_bytes: float, co
     row["floor_ms"] = floor_bytes / copy_gbps / 1e6
     row["x_floor"] = best / row["floor_ms"]
     row["fraction_of_copy_bw"] = row["floor_ms"] / best
+    graph = "none" if row["graph_ms"] is None else f"{row['graph_ms']:.4f} ms"
     print(f"  {group:6s} {case:26s} {n:>9d} {impl:22s} wall {row['wall_ms']:.4f} ms  kernels {row['launches']:.1f} "
-          f"= {row['kernel_ms']:.4f} ms  graph {row['graph_ms'] if row['graph_ms'] is None else round(row['graph_ms'], 4)} ms"
-          f"  {row['fraction_of_copy_bw']:.2f} of copy bw", flush=True)
+          f"= {row['kernel_ms']:.4f} ms  graph {graph}  {row['fraction_of_copy_bw']:.2f} of copy bw", flush=True)
     return row
 
 
@@ -133,7 +133,8 @@ def profile_optim(calls: int) -> list[dict]:
     numel = sum(torch.Size(s).numel() for s in shapes)
     copy_gbps = copy_bandwidth(numel * bench_optim.BYTES_PER_PARAM // 8, calls)
     params, grads, momenta = bench_optim.make_list(shapes, "cuda")
-    for peer in (bench_optim.FUSED, "foreach lerp_item", "foreach lerp_tensor", "torch.optim.SGD(fused=True) (no norm)"):
+    for peer in (bench_optim.FUSED, "foreach lerp_item", "foreach lerp_tensor",
+                 "torch.optim.SGD(fused=True) (no norm)"):
         fn = bench_optim.make_peer(peer, params, grads, momenta)
         rows.append(measure("optim", "gpt-100M", numel, peer, fn, bench_optim.BYTES_PER_PARAM * numel, copy_gbps,
                             calls, capture=peer != "foreach lerp_item"))

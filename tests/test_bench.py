@@ -190,6 +190,42 @@ def test_quick_optim_json_has_every_peer(quick_run):
     assert sum(r["best_foreach"] for r in rows) == 1
 
 
+def _stand_in_graph_replays(fns, names, device):
+    # The CUDA-graph replays as bench.common.graph_replays names them, each the function itself: the rows built
+    # from them are checked on the CPU, where nothing can be captured.
+    return {name + common.GRAPH_SUFFIX: fns[name] for name in names if name in fns}
+
+
+def test_loss_graph_rows_are_rated_against_the_fused_graph(monkeypatch):
+    from bench import bench_loss
+    monkeypatch.setattr(bench_loss, "graph_replays", _stand_in_graph_replays)
+    impls = {"fused": bench_loss.fused_loss, "eager": bench_loss.eager_loss, "compiled": bench_loss.eager_loss}
+    rows = bench_loss.bench_case("kl", {}, 1000, "cpu", Timer("cpu"), impls, rounds=1, min_seconds=0.01)
+    by_impl = {r["impl"]: r for r in rows}
+    assert list(by_impl) == ["fused", "eager", "compiled", "fused (graph)", "eager (graph)"]
+    fused_graph = by_impl["fused (graph)"]
+    assert fused_graph["fused_speedup"] == 1.0 and by_impl["fused"]["fused_speedup"] == 1.0
+    eager_graph = by_impl["eager (graph)"]
+    assert eager_graph["fused_speedup"] == pytest.approx(eager_graph["median_ms"] / fused_graph["median_ms"])
+    assert all(by_impl[i]["saved_for_backward_bytes"] is None and by_impl[i]["cuda_peak_bytes"] is None
+               for i in ("fused (graph)", "eager (graph)"))
+    assert by_impl["fused"]["saved_for_backward_bytes"] is not None
+
+
+def test_optim_graph_rows_are_rated_against_the_fused_graph_and_never_the_best_foreach(monkeypatch):
+    from bench import bench_optim
+    monkeypatch.setattr(bench_optim, "graph_replays", _stand_in_graph_replays)
+    monkeypatch.setattr(bench_optim, "PEERS", (bench_optim.FUSED, "foreach lerp_item", "foreach lerp_tensor"))
+    rows, _ = bench_optim.bench_size("small", [(7,), (33, 5)], 3, "cpu", Timer("cpu"))
+    by_peer = {r["peer"]: r for r in rows}
+    fused_graph = by_peer[bench_optim.FUSED + common.GRAPH_SUFFIX]
+    lerp_graph = by_peer["foreach lerp_tensor" + common.GRAPH_SUFFIX]
+    assert fused_graph["fused_speedup"] == 1.0
+    assert lerp_graph["fused_speedup"] == pytest.approx(lerp_graph["median_s"] / fused_graph["median_s"])
+    assert not fused_graph["best_foreach"] and not lerp_graph["best_foreach"]
+    assert sum(r["best_foreach"] for r in rows) == 1
+
+
 def test_quick_robust_json_has_every_case_dtype_and_method(quick_run):
     out, _ = quick_run
     rows = _rows(out, "robust")

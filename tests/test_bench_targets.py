@@ -70,7 +70,8 @@ def test_the_graph_replay_targets_read_the_graph_rows_only(tmp_path):
     assert verdicts(tmp_path, "replayed from a CUDA graph: >= 85%")["loss_h100.json"][1] == "met"
     graph[-2]["x_floor"] = 1.25  # the last case's fused graph row: 80%
     write(tmp_path, "loss_h100", rows + graph)
-    assert verdicts(tmp_path, "replayed from a CUDA graph: >= 85%")["loss_h100.json"][1] == f"MISSED in 1 of {len(CASES)}"
+    assert (verdicts(tmp_path, "replayed from a CUDA graph: >= 85%")["loss_h100.json"][1]
+            == f"MISSED in 1 of {len(CASES)}")
 
 
 def test_a_run_that_did_not_end_says_how_many_cases_it_saw(tmp_path):
