@@ -1,5 +1,5 @@
-"""Fused DRO loss, forward + backward, side by side with the eager PyTorch composition of the same formula
-and that composition under torch.compile, for every divergence.
+"""Fused DRO loss, forward + backward, side by side with the eager PyTorch composition of the same formula,
+that composition under torch.compile, and ERM's ``losses.mean()`` (the floor any loss pays), for every divergence.
 
     python -m bench.bench_loss [--sizes 4096 1048576 16777216] [--divergences chi2 kl] [--device cpu|cuda]
     python -m bench.bench_loss --quick        # N = 4096 and 2^16, 2 short rounds: well under a minute
@@ -25,8 +25,8 @@ from bench.common import (GRAPH_SUFFIX, add_common_arguments, case_label, CASES,
 
 LAM = 0.5
 BYTES_PER_SAMPLE = 12  # float32: read l forward, read l + write grad_l backward
-IMPLS = ("fused", "eager", "compiled")
-FULL_SIZES = (4096, 1 << 20, 1 << 24)
+IMPLS = ("fused", "eager", "compiled", "mean")
+FULL_SIZES = (128, 4096, 1 << 20, 1 << 24)
 QUICK_SIZES = (4096, 1 << 16)
 
 
@@ -57,10 +57,17 @@ def fused_loss(losses, eta, name, params):
     return dro_ext.dro_loss(losses, eta, LAM, name, **params)
 
 
+def mean_loss(losses, eta, name, params):
+    """ERM's loss: the floor any loss over the samples pays (one read forward, one write backward)."""
+    return losses.mean()
+
+
 def forward_backward(loss_fn, losses, eta, name, params):
+    inputs = (losses,) if loss_fn is mean_loss else (losses, eta)  # the mean has no eta
+
     def run():
         value = loss_fn(losses, eta, name, params)
-        return torch.autograd.grad(value, (losses, eta))
+        return torch.autograd.grad(value, inputs)
     return run
 
 
@@ -72,11 +79,12 @@ def make_inputs(n: int, device, seed: int = 0):
 
 
 def make_impls(dynamic: bool = False) -> dict:
-    """The three implementations; the compiled one is fresh (dynamo reset), so each (case, N) gets the
+    """The implementations; the compiled one is fresh (dynamo reset), so each (case, N) gets the
     static-shape code a user with a fixed batch size gets (dynamic=True: one graph for every N)."""
     torch._dynamo.reset()
     return {"fused": fused_loss, "eager": eager_loss,
-            "compiled": torch.compile(eager_loss, fullgraph=True, dynamic=True if dynamic else None)}
+            "compiled": torch.compile(eager_loss, fullgraph=True, dynamic=True if dynamic else None),
+            "mean": mean_loss}
 
 
 def floor_copy(n: int, device):
@@ -97,7 +105,7 @@ def bench_case(name, params, n, device, timer, impls, *, rounds, min_seconds) ->
     copy = copy_pair(n, device)
     timed = dict(runs, copy=copy)
     # On CUDA the fused and eager forward + backward also replay from a CUDA graph: their kernels' own time.
-    graphs = graph_replays(runs, ("fused", "eager"), device)
+    graphs = graph_replays(runs, ("fused", "eager", "mean"), device)
     timed.update(graphs)
     stats = interleaved_rounds(timed, timer, rounds=rounds, min_seconds=min_seconds,
                                min_reps=3 if n >= 1 << 24 else 10)
@@ -156,7 +164,8 @@ NOTE = ("Forward + backward of the loss at lam = 0.5, float32. `x floor` is the 
         "copy bandwidth at the same size, timed in the same interleaved rounds); `x fused` is that row's time over "
         "the fused op's time; `saved bytes` is what autograd keeps for backward beyond the losses and eta (not "
         "measurable inside a compiled graph; on CUDA the JSON also has the peak allocated memory of a "
-        "forward + backward, `cuda_peak_bytes`). On CUDA, `fused (graph)` and `eager (graph)` are the same forward + "
+        "forward + backward, `cuda_peak_bytes`). `mean` is ERM's losses.mean() forward + backward, the floor any loss "
+        "pays (8 bytes per sample). On CUDA, `fused (graph)`, `eager (graph)` and `mean (graph)` are the same forward + "
         "backward replayed from a CUDA graph: the kernels' own time, without the host's work of launching them; "
         "their `x fused` is over `fused (graph)`.")
 

@@ -25,6 +25,7 @@ from dro_ext.optim import _FUSED_DEVICE_TYPES, NormalizedSGD
 LR, BETA, EPS = 0.01, 0.9, 1e-8
 BYTES_PER_PARAM = 24
 FUSED = "NormalizedSGD fused"
+SGD_FUSED = "torch.optim.SGD(fused=True) (no norm)"  # strictly less work than a NormalizedSGD step: its floor
 
 
 def resnet18_shapes():
@@ -87,7 +88,7 @@ def optimizer_step(opt, grads):
 
 
 PEERS = (FUSED, "NormalizedSGD foreach (fallback)", "foreach lerp_tensor", "foreach lerp_item", "foreach mul_add_item",
-         "torch.compile(foreach lerp_tensor)", "torch.optim.SGD(fused=True) (no norm)",
+         "torch.compile(foreach lerp_tensor)", SGD_FUSED,
          "torch.optim.SGD(foreach=True) (no norm)")
 _FOREACH = {f"foreach {fn.__name__[len('foreach_'):]}": fn
             for fn in (foreach_lerp_tensor, foreach_lerp_item, foreach_mul_add_item)}
@@ -107,7 +108,7 @@ def make_peer(name, params, grads, momenta):
         return optimizer_step(NormalizedSGD(copies, lr=LR, momentum=BETA, eps=EPS, fused=True), grads)
     if name == "NormalizedSGD foreach (fallback)":
         return optimizer_step(NormalizedSGD(copies, lr=LR, momentum=BETA, eps=EPS, foreach=True), grads)
-    if name == "torch.optim.SGD(fused=True) (no norm)":
+    if name == SGD_FUSED:
         return optimizer_step(torch.optim.SGD(copies, lr=LR, momentum=BETA, fused=True), grads)
     if name == "torch.optim.SGD(foreach=True) (no norm)":
         return optimizer_step(torch.optim.SGD(copies, lr=LR, momentum=BETA, foreach=True), grads)
@@ -144,9 +145,10 @@ def bench_size(name, shapes, rounds, device, timer):
     peers, notes = make_peers(params, grads, momenta, device)
     # The floor's bandwidth comes from a copy of a tensor of the list's size, timed beside the steps.
     timed = dict(peers, copy=copy_pair(numel, device))
-    # On CUDA the fused step and the foreach one that needs no host sync also replay from a CUDA graph: the kernels'
-    # own time, without the host's work of launching them, which on the H100 was a third of the fused step's.
-    timed.update(graph_replays(peers, (FUSED, "foreach lerp_tensor"), device))
+    # On CUDA the fused step, the foreach one that needs no host sync and torch's fused SGD also replay from a CUDA
+    # graph: the kernels' own time, without the host's work of launching them, which on the H100 was a third of the
+    # fused step's.
+    timed.update(graph_replays(peers, (FUSED, "foreach lerp_tensor", SGD_FUSED), device))
     load_before = loadavg()
     for fn in timed.values():
         fn()

@@ -149,11 +149,12 @@ def default_min_seconds(args, device, *, quick: float, full: float) -> float:
     return min(full, 0.3) if torch.device(device).type == "cuda" else full
 
 
-def capture_cuda_graph(fn: Callable[[], object], calls: int = 1) -> Callable[[], object] | None:
+def capture_cuda_graph(fn: Callable[[], object], calls: int = 1,
+                       on_failure: Callable[[str], object] | None = None) -> Callable[[], object] | None:
     """calls back-to-back fn() captured in one CUDA graph (after three warm-up calls on a side stream, as
-    torch.cuda.graphs asks): a zero-argument function that replays them, or None (with the reason on stderr) where fn
-    cannot be captured. A replay runs the kernels without the host work of launching them: its time is the
-    kernels' own, launch gaps included."""
+    torch.cuda.graphs asks): a zero-argument function that replays them, or None (with the reason on stderr, and
+    given to on_failure) where fn cannot be captured. A replay runs the kernels without the host work of launching
+    them: its time is the kernels' own, launch gaps included."""
     try:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -169,7 +170,10 @@ def capture_cuda_graph(fn: Callable[[], object], calls: int = 1) -> Callable[[],
         torch.cuda.synchronize()
         return graph.replay
     except Exception as exc:  # noqa: BLE001 - not capturable (a host sync, say): the caller leaves it out
-        progress(f"CUDA graph capture failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        progress(f"CUDA graph capture failed: {reason}")
+        if on_failure is not None:
+            on_failure(reason)
         torch.cuda.synchronize()
         return None
 

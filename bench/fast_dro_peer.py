@@ -20,6 +20,8 @@ import subprocess
 import sys
 import types
 
+import torch
+
 
 def checkout_path(cli_value: str | None) -> str | None:
     return cli_value or os.environ.get("FAST_DRO_PATH") or None
@@ -66,3 +68,11 @@ def make_peer(robust_loss_class, name: str, params: dict, lam: float):
     if name == "cressie_read" and params.get("k") == 2.0:
         return robust_loss_class(size=math.inf, reg=lam, geometry="chi-square")
     return None
+
+
+def call(peer, losses):
+    """peer(losses) with the losses' device as the default for the tensors it makes: its chi-square value builds
+    torch.ones(m) and its KL-regularized CVaR torch.Tensor([1 / size]) on the default device, so on CUDA losses those
+    fail without it (seen in its code; the benchmarks report where it still fails)."""
+    with torch.device(losses.device):
+        return peer(losses)

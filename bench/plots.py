@@ -119,3 +119,33 @@ def plot_robust(rows: list[dict], path: str, title: str = "") -> str:
     fig.suptitle(title or "robust_objective")
     fig.savefig(path, dpi=100)
     return path
+
+
+def plot_train(rows: list[dict], path: str, title: str = "") -> str:
+    """Step time of every implementation, one panel per case, one bar per (implementation, mode); ERM's bars dark,
+    dro_ext's blue, the peers' gray, and each bar labelled with its ratio to ERM's step in its mode."""
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    columns, lines = _grid(len(cases), 3)
+    bars_most = max(sum(1 for r in rows if r["case"] == case) for case in cases)
+    fig = _figure(figsize=(5.6 * columns, 1.2 + 0.32 * bars_most * lines))
+    axes = fig.subplots(lines, columns, squeeze=False)
+    for ax, case in zip(axes.flat, cases):
+        panel = [r for r in rows if r["case"] == case and r["median_ms"] is not None]
+        labels = [f"{r['impl']} [{r['mode']}]" for r in panel]
+        colors = ["black" if r["impl"] == "ERM" else "tab:gray" if r["impl"].startswith("fast-dro") else "tab:blue"
+                  for r in panel]
+        ax.barh(range(len(panel)), [r["median_ms"] for r in panel], color=colors)
+        for i, r in enumerate(panel):
+            if r["x_erm"] is not None:
+                ax.annotate(f" {r['x_erm']:.2f}x", (r["median_ms"], i), va="center", fontsize=7)
+        ax.set_yticks(range(len(panel)), labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        ax.set_xlabel("ms per step (median)")
+        ax.set_title(f"{case}: {panel[0]['size']}" if panel else case, fontsize=9)
+        ax.grid(True, axis="x", which="both", alpha=0.3)
+    for ax in axes.flat[len(cases):]:
+        ax.set_visible(False)
+    fig.suptitle(title or "training step")
+    fig.savefig(path, dpi=100)
+    return path

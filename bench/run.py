@@ -5,7 +5,8 @@
     python -m bench.run --device cuda --out DIR  # on the GPU: DIR/loss_<card>.md, optim_<card>.md, ...
 
 Each case prints a progress line on stderr; each benchmark prints its table on stdout when it ends.
-FAST_DRO_PATH=<a checkout of daniellevy/fast-dro> adds its RobustLoss to the robust-objective benchmark.
+FAST_DRO_PATH=<a checkout of daniellevy/fast-dro> adds its RobustLoss to the robust-objective and training-step
+benchmarks.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import time
 
 from bench.common import RESULTS_DIR, progress
 
-BENCHMARKS = ["bench.bench_loss", "bench.bench_optim", "bench.bench_robust", "bench.bench_cross_entropy"]
+BENCHMARKS = ["bench.bench_loss", "bench.bench_optim", "bench.bench_robust", "bench.bench_cross_entropy",
+              "bench.bench_train"]
 
 
 def main(argv=None) -> dict:

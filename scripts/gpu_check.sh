@@ -1,36 +1,42 @@
 #!/usr/bin/env bash
-# Everything issue 8 needs verified on a GPU, in one command, every log and result file written into DIR:
+# Everything the GPU kernels need verified and measured on a card, in one command, every log and result file
+# written into DIR:
 #
 #   scripts/gpu_check.sh DIR [PHASES]        (or: make gpu-check OUT=DIR [PHASES=...])
 #
-# PHASES is a '+'-separated list of build, test, suite, sanitize, bench, profile, run in the order given (default:
-# build+test+suite+sanitize+bench+profile). profile (python -m bench.profile_kernels, ~30 s) splits each op's time
-# into host work, kernel launches and kernel time (CUDA-graph replay), into DIR/bench/profile_<card>.json.
+# PHASES is a '+'-separated list of build, test, suite, sanitize, bench, profile, train, train_compile, demo, run in
+# the order given (default: build+test+suite+sanitize+bench+profile). profile (python -m bench.profile_kernels, ~30 s)
+# splits each op's time into host work, kernel launches and kernel time (CUDA-graph replay), into
+# DIR/bench/profile_<card>.json. train (python -m bench.bench_train) times the whole training step of ERM, dro_ext and
+# fast-dro (FAST_DRO_PATH) in TRAIN_MODES (default: eager graph), train_compile the same under torch.compile; demo
+# runs the paper's experiments on the card (DIR/demo).
 # Every phase first makes sure the extension in this checkout runs on this card; if not (a fresh machine), it
 # takes the prebuilt library when that was built from exactly these sources, else builds (~2 minutes). `build`
 # rebuilds in place for the visible card whatever is there. Each step runs under `timeout`; a failed step is
 # recorded and the script goes on. DIR/summary.txt lists every step with its exit status, time and log; the
 # script exits non-zero if any step failed or was skipped. After the benchmarks,
-# DIR/targets.md (python -m bench.targets) says which of the issues' speed and memory targets they met.
+# DIR/targets.md (python -m bench.targets) says which speed and memory targets they met.
 #
 # Run again with the same DIR (the machine still warm), it runs only the steps that DIR/summary.txt does not show
 # as run to an end (ok, FAILED or TIMEOUT): those skipped for lack of TOTAL_S and the one a killed run was in. So
 # the second call of a lease is the first call's command again, with the time that is left.
 #
 # Step time limits (seconds) can be changed through the environment: BUILD_S, TEST_S, SUITE_S, MEMCHECK_S,
-# RACECHECK_S, BENCH_S (per benchmark), PROFILE_S; CUDA_TEST_WORKERS (default 8) sets the test processes; BENCHES picks the
-# benchmarks and their order (default: loss optim robust cross_entropy); BENCH_ARGS adds arguments to each
+# RACECHECK_S, BENCH_S (per benchmark), PROFILE_S, TRAIN_S, DEMO_S; CUDA_TEST_WORKERS (default 8) sets the test
+# processes and CUDA_TEST_FILES (space-separated) the test files (default: every tests/test_cuda_*.py); BENCHES picks
+# the benchmarks and their order (default: loss optim robust cross_entropy); BENCH_ARGS adds arguments to each
 # benchmark run (e.g. --quick). TOTAL_S (seconds) caps the whole run: each step gets at most what is left, and a
 # step that would get under 20 s is skipped (and left for a rerun). PACK_TO=FILE.tar.gz packs DIR into one archive
 # after every step, for a runner that returns only a few files and may kill the run at its limit.
 #
 # A lease of 15 minutes of device time, the machine's start (one to two minutes) included, 10 minutes per command:
-# build the library beforehand on the CPU machine (`make gpu-prebuilt`), carry build/gpu-prebuilt, leave the CPU
-# suite out (CI runs it), and make two calls back to back while the machine is warm (it stays so 30 s):
-#   timeout_s=600:  TOTAL_S=585 TEST_S=240 MEMCHECK_S=60 RACECHECK_S=60 BENCH_S=200 PACK_TO=$OUT/check.tar.gz \
-#                     bash scripts/gpu_check.sh /tmp/gc test+sanitize+bench+profile
+# build the library beforehand on the CPU machine (`make gpu-prebuilt`), carry build/gpu-prebuilt (and a fast-dro
+# checkout for FAST_DRO_PATH), leave the CPU suite out (CI runs it), order the phases by value, and make two calls
+# back to back while the machine is warm (it stays so 30 s):
+#   timeout_s=600:  TOTAL_S=585 TRAIN_S=200 TEST_S=150 BENCH_S=150 PACK_TO=$OUT/check.tar.gz FAST_DRO_PATH=... \
+#                     bash scripts/gpu_check.sh /tmp/gc train+test+bench+profile+train_compile+sanitize+demo
 #   timeout_s=L:    the same command with TOTAL_S=L-15, L = the lease's budget_left_s less ~20 s: it runs what the
-#                   first call skipped or was stopped in (the benchmarks that did not fit, most likely).
+#                   first call skipped or was stopped in.
 # The limits are caps, not estimates: a step ends when its work does. On a fresh machine torch.compile of the
 # benchmarks' compiled peers is the largest unknown.
 set -uo pipefail
@@ -55,6 +61,8 @@ MEMCHECK_S="${MEMCHECK_S:-90}"
 RACECHECK_S="${RACECHECK_S:-90}"
 BENCH_S="${BENCH_S:-135}"
 PROFILE_S="${PROFILE_S:-120}"
+TRAIN_S="${TRAIN_S:-300}"
+DEMO_S="${DEMO_S:-300}"
 BENCHES="${BENCHES:-loss optim robust cross_entropy}"
 BENCH_ARGS="${BENCH_ARGS:-}"
 
@@ -166,7 +174,8 @@ place_prebuilt() {
 ready=0
 if has_phase build; then
   step build "$BUILD_S" "${BUILD_CMD[@]}"
-elif has_phase test || has_phase suite || has_phase sanitize || has_phase bench; then
+elif has_phase test || has_phase suite || has_phase sanitize || has_phase bench || has_phase profile || \
+  has_phase train || has_phase train_compile || has_phase demo; then
   if runs_here; then
     ready=1
   elif place_prebuilt; then
@@ -186,7 +195,12 @@ if [[ $ready == 0 ]] && ! runs_here; then
   FAILED=1
 fi
 
-CUDA_TESTS=(tests/test_cuda_*.py)
+# CUDA_TEST_FILES (space-separated) picks the CUDA test files, e.g. those of what changed since the last GPU run.
+if [[ -n "${CUDA_TEST_FILES:-}" ]]; then
+  read -r -a CUDA_TESTS <<<"$CUDA_TEST_FILES"
+else
+  CUDA_TESTS=(tests/test_cuda_*.py)
+fi
 # A hung kernel fails its test after a minute (with every thread's stack in the log) instead of the whole step.
 per_test=()
 if "$PYTHON" -c "import pytest_timeout" 2>/dev/null; then per_test=(--timeout=90 --timeout-method=thread); fi
@@ -243,6 +257,28 @@ phase_bench() {
   pack
 }
 
+# The whole training step of ERM, dro_ext and fast-dro (FAST_DRO_PATH: a checkout carried to the machine), mode by
+# mode (TRAIN_MODES, default eager graph): a run stopped at its limit keeps the modes and cases it finished. The
+# compiled steps are a phase of their own, train_compile (DIR/bench/train_compile_<card>.*): compiling every
+# implementation of every case takes minutes of a lease that the eager and captured steps need first.
+phase_train() {
+  mkdir -p "$OUT_DIR/bench"
+  # shellcheck disable=SC2086  # TRAIN_MODES is a list of words
+  step train "$TRAIN_S" env PYTHONUNBUFFERED=1 "$PYTHON" -m bench.bench_train --device cuda --out "$OUT_DIR/bench" \
+    --modes ${TRAIN_MODES:-eager graph}
+}
+
+phase_train_compile() {
+  mkdir -p "$OUT_DIR/bench"
+  step train_compile "$TRAIN_S" env PYTHONUNBUFFERED=1 "$PYTHON" -m bench.bench_train --device cuda \
+    --out "$OUT_DIR/bench" --modes compile --name train_compile
+}
+
+# The paper's experiments on the card, for their time and for their verdicts beside the CPU run's.
+phase_demo() {
+  step demo "$DEMO_S" env PYTHONUNBUFFERED=1 "$PYTHON" -m dro_ext.demo --device cuda --out "$OUT_DIR/demo"
+}
+
 phase_profile() {
   mkdir -p "$OUT_DIR/bench"
   step profile "$PROFILE_S" env PYTHONUNBUFFERED=1 "$PYTHON" -m bench.profile_kernels --out "$OUT_DIR/bench"
@@ -253,8 +289,10 @@ IFS='+' read -r -a phase_list <<<"$PHASES"
 for phase in "${phase_list[@]}"; do
   case "$phase" in
     build) ;;
-    test | suite | sanitize | bench | profile) "phase_$phase" ;;
-    *) echo "unknown phase '$phase' (build, test, suite, sanitize, bench, profile)" | tee -a "$SUMMARY"; FAILED=1 ;;
+    test | suite | sanitize | bench | profile | train | train_compile | demo) "phase_$phase" ;;
+    *) echo "unknown phase '$phase' (build, test, suite, sanitize, bench, profile, train, train_compile, demo)" \
+         | tee -a "$SUMMARY"
+       FAILED=1 ;;
   esac
 done
 

@@ -27,6 +27,8 @@ if [[ "$1" == "-m" && "$2" == "pytest" ]]; then echo "stand-in pytest"; exit 0; 
 if [[ "$1" == "-m" && "$2" == "bench.targets" ]]; then echo "stand-in targets of $3"; exit 0; fi
 if [[ "$1" == "-m" && "$2" == "bench.run" ]]; then echo "stand-in bench"; echo $$ >"$CALLS.bench_pid"; exec sleep "${BENCH_SLEEP:-0}"; fi
 if [[ "$1" == "-m" && "$2" == "bench.profile_kernels" ]]; then echo "stand-in profile into $4"; exit 0; fi
+if [[ "$1" == "-m" && "$2" == "bench.bench_train" ]]; then echo "stand-in train"; exit 0; fi
+if [[ "$1" == "-m" && "$2" == "dro_ext.demo" ]]; then echo "stand-in demo"; exit 0; fi
 if [[ "$1" == "setup.py" ]]; then echo runs >dro_ext/_C.abi3.so; echo "stand-in build"; exit 0; fi
 echo "unexpected call: $*" >&2; exit 3
 """
@@ -175,6 +177,27 @@ def test_phases_run_in_the_order_given(tree):
     assert re.search(r"bench\.profile_kernels --out \S+/out/bench", calls)
     proc, summary, _ = run_check(tree, "test+sanitise")
     assert proc.returncode == 1 and "unknown phase 'sanitise'" in summary
+
+
+def test_the_train_and_demo_phases_and_a_choice_of_test_files(tree):
+    prebuild(tree)
+    proc, summary, calls = run_check(tree, "train+test+train_compile+demo", TRAIN_MODES="graph",
+                                     CUDA_TEST_FILES="tests/test_cuda_loss.py tests/test_cuda_optim.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.findall(r"^(\w+) +ok ", summary, flags=re.M) == ["train", "cuda_tests", "train_compile", "demo"]
+    assert re.search(r"-m bench\.bench_train --device cuda --out \S+/out/bench --modes graph\n", calls)
+    assert re.search(r"-m bench\.bench_train --device cuda --out \S+/out/bench --modes compile --name train_compile\n",
+                     calls)
+    assert re.search(r"-m dro_ext\.demo --device cuda --out \S+/out/demo\n", calls)
+    pytest_call = next(line for line in calls.splitlines() if "-m pytest" in line)
+    assert pytest_call.endswith("tests/test_cuda_loss.py tests/test_cuda_optim.py")
+    # By default every CUDA test file, and every mode of the training step.
+    (tree.parent / "calls.txt").unlink()
+    (tree.parent / "out" / "summary.txt").unlink()
+    proc, _, calls = run_check(tree, "train+test")
+    assert proc.returncode == 0 and "--modes eager graph\n" in calls
+    pytest_call = next(line for line in calls.splitlines() if "-m pytest" in line)
+    assert all(f"tests/{f.name}" in pytest_call for f in ROOT.glob("tests/test_cuda_*.py"))
 
 
 def test_a_rerun_into_the_same_folder_runs_only_what_the_first_left(tree):
