@@ -85,14 +85,14 @@ if _backend.native_available():
         return scalar, scalar.clone(), scalar.clone(), weights.new_empty((width,), dtype=acc)
 
 
-# Device types with native kernels, asked of the dispatcher once per type (a constant for torch.compile).
+# Device types with native kernels, asked of the dispatcher once per type.
 _NATIVE_DEVICE_TYPES: dict = {"cpu": True}
 
 
-def _native_for_device_type(device_type: str) -> bool:
-    """The native ops are in use and have kernels for this device type (CUDA: when the build compiled them)."""
-    if not _backend.use_native():
-        return False
+# torch.compile takes the answer as a constant, computed when it traces: the dispatcher query itself cannot be traced,
+# and a fullgraph compile of a process's first robust_objective on CUDA failed on it ("torch.* op returned non-Tensor").
+@torch.compiler.assume_constant_result
+def _has_native_kernel(device_type: str) -> bool:
     if device_type not in _NATIVE_DEVICE_TYPES:
         try:
             _NATIVE_DEVICE_TYPES[device_type] = torch._C._dispatch_has_kernel_for_dispatch_key(
@@ -100,6 +100,11 @@ def _native_for_device_type(device_type: str) -> bool:
         except Exception:  # pragma: no cover - unknown dispatch key names
             _NATIVE_DEVICE_TYPES[device_type] = False
     return _NATIVE_DEVICE_TYPES[device_type]
+
+
+def _native_for_device_type(device_type: str) -> bool:
+    """The native ops are in use and have kernels for this device type (CUDA: when the build compiled them)."""
+    return _backend.use_native() and _has_native_kernel(device_type)
 
 
 def _native_for(losses: torch.Tensor) -> bool:
