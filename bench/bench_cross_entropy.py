@@ -2,7 +2,7 @@
 
     python -m bench.bench_cross_entropy [--quick] [--device cpu|cuda] [--rounds 3] [--case logits|linear]
 
-Two cases (float32 on the CPU; bfloat16 and the GPU sizes of issue 11 on CUDA):
+Two cases (float32 on the CPU; bfloat16 and a large language model's head on CUDA):
   - logits:  dro_cross_entropy(logits (N, C), targets, eta) against the eager composition
              F.cross_entropy(reduction="none") + dro_ext.dro_loss, that composition under torch.compile, and plain
              mean cross-entropy (the non-robust cost). Gradients with respect to logits and eta.
@@ -44,7 +44,7 @@ CASES = {
              "linear": dict(n=16384, h=4096, v=128256, dtype="bfloat16")},
 }
 QUICK = {"logits": dict(n=512, c=4096), "linear": dict(n=256, h=128, v=4096)}
-# Chunk sizes the linear case also runs on CUDA beside the default one (default_chunk_size: 2048 rows at the issue's
+# Chunk sizes the linear case also runs on CUDA beside the default one (default_chunk_size: 2048 rows at the target's
 # sizes), so that the one GPU run shows where the default stands: each chunk reads and writes the whole weight
 # gradient in its addmm, whose arithmetic intensity grows with the chunk.
 CUDA_CHUNK_SIZES = (512, 1024, 2048, 4096)

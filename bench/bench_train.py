@@ -492,8 +492,9 @@ NOTE = ("The whole step: zero_grad, forward, per-sample loss, objective, backwar
         "sample-level rows, 1.10 for the exact robust objective; ERM and fast-dro are readings). `saved MiB`: what "
         "autograd keeps for backward beyond the parameters and the batch; `peak MiB` (CUDA): the most a step "
         "allocates above what was held before it; `syncs` (CUDA): the host synchronizations in one step, from "
-        "torch.cuda.set_sync_debug_mode. Times are medians over interleaved rounds; on CUDA each timed call runs "
-        "{steps} steps back to back and the time is per step.")
+        "torch.cuda.set_sync_debug_mode. Times are medians over interleaved rounds{steps}.")
+STEPS_NOTE = ("; each timed call runs {steps} steps back to back (the host launching ahead of the device) and the time "
+              "is per step")
 
 
 def describe_sizes(case: str, device, quick: bool) -> str:
@@ -533,7 +534,8 @@ def main(argv=None) -> dict:
     load_before = loadavg()
     name = result_name(args.name, info)
     sizes = "; ".join(f"{case}: {describe_sizes(case, device, args.quick)}" for case in args.cases)
-    after = "\n\n" + NOTE.format(steps=steps_per_call(device)) + f"\n\nSizes: {sizes}."
+    steps = steps_per_call(device)
+    after = "\n\n" + NOTE.format(steps=STEPS_NOTE.format(steps=steps) if steps > 1 else "") + f"\n\nSizes: {sizes}."
     on_case = partial_writer(args, name, info, lambda rows: markdown_table(HEADER, table_rows(rows)) + after,
                              load_before=load_before, settings=settings)
     rows = bench(device, args.cases, modes, quick=args.quick, rounds=rounds, min_seconds=min_seconds,

@@ -243,14 +243,14 @@ phase_sanitize() {
 phase_bench() {
   local bench
   mkdir -p "$OUT_DIR/bench"
-  # One step per benchmark, each under its own limit and writing its own result files, in the order the issues
+  # One step per benchmark, each under its own limit and writing its own result files, in the order the targets
   # need them: a slow one (torch.compile of the peers dominates on a fresh machine) cannot cost the others
   # their results.
   for bench in $BENCHES; do
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
     step "bench_$bench" "$BENCH_S" "$PYTHON" -m bench.run --only "$bench" --device cuda --out "$OUT_DIR/bench" $BENCH_ARGS
   done
-  # Every issue target against what the benchmarks wrote so far (this run's and an earlier one's into DIR), in
+  # Every target against what the benchmarks wrote so far (this run's and an earlier one's into DIR), in
   # DIR/targets.md and on the console: a second, not a step, and so run again after every rerun.
   timeout 60 "$PYTHON" -m bench.targets "$OUT_DIR/bench" >"$OUT_DIR/targets.md" 2>&1
   cat "$OUT_DIR/targets.md"

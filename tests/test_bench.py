@@ -258,7 +258,30 @@ def test_fast_dro_loader_leaves_no_stand_in_modules(tmp_path):
         fast_dro_peer.load_robust_loss(str(tmp_path / "missing"))
 
 
-@pytest.mark.parametrize("name", ["loss", "optim", "robust"])
+def test_quick_train_json_has_every_case_and_implementation(quick_run):
+    # The fake fast-dro checkout computes its objectives with dro_ext: its rows are there, run like the others.
+    out, _ = quick_run
+    rows = _rows(out, "train")
+    from bench import bench_train
+    expected = [(case, impl) for case in bench_train.CASE_NAMES for impl in _names_with_peer(bench_train, case)]
+    assert [(r["case"], r["impl"]) for r in rows] == expected
+    for r in rows:
+        assert r["mode"] == "eager" and r["median_ms"] > 0 and r["p25_ms"] <= r["median_ms"] <= r["p75_ms"], r
+        assert r["per_s"] == pytest.approx(r["batch"] / (r["median_ms"] / 1e3)) and r["saved_MiB"] > 0
+        assert r["host_syncs"] is None and r["cuda_peak_MiB"] is None and r["note"] == ""  # CPU run
+    assert all(r["x_erm"] == 1.0 for r in rows if r["impl"] == bench_train.ERM)
+    # the linear cross-entropy keeps no logits for backward
+    lm = {r["impl"]: r for r in rows if r["case"] == "lm-head"}
+    assert lm[bench_train.FUSED_LINEAR_CE]["saved_MiB"] < lm[bench_train.ERM]["saved_MiB"] / 2
+    md = (out / "train.md").read_text()
+    assert "<= 1.05:" in md and "Sizes: resnet18: batch=16, width=8" in md
+
+
+def _names_with_peer(bench_train, case):
+    return [impl.name for impl in bench_train.impls_for(case, fast_dro_class=object)]
+
+
+@pytest.mark.parametrize("name", ["loss", "optim", "robust", "train"])
 def test_quick_writes_table_csv_and_png(quick_run, name):
     out, proc = quick_run
     md = (out / f"{name}.md").read_text()
@@ -302,8 +325,9 @@ def test_the_linear_case_runs_other_chunk_sizes_beside_the_default(tmp_path):
 def test_quick_prints_progress_on_stderr_and_tables_on_stdout(quick_run):
     _, proc = quick_run
     assert "[loss 1/" in proc.stderr and "[optim 1/" in proc.stderr and "[robust 1/" in proc.stderr
+    assert "[train 1/" in proc.stderr
     assert "case" in proc.stdout and "ms/step" in proc.stdout
-    assert not any(line.startswith(("[loss", "[optim", "[robust")) for line in proc.stdout.splitlines())
+    assert not any(line.startswith(("[loss", "[optim", "[robust", "[train")) for line in proc.stdout.splitlines())
 
 
 class _Stopped(Exception):
@@ -315,6 +339,7 @@ class _Stopped(Exception):
     ("bench_robust", ["--divergences", "chi2", "--sizes", "4096"]),
     ("bench_optim", ["--threads", "1", "2"]),
     ("bench_cross_entropy", []),
+    ("bench_train", ["--cases", "mlp-large-batch", "lm-head"]),
 ])
 def test_a_stopped_benchmark_leaves_the_cases_it_finished(tmp_path, monkeypatch, module, argv):
     # The run stops right after its first case's checkpoint, as a GPU lease's limit would stop it: the result files

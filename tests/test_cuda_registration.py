@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import reference as ref
 from dro_ext import _backend
 
-# The ops issue 8 gives a CUDA kernel; any other op the extension defines must have one too (checked below).
+# Every op needs a CUDA kernel: these by name, and any other op the extension defines too (checked below).
 REQUIRED_OPS = [
     "dro_loss",
     "dro_loss_backward",

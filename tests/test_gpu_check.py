@@ -102,7 +102,7 @@ def test_a_matching_prebuilt_library_replaces_the_build(tree):
     assert "-n 8" in calls and "test_cuda_loss.py" in calls  # the CUDA tests, on 8 workers
     assert "--only loss --device cuda" in calls
     assert "cuda_tests" in summary and "bench_loss" in summary and "all steps passed" in summary
-    # The issue targets, checked against the benchmarks' results, on the console and in DIR/targets.md.
+    # The targets, checked against the benchmarks' results, on the console and in DIR/targets.md.
     out = tree.parent / "out"
     assert (out / "targets.md").read_text() == f"stand-in targets of {out}/bench\n"
     assert f"stand-in targets of {out}/bench" in proc.stdout
