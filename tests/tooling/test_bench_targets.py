@@ -11,7 +11,7 @@ import torch
 from bench import targets
 from bench.common import CASES, case_label
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def write(folder, name, rows, **settings):

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 STAND_IN_PYTHON = r"""#!/usr/bin/env bash
 echo "$*" >>"$CALLS"

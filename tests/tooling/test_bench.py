@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:  # bench/ is not an installed package: `pytest tests` (not `python -m pytest`) finds it here
     sys.path.insert(0, ROOT)
 
