@@ -3,6 +3,7 @@ threshold, the worst case named, partial and quick runs said as such. GPU result
 (no GPU is needed), with values on both sides of each threshold; the committed CPU results check that the reader
 still matches the benchmarks' schema."""
 import json
+import os
 import pathlib
 
 import pytest
@@ -225,12 +226,14 @@ def test_the_committed_cpu_results_match_the_readers_schema():
     # Every CPU target finds its rows in the committed CPU results (a renamed field, a changed size label or a
     # benchmark that stopped measuring a case would leave them 'not measured'); the verdicts themselves are the
     # results'.
-    _, rows = targets.report([str(ROOT / "bench" / "results")])
-    cpu_texts = [t.text for t in targets.TARGETS if t.device == "cpu"]
-    cpu = [r for r in rows if r[1] in cpu_texts]  # read from the CPU files only (their rows' device)
-    assert len(cpu) == len(cpu_texts) == 11
-    for r in cpu:
-        assert r[3] and r[4].split(" ")[0] in ("met", "MISSED") and "partial" not in r[4], r
+    cpu = [t for t in targets.TARGETS if t.device == "cpu"]
+    assert len(cpu) == 11
+    for target in cpu:
+        files = targets.result_files([str(ROOT / "bench" / "results")], target.bench, "cpu")
+        assert [os.path.basename(path) for path, _ in files] == [f"{target.bench}.json"], target.text
+        measured, verdict = targets.verdict(target, files[0][1])
+        assert measured and verdict.split(" ")[0] in ("met", "MISSED") and "partial" not in verdict, (target.text,
+                                                                                                        verdict)
 
 
 def test_the_benchmarks_full_settings_measure_every_targets_sizes():
