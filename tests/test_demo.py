@@ -61,7 +61,7 @@ def test_results_json_holds_every_curve_seed_and_version(quick_run):
     meta, results = payload["meta"], payload["experiments"]
     settings = experiments.Settings.quick()
     assert meta["seed"] == 3 and meta["quick"] is True and meta["device"] == "cpu"
-    assert meta["seeds_of_table_runs"] == [3, 4]
+    assert meta["seeds"] == [3, 4]
     for key in ("python", "torch", "dro_ext", "dro_ext_backend", "numpy", "scikit-learn", "matplotlib"):
         assert meta["versions"][key]
     assert meta["machine"]["cpu"] and meta["machine"]["logical_cpus"] >= 1
@@ -75,20 +75,20 @@ def test_results_json_holds_every_curve_seed_and_version(quick_run):
         result = results[name]
         assert result["grid"] == list(grid)
         for method in methods:
-            runs = result["runs"][method]
+            runs, seed_runs = result["runs"][method], result["seed_runs"][method]
             assert [r["lr"] for r in runs] == list(grid)
-            for run in runs:
+            assert [r["seed"] for r in seed_runs] == [3, 4]  # the search on the first seed, then every seed
+            assert {r["lr"] for r in seed_runs} == {result["best"][method]["lr"]}
+            assert seed_runs[0] == result["best"][method]
+            for run in runs + seed_runs:
                 assert len(run["curve"]) == epochs + 1 or run["diverged"], (name, method, run["lr"])
                 assert all(v is None or (isinstance(v, float) and v >= 0) for v in run["curve"])
-                assert run["seed"] == 3
+            assert all(run["seed"] == 3 for run in runs)
             assert result["best"][method]["lr"] in grid
-    for name, methods in (("digits_chi2", ("sgd", "nsgd")), ("digits_cvar", ("cvar", "smoothed_cvar"))):
-        for method in methods:
-            table_runs = results[name]["table_runs"][method]
-            assert [r["seed"] for r in table_runs] == [3, 4]
-            for run in table_runs:
-                assert len(run["extra"]["test_accuracy_per_class"]) == 10
-                assert all(0 <= a <= 100 for a in run["extra"]["test_accuracy_per_class"])
+            if name.startswith("digits"):
+                for run in seed_runs:
+                    assert len(run["extra"]["test_accuracy_per_class"]) == 10
+                    assert all(0 <= a <= 100 for a in run["extra"]["test_accuracy_per_class"])
     assert set(payload["claims"]) == {"a", "b", "c", "d"}
 
 
@@ -123,7 +123,7 @@ def _tiny(**changes):
 
 
 def test_same_seed_gives_the_same_numbers_whatever_the_thread_count():
-    settings = _tiny(example_epochs=3, regression_epochs=2, digits_epochs=2, table_seeds=1)
+    settings = _tiny(example_epochs=3, regression_epochs=2, digits_epochs=2, seeds=1)
     threads = torch.get_num_threads()
 
     def numbers(seed):
@@ -131,7 +131,7 @@ def test_same_seed_gives_the_same_numbers_whatever_the_thread_count():
         reg = experiments.age_regression(settings, seed=seed)
         dig = experiments.digits_cvar(settings, seed=seed)
         curves = [r.curve for result in (ex, reg, dig) for runs in result["runs"].values() for r in runs]
-        accuracies = [r.extra["test_accuracy_per_class"] for runs in dig["table_runs"].values() for r in runs]
+        accuracies = [r.extra["test_accuracy_per_class"] for runs in dig["seed_runs"].values() for r in runs]
         return repr(curves + accuracies)  # repr: exact floats, and NaN (a diverged run) compares equal to itself
 
     try:

@@ -100,7 +100,7 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "cpu", seed: int =
     meta = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "command": command, "quick": quick, "device": device, "seed": seed,
-        "seeds_of_table_runs": list(range(seed, seed + settings.table_seeds)),
+        "seeds": list(range(seed, seed + settings.seeds)),
         "settings": asdict(settings),
         "paper_settings": {"lam": experiments.LAM, "alpha": experiments.ALPHA, "example_lam": experiments.EXAMPLE_LAM,
                            "momentum": 0.9, "batch_size": 128, "nsgd_eps": 0.1},

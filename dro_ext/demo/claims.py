@@ -108,7 +108,7 @@ def assess(results: dict) -> dict:
               else "partly"},
         "b": {"claim": CLAIMS["b"], **compare_optimization(cvar["best"]["cvar"], cvar["best"]["smoothed_cvar"],
                                                             cvar["runs"]["cvar"], cvar["runs"]["smoothed_cvar"])},
-        "c": {"claim": CLAIMS["c"], **compare_accuracy(results["digits_chi2"]["table_runs"]["sgd"],
-                                                        results["digits_chi2"]["table_runs"]["nsgd"])},
-        "d": {"claim": CLAIMS["d"], **compare_accuracy(cvar["table_runs"]["cvar"], cvar["table_runs"]["smoothed_cvar"])},
+        "c": {"claim": CLAIMS["c"], **compare_accuracy(results["digits_chi2"]["seed_runs"]["sgd"],
+                                                        results["digits_chi2"]["seed_runs"]["nsgd"])},
+        "d": {"claim": CLAIMS["d"], **compare_accuracy(cvar["seed_runs"]["cvar"], cvar["seed_runs"]["smoothed_cvar"])},
     }

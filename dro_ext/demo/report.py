@@ -86,20 +86,20 @@ def accuracy_table(title: str, train_counts: list, rows: list, worst: int) -> st
 
 def tables_markdown(results: dict, claims: dict) -> str:
     chi2, cvar = results["digits_chi2"], results["digits_cvar"]
-    seeds = len(chi2["table_runs"]["sgd"])
+    seeds = len(chi2["seed_runs"]["sgd"])
     note = f"mean over {seeds} seed{'s' if seeds > 1 else ''} at each method's chosen learning rate; the bold column is the class the baseline classifies worst"
     table2 = accuracy_table(
         f"Table 2 (here): chi2-penalized DRO, imbalanced digits, test accuracy (%) per class ({note}).",
         chi2["data"]["train_per_class"],
-        [("SGD+Momentum", mean_accuracy(chi2["table_runs"]["sgd"])),
-         ("Normalized SGD+Mom.", mean_accuracy(chi2["table_runs"]["nsgd"]))],
+        [("SGD+Momentum", mean_accuracy(chi2["seed_runs"]["sgd"])),
+         ("Normalized SGD+Mom.", mean_accuracy(chi2["seed_runs"]["nsgd"]))],
         claims["c"]["worst_class"],
     )
     table3 = accuracy_table(
         f"Table 3 (here): CVaR-DRO, imbalanced digits, test accuracy (%) per class ({note}).",
         cvar["data"]["train_per_class"],
-        [("CVaR", mean_accuracy(cvar["table_runs"]["cvar"])),
-         ("Smoothed CVaR", mean_accuracy(cvar["table_runs"]["smoothed_cvar"]))],
+        [("CVaR", mean_accuracy(cvar["seed_runs"]["cvar"])),
+         ("Smoothed CVaR", mean_accuracy(cvar["seed_runs"]["smoothed_cvar"]))],
         claims["d"]["worst_class"],
     )
     return table2 + "\n" + table3
@@ -216,7 +216,7 @@ def report_markdown(results: dict, claims: dict, meta: dict) -> str:
         f"  rho ({sum(results['digits_chi2']['data']['train_per_class'])} training images), MLP 64-128-128-10, cross-entropy,",
         f"  {settings['digits_epochs']} epochs; grid {list(settings['digits_grid'])}. CVaR and smoothed CVaR both train with",
         "  SGD+momentum (Section 3.3: SGD suffices for smoothed CVaR) and are judged by the CVaR objective.",
-        f"- The tables average {settings['table_seeds']} seeds (model init and batch order) at the chosen learning rates.",
+        f"- The tables average seeds {meta['seeds']} (model init and batch order) at the chosen learning rates.",
         "",
         *grid_edge_notes(results),
         "",
