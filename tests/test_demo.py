@@ -37,15 +37,29 @@ def _strict_json(text):
     return json.loads(text, parse_constant=reject)
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    """One `python -m dro_ext.demo --quick` in a fresh process (it sets torch's global determinism flag)."""
-    out = tmp_path_factory.mktemp("demo_quick")
+def _quick_demo(out: Path, cpu_capability=None):
+    """`python -m dro_ext.demo --quick --seed 3` in a fresh process (it sets torch's global determinism flag),
+    with ATEN_CPU_CAPABILITY set to ``cpu_capability``, or unset (the widest build the processor runs)."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    if cpu_capability is not None:
+        env["ATEN_CPU_CAPABILITY"] = cpu_capability
     proc = subprocess.run([sys.executable, "-m", "dro_ext.demo", "--quick", "--seed", "3", "--out", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """The quick demo on the widest CPU build the processor runs."""
+    return _quick_demo(tmp_path_factory.mktemp("demo_quick"))
+
+
+@pytest.fixture(scope="module")
+def quick_run_portable(tmp_path_factory):
+    """The quick demo on the portable CPU build (what a processor without AVX2 runs)."""
+    return _quick_demo(tmp_path_factory.mktemp("demo_quick_portable"), "default")
 
 
 def test_quick_run_writes_every_output(quick_run):
@@ -146,6 +160,47 @@ def test_same_seed_gives_the_same_numbers_whatever_the_thread_count():
         torch.set_num_threads(threads)
     assert one_thread == two_threads
     assert numbers(6) != one_thread
+
+
+def _widest_dro_ext_build():
+    """The widest SIMD build of dro_ext's CPU kernels this processor runs, found by switching to each (this
+    process may itself run under ATEN_CPU_CAPABILITY)."""
+    capability = torch.ops.dro_ext._cpu_capability
+    picked = capability()
+    try:
+        for build in ("avx512", "avx2"):
+            try:
+                capability(build)
+                return build
+            except RuntimeError:  # the processor cannot run it
+                continue
+        return "default"
+    finally:
+        capability(picked)
+
+
+def _verdicts(claims_payload: dict) -> dict:
+    verdicts = {key: claims_payload[key]["verdict"] for key in "abcd"}
+    verdicts.update({f"a {task}": c["verdict"] for task, c in claims_payload["a"]["tasks"].items()})
+    return verdicts
+
+
+def test_verdicts_are_the_same_on_the_portable_and_the_widest_cpu_build(quick_run, quick_run_portable):
+    """The quick demo under ATEN_CPU_CAPABILITY=default and without it: every verdict the same.
+
+    The variable steers both ATen's kernels (the models' layers) and dro_ext's own SIMD dispatch, so one
+    process per build covers both; the builds each process reports are checked, so that a dro_ext that
+    stopped following the variable fails here instead of comparing a build with itself.
+    """
+    from dro_ext import _backend
+
+    widest, portable = (_strict_json((out / "results.json").read_text()) for out, _ in (quick_run, quick_run_portable))
+    native = _backend.use_native()
+    assert portable["meta"]["cpu_builds"] == {"aten": "default", "dro_ext": "default" if native else None}
+    assert widest["meta"]["cpu_builds"]["dro_ext"] == (_widest_dro_ext_build() if native else None)
+    if widest["meta"]["cpu_builds"] == portable["meta"]["cpu_builds"]:
+        pytest.skip("this processor runs only the portable build: there is no second build to compare")
+    assert _verdicts(widest["claims"]) == _verdicts(portable["claims"])
 
 
 def test_native_ops_and_fallback_train_alike():
