@@ -79,6 +79,7 @@ def test_results_json_holds_every_curve_seed_and_version(quick_run):
     for key in ("python", "torch", "dro_ext", "dro_ext_backend", "numpy", "scikit-learn", "matplotlib"):
         assert meta["versions"][key]
     assert meta["machine"]["cpu"] and meta["machine"]["logical_cpus"] >= 1
+    assert meta["cpu_seconds_total"] > 0 and set(meta["load_average"]) == {"start", "end"}
     expected = {
         "example_3_1": (("sgd", "nsgd"), settings.example_grid, settings.example_epochs),
         "regression": (("sgd", "nsgd"), settings.regression_grid, settings.regression_epochs),
@@ -368,8 +369,9 @@ def test_update_readme_replaces_only_the_marked_block(tmp_path):
     (tmp_path / "docs").mkdir()
     figure = tmp_path / "docs" / "figure.png"
     fake_claims = {"a": {"tasks": {}}, **{k: {} for k in "bcd"}}
-    meta = {"date_utc": "2026-01-02 03:04", "machine": {"description": "test box"}, "device": "cpu",
-            "seconds_total": 12.0, "cpu_seconds_total": 10.0, "command": "python -m dro_ext.demo",
+    meta = {"date_utc": "2026-01-02 03:04", "machine": {"description": "test box", "logical_cpus": 2}, "device": "cpu",
+            "seconds_total": 12.0, "cpu_seconds_total": 9.0, "command": "python -m dro_ext.demo",
+            "load_average": {"start": 2.5, "end": 3.5},
             "seeds": [0, 1, 2, 3, 4], "cpu_builds": {"aten": "avx2", "dro_ext": "avx2"}}
     original = report.claims_table
     report.claims_table = lambda c: "| claims |\n"
@@ -381,9 +383,21 @@ def test_update_readme_replaces_only_the_marked_block(tmp_path):
     assert text.startswith("intro\n") and text.endswith("outro\n") and "stale block" not in text
     assert "![training curves](docs/figure.png)" in text and "2026-01-02 on test box" in text
     assert "ATen `avx2`, dro_ext `avx2`" in text and "on the medians and on at least 4 of 5 seeds" in text
+    assert "12 s wall, 9 s CPU (75% of one core; load average 2.5 at the start" in text
     readme.write_text("no markers")
     with pytest.raises(ValueError, match="demo-claims"):
         report.update_readme(readme, fake_claims, meta, figure)
+
+
+def test_timing_phrase_says_when_other_jobs_shared_the_machine():
+    meta = {"seconds_total": 100.0, "cpu_seconds_total": 96.0, "machine": {"logical_cpus": 2},
+            "load_average": {"start": 1.0, "end": 1.5}}
+    quiet = report.timing_phrase(meta)
+    assert quiet == "100 s wall, 96 s CPU (96% of one core; load average 1.0 at the start and 1.5 at the end on 2 CPUs)"
+    shared = dict(meta, load_average={"start": 1.0, "end": 4.0})
+    assert "other jobs shared the machine" in report.timing_phrase(shared)
+    slowed = dict(meta, cpu_seconds_total=50.0, load_average={"start": None, "end": None})
+    assert report.timing_phrase(slowed).startswith("100 s wall, 50 s CPU (50% of one core; other jobs shared")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where no CUDA device exists")

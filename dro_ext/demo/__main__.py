@@ -72,6 +72,14 @@ def cpu_builds() -> dict:
             "dro_ext": torch.ops.dro_ext._cpu_capability() if _backend.use_native() else None}
 
 
+def load_average():
+    """The 1-minute load average (None where the OS has none): with the CPU time, how shared the machine was."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
 def versions() -> dict:
     import matplotlib
     import numpy
@@ -100,7 +108,7 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "cpu", seed: int =
     torch.use_deterministic_algorithms(True, warn_only=device == "cuda")
 
     settings = experiments.Settings.quick() if quick else experiments.Settings.full()
-    start, cpu_start = time.perf_counter(), time.process_time()
+    start, cpu_start, load_at_start = time.perf_counter(), time.process_time(), load_average()
     results, seconds = {}, {}
     for name, experiment in EXPERIMENTS:
         t0 = time.perf_counter()
@@ -119,6 +127,7 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "cpu", seed: int =
         "seconds_per_experiment": seconds, "seconds_total": time.perf_counter() - start,
         # CPU time of this process: unlike the wall time, barely inflated when other jobs share the cores.
         "cpu_seconds_total": time.process_time() - cpu_start,
+        "load_average": {"start": load_at_start, "end": load_average()},
     }
     return report.write_outputs(Path(out), results, claims, meta), claims, meta
 

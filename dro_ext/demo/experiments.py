@@ -32,8 +32,8 @@ ALPHA = 0.02
 
 @dataclass
 class Settings:
-    """Sizes of the runs. :meth:`full` is the default demo (~5 minutes on 2 CPU cores), :meth:`quick` a
-    smoke run of a few seconds that exercises every code path."""
+    """Sizes of the runs. :meth:`full` is the default demo (about 100 s of CPU time on one thread, within
+    ten minutes on 2 CPU cores), :meth:`quick` a smoke run of a few seconds that exercises every code path."""
 
     example_epochs: int
     example_steps_per_epoch: int

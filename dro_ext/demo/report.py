@@ -169,8 +169,9 @@ def _optimization_cell(c: dict, baseline: str, method: str) -> str:
             f"(lr {c['method_lr']:g}) {_median_with_spread(level['method'])}, "
             f"{level_phrase}; of the speed (mean log-objective over the epochs): "
             f"{_median_with_spread(speed_stats['baseline'])} vs {_median_with_spread(speed_stats['method'])}, "
-            f"{speed_phrase}; per seed, {method} lower on {c['seeds_lower']}/{seeds}, faster on {c['seeds_faster']}/{seeds}, "
-            f"both on {c['seeds_holding']}/{seeds} ({c['seeds_needed']} needed){diverged}")
+            f"{speed_phrase}; per seed, {method} lower on {c['seeds_lower']}/{seeds}, "
+            f"faster on {c['seeds_faster']}/{seeds}, both on {c['seeds_holding']}/{seeds} "
+            f"({c['seeds_needed']} needed){diverged}")
 
 
 def _accuracy_cell(c: dict, method: str) -> str:
@@ -235,6 +236,19 @@ def cpu_builds_phrase(meta: dict) -> str:
     return f"CPU builds: ATen `{builds['aten']}`, dro_ext `{builds['dro_ext']}`"
 
 
+def timing_phrase(meta: dict) -> str:
+    """The run's wall and CPU time, and how busy the machine was: the demo runs on one thread, so on a quiet
+    machine its wall time is about its CPU time; a smaller share of a core means other jobs shared it."""
+    wall, cpu, load = meta["seconds_total"], meta["cpu_seconds_total"], meta["load_average"]
+    cpus = meta["machine"]["logical_cpus"]
+    phrase = f"{wall:.0f} s wall, {cpu:.0f} s CPU ({100 * cpu / wall:.0f}% of one core"
+    if load["start"] is not None:
+        phrase += f"; load average {load['start']:.1f} at the start and {load['end']:.1f} at the end on {cpus} CPUs"
+    if cpu < 0.9 * wall or (load["start"] is not None and max(load["start"], load["end"]) > cpus):
+        phrase += "; other jobs shared the machine: a quiet one's wall time is about the CPU time"
+    return phrase + ")"
+
+
 def report_markdown(results: dict, claims: dict, meta: dict) -> str:
     settings = meta["settings"]
     lines = [
@@ -242,8 +256,7 @@ def report_markdown(results: dict, claims: dict, meta: dict) -> str:
         "",
         f"Run on {meta['date_utc']} (UTC), {meta['machine']['description']}, device `{meta['device']}`, "
         f"backend `{meta['versions']['dro_ext_backend']}`, {cpu_builds_phrase(meta)}, seed {meta['seed']}, "
-        f"{'quick' if meta['quick'] else 'full'} settings; took {meta['seconds_total']:.0f} s "
-        f"({meta['cpu_seconds_total']:.0f} s of CPU time).",
+        f"{'quick' if meta['quick'] else 'full'} settings; took {timing_phrase(meta)}.",
         f"Command: `{meta['command']}`",
         "",
         "## Claims",
@@ -343,7 +356,7 @@ def update_readme(readme: Path, claims: dict, meta: dict, figure: Path) -> None:
         README_BEGIN,
         f"Full run of {meta['date_utc'][:10]} on {meta['machine']['description']}, device `{meta['device']}`, "
         f"{cpu_builds_phrase(meta)}, "
-        f"{meta['seconds_total']:.0f} s wall, {meta['cpu_seconds_total']:.0f} s CPU (`{meta['command']}`):",
+        f"{timing_phrase(meta)} (`{meta['command']}`):",
         "",
         f"![training curves]({rel})",
         "",
