@@ -37,15 +37,29 @@ def _strict_json(text):
     return json.loads(text, parse_constant=reject)
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    """One `python -m dro_ext.demo --quick` in a fresh process (it sets torch's global determinism flag)."""
-    out = tmp_path_factory.mktemp("demo_quick")
+def _quick_demo(out: Path, cpu_capability=None):
+    """`python -m dro_ext.demo --quick --seed 3` in a fresh process (it sets torch's global determinism flag),
+    with ATEN_CPU_CAPABILITY set to ``cpu_capability``, or unset (the widest build the processor runs)."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    if cpu_capability is not None:
+        env["ATEN_CPU_CAPABILITY"] = cpu_capability
     proc = subprocess.run([sys.executable, "-m", "dro_ext.demo", "--quick", "--seed", "3", "--out", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """The quick demo on the widest CPU build the processor runs."""
+    return _quick_demo(tmp_path_factory.mktemp("demo_quick"))
+
+
+@pytest.fixture(scope="module")
+def quick_run_portable(tmp_path_factory):
+    """The quick demo on the portable CPU build (what a processor without AVX2 runs)."""
+    return _quick_demo(tmp_path_factory.mktemp("demo_quick_portable"), "default")
 
 
 def test_quick_run_writes_every_output(quick_run):
@@ -61,10 +75,11 @@ def test_results_json_holds_every_curve_seed_and_version(quick_run):
     meta, results = payload["meta"], payload["experiments"]
     settings = experiments.Settings.quick()
     assert meta["seed"] == 3 and meta["quick"] is True and meta["device"] == "cpu"
-    assert meta["seeds_of_table_runs"] == [3, 4]
+    assert meta["seeds"] == [3, 4]
     for key in ("python", "torch", "dro_ext", "dro_ext_backend", "numpy", "scikit-learn", "matplotlib"):
         assert meta["versions"][key]
     assert meta["machine"]["cpu"] and meta["machine"]["logical_cpus"] >= 1
+    assert meta["cpu_seconds_total"] > 0 and set(meta["load_average"]) == {"start", "end"}
     expected = {
         "example_3_1": (("sgd", "nsgd"), settings.example_grid, settings.example_epochs),
         "regression": (("sgd", "nsgd"), settings.regression_grid, settings.regression_epochs),
@@ -75,21 +90,23 @@ def test_results_json_holds_every_curve_seed_and_version(quick_run):
         result = results[name]
         assert result["grid"] == list(grid)
         for method in methods:
-            runs = result["runs"][method]
+            runs, seed_runs = result["runs"][method], result["seed_runs"][method]
             assert [r["lr"] for r in runs] == list(grid)
-            for run in runs:
+            assert [r["seed"] for r in seed_runs] == [3, 4]  # the search on the first seed, then every seed
+            assert {r["lr"] for r in seed_runs} == {result["best"][method]["lr"]}
+            assert seed_runs[0] == result["best"][method]
+            for run in runs + seed_runs:
                 assert len(run["curve"]) == epochs + 1 or run["diverged"], (name, method, run["lr"])
                 assert all(v is None or (isinstance(v, float) and v >= 0) for v in run["curve"])
-                assert run["seed"] == 3
+            assert all(run["seed"] == 3 for run in runs)
             assert result["best"][method]["lr"] in grid
-    for name, methods in (("digits_chi2", ("sgd", "nsgd")), ("digits_cvar", ("cvar", "smoothed_cvar"))):
-        for method in methods:
-            table_runs = results[name]["table_runs"][method]
-            assert [r["seed"] for r in table_runs] == [3, 4]
-            for run in table_runs:
-                assert len(run["extra"]["test_accuracy_per_class"]) == 10
-                assert all(0 <= a <= 100 for a in run["extra"]["test_accuracy_per_class"])
+            if name.startswith("digits"):
+                for run in seed_runs:
+                    assert len(run["extra"]["test_accuracy_per_class"]) == 10
+                    assert all(0 <= a <= 100 for a in run["extra"]["test_accuracy_per_class"])
     assert set(payload["claims"]) == {"a", "b", "c", "d"}
+    for judged in (*payload["claims"]["a"]["tasks"].values(), payload["claims"]["b"]):
+        assert judged["seeds"] == [3, 4] and judged["seeds_needed"] == 2
 
 
 def test_figure_is_a_png_of_the_expected_size(quick_run):
@@ -113,6 +130,7 @@ def test_report_names_every_claim_with_a_verdict(quick_run):
             assert row.rstrip(" |").rsplit("| ", 1)[1] in ("yes", "partly", "no"), row
     assert rows[0].startswith("| (a) Example 3.1") and len(rows) == 6
     assert "![training curves](figure.png)" in text
+    assert "on seed 3, then every seed (3, 4:" in text and "on the medians and on at least 2 of 2 seeds" in text
     tables = (out / "tables.md").read_text()
     assert tables.count("| Class |") == 2 and tables.count("| Test acc (") == 4
     assert text.count("| Class |") == 2
@@ -123,7 +141,7 @@ def _tiny(**changes):
 
 
 def test_same_seed_gives_the_same_numbers_whatever_the_thread_count():
-    settings = _tiny(example_epochs=3, regression_epochs=2, digits_epochs=2, table_seeds=1)
+    settings = _tiny(example_epochs=3, regression_epochs=2, digits_epochs=2, seeds=1)
     threads = torch.get_num_threads()
 
     def numbers(seed):
@@ -131,7 +149,7 @@ def test_same_seed_gives_the_same_numbers_whatever_the_thread_count():
         reg = experiments.age_regression(settings, seed=seed)
         dig = experiments.digits_cvar(settings, seed=seed)
         curves = [r.curve for result in (ex, reg, dig) for runs in result["runs"].values() for r in runs]
-        accuracies = [r.extra["test_accuracy_per_class"] for runs in dig["table_runs"].values() for r in runs]
+        accuracies = [r.extra["test_accuracy_per_class"] for runs in dig["seed_runs"].values() for r in runs]
         return repr(curves + accuracies)  # repr: exact floats, and NaN (a diverged run) compares equal to itself
 
     try:
@@ -143,6 +161,47 @@ def test_same_seed_gives_the_same_numbers_whatever_the_thread_count():
         torch.set_num_threads(threads)
     assert one_thread == two_threads
     assert numbers(6) != one_thread
+
+
+def _widest_dro_ext_build():
+    """The widest SIMD build of dro_ext's CPU kernels this processor runs, found by switching to each (this
+    process may itself run under ATEN_CPU_CAPABILITY)."""
+    capability = torch.ops.dro_ext._cpu_capability
+    picked = capability()
+    try:
+        for build in ("avx512", "avx2"):
+            try:
+                capability(build)
+                return build
+            except RuntimeError:  # the processor cannot run it
+                continue
+        return "default"
+    finally:
+        capability(picked)
+
+
+def _verdicts(claims_payload: dict) -> dict:
+    verdicts = {key: claims_payload[key]["verdict"] for key in "abcd"}
+    verdicts.update({f"a {task}": c["verdict"] for task, c in claims_payload["a"]["tasks"].items()})
+    return verdicts
+
+
+def test_verdicts_are_the_same_on_the_portable_and_the_widest_cpu_build(quick_run, quick_run_portable):
+    """The quick demo under ATEN_CPU_CAPABILITY=default and without it: every verdict the same.
+
+    The variable steers both ATen's kernels (the models' layers) and dro_ext's own SIMD dispatch, so one
+    process per build covers both; the builds each process reports are checked, so that a dro_ext that
+    stopped following the variable fails here instead of comparing a build with itself.
+    """
+    from dro_ext import _backend
+
+    widest, portable = (_strict_json((out / "results.json").read_text()) for out, _ in (quick_run, quick_run_portable))
+    native = _backend.use_native()
+    assert portable["meta"]["cpu_builds"] == {"aten": "default", "dro_ext": "default" if native else None}
+    assert widest["meta"]["cpu_builds"]["dro_ext"] == (_widest_dro_ext_build() if native else None)
+    if widest["meta"]["cpu_builds"] == portable["meta"]["cpu_builds"]:
+        pytest.skip("this processor runs only the portable build: there is no second build to compare")
+    assert _verdicts(widest["claims"]) == _verdicts(portable["claims"])
 
 
 def test_native_ops_and_fallback_train_alike():
@@ -172,8 +231,10 @@ def _lowest_final(result, optimizer):
 
 @pytest.mark.parametrize("seed", CLAIM_SEEDS)
 def test_normalized_momentum_reaches_lower_psi_on_example_3_1(seed):
-    """Example 3.1 from x = 10, 10 epochs of 10 steps, the demo's grid: the best NSGD run ends below the best SGD run."""
-    settings = _tiny(example_epochs=10, example_steps_per_epoch=10, example_grid=experiments.Settings.full().example_grid)
+    """Example 3.1 from x = 10, 10 epochs of 10 steps, the demo's grid: the best NSGD run ends below the best
+    SGD run."""
+    settings = _tiny(example_epochs=10, example_steps_per_epoch=10,
+                     example_grid=experiments.Settings.full().example_grid)
     result = experiments.example_3_1(settings, seed=seed)
     sgd, nsgd = _lowest_final(result, "sgd"), _lowest_final(result, "nsgd")
     assert nsgd < sgd, (seed, sgd, nsgd)
@@ -197,23 +258,98 @@ def test_lr_grid_is_one_three_steps_inclusive():
     assert experiments.lr_grid(1e-9, 1e-8) == (1e-9, 3e-9, 1e-8)
 
 
-def _run(curve, optimizer="sgd", lr=0.1, diverged=False, accuracy=None):
-    run = Run(optimizer, lr, 0, list(curve), diverged)
+def _run(curve, optimizer="sgd", lr=0.1, diverged=False, accuracy=None, seed=0):
+    run = Run(optimizer, lr, seed, list(curve), diverged)
     if accuracy is not None:
         run.extra["test_accuracy_per_class"] = accuracy
     return run
 
 
-def test_compare_optimization_verdicts():
-    slow, fast = _run([10, 8, 6, 5]), _run([10, 2, 1, 0.5], "nsgd")
-    c = claims.compare_optimization(slow, fast, [slow], [fast])
-    assert c["verdict"] == "yes" and c["final_ratio"] == pytest.approx(10) and c["epochs_to_baseline_final"] == 1
-    assert claims.compare_optimization(fast, slow, [fast], [slow])["verdict"] == "no"
-    late = _run([10, 9, 8, 0.1], "nsgd")  # ends lower but slower on average
-    assert claims.compare_optimization(fast, late, [fast], [late])["verdict"] == "partly"
-    diverged = _run([10, math.nan], diverged=True)
-    c = claims.compare_optimization(diverged, fast, [diverged], [fast])
-    assert c["verdict"] == "yes" and c["baseline_diverged_lrs"] == [0.1]
+def _seed_runs(levels, optimizer="sgd", epochs=3, start=10.0):
+    """One run per seed, seed i flat at levels[i] after the first epoch (level and speed both order like it);
+    None for a seed that diverged."""
+    return [_run([start, math.nan], optimizer, diverged=True, seed=seed) if level is None
+            else _run([start] + [level] * epochs, optimizer, seed=seed)
+            for seed, level in enumerate(levels)]
+
+
+def _compare(baseline_runs, method_runs):
+    return claims.compare_optimization(baseline_runs, method_runs, baseline_runs[:1], method_runs[:1])
+
+
+def test_tail_level_is_the_mean_of_the_last_epochs():
+    curve = [100.0] + [50.0] * 5 + list(range(1, claims.TAIL_EPOCHS + 1))
+    assert claims.tail_level(_run(curve)) == pytest.approx((claims.TAIL_EPOCHS + 1) / 2)
+    assert claims.tail_level(_run([100.0, 4.0, 2.0])) == pytest.approx(3.0)  # fewer epochs: all of them
+    assert claims.tail_level(_run([100.0, math.nan], diverged=True)) == math.inf
+
+
+def test_seeds_needed_for_yes_is_four_of_five():
+    assert [claims.seeds_needed(n) for n in (1, 2, 3, 5)] == [1, 2, 3, 4]
+
+
+def test_optimization_verdict_needs_the_medians_and_four_of_five_seeds():
+    baseline = _seed_runs([2.0, 2.0, 2.0, 2.0, 2.0])
+    everywhere = _compare(baseline, _seed_runs([1.0, 1.0, 1.0, 1.0, 1.0], "nsgd"))
+    assert everywhere["verdict"] == "yes" and everywhere["seeds_holding"] == 5
+    assert everywhere["level_ratio"] == pytest.approx(2.0) and everywhere["speed_gap"] == pytest.approx(math.log(2))
+    assert everywhere["level"]["method"] == {"median": 1.0, "low": 1.0, "high": 1.0}
+    four = _compare(baseline, _seed_runs([1.0, 1.0, 1.0, 1.0, 3.0], "nsgd"))
+    assert four["verdict"] == "yes" and four["seeds_holding"] == 4
+    three = _compare(baseline, _seed_runs([1.0, 1.0, 1.0, 3.0, 3.0], "nsgd"))
+    assert three["holds_on_medians"] and three["seeds_holding"] == 3 and three["verdict"] == "partly"
+    assert _compare(baseline, _seed_runs([3.0] * 5, "nsgd"))["verdict"] == "no"
+
+
+def test_optimization_verdict_is_no_when_the_medians_disagree_with_most_seeds():
+    # The method beats the baseline on seeds 1-4, each by a little, but its median is the higher.
+    baseline = _seed_runs([1.0, 2.0, 3.0, 4.0, 5.0])
+    method = _seed_runs([10.0, 1.9, 2.9, 3.9, 4.9], "nsgd")
+    c = _compare(baseline, method)
+    assert c["seeds_holding"] == 4 and not c["holds_on_medians"] and c["verdict"] == "no"
+
+
+def test_optimization_verdict_reads_the_tail_not_the_last_epoch():
+    # On every seed the method is faster and its last epoch is lower, but it settled higher over the tail.
+    epochs = claims.TAIL_EPOCHS + 2
+    baseline = [_run([10.0] + [2.0] * epochs, seed=s) for s in range(5)]
+    method = [_run([10.0, 0.01, 0.01] + [3.0] * (claims.TAIL_EPOCHS - 1) + [1.0], "nsgd", seed=s) for s in range(5)]
+    assert all(m.final < b.final and m.speed_score() < b.speed_score() for b, m in zip(baseline, method))
+    c = _compare(baseline, method)
+    assert c["seeds_faster"] == 5 and c["seeds_lower"] == 0 and c["verdict"] == "no"
+
+
+def test_optimization_verdict_needs_speed_as_well_as_level():
+    # On every seed the method settles lower but got there slower (a worse mean log-objective): not the claim.
+    baseline = [_run([10.0] + [1.5] * (claims.TAIL_EPOCHS + 2), seed=s) for s in range(5)]
+    method = [_run([10.0, 20.0, 20.0] + [1.0] * claims.TAIL_EPOCHS, "nsgd", seed=s) for s in range(5)]
+    c = _compare(baseline, method)
+    assert c["seeds_lower"] == 5 and c["seeds_faster"] == 0 and c["speed_gap"] < 0 and c["verdict"] == "no"
+
+
+def test_optimization_verdict_with_diverged_seeds():
+    c = _compare(_seed_runs([None, None, None, 2.0, 2.0]), _seed_runs([1.0] * 5, "nsgd"))
+    assert c["verdict"] == "yes" and c["baseline_diverged_seeds"] == [0, 1, 2] and c["method_diverged_seeds"] == []
+    assert c["level"]["baseline"]["median"] == math.inf and c["level_ratio"] == math.inf
+    assert "SGD+mom diverged on most seeds" in report._optimization_cell(c, "SGD+mom", "NSGD+mom")
+    c = _compare(_seed_runs([2.0] * 5), _seed_runs([1.0, None, None, None, 1.0], "nsgd"))
+    assert c["verdict"] == "no" and c["seeds_holding"] == 2
+    with pytest.raises(ValueError, match="different seeds"):
+        _compare(_seed_runs([2.0] * 5), _seed_runs([1.0] * 4, "nsgd"))
+
+
+def test_overall_verdict_of_a_claim_over_tasks():
+    assert claims.overall_verdict(["yes", "yes", "yes"]) == "yes"
+    assert claims.overall_verdict(["yes", "no", "no"]) == "partly"
+    assert claims.overall_verdict(["no", "partly", "no"]) == "partly"
+    assert claims.overall_verdict(["no", "no", "no"]) == "no"
+
+
+def test_median_and_band_over_seeds():
+    runs = [_run([1.0, 2.0, 3.0]), _run([3.0, 2.0, 1.0]), _run([2.0, math.nan], diverged=True)]
+    median, low, high = report.median_and_band(runs)
+    assert median.tolist() == [2.0, 2.0, 3.0]  # the diverged seed counts as +inf from its last epoch on
+    assert low.tolist() == [1.0, 2.0, 1.0] and high.tolist() == [3.0, math.inf, math.inf]
 
 
 def test_compare_accuracy_marks_the_baselines_worst_class():
@@ -229,12 +365,14 @@ def test_compare_accuracy_marks_the_baselines_worst_class():
 
 def test_update_readme_replaces_only_the_marked_block(tmp_path):
     readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{report.README_BEGIN}\nold\n{report.README_END}\noutro\n")
+    readme.write_text(f"intro\n{report.README_BEGIN}\nstale block\n{report.README_END}\noutro\n")
     (tmp_path / "docs").mkdir()
     figure = tmp_path / "docs" / "figure.png"
     fake_claims = {"a": {"tasks": {}}, **{k: {} for k in "bcd"}}
-    meta = {"date_utc": "2026-01-02 03:04", "machine": {"description": "test box"}, "device": "cpu",
-            "seconds_total": 12.0, "cpu_seconds_total": 10.0, "command": "python -m dro_ext.demo"}
+    meta = {"date_utc": "2026-01-02 03:04", "machine": {"description": "test box", "logical_cpus": 2}, "device": "cpu",
+            "seconds_total": 12.0, "cpu_seconds_total": 9.0, "command": "python -m dro_ext.demo",
+            "load_average": {"start": 2.5, "end": 3.5},
+            "seeds": [0, 1, 2, 3, 4], "cpu_builds": {"aten": "avx2", "dro_ext": "avx2"}}
     original = report.claims_table
     report.claims_table = lambda c: "| claims |\n"
     try:
@@ -242,11 +380,24 @@ def test_update_readme_replaces_only_the_marked_block(tmp_path):
     finally:
         report.claims_table = original
     text = readme.read_text()
-    assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text
+    assert text.startswith("intro\n") and text.endswith("outro\n") and "stale block" not in text
     assert "![training curves](docs/figure.png)" in text and "2026-01-02 on test box" in text
+    assert "ATen `avx2`, dro_ext `avx2`" in text and "on the medians and on at least 4 of 5 seeds" in text
+    assert "12 s wall, 9 s CPU (75% of one core; load average 2.5 at the start" in text
     readme.write_text("no markers")
     with pytest.raises(ValueError, match="demo-claims"):
         report.update_readme(readme, fake_claims, meta, figure)
+
+
+def test_timing_phrase_says_when_other_jobs_shared_the_machine():
+    meta = {"seconds_total": 100.0, "cpu_seconds_total": 96.0, "machine": {"logical_cpus": 2},
+            "load_average": {"start": 1.0, "end": 1.5}}
+    quiet = report.timing_phrase(meta)
+    assert quiet == "100 s wall, 96 s CPU (96% of one core; load average 1.0 at the start and 1.5 at the end on 2 CPUs)"
+    shared = dict(meta, load_average={"start": 1.0, "end": 4.0})
+    assert "other jobs shared the machine" in report.timing_phrase(shared)
+    slowed = dict(meta, cpu_seconds_total=50.0, load_average={"start": None, "end": None})
+    assert report.timing_phrase(slowed).startswith("100 s wall, 50 s CPU (50% of one core; other jobs shared")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where no CUDA device exists")

@@ -1,4 +1,5 @@
-"""The paper's experiments at laptop scale: ``python -m dro_ext.demo [--quick] [--device cpu|cuda] [--seed N] [--out DIR]``.
+"""The paper's experiments at laptop scale:
+``python -m dro_ext.demo [--quick] [--device cpu|cuda] [--seed N] [--out DIR]``.
 
 Meant to be read and copied:
 

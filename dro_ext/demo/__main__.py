@@ -57,8 +57,27 @@ def machine_description(device: str) -> dict:
             "platform": platform.platform(), "gpu": None}
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
-    info["description"] = f"{info['logical_cpus']}-vCPU {cpu}" + (f", GPU {info['gpu']}" if info["gpu"] else ", no GPU used")
+    info["description"] = f"{info['logical_cpus']}-vCPU {cpu}" + (f", GPU {info['gpu']}" if info["gpu"] else
+                                                                   ", no GPU used")
     return info
+
+
+def cpu_builds() -> dict:
+    """The SIMD builds of the CPU kernels this process runs: ATen's and dro_ext's (None on the fallback).
+    Both follow ATEN_CPU_CAPABILITY; they round float32 differently, so they are part of what a run's digits
+    depend on."""
+    from dro_ext import _backend
+
+    return {"aten": torch.backends.cpu.get_cpu_capability().lower(),
+            "dro_ext": torch.ops.dro_ext._cpu_capability() if _backend.use_native() else None}
+
+
+def load_average():
+    """The 1-minute load average (None where the OS has none): with the CPU time, how shared the machine was."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def versions() -> dict:
@@ -89,7 +108,7 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "cpu", seed: int =
     torch.use_deterministic_algorithms(True, warn_only=device == "cuda")
 
     settings = experiments.Settings.quick() if quick else experiments.Settings.full()
-    start, cpu_start = time.perf_counter(), time.process_time()
+    start, cpu_start, load_at_start = time.perf_counter(), time.process_time(), load_average()
     results, seconds = {}, {}
     for name, experiment in EXPERIMENTS:
         t0 = time.perf_counter()
@@ -100,14 +119,15 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "cpu", seed: int =
     meta = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "command": command, "quick": quick, "device": device, "seed": seed,
-        "seeds_of_table_runs": list(range(seed, seed + settings.table_seeds)),
+        "seeds": list(range(seed, seed + settings.seeds)),
         "settings": asdict(settings),
         "paper_settings": {"lam": experiments.LAM, "alpha": experiments.ALPHA, "example_lam": experiments.EXAMPLE_LAM,
                            "momentum": 0.9, "batch_size": 128, "nsgd_eps": 0.1},
-        "versions": versions(), "machine": machine_description(device),
+        "versions": versions(), "machine": machine_description(device), "cpu_builds": cpu_builds(),
         "seconds_per_experiment": seconds, "seconds_total": time.perf_counter() - start,
         # CPU time of this process: unlike the wall time, barely inflated when other jobs share the cores.
         "cpu_seconds_total": time.process_time() - cpu_start,
+        "load_average": {"start": load_at_start, "end": load_average()},
     }
     return report.write_outputs(Path(out), results, claims, meta), claims, meta
 
@@ -119,8 +139,8 @@ def main(argv=None) -> int:
                                    threads=args.threads, command=command.strip())
     if args.readme is not None:
         report.update_readme(args.readme, claims, meta, paths["figure.png"])
-    print(f"[dro_ext.demo] done in {meta['seconds_total']:.0f} s ({meta['cpu_seconds_total']:.0f} s CPU); outputs in {args.out}/: "
-          + ", ".join(p.name for p in paths.values()))
+    print(f"[dro_ext.demo] done in {meta['seconds_total']:.0f} s ({meta['cpu_seconds_total']:.0f} s CPU); "
+          f"outputs in {args.out}/: " + ", ".join(p.name for p in paths.values()))
     for key in "abcd":
         print(f"  claim ({key}) reproduced: {claims[key]['verdict']:6s} {claims[key]['claim']}")
     return 0

@@ -2,7 +2,9 @@
 
 Each function trains with :class:`dro_ext.DROLoss` and either ``torch.optim.SGD`` with momentum (the
 baseline) or :class:`dro_ext.NormalizedSGD` (Algorithm 1), picks each optimizer's learning rate from a
-grid by the speed of optimization, and returns every run's curve of the exact objective per epoch.
+grid by the speed of optimization on the first seed, trains that learning rate again on the further seeds
+(model initialization and batch order; the data stay those of the first seed), and returns every run's
+curve of the exact objective per epoch.
 
 - :func:`example_3_1`: the paper's Example 3.1, a scalar non-convex loss whose chi2-DRO objective is
   quartic, so that its smoothness and gradient noise grow with ``x``.
@@ -30,8 +32,8 @@ ALPHA = 0.02
 
 @dataclass
 class Settings:
-    """Sizes of the runs. :meth:`full` is the default demo (~5 minutes on 2 CPU cores), :meth:`quick` a
-    smoke run of a few seconds that exercises every code path."""
+    """Sizes of the runs. :meth:`full` is the default demo (about 100 s of CPU time on one thread, within
+    ten minutes on 2 CPU cores), :meth:`quick` a smoke run of a few seconds that exercises every code path."""
 
     example_epochs: int
     example_steps_per_epoch: int
@@ -41,7 +43,9 @@ class Settings:
     regression_grid: tuple
     digits_epochs: int
     digits_grid: tuple
-    table_seeds: int  # the per-class test accuracies are averaged over this many seeds at the chosen lr
+    # Each method's chosen learning rate is trained on this many seeds; every claim is judged over them all,
+    # as one seed's training is chaotic enough that another processor's float32 rounding can change it.
+    seeds: int
 
     @classmethod
     def full(cls) -> "Settings":
@@ -49,7 +53,7 @@ class Settings:
             example_epochs=100, example_steps_per_epoch=10, example_grid=lr_grid(1e-4, 1.0),
             regression_samples=4000, regression_epochs=100, regression_grid=lr_grid(1e-9, 1e-1),
             digits_epochs=100, digits_grid=lr_grid(1e-4, 1.0),
-            table_seeds=5,
+            seeds=5,
         )
 
     @classmethod
@@ -58,7 +62,7 @@ class Settings:
             example_epochs=5, example_steps_per_epoch=4, example_grid=(1e-3, 1e-1),
             regression_samples=600, regression_epochs=3, regression_grid=(1e-7, 1e-2),
             digits_epochs=3, digits_grid=(1e-2, 1e-1),
-            table_seeds=2,
+            seeds=2,
         )
 
 
@@ -106,12 +110,12 @@ def example_3_1(settings: Settings, seed: int, device: str = "cpu") -> dict:
     """
     both_signs = torch.tensor([-1.0, 1.0], device=device)
 
-    def run_one(optimizer_name: str, lr: float) -> Run:
-        torch.manual_seed(seed)
+    def run_one(optimizer_name: str, lr: float, run_seed: int = seed) -> Run:
+        torch.manual_seed(run_seed)
         model = Example31().to(device)
         criterion = dro_ext.DROLoss("chi2", lam=EXAMPLE_LAM).to(device)
         optimizer = make_optimizer(optimizer_name, [*model.parameters(), *criterion.parameters()], lr)
-        noise = _generator(seed)
+        noise = _generator(run_seed)  # x starts at 10 on every seed: the seed draws the noise
 
         def epoch_batches():
             for _ in range(settings.example_steps_per_epoch):
@@ -121,23 +125,34 @@ def example_3_1(settings: Settings, seed: int, device: str = "cpu") -> dict:
             with torch.no_grad():
                 return dro_ext.robust_objective(model(both_signs), EXAMPLE_LAM, "chi2")[0].item()
 
-        run = Run(optimizer_name, lr, seed)
+        run = Run(optimizer_name, lr, run_seed)
         train(model, criterion, optimizer, epoch_batches, lambda m, xi: m(xi), judge,
               settings.example_epochs, run, desc=f"Example 3.1 {optimizer_name} lr={lr:g}")
         run.extra["x_final"] = model.x.item()
         return run
 
-    return _compare(run_one, ("sgd", "nsgd"), settings.example_grid)
+    return _compare_optimizers(run_one, settings.example_grid, _seeds(settings, seed))
 
 
-def _compare(run_one, optimizers, grid) -> dict:
-    """Grid-search every optimizer; keep all the runs and name the best learning rate of each."""
-    result = {"grid": list(grid), "best": {}, "runs": {}}
-    for name in optimizers:
-        best, runs = lr_search(run_one, name, grid)
-        result["best"][name] = best
-        result["runs"][name] = runs
+def _seeds(settings: Settings, seed: int) -> range:
+    return range(seed, seed + settings.seeds)
+
+
+def _compare(runners: dict, grid, seeds) -> dict:
+    """``runners[method] = (optimizer, run_one)`` with ``run_one(optimizer, lr, seed) -> Run``: grid-search
+    each method's learning rate on the first seed (``runs``, ``best``), then train the chosen rate on every
+    seed (``seed_runs``, whose first run is the grid's)."""
+    result = {"grid": list(grid), "best": {}, "runs": {}, "seed_runs": {}}
+    for method, (optimizer, run_one) in runners.items():
+        best, runs = lr_search(run_one, optimizer, grid)
+        result["best"][method], result["runs"][method] = best, runs
+        result["seed_runs"][method] = [best] + [run_one(best.optimizer, best.lr, s) for s in seeds if s != best.seed]
     return result
+
+
+def _compare_optimizers(run_one, grid, seeds) -> dict:
+    """SGD+momentum against NormalizedSGD through the same ``run_one``: :func:`_compare` of the two."""
+    return _compare({name: (name, run_one) for name in ("sgd", "nsgd")}, grid, seeds)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -147,7 +162,8 @@ def _compare(run_one, optimizers, grid) -> dict:
 
 def small_mlp(n_in: int, n_out: int, hidden: int = 64) -> nn.Module:
     """Two hidden ReLU layers: small enough to train in a second on a CPU, non-convex all the same."""
-    return nn.Sequential(nn.Linear(n_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, n_out))
+    return nn.Sequential(nn.Linear(n_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                         nn.Linear(hidden, n_out))
 
 
 def squared_error(model: nn.Module, batch) -> torch.Tensor:
@@ -163,18 +179,18 @@ def age_regression(settings: Settings, seed: int, device: str = "cpu") -> dict:
     whole_train = fixed_batches(x, y)
     x_test, y_test = data.x_test.to(device), data.y_test.to(device)
 
-    def run_one(optimizer_name: str, lr: float) -> Run:
-        torch.manual_seed(seed)
+    def run_one(optimizer_name: str, lr: float, run_seed: int = seed) -> Run:
+        torch.manual_seed(run_seed)
         model = small_mlp(x.shape[1], 1).to(device)
         criterion = dro_ext.DROLoss("chi2", lam=LAM).to(device)
         optimizer = make_optimizer(optimizer_name, [*model.parameters(), *criterion.parameters()], lr)
-        order = _generator(seed)
+        order = _generator(run_seed)
 
         def judge() -> float:
             psi, _ = dro_ext.evaluate(model, whole_train, squared_error, LAM, "chi2", progress=False)
             return psi.item()
 
-        run = Run(optimizer_name, lr, seed)
+        run = Run(optimizer_name, lr, run_seed)
         train(model, criterion, optimizer, lambda: shuffled_batches(x, y, order), squared_error, judge,
               settings.regression_epochs, run, desc=f"regression {optimizer_name} lr={lr:g}")
         with torch.no_grad():
@@ -182,7 +198,7 @@ def age_regression(settings: Settings, seed: int, device: str = "cpu") -> dict:
             run.extra["test_mae_years"] = (model(x_test).squeeze(-1) - y_test).abs().mean().item()
         return run
 
-    result = _compare(run_one, ("sgd", "nsgd"), settings.regression_grid)
+    result = _compare_optimizers(run_one, settings.regression_grid, _seeds(settings, seed))
     result["n_train"], result["n_test"] = len(x), len(x_test)
     result["band_18_30_fraction"] = ((data.y_train >= 18) & (data.y_train <= 30)).float().mean().item()
     return result
@@ -236,11 +252,6 @@ def _digits_runner(data, seed: int, device: str, divergence: str, judge_by, epoc
     return run_one
 
 
-def _repeat_best(run_one, best: Run, seeds) -> list:
-    """The chosen learning rate again on further seeds (model init and batch order), for the tables."""
-    return [best] + [run_one(best.optimizer, best.lr, s) for s in seeds if s != best.seed]
-
-
 def _digits_data_summary(data) -> dict:
     return {
         "rho": list(PAPER_RHO),
@@ -253,9 +264,7 @@ def digits_chi2(settings: Settings, seed: int, device: str = "cpu") -> dict:
     """chi2-DRO classification of the imbalanced digits: SGD+momentum vs NormalizedSGD, Psi each epoch."""
     data = load_imbalanced_digits(seed=seed)
     run_one = _digits_runner(data, seed, device, "chi2", judge_by=("chi2", None), epochs=settings.digits_epochs)
-    result = _compare(run_one, ("sgd", "nsgd"), settings.digits_grid)
-    seeds = range(seed, seed + settings.table_seeds)
-    result["table_runs"] = {name: _repeat_best(run_one, result["best"][name], seeds) for name in ("sgd", "nsgd")}
+    result = _compare_optimizers(run_one, settings.digits_grid, _seeds(settings, seed))
     result["data"] = _digits_data_summary(data)
     return result
 
@@ -264,12 +273,9 @@ def digits_cvar(settings: Settings, seed: int, device: str = "cpu") -> dict:
     """CVaR against smoothed CVaR (alpha = 0.02) on the imbalanced digits, both trained with SGD+momentum
     (Section 3.3: SGD suffices for smoothed CVaR) and both judged by the CVaR objective each epoch."""
     data = load_imbalanced_digits(seed=seed)
-    result = {"grid": list(settings.digits_grid), "best": {}, "runs": {}, "table_runs": {}}
-    seeds = range(seed, seed + settings.table_seeds)
-    for divergence in ("cvar", "smoothed_cvar"):
-        run_one = _digits_runner(data, seed, device, divergence, judge_by=("cvar", ALPHA), epochs=settings.digits_epochs)
-        best, runs = lr_search(run_one, "sgd", settings.digits_grid)
-        result["best"][divergence], result["runs"][divergence] = best, runs
-        result["table_runs"][divergence] = _repeat_best(run_one, best, seeds)
+    runners = {divergence: ("sgd", _digits_runner(data, seed, device, divergence, judge_by=("cvar", ALPHA),
+                                                  epochs=settings.digits_epochs))
+               for divergence in ("cvar", "smoothed_cvar")}
+    result = _compare(runners, settings.digits_grid, _seeds(settings, seed))
     result["data"] = _digits_data_summary(data)
     return result
