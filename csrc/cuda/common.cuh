@@ -1,5 +1,6 @@
 // Device helpers shared by the CUDA kernels of the loss and the robust objective: scalars read on the device,
-// the launch configuration, vectorized grid-stride loops and deterministic block reductions.
+// the launch configuration, vectorized grid-stride loops and deterministic block reductions. Every launch is
+// checked with C10_CUDA_KERNEL_LAUNCH_CHECK() right after it.
 //
 // Determinism: every reduction here is a fixed tree. Each thread sums a fixed set of elements (the grid size
 // depends on N only, never on the card or the run), CUB's BlockReduce combines the threads of a block in a
@@ -345,8 +346,5 @@ __device__ __forceinline__ Pair<at::opmath_type<scalar_t>> thread_derivative_sum
     return s;
   }
 }
-
-// Launch checks on the current stream (no sync).
-#define DRO_EXT_CUDA_CHECK_LAUNCH() C10_CUDA_KERNEL_LAUNCH_CHECK()
 
 }  // namespace dro_ext::cuda

@@ -48,7 +48,7 @@ void launch_derivative_partials(const at::Tensor& x, const DivergenceSpec& spec,
     auto* out = reinterpret_cast<Pair<acc_t>*>(partials.mutable_data_ptr<acc_t>());
     launch_for_divergence<acc_t>(spec, [&](const auto& div) {
       derivative_partials_kernel<A, B><<<blocks, kThreads, 0, stream>>>(data, n, div, shift, 1.0 / lam, skip, out);
-      DRO_EXT_CUDA_CHECK_LAUNCH();
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
 }
@@ -119,7 +119,7 @@ inline void launch_map_derivative(const at::Tensor& x, at::Tensor& out, const Di
         map_derivative_kernel<false><<<blocks, kThreads, 0, stream>>>(data, result, n, div, shift, 1.0 / lam, mult,
                                                                        divisor, order, eta_grad);
       }
-      DRO_EXT_CUDA_CHECK_LAUNCH();
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
 }

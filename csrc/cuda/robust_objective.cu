@@ -193,7 +193,7 @@ void launch_threshold_partials(const at::Tensor& x, ShiftRef threshold, const in
     threshold_partials_kernel<MODE><<<static_cast<int>(partials.size(0)), kThreads, 0, stream>>>(
         x.const_data_ptr<scalar_t>(), x.numel(), threshold, skip,
         reinterpret_cast<Pair<double>*>(partials.mutable_data_ptr<double>()));
-    DRO_EXT_CUDA_CHECK_LAUNCH();
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
@@ -415,9 +415,9 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
     using acc_t = at::opmath_type<scalar_t>;
     auto* mm = reinterpret_cast<MinMax<acc_t>*>(minmax.mutable_data_ptr<acc_t>());
     min_max_kernel<<<blocks, kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(), n, mm);
-    DRO_EXT_CUDA_CHECK_LAUNCH();
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     init_solver_kernel<acc_t><<<1, kThreads, 0, stream>>>(mm, blocks, state, lam, eps, iterative, select);
-    DRO_EXT_CUDA_CHECK_LAUNCH();
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 
   if (spec.kind == Divergence::KL) {
@@ -427,7 +427,7 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
       using acc_t = decltype(acc_zero);
       kl_finalize_kernel<acc_t><<<1, kThreads, 0, stream>>>(
           reinterpret_cast<const Pair<acc_t>*>(partials.const_data_ptr<acc_t>()), blocks, state, lam, nd);
-      DRO_EXT_CUDA_CHECK_LAUNCH();
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   } else if (spec.kind == Divergence::CVaR) {
     const double tail = tail_size(spec.alpha, n);
@@ -442,7 +442,7 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
     cvar_finalize_kernel<<<1, kThreads, 0, stream>>>(reinterpret_cast<const Pair<double>*>(partials_above.const_data_ptr<double>()),
                                                      static_cast<int>(partials_above.size(0)), &select->value, state,
                                                      tail);
-    DRO_EXT_CUDA_CHECK_LAUNCH();
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else {
     const int budget = pass_budget(eps);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_cuda_multisection", [&] {
@@ -453,7 +453,7 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
       launch_for_divergence<acc_t>(spec, [&](const auto& div) {
         for (int pass = 0; pass < budget; ++pass) {
           multisection_kernel<<<blocks, kThreads, 0, stream>>>(data, n, div, lam, chi2, budget, state, out);
-          DRO_EXT_CUDA_CHECK_LAUNCH();
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
       });
     });
@@ -463,14 +463,14 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
                                                      &state->skip_segment, segment);
       chi2_segment_kernel<<<1, kThreads, 0, stream>>>(reinterpret_cast<const Pair<double>*>(segment.const_data_ptr<double>()),
                                                       static_cast<int>(segment.size(0)), state, lam, nd);
-      DRO_EXT_CUDA_CHECK_LAUNCH();
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     launch_derivative_partials<0, 1>(x, spec, ShiftRef{scalar_ref(&state->eta), 1.0, 0.0}, lam, finished, partials);
     dispatch_acc(x.scalar_type(), [&](auto acc_zero) {
       using acc_t = decltype(acc_zero);
       objective_finalize_kernel<acc_t><<<1, kThreads, 0, stream>>>(
           reinterpret_cast<const Pair<acc_t>*>(partials.const_data_ptr<acc_t>()), blocks, state, lam, nd);
-      DRO_EXT_CUDA_CHECK_LAUNCH();
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
 
@@ -478,7 +478,7 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
   at::Tensor value = at::empty({}, options);
   at::Tensor eta = at::empty({}, options.dtype(accumulate_type(losses.scalar_type())));
   write_result_kernel<<<1, 1, 0, stream>>>(state, scalar_out(value), scalar_out(eta));
-  DRO_EXT_CUDA_CHECK_LAUNCH();
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {value, eta};
 }
 
@@ -537,11 +537,11 @@ at::Tensor robust_weights_cuda(
     cvar_weight_params_kernel<<<1, kThreads, 0, stream>>>(reinterpret_cast<const Pair<double>*>(counts.const_data_ptr<double>()),
                                                           static_cast<int>(counts.size(0)), eta,
                                                           tail_size(spec.alpha, n), params.mutable_data_ptr<double>());
-    DRO_EXT_CUDA_CHECK_LAUNCH();
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_cuda_cvar_weights", [&] {
       cvar_weights_kernel<<<map_blocks<scalar_t>(n), kThreads, 0, stream>>>(
           x.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), n, eta, params.const_data_ptr<double>());
-      DRO_EXT_CUDA_CHECK_LAUNCH();
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
     return out;
   }
@@ -554,7 +554,7 @@ at::Tensor robust_weights_cuda(
     inverse_sum_kernel<acc_t><<<1, kThreads, 0, stream>>>(
         reinterpret_cast<const Pair<acc_t>*>(partials.const_data_ptr<acc_t>()), static_cast<int>(partials.size(0)),
         inverse.mutable_data_ptr<double>());
-    DRO_EXT_CUDA_CHECK_LAUNCH();
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   launch_map_derivative(x, out, spec, ShiftRef{eta, 1.0, 0.0}, lam, scalar_ref(inverse.const_data_ptr<double>()), 1.0,
                         1);
@@ -667,11 +667,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weight_stats_cuda(
     weight_stats_kernel<<<blocks, kThreads, 0, stream>>>(
         x.const_data_ptr<scalar_t>(), with_groups ? g.const_data_ptr<int64_t>() : nullptr, n,
         with_groups ? num_groups : 0, stats);
-    DRO_EXT_CUDA_CHECK_LAUNCH();
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     weight_stats_finalize_kernel<acc_t><<<1, kThreads, 0, stream>>>(
         stats, blocks, static_cast<double>(n), ess.mutable_data_ptr<acc_t>(), max_weight.mutable_data_ptr<acc_t>(),
         zero_fraction.mutable_data_ptr<acc_t>(), total.mutable_data_ptr<double>(), bad_id.mutable_data_ptr<int>());
-    DRO_EXT_CUDA_CHECK_LAUNCH();
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   if (!with_groups) return {ess, max_weight, zero_fraction, at::empty({0}, options)};
 
@@ -699,7 +699,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weight_stats_cuda(
   group_mass_kernel<<<static_cast<unsigned int>(num_groups), kThreads, 0, stream>>>(
       sorted_ids.const_data_ptr<int64_t>(), sorted_w.const_data_ptr<double>(), n, total.const_data_ptr<double>(),
       mass.mutable_data_ptr<double>());
-  DRO_EXT_CUDA_CHECK_LAUNCH();
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {ess, max_weight, zero_fraction, mass.to(options.dtype())};
 }
 
