@@ -1,7 +1,7 @@
-// Device infrastructure shared by the CUDA kernels, apart from any math: scalars read and written on the device,
-// the launch shape, vectorized grid-stride loops and deterministic warp and block reductions. The divergence math
-// the loss kernels sum lives in psi_star_kernels.cuh. Every launch is checked with C10_CUDA_KERNEL_LAUNCH_CHECK()
-// right after it.
+// Device infrastructure shared by every CUDA kernel of dro_ext, apart from any math: scalars read and written on
+// the device, the launch shape, vectorized grid-stride loops and deterministic warp and block reductions. The
+// divergence math the loss kernels sum lives in psi_star_kernels.cuh; the multi-tensor launches of the optimizer
+// in multi_tensor.cuh. Every launch is checked with C10_CUDA_KERNEL_LAUNCH_CHECK() right after it.
 //
 // Determinism: every reduction here is a fixed tree. Each thread sums a fixed set of elements (the grid size
 // depends on N only, never on the card or the run), CUB's BlockReduce combines the threads of a block in a
@@ -19,29 +19,35 @@
 #include <cub/cub.cuh>
 
 #include <cstdint>
+#include <optional>
 #include <type_traits>
+#include <vector>
 
 namespace dro_ext::cuda {
 
+// Threads per block of the kernels over the losses (elementwise maps and reductions).
 constexpr int kThreads = 256;
 // At most this many blocks per reduction: about one wave of 256-thread blocks on an H100 (132 SMs x 8),
 // and few enough partials for one block to combine. A constant, so the summation tree depends on N only.
 constexpr int64_t kMaxReduceBlocks = 1024;
 constexpr int64_t kMaxMapBlocks = 65535 * 4;
 
-// A 0-d floating tensor read on the device: the pointer and its dtype, so that no kernel is instantiated
-// per dtype of eta/grad/multiplier and nothing is copied to the host.
+// The dtype of a scalar a kernel reads or writes through a pointer, so that no kernel is instantiated per dtype
+// of a scalar argument.
+enum class ScalarKind : int { kFloat, kDouble, kHalf, kBFloat16 };
+
+// A 0-d floating tensor read on the device: the pointer and its dtype; nothing is copied to the host.
 struct ScalarRef {
   const void* ptr;
-  int kind;  // 0 float, 1 double, 2 half, 3 bfloat16
+  ScalarKind kind;
 
   __device__ __forceinline__ double read() const {
     switch (kind) {
-      case 1:
+      case ScalarKind::kDouble:
         return *static_cast<const double*>(ptr);
-      case 2:
+      case ScalarKind::kHalf:
         return static_cast<double>(static_cast<float>(*static_cast<const c10::Half*>(ptr)));
-      case 3:
+      case ScalarKind::kBFloat16:
         return static_cast<double>(static_cast<float>(*static_cast<const c10::BFloat16*>(ptr)));
       default:
         return static_cast<double>(*static_cast<const float*>(ptr));
@@ -49,12 +55,12 @@ struct ScalarRef {
   }
 };
 
-inline int scalar_kind(const at::Tensor& t) {
+inline ScalarKind scalar_kind(const at::Tensor& t) {
   switch (t.scalar_type()) {
-    case at::kDouble: return 1;
-    case at::kHalf: return 2;
-    case at::kBFloat16: return 3;
-    default: return 0;
+    case at::kDouble: return ScalarKind::kDouble;
+    case at::kHalf: return ScalarKind::kHalf;
+    case at::kBFloat16: return ScalarKind::kBFloat16;
+    default: return ScalarKind::kFloat;
   }
 }
 
@@ -66,18 +72,53 @@ inline ScalarRef scalar_ref(const at::Tensor& t) {
   return ScalarRef{t.const_data_ptr(), scalar_kind(t)};
 }
 
-inline ScalarRef scalar_ref(const double* device_ptr) { return ScalarRef{device_ptr, 1}; }
+inline ScalarRef scalar_ref(const double* device_ptr) { return ScalarRef{device_ptr, ScalarKind::kDouble}; }
+
+// A one-element tensor argument that may sit on the host or on the device: a host tensor's value is read when the
+// kernel is enqueued (host memory: no sync), a device tensor is read by the kernel through ref. In a captured CUDA
+// graph a host value is fixed; a device tensor may change between replays.
+struct ScalarArg {
+  ScalarRef ref{nullptr, ScalarKind::kDouble};  // ref.ptr == nullptr: the value is `value`
+  double value = 0.0;
+
+  bool on_host() const { return ref.ptr == nullptr; }
+  __device__ __forceinline__ double read() const { return ref.ptr == nullptr ? value : ref.read(); }
+};
+
+// The ScalarArg of an optional one-element tensor (checked by the op beforehand: on the CPU or on the device the
+// kernels run on): `absent` when it is not given. An integer or bool tensor on the device (e.g. a found_inf flag)
+// is converted to float64 there, stream-ordered (no sync); the copy joins keep_alive, which the caller holds until
+// its kernels are enqueued (the caching allocator orders any reuse of the memory after them).
+inline ScalarArg scalar_arg(const std::optional<at::Tensor>& tensor, double absent,
+                            std::vector<at::Tensor>& keep_alive) {
+  ScalarArg arg;
+  arg.value = absent;
+  if (!tensor.has_value()) return arg;
+  const at::Tensor& t = *tensor;
+  if (t.device().is_cpu()) {
+    arg.value = t.item<double>();
+    return arg;
+  }
+  const auto type = t.scalar_type();
+  if (type == at::kFloat || type == at::kDouble || type == at::kHalf || type == at::kBFloat16) {
+    arg.ref = ScalarRef{t.const_data_ptr(), scalar_kind(t)};
+  } else {
+    keep_alive.push_back(t.to(at::kDouble));
+    arg.ref = ScalarRef{keep_alive.back().const_data_ptr(), ScalarKind::kDouble};
+  }
+  return arg;
+}
 
 // A 0-d floating output tensor written on the device, whatever its dtype.
 struct ScalarOut {
   void* ptr;
-  int kind;  // as ScalarRef
+  ScalarKind kind;
 
   __device__ __forceinline__ void write(double v) const {
     switch (kind) {
-      case 1: *static_cast<double*>(ptr) = v; break;
-      case 2: *static_cast<c10::Half*>(ptr) = c10::Half(static_cast<float>(v)); break;
-      case 3: *static_cast<c10::BFloat16*>(ptr) = c10::BFloat16(static_cast<float>(v)); break;
+      case ScalarKind::kDouble: *static_cast<double*>(ptr) = v; break;
+      case ScalarKind::kHalf: *static_cast<c10::Half*>(ptr) = c10::Half(static_cast<float>(v)); break;
+      case ScalarKind::kBFloat16: *static_cast<c10::BFloat16*>(ptr) = c10::BFloat16(static_cast<float>(v)); break;
       default: *static_cast<float*>(ptr) = static_cast<float>(v); break;
     }
   }
@@ -190,6 +231,13 @@ struct PairSum {
   }
 };
 
+struct Sum {
+  template <typename T>
+  __device__ __forceinline__ T operator()(const T& x, const T& y) const {
+    return x + y;
+  }
+};
+
 // The last-block-done pattern: every thread calls it once its writes for the last block are made (global memory);
 // it returns, in every thread, whether this block is the last of the grid to arrive at the counter, and in that
 // block every other block's writes are then visible. The caller's last block resets *counter for the next launch.
@@ -206,22 +254,36 @@ __device__ __forceinline__ bool arrive_last(unsigned int* counter) {
   return is_last;
 }
 
-// The block-wide combination of v under op, valid in thread 0. Safe to call repeatedly in one kernel.
-template <typename T, typename Op>
+// The block-wide combination of v under op, valid in thread 0, for blocks of THREADS threads. Safe to call
+// repeatedly in one kernel.
+template <int THREADS = kThreads, typename T, typename Op>
 __device__ __forceinline__ T block_reduce(const T& v, Op op) {
-  using Reduce = cub::BlockReduce<T, kThreads>;
+  using Reduce = cub::BlockReduce<T, THREADS>;
   __shared__ typename Reduce::TempStorage storage;
   __syncthreads();  // a previous call's readers are done with storage
   return Reduce(storage).Reduce(v, op);
 }
 
-// Combines count partials in a fixed order with one block: thread j takes j, j + kThreads, ... then the block
-// tree. Valid in thread 0.
-template <typename T, typename Op>
-__device__ __forceinline__ T reduce_partials(const T* partials, int count, T identity, Op op) {
+// The block-wide sum of v in every thread of the block (block_reduce's, passed on through shared memory); its
+// barriers also make every thread's earlier writes visible to the whole block. Safe to call repeatedly.
+template <int THREADS = kThreads, typename T>
+__device__ __forceinline__ T block_sum_to_all(const T& v) {
+  __shared__ T total;
+  const T sum = block_reduce<THREADS>(v, Sum());
+  if (threadIdx.x == 0) total = sum;
+  __syncthreads();
+  const T result = total;
+  __syncthreads();  // every thread has read total before a next call writes it
+  return result;
+}
+
+// Combines count partials in a fixed order with one block of THREADS threads: thread j takes j, j + THREADS, ...
+// then the block tree. Valid in thread 0.
+template <int THREADS = kThreads, typename T, typename Op>
+__device__ __forceinline__ T reduce_partials(const T* partials, int64_t count, T identity, Op op) {
   T v = identity;
-  for (int i = threadIdx.x; i < count; i += kThreads) v = op(v, partials[i]);
-  return block_reduce(v, op);
+  for (int64_t i = threadIdx.x; i < count; i += THREADS) v = op(v, partials[i]);
+  return block_reduce<THREADS>(v, op);
 }
 
 }  // namespace dro_ext::cuda

@@ -613,10 +613,6 @@ __global__ void __launch_bounds__(kThreads) weight_stats_finalize_kernel(
   *bad_id = s.bad_id;
 }
 
-struct DoubleSum {
-  __device__ __forceinline__ double operator()(double x, double y) const { return x + y; }
-};
-
 // One block per group: the group's segment of the weights sorted by group id, summed in a fixed order.
 __global__ void __launch_bounds__(kThreads) group_mass_kernel(const int64_t* __restrict__ sorted_ids,
                                                               const double* __restrict__ sorted_w, int64_t n,
@@ -639,7 +635,7 @@ __global__ void __launch_bounds__(kThreads) group_mass_kernel(const int64_t* __r
   __syncthreads();
   double s = 0.0;
   for (int64_t i = bounds[0] + threadIdx.x; i < bounds[1]; i += kThreads) s += sorted_w[i];
-  const double sum = block_reduce(s, DoubleSum());
+  const double sum = block_reduce(s, Sum());
   if (threadIdx.x == 0) mass[group] = sum / *total;
 }
 
