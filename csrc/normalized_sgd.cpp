@@ -28,9 +28,11 @@ namespace dro_ext {
 
 namespace {
 
-// Tensors are cut into chunks of this many elements, whatever the thread count, and the partial sums
-// of squares are combined in chunk order: the norm, hence the step, is bitwise repeatable.
-constexpr int64_t kChunk = 8192;
+// The CPU step cuts each tensor into chunks of this many elements, whatever the thread count: a chunk is one task
+// on the thread pool and one partial sum of squares, and the partials are combined in chunk order, so the norm,
+// hence the step, is bitwise repeatable. The step's own constant, apart from cpu::kReductionChunk (the loss
+// reductions') and cuda::kMultiTensorChunk (one block's share of the CUDA step): changing it changes the step's bits.
+constexpr int64_t kStepChunk = 8192;
 // Below this many elements in all, threads cost more than they save.
 constexpr int64_t kSerialBelow = 1 << 16;
 // Independent accumulators, so the compiler vectorizes the sum of squares without reordering a sum.
@@ -221,8 +223,8 @@ void normalized_sgd_step_cpu(
   for (const auto t : c10::irange(num_tensors)) {
     const int64_t n = params[t].numel();
     total += n;
-    for (int64_t begin = 0; begin < n; begin += kChunk) {
-      chunks.push_back({t, begin, std::min(n, begin + kChunk)});
+    for (int64_t begin = 0; begin < n; begin += kStepChunk) {
+      chunks.push_back({t, begin, std::min(n, begin + kStepChunk)});
     }
   }
   // m_1 = g_1 is the update with beta = 0; state starts at zero so 0 * m adds nothing.
