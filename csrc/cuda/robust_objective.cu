@@ -439,9 +439,9 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
     at::Tensor partials_above = threshold_partials_buffer(x);
     launch_threshold_partials<Threshold::kAboveSum>(x, ShiftRef{scalar_ref(&select->value), 1.0, 0.0}, finished,
                                                    partials_above);
-    cvar_finalize_kernel<<<1, kThreads, 0, stream>>>(reinterpret_cast<const Pair<double>*>(partials_above.const_data_ptr<double>()),
-                                                     static_cast<int>(partials_above.size(0)), &select->value, state,
-                                                     tail);
+    cvar_finalize_kernel<<<1, kThreads, 0, stream>>>(
+        reinterpret_cast<const Pair<double>*>(partials_above.const_data_ptr<double>()),
+        static_cast<int>(partials_above.size(0)), &select->value, state, tail);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else {
     const int budget = pass_budget(eps);
@@ -461,8 +461,9 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
       at::Tensor segment = threshold_partials_buffer(x);
       launch_threshold_partials<Threshold::kAboveSum>(x, ShiftRef{scalar_ref(&state->eta), 1.0, -2.0 * lam},
                                                      &state->skip_segment, segment);
-      chi2_segment_kernel<<<1, kThreads, 0, stream>>>(reinterpret_cast<const Pair<double>*>(segment.const_data_ptr<double>()),
-                                                      static_cast<int>(segment.size(0)), state, lam, nd);
+      chi2_segment_kernel<<<1, kThreads, 0, stream>>>(
+          reinterpret_cast<const Pair<double>*>(segment.const_data_ptr<double>()), static_cast<int>(segment.size(0)),
+          state, lam, nd);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     launch_derivative_partials<0, 1>(x, spec, ShiftRef{scalar_ref(&state->eta), 1.0, 0.0}, lam, finished, partials);
@@ -506,9 +507,9 @@ __global__ void __launch_bounds__(kThreads) cvar_weight_params_kernel(const Pair
 }
 
 template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads) cvar_weights_kernel(const scalar_t* __restrict__ x, scalar_t* __restrict__ out,
-                                                                int64_t n, ScalarRef eta_ref,
-                                                                const double* __restrict__ params) {
+__global__ void __launch_bounds__(kThreads) cvar_weights_kernel(const scalar_t* __restrict__ x,
+                                                                scalar_t* __restrict__ out, int64_t n,
+                                                                ScalarRef eta_ref, const double* __restrict__ params) {
   const double eta = eta_ref.read();
   const double above = params[0], boundary = params[1], below = params[2];
   const double nan = std::numeric_limits<double>::quiet_NaN();
@@ -534,9 +535,9 @@ at::Tensor robust_weights_cuda(
     at::Tensor counts = threshold_partials_buffer(x);
     launch_threshold_partials<Threshold::kAboveEqual>(x, ShiftRef{eta, 1.0, 0.0}, nullptr, counts);
     at::Tensor params = at::empty({3}, x.options().dtype(at::kDouble));
-    cvar_weight_params_kernel<<<1, kThreads, 0, stream>>>(reinterpret_cast<const Pair<double>*>(counts.const_data_ptr<double>()),
-                                                          static_cast<int>(counts.size(0)), eta,
-                                                          tail_size(spec.alpha, n), params.mutable_data_ptr<double>());
+    cvar_weight_params_kernel<<<1, kThreads, 0, stream>>>(
+        reinterpret_cast<const Pair<double>*>(counts.const_data_ptr<double>()), static_cast<int>(counts.size(0)), eta,
+        tail_size(spec.alpha, n), params.mutable_data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_cuda_cvar_weights", [&] {
       cvar_weights_kernel<<<map_blocks<scalar_t>(n), kThreads, 0, stream>>>(
@@ -682,15 +683,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weight_stats_cuda(
   size_t temp_bytes = 0;
   int end_bit = 1;
   while (end_bit < 63 && (int64_t{1} << end_bit) < num_groups) ++end_bit;  // ids are in [0, num_groups)
-  C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, g.const_data_ptr<int64_t>(),
-                                                 sorted_ids.mutable_data_ptr<int64_t>(), values.const_data_ptr<double>(),
-                                                 sorted_w.mutable_data_ptr<double>(), static_cast<int>(n), 0, end_bit,
-                                                 stream));
+  // CUB's two-call protocol: with no temp storage the call only says how much it needs.
+  auto sort_by_group = [&](void* temp_storage) {
+    C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+        temp_storage, temp_bytes, g.const_data_ptr<int64_t>(), sorted_ids.mutable_data_ptr<int64_t>(),
+        values.const_data_ptr<double>(), sorted_w.mutable_data_ptr<double>(), static_cast<int>(n), 0, end_bit,
+        stream));
+  };
+  sort_by_group(nullptr);
   at::Tensor temp = at::empty({static_cast<int64_t>(temp_bytes)}, x.options().dtype(at::kByte));
-  C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.mutable_data_ptr(), temp_bytes, g.const_data_ptr<int64_t>(),
-                                                 sorted_ids.mutable_data_ptr<int64_t>(), values.const_data_ptr<double>(),
-                                                 sorted_w.mutable_data_ptr<double>(), static_cast<int>(n), 0, end_bit,
-                                                 stream));
+  sort_by_group(temp.mutable_data_ptr());
   at::Tensor mass = at::empty({num_groups}, x.options().dtype(at::kDouble));
   group_mass_kernel<<<static_cast<unsigned int>(num_groups), kThreads, 0, stream>>>(
       sorted_ids.const_data_ptr<int64_t>(), sorted_w.const_data_ptr<double>(), n, total.const_data_ptr<double>(),
