@@ -30,7 +30,7 @@ namespace dro_ext::cuda {
 
 // Threads per block of a multi-tensor kernel.
 constexpr int kMultiTensorThreads = 512;
-// Elements per chunk, i.e. per block: 32 per thread, 8 (float32) to 2 (half) 16-byte loads.
+// Elements per chunk, i.e. per block: 32 per thread, 4 (half) to 16 (float64) 16-byte loads.
 constexpr int64_t kMultiTensorChunk = 16384;
 // 16-byte loads each thread issues before their first use, to keep more bytes in flight.
 constexpr int kMultiTensorUnroll = 4;
