@@ -16,6 +16,7 @@
 
 #include "cpu/kernels.h"
 #include "normalized_sgd_checks.h"
+#include "normalized_sgd_operands.h"
 
 #include <cmath>
 #include <cstring>
@@ -27,9 +28,11 @@ namespace dro_ext {
 
 namespace {
 
-// Tensors are cut into chunks of this many elements, whatever the thread count, and the partial sums
-// of squares are combined in chunk order: the norm, hence the step, is bitwise repeatable.
-constexpr int64_t kChunk = 8192;
+// The CPU step cuts each tensor into chunks of this many elements, whatever the thread count: a chunk is one task
+// on the thread pool and one partial sum of squares, and the partials are combined in chunk order, so the norm,
+// hence the step, is bitwise repeatable. The step's own constant, apart from cpu::kReductionChunk (the loss
+// reductions') and cuda::kMultiTensorChunk (one block's share of the CUDA step): changing it changes the step's bits.
+constexpr int64_t kStepChunk = 8192;
 // Below this many elements in all, threads cost more than they save.
 constexpr int64_t kSerialBelow = 1 << 16;
 // Independent accumulators, so the compiler vectorizes the sum of squares without reordering a sum.
@@ -39,13 +42,6 @@ struct Chunk {
   int64_t tensor;
   int64_t begin;
   int64_t end;
-};
-
-// One tensor's operands as flat arrays: p, g and m as given when they share one dense layout, else
-// contiguous copies (p and m are copied back after the step).
-struct Operands {
-  at::Tensor param, grad, momentum;
-  bool copied = false;
 };
 
 // sum m^2 over one chunk, every product and sum in double.
@@ -202,18 +198,9 @@ Passes<scalar_t> passes() {
 }
 #endif
 
-double read_scalar(const char* arg, const at::Tensor& t) {
-  TORCH_CHECK_VALUE(t.numel() == 1, "dro_ext: ", arg, " must hold one element, got shape ", t.sizes());
-  TORCH_CHECK_VALUE(t.device().is_cpu(), "dro_ext: ", arg, " must be on the CPU for CPU parameters, got ",
-                    t.device());
+double read_scalar(const char* name, const at::Tensor& t) {
+  check_step_scalar(name, t, at::kCPU);
   return t.item<double>();
-}
-
-Operands flat_operands(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m) {
-  if (p.is_non_overlapping_and_dense() && g.strides() == p.strides() && m.strides() == p.strides()) {
-    return {p, g, m, false};
-  }
-  return {p.contiguous(), g.contiguous(), m.contiguous(), true};
 }
 
 void normalized_sgd_step_cpu(
@@ -230,15 +217,15 @@ void normalized_sgd_step_cpu(
   if (grad_scale.has_value()) grad_mul /= read_scalar("grad_scale", *grad_scale);
 
   const int64_t num_tensors = static_cast<int64_t>(params.size());
-  std::vector<Operands> ops;
-  ops.reserve(num_tensors);
+  const std::vector<StepOperands> ops = flat_step_operands(params, grads, momenta);
   std::vector<Chunk> chunks;
   int64_t total = 0;
   for (const auto t : c10::irange(num_tensors)) {
-    ops.push_back(flat_operands(params[t], grads[t], momenta[t]));
     const int64_t n = params[t].numel();
     total += n;
-    for (int64_t begin = 0; begin < n; begin += kChunk) chunks.push_back({t, begin, std::min(n, begin + kChunk)});
+    for (int64_t begin = 0; begin < n; begin += kStepChunk) {
+      chunks.push_back({t, begin, std::min(n, begin + kStepChunk)});
+    }
   }
   // m_1 = g_1 is the update with beta = 0; state starts at zero so 0 * m adds nothing.
   std::vector<double> keep(num_tensors), take(num_tensors);
@@ -254,7 +241,7 @@ void normalized_sgd_step_cpu(
   at::parallel_for(0, num_chunks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const Chunk& chunk = chunks[c];
-      const Operands& op = ops[chunk.tensor];
+      const StepOperands& op = ops[chunk.tensor];
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, op.param.scalar_type(), "normalized_sgd_momentum", [&] {
         partial[c] = passes<scalar_t>().momentum(
             op.grad.const_data_ptr<scalar_t>() + chunk.begin, op.momentum.mutable_data_ptr<scalar_t>() + chunk.begin,
@@ -278,7 +265,7 @@ void normalized_sgd_step_cpu(
   at::parallel_for(0, num_chunks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const Chunk& chunk = chunks[c];
-      const Operands& op = ops[chunk.tensor];
+      const StepOperands& op = ops[chunk.tensor];
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, op.param.scalar_type(), "normalized_sgd_apply", [&] {
         passes<scalar_t>().apply(op.param.mutable_data_ptr<scalar_t>() + chunk.begin,
                                op.momentum.const_data_ptr<scalar_t>() + chunk.begin, chunk.end - chunk.begin,
@@ -287,13 +274,8 @@ void normalized_sgd_step_cpu(
     }
   });
 
-  for (const auto t : c10::irange(num_tensors)) {
-    if (ops[t].copied) {
-      params[t].copy_(ops[t].param);
-      momenta[t].copy_(ops[t].momentum);
-    }
-    *steps[t].mutable_data_ptr<float>() += 1.0f;
-  }
+  copy_back_step_operands(ops, params, momenta);
+  for (const auto t : c10::irange(num_tensors)) *steps[t].mutable_data_ptr<float>() += 1.0f;
 }
 
 }  // namespace

@@ -30,6 +30,19 @@ inline void check_step_list_lengths(at::TensorList params, at::TensorList grads,
                     grads.size(), ", ", momenta.size(), ", ", steps.size());
 }
 
+// lr, grad_scale or found_inf given as a tensor: one element, on the CPU or, for a step on a GPU, on that GPU (where
+// the kernels read it without a host sync).
+inline void check_step_scalar(const char* name, const at::Tensor& t, c10::Device device) {
+  TORCH_CHECK_VALUE(t.numel() == 1, "dro_ext: ", name, " must hold one element, got shape ", t.sizes());
+  if (device.is_cpu()) {
+    TORCH_CHECK_VALUE(t.device().is_cpu(), "dro_ext: ", name, " must be on the CPU for CPU parameters, got ",
+                      t.device());
+  } else {
+    TORCH_CHECK_VALUE(t.device().is_cpu() || t.device() == device, "dro_ext: ", name, " is on ", t.device(),
+                      " but the parameters are on ", device, "; pass it on ", device, " or on the CPU");
+  }
+}
+
 // No tensor given twice in a list the step updates in place: the CPU kernel would update it twice, and the CUDA
 // kernel's blocks, which run at once, would race on it (a step count shared by two params loses increments).
 inline void check_each_tensor_once(const char* name, at::TensorList list) {

@@ -1,4 +1,4 @@
-// The exact robust objective Psi = min over eta of L(eta) (DESIGN.md section 1, "Exact robust objective"),
+// The exact robust objective Psi = min over eta of L(eta) (docs/design.md section 1.7),
 // its minimizer eta* and the worst-case distribution q at eta*.
 //
 //   robust_objective(l, lam, ...)        -> (Psi, eta*)     Psi in l's dtype, eta* in the accumulate dtype
@@ -49,7 +49,7 @@ constexpr int kMaxIterations = 100;
 // The float64 reductions below use the fixed chunks of cpu/chunks.h, so their results do not depend on the
 // thread count.
 using cpu::for_each_chunk;
-using cpu::kChunk;
+using cpu::kReductionChunk;
 using cpu::map_chunks;
 
 struct Solution {
@@ -428,9 +428,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weight_stats_cpu(
   // runs of whole chunks, few enough that the partial group sums stay under ~32 MB whatever num_groups is;
   // they depend on n and num_groups only, so the result does not depend on the thread count.
   constexpr int64_t kFixed = 6;
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  const int64_t chunks = (n + kReductionChunk - 1) / kReductionChunk;
   const int64_t max_parts = std::max<int64_t>(1, (int64_t{1} << 22) / (kFixed + width));
-  const int64_t part_size = ((chunks + std::min(chunks, max_parts) - 1) / std::min(chunks, max_parts)) * kChunk;
+  const int64_t parts = std::min(chunks, max_parts);
+  const int64_t part_size = ((chunks + parts - 1) / parts) * kReductionChunk;
   const int64_t num_chunks = (n + part_size - 1) / part_size;
   std::vector<double> partial(num_chunks * (kFixed + width), 0.0);
   const int64_t* ids = with_groups ? g.const_data_ptr<int64_t>() : nullptr;

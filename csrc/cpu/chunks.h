@@ -11,14 +11,17 @@ namespace dro_ext::cpu {
 
 // Reductions are cut into chunks of this many elements, independent of the thread count, so that the
 // result is bitwise repeatable; each chunk is summed in blocks to keep the float32 rounding error small.
-constexpr int64_t kChunk = 16384;
+// (The optimizer step chunks its tensors on its own: kStepChunk in csrc/normalized_sgd.cpp.)
+constexpr int64_t kReductionChunk = 16384;
 
 // f(c, begin, end) for every chunk c = [begin, end) of [0, n), on the thread pool.
 template <typename F>
 void for_each_chunk(int64_t n, const F& f) {
-  const int64_t num_chunks = (n + kChunk - 1) / kChunk;
+  const int64_t num_chunks = (n + kReductionChunk - 1) / kReductionChunk;
   at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    for (int64_t c = chunk_begin; c < chunk_end; ++c) f(c, c * kChunk, std::min(n, (c + 1) * kChunk));
+    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+      f(c, c * kReductionChunk, std::min(n, (c + 1) * kReductionChunk));
+    }
   });
 }
 
@@ -26,7 +29,7 @@ void for_each_chunk(int64_t n, const F& f) {
 // in that order, whichever thread computed which.
 template <typename Result, typename F>
 std::vector<Result> map_chunks(int64_t n, const F& chunk_result) {
-  std::vector<Result> results((n + kChunk - 1) / kChunk);
+  std::vector<Result> results((n + kReductionChunk - 1) / kReductionChunk);
   for_each_chunk(n, [&](int64_t c, int64_t begin, int64_t end) { results[c] = chunk_result(begin, end); });
   return results;
 }

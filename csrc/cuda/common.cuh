@@ -1,5 +1,7 @@
-// Device helpers shared by the CUDA kernels of the loss and the robust objective: scalars read on the device,
-// the launch configuration, vectorized grid-stride loops and deterministic block reductions.
+// Device infrastructure shared by every CUDA kernel of dro_ext, apart from any math: scalars read and written on
+// the device, the launch shape, vectorized grid-stride loops and deterministic warp and block reductions. The
+// divergence math the loss kernels sum lives in psi_star_kernels.cuh; the multi-tensor launches of the optimizer
+// in multi_tensor.cuh. Every launch is checked with C10_CUDA_KERNEL_LAUNCH_CHECK() right after it.
 //
 // Determinism: every reduction here is a fixed tree. Each thread sums a fixed set of elements (the grid size
 // depends on N only, never on the card or the run), CUB's BlockReduce combines the threads of a block in a
@@ -17,32 +19,35 @@
 #include <cub/cub.cuh>
 
 #include <cstdint>
+#include <optional>
 #include <type_traits>
-
-#include "cuda/divergence_dispatch.cuh"
-#include "divergences.h"
+#include <vector>
 
 namespace dro_ext::cuda {
 
+// Threads per block of the kernels over the losses (elementwise maps and reductions).
 constexpr int kThreads = 256;
 // At most this many blocks per reduction: about one wave of 256-thread blocks on an H100 (132 SMs x 8),
 // and few enough partials for one block to combine. A constant, so the summation tree depends on N only.
 constexpr int64_t kMaxReduceBlocks = 1024;
 constexpr int64_t kMaxMapBlocks = 65535 * 4;
 
-// A 0-d floating tensor read on the device: the pointer and its dtype, so that no kernel is instantiated
-// per dtype of eta/grad/multiplier and nothing is copied to the host.
+// The dtype of a scalar a kernel reads or writes through a pointer, so that no kernel is instantiated per dtype
+// of a scalar argument.
+enum class ScalarKind : int { kFloat, kDouble, kHalf, kBFloat16 };
+
+// A 0-d floating tensor read on the device: the pointer and its dtype; nothing is copied to the host.
 struct ScalarRef {
   const void* ptr;
-  int kind;  // 0 float, 1 double, 2 half, 3 bfloat16
+  ScalarKind kind;
 
   __device__ __forceinline__ double read() const {
     switch (kind) {
-      case 1:
+      case ScalarKind::kDouble:
         return *static_cast<const double*>(ptr);
-      case 2:
+      case ScalarKind::kHalf:
         return static_cast<double>(static_cast<float>(*static_cast<const c10::Half*>(ptr)));
-      case 3:
+      case ScalarKind::kBFloat16:
         return static_cast<double>(static_cast<float>(*static_cast<const c10::BFloat16*>(ptr)));
       default:
         return static_cast<double>(*static_cast<const float*>(ptr));
@@ -50,12 +55,12 @@ struct ScalarRef {
   }
 };
 
-inline int scalar_kind(const at::Tensor& t) {
+inline ScalarKind scalar_kind(const at::Tensor& t) {
   switch (t.scalar_type()) {
-    case at::kDouble: return 1;
-    case at::kHalf: return 2;
-    case at::kBFloat16: return 3;
-    default: return 0;
+    case at::kDouble: return ScalarKind::kDouble;
+    case at::kHalf: return ScalarKind::kHalf;
+    case at::kBFloat16: return ScalarKind::kBFloat16;
+    default: return ScalarKind::kFloat;
   }
 }
 
@@ -67,18 +72,53 @@ inline ScalarRef scalar_ref(const at::Tensor& t) {
   return ScalarRef{t.const_data_ptr(), scalar_kind(t)};
 }
 
-inline ScalarRef scalar_ref(const double* device_ptr) { return ScalarRef{device_ptr, 1}; }
+inline ScalarRef scalar_ref(const double* device_ptr) { return ScalarRef{device_ptr, ScalarKind::kDouble}; }
+
+// A one-element tensor argument that may sit on the host or on the device: a host tensor's value is read when the
+// kernel is enqueued (host memory: no sync), a device tensor is read by the kernel through ref. In a captured CUDA
+// graph a host value is fixed; a device tensor may change between replays.
+struct ScalarArg {
+  ScalarRef ref{nullptr, ScalarKind::kDouble};  // ref.ptr == nullptr: the value is `value`
+  double value = 0.0;
+
+  bool on_host() const { return ref.ptr == nullptr; }
+  __device__ __forceinline__ double read() const { return ref.ptr == nullptr ? value : ref.read(); }
+};
+
+// The ScalarArg of an optional one-element tensor (checked by the op beforehand: on the CPU or on the device the
+// kernels run on): `absent` when it is not given. An integer or bool tensor on the device (e.g. a found_inf flag)
+// is converted to float64 there, stream-ordered (no sync); the copy joins keep_alive, which the caller holds until
+// its kernels are enqueued (the caching allocator orders any reuse of the memory after them).
+inline ScalarArg scalar_arg(const std::optional<at::Tensor>& tensor, double absent,
+                            std::vector<at::Tensor>& keep_alive) {
+  ScalarArg arg;
+  arg.value = absent;
+  if (!tensor.has_value()) return arg;
+  const at::Tensor& t = *tensor;
+  if (t.device().is_cpu()) {
+    arg.value = t.item<double>();
+    return arg;
+  }
+  const auto type = t.scalar_type();
+  if (type == at::kFloat || type == at::kDouble || type == at::kHalf || type == at::kBFloat16) {
+    arg.ref = ScalarRef{t.const_data_ptr(), scalar_kind(t)};
+  } else {
+    keep_alive.push_back(t.to(at::kDouble));
+    arg.ref = ScalarRef{keep_alive.back().const_data_ptr(), ScalarKind::kDouble};
+  }
+  return arg;
+}
 
 // A 0-d floating output tensor written on the device, whatever its dtype.
 struct ScalarOut {
   void* ptr;
-  int kind;  // as ScalarRef
+  ScalarKind kind;
 
   __device__ __forceinline__ void write(double v) const {
     switch (kind) {
-      case 1: *static_cast<double*>(ptr) = v; break;
-      case 2: *static_cast<c10::Half*>(ptr) = c10::Half(static_cast<float>(v)); break;
-      case 3: *static_cast<c10::BFloat16*>(ptr) = c10::BFloat16(static_cast<float>(v)); break;
+      case ScalarKind::kDouble: *static_cast<double*>(ptr) = v; break;
+      case ScalarKind::kHalf: *static_cast<c10::Half*>(ptr) = c10::Half(static_cast<float>(v)); break;
+      case ScalarKind::kBFloat16: *static_cast<c10::BFloat16*>(ptr) = c10::BFloat16(static_cast<float>(v)); break;
       default: *static_cast<float*>(ptr) = static_cast<float>(v); break;
     }
   }
@@ -191,6 +231,13 @@ struct PairSum {
   }
 };
 
+struct Sum {
+  template <typename T>
+  __device__ __forceinline__ T operator()(const T& x, const T& y) const {
+    return x + y;
+  }
+};
+
 // The last-block-done pattern: every thread calls it once its writes for the last block are made (global memory);
 // it returns, in every thread, whether this block is the last of the grid to arrive at the counter, and in that
 // block every other block's writes are then visible. The caller's last block resets *counter for the next launch.
@@ -207,146 +254,36 @@ __device__ __forceinline__ bool arrive_last(unsigned int* counter) {
   return is_last;
 }
 
-// The block-wide combination of v under op, valid in thread 0. Safe to call repeatedly in one kernel.
-template <typename T, typename Op>
+// The block-wide combination of v under op, valid in thread 0, for blocks of THREADS threads. Safe to call
+// repeatedly in one kernel.
+template <int THREADS = kThreads, typename T, typename Op>
 __device__ __forceinline__ T block_reduce(const T& v, Op op) {
-  using Reduce = cub::BlockReduce<T, kThreads>;
+  using Reduce = cub::BlockReduce<T, THREADS>;
   __shared__ typename Reduce::TempStorage storage;
   __syncthreads();  // a previous call's readers are done with storage
   return Reduce(storage).Reduce(v, op);
 }
 
-// Combines count partials in a fixed order with one block: thread j takes j, j + kThreads, ... then the block
-// tree. Valid in thread 0.
-template <typename T, typename Op>
-__device__ __forceinline__ T reduce_partials(const T* partials, int count, T identity, Op op) {
+// The block-wide sum of v in every thread of the block (block_reduce's, passed on through shared memory); its
+// barriers also make every thread's earlier writes visible to the whole block. Safe to call repeatedly.
+template <int THREADS = kThreads, typename T>
+__device__ __forceinline__ T block_sum_to_all(const T& v) {
+  __shared__ T total;
+  const T sum = block_reduce<THREADS>(v, Sum());
+  if (threadIdx.x == 0) total = sum;
+  __syncthreads();
+  const T result = total;
+  __syncthreads();  // every thread has read total before a next call writes it
+  return result;
+}
+
+// Combines count partials in a fixed order with one block of THREADS threads: thread j takes j, j + THREADS, ...
+// then the block tree. Valid in thread 0.
+template <int THREADS = kThreads, typename T, typename Op>
+__device__ __forceinline__ T reduce_partials(const T* partials, int64_t count, T identity, Op op) {
   T v = identity;
-  for (int i = threadIdx.x; i < count; i += kThreads) v = op(v, partials[i]);
-  return block_reduce(v, op);
+  for (int64_t i = threadIdx.x; i < count; i += THREADS) v = op(v, partials[i]);
+  return block_reduce<THREADS>(v, op);
 }
-
-// The k-th derivative of psi* (0: the value).
-// ORDER 0, 1, 2: psi*, psi*', psi*''; kExcessFirst: psi*' - 1, accurate where psi*' is near 1 (large lam).
-constexpr int kExcessFirst = 3;
-
-template <int ORDER, typename Div, typename T>
-__device__ __forceinline__ T derivative(const Div& div, T t) {
-  if constexpr (ORDER == kExcessFirst) {
-    return div.excess_first(t);
-  } else if constexpr (ORDER == 0) {
-    return div.value(t);
-  } else if constexpr (ORDER == 1) {
-    return div.first(t);
-  } else {
-    return div.second(t);
-  }
-}
-
-template <typename Div, typename T>
-__device__ __forceinline__ T derivative(const Div& div, T t, int order) {
-  return order == 0 ? div.value(t) : (order == 1 ? div.first(t) : div.second(t));
-}
-
-// The per-element term of the loss VALUE, in one place: L = lam * mean_i value_term(div, t_i, l_i, shift, inv_lam),
-// with value_term = psi*(t) + shift / lam formed as l / lam + excess(t) (divergences.h's penalized_value, divided
-// by lam: it keeps its precision as lam grows, and takes psi*(t) itself where t is infinite).
-template <typename Div, typename T>
-__device__ __forceinline__ T value_term(const Div& div, T t, T l, T shift, T inv_lam) {
-  return penalized_value(div, t, l * inv_lam, T(1), shift * inv_lam);
-}
-
-// Per-thread sums of (value_term, psi*') for a divergence with a coarse value (divergences.h: kl, kl_cvar,
-// smoothed_cvar, whose accurate excess costs an expm1 and a log1p on top of first()'s exponential). As
-// csrc/cpu/kernels_impl.h's reduce_coarse does per block of 512 losses, each warp's 32 vectors (128 float32
-// losses) whose mean |t| is at least 1 sum the coarse value, which shares first()'s exponential: there its error, a
-// few roundings of 1 + |psi*(t)|, is within a small factor of the accurate term's. Any other warp (the ERM regime,
-// and NaN) sums value_term itself. The choice is the warp's, not each lane's: a lane-by-lane choice sent nearly
-// every warp down both paths (some lane of 32 almost always falls short), and on an H100 smoothed_cvar's forward
-// then took 77 us at 2^24 against chi2's 32 (bench/results/h100_2026-11-27). Vectors outside a whole-warp
-// iteration (the grid's last, the head and the tail) choose alone.
-// The coarse terms enter as sum value_term = sum psi*(t) + count shift / lam (value_term = psi*(t) + shift / lam);
-// smoothed_cvar's coarse value is summed in product form, its factors (in [1, 2]) multiplied 16 at a time between
-// logarithms: about an instruction a loss, and the flush runs in any thread that owns four float32 vectors
-// (reduce_blocks gives most threads ~4 from n = 4096 on), not only past 2^24. Every sum sees its terms in the
-// thread's fixed order: deterministic.
-template <typename scalar_t, typename Div>
-__device__ __forceinline__ Pair<at::opmath_type<scalar_t>> thread_loss_sums_coarse(
-    const scalar_t* __restrict__ x, int64_t n, const Div& div, at::opmath_type<scalar_t> shift,
-    at::opmath_type<scalar_t> inv_lam) {
-  using acc_t = at::opmath_type<scalar_t>;
-  constexpr bool kProduct = requires { requires Div::kCoarseValueAsProduct; };
-  constexpr int kFlush = 16;  // factors per product: at most 2^16
-  acc_t accurate = 0, first = 0, coarse = 0, coarse_count = 0;
-  acc_t log_product = 0, product = 1;  // kProduct only
-  int factors = 0;
-  for_each_vector<acc_t>(x, n, [&](const acc_t* l, auto count, bool whole_warp) {
-    constexpr int K = decltype(count)::value;
-    acc_t t[K];
-    acc_t abs_t = 0;
-#pragma unroll
-    for (int j = 0; j < K; ++j) {
-      t[j] = (l[j] - shift) * inv_lam;
-      abs_t += ::fabs(t[j]);
-      first += div.first(t[j]);
-    }
-    // False for NaN (a NaN sum in the warp's case).
-    if (whole_warp ? warp_sum(abs_t) >= static_cast<acc_t>(32 * K) : abs_t >= static_cast<acc_t>(K)) {
-      coarse_count += static_cast<acc_t>(K);
-#pragma unroll
-      for (int j = 0; j < K; ++j) {
-        if constexpr (kProduct) {
-          coarse += div.coarse_linear(t[j]);
-          product *= div.coarse_factor(t[j]);
-        } else {
-          coarse += div.coarse_value(t[j]);
-        }
-      }
-      if constexpr (kProduct) {
-        factors += K;
-        if (factors >= kFlush) {
-          log_product += ::log(product);
-          product = 1;
-          factors = 0;
-        }
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < K; ++j) accurate += value_term(div, t[j], l[j], shift, inv_lam);
-    }
-  });
-  if constexpr (kProduct) {
-    coarse = static_cast<acc_t>(div.coarse_scale()) *
-             (coarse + (log_product + ::log(product)) + coarse_count * static_cast<acc_t>(div.coarse_offset()));
-  }
-  return Pair<acc_t>{accurate + (coarse + coarse_count * (shift * inv_lam)), first};
-}
-
-// Per-thread partial sums of (derivative A, derivative B) of psi* at t_i = (x_i - shift) * inv_lam over the
-// elements this thread owns; A == 0 is the loss value term (with B == 1, through the coarse value where the
-// divergence has one: thread_loss_sums_coarse).
-template <int A, int B, typename scalar_t, typename Div>
-__device__ __forceinline__ Pair<at::opmath_type<scalar_t>> thread_derivative_sums(
-    const scalar_t* __restrict__ x, int64_t n, const Div& div, at::opmath_type<scalar_t> shift,
-    at::opmath_type<scalar_t> inv_lam) {
-  using acc_t = at::opmath_type<scalar_t>;
-  if constexpr (A == 0 && B == 1 && requires { requires Div::kHasCoarseValue; }) {
-    return thread_loss_sums_coarse(x, n, div, shift, inv_lam);
-  } else {
-    Pair<acc_t> s{acc_t(0), acc_t(0)};
-    for_each_element<acc_t>(x, n, [&](acc_t l) {
-      const acc_t t = (l - shift) * inv_lam;
-      if constexpr (A == 0) {
-        s.a += value_term(div, t, l, shift, inv_lam);
-      } else {
-        s.a += derivative<A>(div, t);
-      }
-      s.b += derivative<B>(div, t);
-    });
-    return s;
-  }
-}
-
-// Launch checks on the current stream (no sync).
-#define DRO_EXT_CUDA_CHECK_LAUNCH() C10_CUDA_KERNEL_LAUNCH_CHECK()
 
 }  // namespace dro_ext::cuda

@@ -19,8 +19,6 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <cub/cub.cuh>
-
 #include <climits>
 #include <cmath>
 #include <limits>
@@ -35,6 +33,7 @@
 namespace dro_ext::cuda_cross_entropy {
 namespace {
 
+// Threads per block of the row kernels (one block per row) and of the one-block reduction over the rows.
 constexpr int kRowThreads = 256;
 constexpr int kReduceThreads = 512;
 
@@ -77,10 +76,6 @@ struct MergeOp {
 template <typename scalar_t, typename acc_t>
 __device__ __forceinline__ void row_logsumexp(const scalar_t* row, int64_t num_classes, bool want_total, acc_t& lse,
                                               acc_t& total) {
-  using MaxSumReduce = cub::BlockReduce<MaxSum<acc_t>, kRowThreads>;
-  using SumReduce = cub::BlockReduce<acc_t, kRowThreads>;
-  __shared__ typename MaxSumReduce::TempStorage max_sum_storage;
-  __shared__ typename SumReduce::TempStorage sum_storage;
   MaxSum<acc_t> mine{-std::numeric_limits<acc_t>::infinity(), acc_t(0)};
   acc_t row_sum = 0;
   for (int64_t j = threadIdx.x; j < num_classes; j += kRowThreads) {
@@ -96,8 +91,8 @@ __device__ __forceinline__ void row_logsumexp(const scalar_t* row, int64_t num_c
     row_sum += x;
   }
   if (mine.sum != mine.sum) mine.max = mine.sum;  // carry a NaN into the max, which merge() tests
-  const MaxSum<acc_t> all = MaxSumReduce(max_sum_storage).Reduce(mine, MergeOp<acc_t>());
-  if (want_total) total = SumReduce(sum_storage).Sum(row_sum);
+  const MaxSum<acc_t> all = cuda::block_reduce<kRowThreads>(mine, MergeOp<acc_t>());
+  if (want_total) total = cuda::block_reduce<kRowThreads>(row_sum, cuda::Sum());
   lse = all.max + ::log(all.sum);
 }
 
@@ -180,10 +175,6 @@ template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kReduceThreads)
 reduce_rows_kernel(const int64_t* targets, int64_t rows, int64_t ignore_index, const acc_t* value_terms,
                    acc_t* weights, scalar_t* value_out, acc_t* mean_weight_out, acc_t* sums_out) {
-  using Reduce = cub::BlockReduce<acc_t, kReduceThreads>;
-  using CountReduce = cub::BlockReduce<int64_t, kReduceThreads>;
-  __shared__ typename Reduce::TempStorage storage;
-  __shared__ typename CountReduce::TempStorage count_storage;
   __shared__ acc_t shared_inv_count;
   acc_t value_sum = 0, weight_sum = 0;
   int64_t kept = 0;
@@ -193,10 +184,9 @@ reduce_rows_kernel(const int64_t* targets, int64_t rows, int64_t ignore_index, c
     weight_sum += weights[i];
     ++kept;
   }
-  const acc_t total_value = Reduce(storage).Sum(value_sum);
-  __syncthreads();
-  const acc_t total_weight = Reduce(storage).Sum(weight_sum);
-  const int64_t total_kept = CountReduce(count_storage).Sum(kept);
+  const acc_t total_value = cuda::block_reduce<kReduceThreads>(value_sum, cuda::Sum());
+  const acc_t total_weight = cuda::block_reduce<kReduceThreads>(weight_sum, cuda::Sum());
+  const int64_t total_kept = cuda::block_reduce<kReduceThreads>(kept, cuda::Sum());
   if (sums_out != nullptr) {
     if (threadIdx.x == 0) {
       sums_out[0] = total_value;

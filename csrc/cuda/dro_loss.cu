@@ -50,7 +50,7 @@ std::tuple<at::Tensor, at::Tensor> dro_loss_cuda(
         reinterpret_cast<const Pair<acc_t>*>(partials.const_data_ptr<acc_t>()), static_cast<int>(partials.size(0)),
         lam, static_cast<double>(x.numel()), value.mutable_data_ptr<scalar_t>(),
         mean_weight.mutable_data_ptr<acc_t>());
-    DRO_EXT_CUDA_CHECK_LAUNCH();
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {value, mean_weight};
 }

@@ -138,7 +138,7 @@ void launch_select(const scalar_t* x, int64_t n, int64_t j, const int* skip, Sel
     const int bits = decided < kSelectDigitBits ? decided : kSelectDigitBits;
     const int shift = decided - bits;
     select_digit_kernel<<<blocks, kThreads, 0, stream>>>(x, n, j, shift, bits, skip, state);
-    DRO_EXT_CUDA_CHECK_LAUNCH();
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     decided = shift;
   }
 }

@@ -193,7 +193,7 @@ void launch_threshold_partials(const at::Tensor& x, ShiftRef threshold, const in
     threshold_partials_kernel<MODE><<<static_cast<int>(partials.size(0)), kThreads, 0, stream>>>(
         x.const_data_ptr<scalar_t>(), x.numel(), threshold, skip,
         reinterpret_cast<Pair<double>*>(partials.mutable_data_ptr<double>()));
-    DRO_EXT_CUDA_CHECK_LAUNCH();
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
@@ -415,9 +415,9 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
     using acc_t = at::opmath_type<scalar_t>;
     auto* mm = reinterpret_cast<MinMax<acc_t>*>(minmax.mutable_data_ptr<acc_t>());
     min_max_kernel<<<blocks, kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(), n, mm);
-    DRO_EXT_CUDA_CHECK_LAUNCH();
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     init_solver_kernel<acc_t><<<1, kThreads, 0, stream>>>(mm, blocks, state, lam, eps, iterative, select);
-    DRO_EXT_CUDA_CHECK_LAUNCH();
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 
   if (spec.kind == Divergence::KL) {
@@ -427,7 +427,7 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
       using acc_t = decltype(acc_zero);
       kl_finalize_kernel<acc_t><<<1, kThreads, 0, stream>>>(
           reinterpret_cast<const Pair<acc_t>*>(partials.const_data_ptr<acc_t>()), blocks, state, lam, nd);
-      DRO_EXT_CUDA_CHECK_LAUNCH();
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   } else if (spec.kind == Divergence::CVaR) {
     const double tail = tail_size(spec.alpha, n);
@@ -439,10 +439,10 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
     at::Tensor partials_above = threshold_partials_buffer(x);
     launch_threshold_partials<Threshold::kAboveSum>(x, ShiftRef{scalar_ref(&select->value), 1.0, 0.0}, finished,
                                                    partials_above);
-    cvar_finalize_kernel<<<1, kThreads, 0, stream>>>(reinterpret_cast<const Pair<double>*>(partials_above.const_data_ptr<double>()),
-                                                     static_cast<int>(partials_above.size(0)), &select->value, state,
-                                                     tail);
-    DRO_EXT_CUDA_CHECK_LAUNCH();
+    cvar_finalize_kernel<<<1, kThreads, 0, stream>>>(
+        reinterpret_cast<const Pair<double>*>(partials_above.const_data_ptr<double>()),
+        static_cast<int>(partials_above.size(0)), &select->value, state, tail);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else {
     const int budget = pass_budget(eps);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_cuda_multisection", [&] {
@@ -453,7 +453,7 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
       launch_for_divergence<acc_t>(spec, [&](const auto& div) {
         for (int pass = 0; pass < budget; ++pass) {
           multisection_kernel<<<blocks, kThreads, 0, stream>>>(data, n, div, lam, chi2, budget, state, out);
-          DRO_EXT_CUDA_CHECK_LAUNCH();
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
       });
     });
@@ -461,16 +461,17 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
       at::Tensor segment = threshold_partials_buffer(x);
       launch_threshold_partials<Threshold::kAboveSum>(x, ShiftRef{scalar_ref(&state->eta), 1.0, -2.0 * lam},
                                                      &state->skip_segment, segment);
-      chi2_segment_kernel<<<1, kThreads, 0, stream>>>(reinterpret_cast<const Pair<double>*>(segment.const_data_ptr<double>()),
-                                                      static_cast<int>(segment.size(0)), state, lam, nd);
-      DRO_EXT_CUDA_CHECK_LAUNCH();
+      chi2_segment_kernel<<<1, kThreads, 0, stream>>>(
+          reinterpret_cast<const Pair<double>*>(segment.const_data_ptr<double>()), static_cast<int>(segment.size(0)),
+          state, lam, nd);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     launch_derivative_partials<0, 1>(x, spec, ShiftRef{scalar_ref(&state->eta), 1.0, 0.0}, lam, finished, partials);
     dispatch_acc(x.scalar_type(), [&](auto acc_zero) {
       using acc_t = decltype(acc_zero);
       objective_finalize_kernel<acc_t><<<1, kThreads, 0, stream>>>(
           reinterpret_cast<const Pair<acc_t>*>(partials.const_data_ptr<acc_t>()), blocks, state, lam, nd);
-      DRO_EXT_CUDA_CHECK_LAUNCH();
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
 
@@ -478,7 +479,7 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
   at::Tensor value = at::empty({}, options);
   at::Tensor eta = at::empty({}, options.dtype(accumulate_type(losses.scalar_type())));
   write_result_kernel<<<1, 1, 0, stream>>>(state, scalar_out(value), scalar_out(eta));
-  DRO_EXT_CUDA_CHECK_LAUNCH();
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {value, eta};
 }
 
@@ -506,9 +507,9 @@ __global__ void __launch_bounds__(kThreads) cvar_weight_params_kernel(const Pair
 }
 
 template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads) cvar_weights_kernel(const scalar_t* __restrict__ x, scalar_t* __restrict__ out,
-                                                                int64_t n, ScalarRef eta_ref,
-                                                                const double* __restrict__ params) {
+__global__ void __launch_bounds__(kThreads) cvar_weights_kernel(const scalar_t* __restrict__ x,
+                                                                scalar_t* __restrict__ out, int64_t n,
+                                                                ScalarRef eta_ref, const double* __restrict__ params) {
   const double eta = eta_ref.read();
   const double above = params[0], boundary = params[1], below = params[2];
   const double nan = std::numeric_limits<double>::quiet_NaN();
@@ -534,14 +535,14 @@ at::Tensor robust_weights_cuda(
     at::Tensor counts = threshold_partials_buffer(x);
     launch_threshold_partials<Threshold::kAboveEqual>(x, ShiftRef{eta, 1.0, 0.0}, nullptr, counts);
     at::Tensor params = at::empty({3}, x.options().dtype(at::kDouble));
-    cvar_weight_params_kernel<<<1, kThreads, 0, stream>>>(reinterpret_cast<const Pair<double>*>(counts.const_data_ptr<double>()),
-                                                          static_cast<int>(counts.size(0)), eta,
-                                                          tail_size(spec.alpha, n), params.mutable_data_ptr<double>());
-    DRO_EXT_CUDA_CHECK_LAUNCH();
+    cvar_weight_params_kernel<<<1, kThreads, 0, stream>>>(
+        reinterpret_cast<const Pair<double>*>(counts.const_data_ptr<double>()), static_cast<int>(counts.size(0)), eta,
+        tail_size(spec.alpha, n), params.mutable_data_ptr<double>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_cuda_cvar_weights", [&] {
       cvar_weights_kernel<<<map_blocks<scalar_t>(n), kThreads, 0, stream>>>(
           x.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), n, eta, params.const_data_ptr<double>());
-      DRO_EXT_CUDA_CHECK_LAUNCH();
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
     return out;
   }
@@ -554,7 +555,7 @@ at::Tensor robust_weights_cuda(
     inverse_sum_kernel<acc_t><<<1, kThreads, 0, stream>>>(
         reinterpret_cast<const Pair<acc_t>*>(partials.const_data_ptr<acc_t>()), static_cast<int>(partials.size(0)),
         inverse.mutable_data_ptr<double>());
-    DRO_EXT_CUDA_CHECK_LAUNCH();
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   launch_map_derivative(x, out, spec, ShiftRef{eta, 1.0, 0.0}, lam, scalar_ref(inverse.const_data_ptr<double>()), 1.0,
                         1);
@@ -613,10 +614,6 @@ __global__ void __launch_bounds__(kThreads) weight_stats_finalize_kernel(
   *bad_id = s.bad_id;
 }
 
-struct DoubleSum {
-  __device__ __forceinline__ double operator()(double x, double y) const { return x + y; }
-};
-
 // One block per group: the group's segment of the weights sorted by group id, summed in a fixed order.
 __global__ void __launch_bounds__(kThreads) group_mass_kernel(const int64_t* __restrict__ sorted_ids,
                                                               const double* __restrict__ sorted_w, int64_t n,
@@ -639,7 +636,7 @@ __global__ void __launch_bounds__(kThreads) group_mass_kernel(const int64_t* __r
   __syncthreads();
   double s = 0.0;
   for (int64_t i = bounds[0] + threadIdx.x; i < bounds[1]; i += kThreads) s += sorted_w[i];
-  const double sum = block_reduce(s, DoubleSum());
+  const double sum = block_reduce(s, Sum());
   if (threadIdx.x == 0) mass[group] = sum / *total;
 }
 
@@ -667,11 +664,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weight_stats_cuda(
     weight_stats_kernel<<<blocks, kThreads, 0, stream>>>(
         x.const_data_ptr<scalar_t>(), with_groups ? g.const_data_ptr<int64_t>() : nullptr, n,
         with_groups ? num_groups : 0, stats);
-    DRO_EXT_CUDA_CHECK_LAUNCH();
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     weight_stats_finalize_kernel<acc_t><<<1, kThreads, 0, stream>>>(
         stats, blocks, static_cast<double>(n), ess.mutable_data_ptr<acc_t>(), max_weight.mutable_data_ptr<acc_t>(),
         zero_fraction.mutable_data_ptr<acc_t>(), total.mutable_data_ptr<double>(), bad_id.mutable_data_ptr<int>());
-    DRO_EXT_CUDA_CHECK_LAUNCH();
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   if (!with_groups) return {ess, max_weight, zero_fraction, at::empty({0}, options)};
 
@@ -686,20 +683,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weight_stats_cuda(
   size_t temp_bytes = 0;
   int end_bit = 1;
   while (end_bit < 63 && (int64_t{1} << end_bit) < num_groups) ++end_bit;  // ids are in [0, num_groups)
-  C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, g.const_data_ptr<int64_t>(),
-                                                 sorted_ids.mutable_data_ptr<int64_t>(), values.const_data_ptr<double>(),
-                                                 sorted_w.mutable_data_ptr<double>(), static_cast<int>(n), 0, end_bit,
-                                                 stream));
+  // CUB's two-call protocol: with no temp storage the call only says how much it needs.
+  auto sort_by_group = [&](void* temp_storage) {
+    C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+        temp_storage, temp_bytes, g.const_data_ptr<int64_t>(), sorted_ids.mutable_data_ptr<int64_t>(),
+        values.const_data_ptr<double>(), sorted_w.mutable_data_ptr<double>(), static_cast<int>(n), 0, end_bit,
+        stream));
+  };
+  sort_by_group(nullptr);
   at::Tensor temp = at::empty({static_cast<int64_t>(temp_bytes)}, x.options().dtype(at::kByte));
-  C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.mutable_data_ptr(), temp_bytes, g.const_data_ptr<int64_t>(),
-                                                 sorted_ids.mutable_data_ptr<int64_t>(), values.const_data_ptr<double>(),
-                                                 sorted_w.mutable_data_ptr<double>(), static_cast<int>(n), 0, end_bit,
-                                                 stream));
+  sort_by_group(temp.mutable_data_ptr());
   at::Tensor mass = at::empty({num_groups}, x.options().dtype(at::kDouble));
   group_mass_kernel<<<static_cast<unsigned int>(num_groups), kThreads, 0, stream>>>(
       sorted_ids.const_data_ptr<int64_t>(), sorted_w.const_data_ptr<double>(), n, total.const_data_ptr<double>(),
       mass.mutable_data_ptr<double>());
-  DRO_EXT_CUDA_CHECK_LAUNCH();
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {ess, max_weight, zero_fraction, mass.to(options.dtype())};
 }
 

@@ -62,7 +62,8 @@ class Kernel:
 
 
 KERNELS = {
-    "optim": Kernel("normalized_sgd.cu", (), ("tests/test_optim.py", "tests/test_cuda_optim.py"),
+    "optim": Kernel("normalized_sgd.cu", ("multi_tensor.cuh", "common.cuh"),
+                    ("tests/test_optim.py", "tests/test_cuda_optim.py"),
                     deselect_simd_repeats=False),  # its selection as before --kernel existed
     "loss": Kernel("dro_loss.cu", ("psi_star_kernels.cuh", "common.cuh", "divergence_dispatch.cuh"),
                    ("tests/test_loss.py", "tests/test_precision.py"),
@@ -126,11 +127,11 @@ def transform(name, source, device_scalars):
     source = rewrite_launches(source, name)
     if name == "normalized_sgd.cu":
         source = replace_count(source, "device.is_cuda()", "device.is_cpu()", 1, name)
-        if device_scalars:
-            source = replace_count(source, "if (t.device().is_cpu()) {",
-                                   "if (false) {  // emulation: read on the 'device'", 1, name)
     if name == "common.cuh":
         source = replace_count(source, "t.is_cuda()", "t.is_cpu()", 2, name)
+        if device_scalars:  # scalar_arg: a CPU tensor is the 'device' one here
+            source = replace_count(source, "if (t.device().is_cpu()) {",
+                                   "if (false) {  // emulation: read on the 'device'", 1, name)
     if name == "cross_entropy.cu":
         source = replace_count(source, "CUDA_KERNEL_ASSERT(", "EMU_KERNEL_ASSERT(", 2, name)
     if name.endswith(".cu"):
