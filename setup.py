@@ -8,7 +8,7 @@ import glob
 import os
 import shutil
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CUDA_ARCH_LIST = "8.0;9.0"  # A100/H100-class; override with TORCH_CUDA_ARCH_LIST
@@ -90,14 +90,9 @@ def cmdclass():
     return {"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)}
 
 
+# The metadata (name, version, dependencies, extras) is pyproject.toml's [project]; this builds dro_ext._C.
 setup(
-    name="dro_ext",
-    version="0.1.0",
-    description="Fused distributionally robust optimization losses and normalized SGD for PyTorch",
-    packages=find_packages(include=["dro_ext", "dro_ext.*"]),
     ext_modules=extensions(),
     cmdclass=cmdclass(),
     options={"bdist_wheel": {"py_limited_api": "cp310"}},
-    python_requires=">=3.10",
-    install_requires=["torch>=2.4"],
 )

@@ -406,3 +406,17 @@ def test_device_cuda_without_a_gpu_says_so(tmp_path):
 
     with pytest.raises(SystemExit, match="no CUDA device"):
         run_demo(tmp_path, quick=True, device="cuda")
+
+
+def test_the_demo_without_its_extras_names_the_install_command(monkeypatch):
+    import importlib
+    import importlib.util
+
+    import dro_ext.demo
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name in ("sklearn", "tqdm") else real_find_spec(name, *args))
+    with pytest.raises(ModuleNotFoundError, match=r'needs scikit-learn, tqdm, .*pip install "dro_ext\[demo\]"'):
+        importlib.reload(dro_ext.demo)
+    monkeypatch.undo()
+    importlib.reload(dro_ext.demo)  # every extra there again: imports

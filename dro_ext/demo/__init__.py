@@ -11,3 +11,14 @@ Meant to be read and copied:
 - :mod:`dro_ext.demo.claims`: the paper's claims (a)-(d) checked against a run's numbers;
 - :mod:`dro_ext.demo.report`: the figure, the tables, ``report.md`` and ``results.json``.
 """
+import importlib.util
+
+# What the demo needs beyond dro_ext's own dependencies (pyproject.toml's "demo" extra): checked here, on the
+# package's import, so that `python -m dro_ext.demo` without them fails with one message instead of the first
+# ImportError deep in a module.
+DEMO_REQUIREMENTS = {"sklearn": "scikit-learn", "matplotlib": "matplotlib", "tqdm": "tqdm"}
+
+_missing = [package for module, package in DEMO_REQUIREMENTS.items() if importlib.util.find_spec(module) is None]
+if _missing:
+    raise ModuleNotFoundError(f"dro_ext.demo needs {', '.join(_missing)}, which are not installed: "
+                              f'pip install "dro_ext[demo]"')
