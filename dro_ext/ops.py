@@ -20,6 +20,7 @@ from dro_ext._divergences import (
     check_divergence,
     check_losses,
     check_positive,
+    fallback_dtype,
 )
 from dro_ext._divergences import penalized_value as _penalized_value_torch
 from dro_ext._divergences import psi_star as _psi_star_torch
@@ -60,7 +61,7 @@ if _backend.native_available():
 
 
 def _fallback_dro_loss(losses, eta, lam, spec: Spec, scale):
-    acc = accumulate_dtype(losses.dtype)
+    acc = fallback_dtype(losses.dtype, losses.device)
     x = losses.to(acc).contiguous()  # a strided view would be summed in another order than its copy
     g_eta = scale * eta.to(acc)
     t = (x - g_eta) / lam
@@ -69,7 +70,7 @@ def _fallback_dro_loss(losses, eta, lam, spec: Spec, scale):
 
 
 def _fallback_terms(losses, eta, lam, spec: Spec, scale, order):
-    acc = accumulate_dtype(losses.dtype)
+    acc = fallback_dtype(losses.dtype, losses.device)
     t = (losses.to(acc) - scale * eta.to(acc)) / lam
     return _psi_star_torch(t, spec, order).to(losses.dtype)
 

@@ -299,6 +299,19 @@ def test_bad_scalars_are_rejected_after_good_ones(backend):
             dro_ext.dro_loss(losses, eta, torch.tensor(0.5), "cvar", alpha=0.1)
 
 
+@pytest.mark.parametrize("name,params,below", [("chi2", {}, -3.0), ("cvar", {"alpha": 0.3}, 0.0),
+                                               ("cressie_read", {"k": 3.0}, -0.6)])
+def test_samples_of_weight_zero_get_a_gradient_of_exactly_zero(backend, name, params, below):
+    # A sample on psi*'s flat side (w = 0) has dL/dl = 0, not 1/N minus lam (1/N) / lam rounded (-7.45e-9 once).
+    lam = 10.0
+    losses = torch.tensor([5.0, 2.0, 1.0, 7.0, 3.0, 0.5, 4.0, 6.0, lam * below], requires_grad=True)
+    eta = torch.tensor(0.0, requires_grad=True)
+    (grad,) = torch.autograd.grad(dro_ext.dro_loss(losses, eta, lam, name, **params), losses)
+    weights = dro_ext.dro_weights(losses.detach(), eta, lam, name, **params)
+    assert weights[-1].item() == 0.0
+    assert grad[-1].item() == 0.0
+
+
 def test_mixed_eta_dtype_and_double_losses(backend):
     losses = random_losses(33, torch.float64).requires_grad_()
     eta = torch.tensor(0.4, dtype=torch.float32, requires_grad=True)
