@@ -8,7 +8,8 @@ and checks, on every backend and SIMD build (the `backend` fixture):
   80 digits, within the README's bound (`Exact` and the functions beside it: a few roundings of the accumulate
   dtype times the size of each sample's terms and what rounding t = (l - G eta)/lam moves them by, plus each
   divergence's conditioning; never a fixed tolerance);
-- the contract: robust_objective lies in [mean l, max l], its weights are a distribution.
+- the contract: robust_objective lies in [mean l, max l], its weights are a distribution;
+- NormalizedSGD moves a float16 group by lr however small its gradient.
 
 Two profiles: `ci` (the default: a fixed seed and few examples, well under a minute on two cores) and `deep`
 (many more examples, random seeds, larger sizes), for a developer to run by hand:
@@ -511,3 +512,30 @@ def test_robust_objective_is_the_same_on_every_simd_build_in_a_fresh_process():
         assert 9.375e19 <= chi2_20 <= float(torch.tensor(1e20)), (build, chi2_20)  # in [mean l, max l]
         assert chi2_30 == pytest.approx(float(torch.tensor(1e30)), rel=1e-6), (build, chi2_30)
         assert kl_cvar == pytest.approx(1000.0, rel=1e-6), (build, kl_cvar)
+
+
+# --------------------------------------------------------------------------------------------------
+# NormalizedSGD in float16/bfloat16, and the fused cross-entropy where the weight overflows
+# --------------------------------------------------------------------------------------------------
+
+
+@profile
+@given(dtype=st.sampled_from([torch.float16, torch.bfloat16]), foreach=st.booleans(), data=st.data())
+def test_normalized_sgd_moves_low_precision_params_by_lr_however_small_the_gradient(backend, dtype, foreach, data):
+    n = data.draw(st.integers(1, 16))
+    finfo = torch.finfo(dtype)
+    params = [data.draw(st.floats(-100, 100)) for _ in range(n)]
+    grads = [data.draw(magnitudes(dtype)) * data.draw(st.sampled_from([1.0, -1.0, 0.0])) for _ in range(n)]
+    assume(any(g != 0 for g in grads))
+    lr = 10.0 ** data.draw(st.floats(-4, 0))
+    eps = data.draw(st.sampled_from([1e-8, 0.0]))
+    p = torch.nn.Parameter(torch.tensor(params, dtype=torch.float64).to(dtype))
+    p.grad = torch.tensor(grads, dtype=torch.float64).clamp(-finfo.max, finfo.max).to(dtype)
+    assume(bool(p.grad.ne(0).any()))
+    before, g = p.detach().double().clone(), p.grad.double()
+    dro_ext.NormalizedSGD([p], lr=lr, momentum=0.9, eps=eps, foreach=True if foreach else None).step()
+    # The first step takes m = g: p - lr g / (||g|| + eps), formed in float32 and rounded once to the dtype.
+    expected = before - lr * g / (g.norm() + eps)
+    allowed = finfo.eps * expected.abs() + finfo.smallest_normal * finfo.eps + 1e-6 * lr
+    error = (p.detach().double() - expected).abs()
+    assert bool((error <= allowed).all()), f"{dtype} foreach={foreach}: got {p.detach()}, expected {expected}"
