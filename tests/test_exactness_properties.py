@@ -9,7 +9,8 @@ and checks, on every backend and SIMD build (the `backend` fixture):
   dtype times the size of each sample's terms and what rounding t = (l - G eta)/lam moves them by, plus each
   divergence's conditioning; never a fixed tolerance);
 - the contract: robust_objective lies in [mean l, max l], its weights are a distribution;
-- NormalizedSGD moves a float16 group by lr however small its gradient.
+- NormalizedSGD moves a float16 group by lr however small its gradient; the fused cross-entropy's gradient is
+  (w/n)(softmax - q) without NaN where the loss overflows.
 
 Two profiles: `ci` (the default: a fixed seed and few examples, well under a minute on two cores) and `deep`
 (many more examples, random seeds, larger sizes), for a developer to run by hand:
@@ -539,3 +540,40 @@ def test_normalized_sgd_moves_low_precision_params_by_lr_however_small_the_gradi
     allowed = finfo.eps * expected.abs() + finfo.smallest_normal * finfo.eps + 1e-6 * lr
     error = (p.detach().double() - expected).abs()
     assert bool((error <= allowed).all()), f"{dtype} foreach={foreach}: got {p.detach()}, expected {expected}"
+
+
+@profile
+@given(divergence=st.sampled_from(["kl", "chi2", "cressie_read"]),
+       dtype=st.sampled_from([torch.float32, torch.float64]), data=st.data())
+def test_dro_cross_entropy_gradient_is_the_weighted_residual_without_nan(backend, divergence, dtype, data):
+    """(w_i / n)(softmax_i - q_i) row by row: +-inf where the weight overflows and the residual is not 0, 0 where
+    it is (inf * 0 made whole rows NaN), the exact product elsewhere."""
+    rows, classes = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 5))
+    logits = torch.tensor([[data.draw(st.floats(-200, 200)) for _ in range(classes)] for _ in range(rows)],
+                          dtype=dtype, requires_grad=True)
+    targets = torch.tensor([data.draw(st.integers(0, classes - 1)) for _ in range(rows)])
+    lam, eta = 10.0 ** data.draw(st.floats(-1, 1)), torch.tensor(data.draw(st.floats(-5, 5)), requires_grad=True)
+    kwargs = {"k": 3.0} if divergence == "cressie_read" else {}
+    value = dro_ext.dro_cross_entropy(logits, targets, eta, lam, divergence, **kwargs)
+    grad_logits, grad_eta = torch.autograd.grad(value, (logits, eta))
+    x = logits.detach().double()
+    losses = torch.nn.functional.cross_entropy(x, targets, reduction="none")
+    s = float(eta.detach())
+    weights = [float(mp_conjugate((mp.mpf(float(v)) - s) / lam, divergence, None, kwargs.get("k"))[1]) for v in losses]
+    residual = torch.softmax(x, dim=1) - torch.nn.functional.one_hot(targets, classes).double()
+    acc_max = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max
+    for i in range(rows):
+        for j in range(classes):
+            got, r, w = float(grad_logits[i, j]), float(residual[i, j]), weights[i]
+            assert not math.isnan(got), f"{divergence}: NaN gradient at row {i} class {j} (logits {x[i].tolist()})"
+            if r == 0:
+                assert got == 0
+                continue
+            # w to what rounding t moves it by, the residual to a few absolute roundings (softmax - q).
+            t = abs(float(losses[i]) - s) / lam
+            exact = w / rows * r
+            allowed = w / rows * 16 * unit(dtype) * (1 + t) + 1e-300
+            if w > acc_max and got == math.copysign(math.inf, r):
+                continue  # the weight itself overflows the accumulate dtype (the fallback's float64 may not)
+            assert abs(got - exact) <= allowed, f"row {i} class {j}: got {got!r}, exact {exact!r}"
+    assert not math.isnan(float(grad_eta))
