@@ -99,6 +99,22 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# torch.sum splits a 1-D tensor of more than this many elements between threads, in as many parts as it has
+# threads: the rounding then depends on the thread count.
+_SINGLE_THREAD_SUM = 32768
+_SUM_CHUNK = 16384
+
+
+def fixed_order_sum(x: torch.Tensor) -> torch.Tensor:
+    """x.sum() of a 1-D tensor, the same bits whatever the thread count (as the native kernels' sums): beyond what one
+    thread sums, fixed chunks (rows of a 2-D view, each summed by one thread) and then their sums."""
+    n = x.shape[0]
+    if n <= _SINGLE_THREAD_SUM:
+        return x.sum()
+    padded = torch.nn.functional.pad(x, (0, -n % _SUM_CHUNK))  # zeros: they leave every chunk's sum alone
+    return padded.reshape(-1, _SUM_CHUNK).sum(dim=1).sum()
+
+
 def fallback_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """What the fallback evaluates the loss and its weights in: float64 wherever the device has it. The native
     kernels sum in float32 and redo a pass in float64 where float32 intermediates overflow or cannot form

@@ -21,6 +21,7 @@ from dro_ext._divergences import (
     check_losses,
     check_positive,
     fallback_dtype,
+    fixed_order_sum,
 )
 from dro_ext._divergences import penalized_value as _penalized_value_torch
 from dro_ext._divergences import psi_star as _psi_star_torch
@@ -65,7 +66,7 @@ def _fallback_dro_loss(losses, eta, lam, spec: Spec, scale):
     x = losses.to(acc).contiguous()  # a strided view would be summed in another order than its copy
     g_eta = scale * eta.to(acc)
     t = (x - g_eta) / lam
-    value = _penalized_value_torch(x, t, lam, g_eta, spec).mean()
+    value = fixed_order_sum(_penalized_value_torch(x, t, lam, g_eta, spec)) / x.shape[0]
     return value.to(losses.dtype)
 
 

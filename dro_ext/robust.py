@@ -32,6 +32,7 @@ from dro_ext._divergences import (
     check_divergence,
     check_losses,
     check_positive,
+    fixed_order_sum,
 )
 from dro_ext._divergences import excess_first as _excess_first_torch
 from dro_ext._divergences import penalized_value as _penalized_value_torch
@@ -412,8 +413,8 @@ def weight_stats(
             )
             return WeightStats(ess, max_weight, zero_fraction, group_mass if groups is not None else None)
         w = w.to(accumulate_dtype(w.dtype))
-        total = w.sum()
-        ess = total * total / (w * w).sum()
+        total = fixed_order_sum(w)
+        ess = total * total / fixed_order_sum(w * w)
         max_weight = w.amax() / total
         zero_fraction = (w == 0).sum().to(w.dtype) / w.numel()
         group_mass = None

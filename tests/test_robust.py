@@ -412,6 +412,21 @@ def test_weight_stats_random(backend, dtype):
         dro_ext.weight_stats(w, groups=groups, num_groups=4)
 
 
+def test_weight_stats_are_the_same_bits_on_one_and_two_threads(backend):
+    # The fallback's sums of a long tensor take fixed chunks (PyTorch's own split it by the thread count), as the
+    # native kernels do.
+    w = torch.rand(300_001, dtype=torch.float64).to(torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n_threads in (1, max(2, threads)):
+            torch.set_num_threads(n_threads)
+            results.append(dro_ext.weight_stats(w))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0].ess, results[1].ess) and torch.equal(results[0].max_weight, results[1].max_weight)
+
+
 def test_weight_stats_opcheck():
     _require_native()
     w = torch.rand(300, dtype=torch.float64)
