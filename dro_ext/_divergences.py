@@ -5,6 +5,7 @@ DESIGN.md section 1 for the errata against the paper's Table 1).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -24,14 +25,14 @@ class Spec(NamedTuple):
     k: float | None
 
 
-def _finite_float(name: str, value) -> float:
+def real_number(name: str, value) -> float:
+    """A real number as a float. bool, str and complex are refused, though float() takes them (float(True) == 1.0,
+    float("0.1") == 0.1): each is more likely a mistake than a parameter."""
     if isinstance(value, torch.Tensor):
         raise TypeError(f"dro_ext: {name} must be a Python number, got a Tensor")
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"dro_ext: {name} must be a number, got {value!r}") from None
-    return out
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.SymFloat, torch.SymInt)):
+        raise TypeError(f"dro_ext: {name} must be a real number, got {value!r} ({type(value).__name__})")
+    return float(value)
 
 
 def check_divergence(divergence: str, alpha=None, k=None) -> Spec:
@@ -45,7 +46,7 @@ def check_divergence(divergence: str, alpha=None, k=None) -> Spec:
     if divergence in _NEEDS_ALPHA:
         if alpha is None:
             raise ValueError(f"dro_ext: divergence {divergence!r} needs alpha in [1e-30, 1), got alpha=None")
-        alpha = _finite_float("alpha", alpha)
+        alpha = real_number("alpha", alpha)
         if not MIN_ALPHA <= alpha < 1.0:
             raise ValueError(f"dro_ext: alpha must be in [{MIN_ALPHA:g}, 1) for divergence {divergence!r}, "
                              f"got alpha={alpha}")
@@ -53,7 +54,7 @@ def check_divergence(divergence: str, alpha=None, k=None) -> Spec:
     if divergence == "cressie_read":
         if k is None:
             raise ValueError("dro_ext: divergence 'cressie_read' needs k > 1, got k=None")
-        k = _finite_float("k", k)
+        k = real_number("k", k)
         if not 1.0 < k < math.inf:
             raise ValueError(f"dro_ext: k must be a finite number > 1 for divergence 'cressie_read', got k={k}")
         return Spec(divergence, None, k)
@@ -61,16 +62,23 @@ def check_divergence(divergence: str, alpha=None, k=None) -> Spec:
 
 
 def check_positive(name: str, value) -> float:
-    value = _finite_float(name, value)
+    value = real_number(name, value)
     # Comparisons rather than math.isfinite, which torch.compile cannot trace on symbolic floats.
     if not 0.0 < value < math.inf:
         raise ValueError(f"dro_ext: {name} must be a finite number > 0, got {name}={value}")
     return value
 
 
+def check_dense(name: str, value: torch.Tensor) -> None:
+    """A strided (dense) tensor: the ops have no sparse or other layouts' kernels."""
+    if value.layout != torch.strided:
+        raise TypeError(f"dro_ext: {name} must be a dense (strided) tensor, got layout {value.layout}")
+
+
 def check_losses(losses) -> None:
     if not isinstance(losses, torch.Tensor):
         raise TypeError(f"dro_ext: losses must be a torch.Tensor, got {type(losses).__name__}")
+    check_dense("losses", losses)
     if losses.dim() != 1:
         raise ValueError(f"dro_ext: losses must be a 1-D tensor of per-sample losses, got shape {tuple(losses.shape)}")
     if losses.numel() == 0:
@@ -91,7 +99,7 @@ def as_eta(eta, losses: torch.Tensor) -> torch.Tensor:
                 f"dro_ext: eta is on {eta.device} but losses is on {losses.device}; move them to the same device"
             )
         return eta
-    return torch.tensor(_finite_float("eta", eta), dtype=accumulate_dtype(losses.dtype), device=losses.device)
+    return torch.tensor(real_number("eta", eta), dtype=accumulate_dtype(losses.dtype), device=losses.device)
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:

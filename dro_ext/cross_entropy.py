@@ -24,7 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dro_ext import _backend
-from dro_ext._divergences import Spec, accumulate_dtype, as_eta, check_divergence, check_positive, fallback_dtype
+from dro_ext._divergences import (
+    Spec, accumulate_dtype, as_eta, check_dense, check_divergence, check_positive, fallback_dtype, real_number,
+)
 from dro_ext._divergences import penalized_value as _penalized_value_torch
 from dro_ext._divergences import psi_star as _psi_star_torch
 
@@ -43,9 +45,7 @@ def _check_ignore_index(ignore_index) -> int:
 
 
 def _check_label_smoothing(label_smoothing) -> float:
-    if isinstance(label_smoothing, torch.Tensor):
-        raise TypeError("dro_ext: label_smoothing must be a Python number, got a Tensor")
-    value = float(label_smoothing)
+    value = real_number("label_smoothing", label_smoothing)
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"dro_ext: label_smoothing must be in [0, 1], got label_smoothing={label_smoothing}")
     return value
@@ -67,6 +67,7 @@ def _check_targets(targets, batch_shape, batch_name: str, device) -> None:
 def _check_float_tensor(name: str, value, min_dim: int = 1) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"dro_ext: {name} must be a torch.Tensor, got {type(value).__name__}")
+    check_dense(name, value)
     if not value.is_floating_point():
         raise TypeError(f"dro_ext: {name} must have a floating dtype (float16, bfloat16, float32, float64), "
                         f"got {value.dtype}")
@@ -222,12 +223,12 @@ def dro_cross_entropy(logits, targets, eta, lam, divergence="chi2", *, alpha=Non
     _check_targets(targets, logits.shape[:-1], f"logits of shape {tuple(logits.shape)}", logits.device)
     eta = as_eta(eta, logits)
     num_classes = logits.shape[-1]
+    if num_classes == 0:  # before the reshape, which cannot infer -1 beside a 0
+        raise ValueError(f"dro_ext: logits must have at least one class, got shape {tuple(logits.shape)}")
     x, y = logits.reshape(-1, num_classes), targets.reshape(-1)
     if _backend.use_native():
         return torch.ops.dro_ext.dro_cross_entropy(x, y, eta, lam, spec.name, spec.alpha, spec.k, scale,
                                                    ignore_index, label_smoothing)[0]
-    if num_classes == 0:
-        raise ValueError(f"dro_ext: logits must have at least one class, got shape {tuple(logits.shape)}")
     _check_target_range(y, num_classes, ignore_index)
     return _fallback_dro_cross_entropy(x, y, eta, lam, spec, scale, ignore_index, label_smoothing)
 
@@ -484,7 +485,7 @@ class _DROCrossEntropyBase(nn.Module):
         self.scale = check_positive("scale", scale)
         self.ignore_index = _check_ignore_index(ignore_index)
         self.label_smoothing = _check_label_smoothing(label_smoothing)
-        self.eta = nn.Parameter(torch.tensor(float(eta_init)))
+        self.eta = nn.Parameter(torch.tensor(real_number("eta_init", eta_init)))
 
     def _kwargs(self):
         return dict(alpha=self.alpha, k=self.k, scale=self.scale, ignore_index=self.ignore_index,

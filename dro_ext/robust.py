@@ -29,6 +29,7 @@ from dro_ext import _backend
 from dro_ext._divergences import (
     Spec,
     accumulate_dtype,
+    check_dense,
     check_divergence,
     check_losses,
     check_positive,
@@ -419,6 +420,8 @@ def weight_stats(
         zero_fraction = (w == 0).sum().to(w.dtype) / w.numel()
         group_mass = None
         if groups is not None:
+            if groups.numel() and (int(groups.min()) < 0 or int(groups.max()) >= num_groups):
+                raise IndexError(f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={num_groups}")
             group_mass = torch.zeros(num_groups, dtype=torch.float64, device=w.device)
             group_mass.index_add_(0, groups.long(), w.to(torch.float64))
             group_mass = (group_mass / total.to(torch.float64)).to(w.dtype)
@@ -434,6 +437,7 @@ def _distributed():
 def check_losses_like(name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"dro_ext: {name} must be a torch.Tensor, got {type(t).__name__}")
+    check_dense(name, t)
     if t.dim() != 1:
         raise ValueError(f"dro_ext: {name} must be a 1-D tensor, got shape {tuple(t.shape)}")
     if t.numel() == 0:

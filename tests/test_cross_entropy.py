@@ -551,6 +551,14 @@ def test_bad_inputs_name_the_argument(backend):
         ce(logits, targets, 0.0, LAM, "cvar")
     with pytest.raises(TypeError, match="ignore_index"):
         ce(logits, targets, 0.0, LAM, ignore_index=1.5)
+    with pytest.raises(ValueError, match="logits must have at least one class"):
+        ce(torch.randn(3, 0), torch.zeros(3, dtype=torch.long), 0.0, LAM)
+    with pytest.raises(TypeError, match="logits must be a dense"):
+        ce(logits.to_sparse(), targets, 0.0, LAM)
+    with pytest.raises(TypeError, match="label_smoothing"):
+        ce(logits, targets, 0.0, LAM, label_smoothing="0.1")
+    with pytest.raises(TypeError, match="eta_init"):
+        dro_ext.DROCrossEntropyLoss("chi2", lam=LAM, eta_init="x")
 
     lce = dro_ext.dro_linear_cross_entropy
     hidden, weight = torch.randn(4, 3), torch.randn(5, 3)

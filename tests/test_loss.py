@@ -299,6 +299,23 @@ def test_bad_scalars_are_rejected_after_good_ones(backend):
             dro_ext.dro_loss(losses, eta, torch.tensor(0.5), "cvar", alpha=0.1)
 
 
+def test_bad_scalars_are_rejected_whatever_was_accepted_before(backend):
+    # 0.1 + 0j == 0.1 and True == 1 (and hash alike): neither may pass as the number once that number was checked,
+    # nor may a string that float() would take.
+    losses = random_losses(5, torch.float32)
+    eta = torch.tensor(0.0)
+    for lam in (0.1, 1):
+        dro_ext.dro_loss(losses, eta, lam, "chi2")
+    for bad in (0.1 + 0j, True, "0.1"):
+        with pytest.raises(TypeError, match="lam must be a real number"):
+            dro_ext.dro_loss(losses, eta, bad, "chi2")
+    dro_ext.dro_loss(losses, eta, 0.5, "cvar", alpha=0.5)
+    with pytest.raises(TypeError, match="alpha must be a real number"):
+        dro_ext.dro_loss(losses, eta, 0.5, "cvar", alpha=0.5 + 0j)
+    with pytest.raises(TypeError, match="eta_init"):
+        dro_ext.DROLoss("chi2", lam=0.1, eta_init="x")
+
+
 @pytest.mark.parametrize("name,params,below", [("chi2", {}, -3.0), ("cvar", {"alpha": 0.3}, 0.0),
                                                ("cressie_read", {"k": 3.0}, -0.6)])
 def test_samples_of_weight_zero_get_a_gradient_of_exactly_zero(backend, name, params, below):
@@ -341,6 +358,11 @@ BAD_INPUTS = [
     (dict(eta=torch.ones(1)), ValueError, "eta must be a 0-d"),
     (dict(eta=torch.tensor(1)), TypeError, "eta must have a floating"),
     (dict(eta=torch.tensor(0.0, device="meta")), ValueError, "same device"),
+    (dict(losses=torch.ones(4).to_sparse()), TypeError, "losses must be a dense"),
+    (dict(lam=True), TypeError, "lam must be a real number"),
+    (dict(lam="0.5"), TypeError, "lam must be a real number"),
+    (dict(lam=0.5 + 0j), TypeError, "lam must be a real number"),
+    (dict(divergence="cvar", alpha=True), TypeError, "alpha must be a real number"),
 ]
 
 

@@ -408,7 +408,7 @@ def test_weight_stats_random(backend, dtype):
     assert stats.zero_fraction.item() == pytest.approx((w == 0).double().mean().item(), rel=rtol)
     expected = torch.zeros(5, dtype=torch.float64).index_add_(0, groups, q)
     torch.testing.assert_close(stats.group_mass.double(), expected, rtol=rtol, atol=1e-7)
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match="groups holds an id outside"):
         dro_ext.weight_stats(w, groups=groups, num_groups=4)
 
 
@@ -448,6 +448,10 @@ def test_weight_stats_bad_inputs():
         dro_ext.weight_stats(w, groups=torch.zeros(4))
     with pytest.raises(TypeError, match="weights"):
         dro_ext.weight_stats(torch.ones(4, dtype=torch.long))
+    with pytest.raises(TypeError, match="weights must be a dense"):
+        dro_ext.weight_stats(torch.ones(4).to_sparse())
+    with pytest.raises(TypeError, match="losses must be a dense"):
+        dro_ext.robust_objective(torch.ones(4).to_sparse(), 0.1)
 
 
 # ------------------------------------------------------------------------------------------------
