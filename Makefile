@@ -9,7 +9,8 @@ STAMP := build/.setup-done
 
 # Dependencies, then the extension (C++ CPU kernels; CUDA ones too when a toolkit is present).
 $(STAMP): setup.py pyproject.toml
-	$(PIP) install -q "torch==$(TORCH_VERSION)" numpy scipy pytest hypothesis ninja expecttest scikit-learn matplotlib tqdm pytest-benchmark
+	$(PIP) install -q "torch==$(TORCH_VERSION)" numpy scipy pytest hypothesis mpmath ninja expecttest scikit-learn \
+	  matplotlib tqdm pytest-benchmark
 	$(PIP) install -q --no-build-isolation -e .
 	mkdir -p build && touch $(STAMP)
 

@@ -26,9 +26,12 @@ inline DivergenceSpec parse_divergence(const std::string& name, std::optional<do
     if (name != "cressie_read") takes_no("k", k);
   }
   auto need_alpha = [&](Divergence kind) {
-    TORCH_CHECK_VALUE(alpha.has_value(), "dro_ext: divergence '", name, "' needs alpha in (0, 1), got alpha=None");
-    TORCH_CHECK_VALUE(*alpha > 0.0 && *alpha < 1.0, "dro_ext: alpha must be in (0, 1) for divergence '", name,
-                      "', got alpha=", *alpha);
+    TORCH_CHECK_VALUE(alpha.has_value(), "dro_ext: divergence '", name,
+                      "' needs alpha in [1e-30, 1), got alpha=None");
+    // 1/alpha and alpha itself must stay normal float32 numbers, with room to spare (dro_ext/_divergences.py).
+    constexpr double kMinAlpha = 1e-30;
+    TORCH_CHECK_VALUE(*alpha >= kMinAlpha && *alpha < 1.0, "dro_ext: alpha must be in [1e-30, 1) for divergence '",
+                      name, "', got alpha=", *alpha);
     return DivergenceSpec{kind, *alpha, 0.0};
   };
   if (name == "chi2") return DivergenceSpec{Divergence::Chi2, 0.0, 0.0};

@@ -33,4 +33,13 @@ C10_HOST_DEVICE inline acc_t value_term(const Div& div, acc_t t, acc_t loss, con
   return penalized_value(div, t, loss, p.lam, p.g_eta);
 }
 
+// A class's share of the row's gradient, (w_i / n) (softmax_j - q_j) = c r with r = softmax_j - q_j, and 0 where
+// r is 0: a row whose weight overflowed to inf (kl at a loss far above eta) moves only the classes its residual
+// moves (+-inf there), where inf * 0 would make its whole gradient NaN. T: a scalar or a CPU vector.
+template <typename T>
+C10_HOST_DEVICE inline T weighted_residual(T c, T r) {
+  using M = Math<T>;
+  return M::select_positive(-M::neg_abs(r), c * r, M::constant(0.0));  // a NaN r stays NaN
+}
+
 }  // namespace dro_ext

@@ -38,6 +38,7 @@ struct Math {
   // lose every digit): the excess terms below are built from them.
   static C10_HOST_DEVICE inline T expm1(T x) { return ::expm1(x); }
   static C10_HOST_DEVICE inline T log1p(T x) { return ::log1p(x); }
+  static C10_HOST_DEVICE inline T log(T x) { return ::log(x); }
   // a / b for b bounded away from 0 and infinity, where a vector build may divide through a reciprocal
   // estimate (a vector division costs as much as a dozen multiply-adds).
   static C10_HOST_DEVICE inline T divide(T a, T b) { return a / b; }
@@ -67,6 +68,9 @@ struct Math {
 // lam grows (t = (l - G eta)/lam -> 0, the ERM limit), where lam * psi*(t) + G eta would cancel
 // catastrophically; and mean_i excess_first(t_i) = 0 is the optimality condition of eta with the same
 // precision. value(t) is accurate relative to |psi*(t)| near t = 0 as well.
+//   direct_below()   t_d = max(2 psi*(-inf), the top of psi*'s zero set) <= 0: psi*(t) >= t/2 for every t <= t_d,
+//                    and every t of weight psi*'(t) = 0 lies at or below t_d. There a sample's share of the
+//                    objective is best formed directly; above it, from the excess (penalized_value).
 //
 // The divergences whose accurate excess costs much more than value + first (the exponential ones: expm1,
 // log1p) also have
@@ -145,6 +149,7 @@ struct Chi2 {
     using M = Math<T>;
     return M::max(t, M::constant(-2.0)) * M::constant(0.5);
   }
+  C10_HOST_DEVICE inline acc_t direct_below() const { return acc_t(-2); }  // psi*' = 0 there
 };
 
 // psi(s) = s log s - s + 1: psi*(t) = e^t - 1. Overflows to inf for t above ~88 (float) / ~709 (double);
@@ -162,7 +167,9 @@ struct KL {
   C10_HOST_DEVICE inline T excess(T t) const { return Math<T>::expm1(t) - t; }
   template <typename T>
   C10_HOST_DEVICE inline T excess_first(T t) const { return Math<T>::expm1(t); }
+  C10_HOST_DEVICE inline acc_t direct_below() const { return acc_t(-2); }  // 2 psi*(-inf)
   static constexpr bool kHasCoarseValue = true;
+  C10_HOST_DEVICE inline bool coarse_ok() const { return true; }
   template <typename T>
   C10_HOST_DEVICE inline T coarse_value(T t) const {
     using M = Math<T>;
@@ -203,6 +210,7 @@ struct CVaR {
     using M = Math<T>;
     return M::select_positive(t, M::constant(inv_alpha_minus_1), M::constant(-1.0));
   }
+  C10_HOST_DEVICE inline acc_t direct_below() const { return acc_t(0); }  // psi*' = 0 for t <= 0
 };
 
 // psi(s) = s log s - s + 1 on [0, 1/alpha]: psi*(t) = e^t - 1 for t <= c = -log(alpha), and the tangent
@@ -247,7 +255,9 @@ struct KLCVaR {
     using M = Math<T>;
     return M::expm1(M::min(t, M::constant(cut)));
   }
+  C10_HOST_DEVICE inline acc_t direct_below() const { return acc_t(-2); }  // 2 psi*(-inf)
   static constexpr bool kHasCoarseValue = true;
+  C10_HOST_DEVICE inline bool coarse_ok() const { return true; }
   template <typename T>
   C10_HOST_DEVICE inline T coarse_value(T t) const {
     using M = Math<T>;
@@ -301,11 +311,14 @@ struct CressieRead {
   acc_t inv_k;
   acc_t first_power;   // p = 1 / (k - 1)
   acc_t second_power;  // p - 1 = (2 - k) / (k - 1)
+  acc_t flat_limit;    // max(2 psi*(-inf), -1/a) = max(-2/k, -1/(k - 1)) (see direct_below)
   C10_HOST_DEVICE explicit CressieRead(double k)
       : k_minus_1(static_cast<acc_t>(k - 1.0)),
         inv_k(static_cast<acc_t>(1.0 / k)),
         first_power(static_cast<acc_t>(1.0 / (k - 1.0))),
-        second_power(static_cast<acc_t>((2.0 - k) / (k - 1.0))) {}
+        second_power(static_cast<acc_t>((2.0 - k) / (k - 1.0))),
+        flat_limit(static_cast<acc_t>(-2.0 / k > -1.0 / (k - 1.0) ? -2.0 / k : -1.0 / (k - 1.0))) {}
+  C10_HOST_DEVICE inline acc_t direct_below() const { return flat_limit; }
   template <typename T>
   C10_HOST_DEVICE inline T base(T t) const {
     using M = Math<T>;
@@ -405,14 +418,22 @@ struct CressieRead {
   }
 };
 
-// The paper's smoothed CVaR (eq. 3.3): psi*(t) = log(1 - alpha + alpha e^t) / alpha. With m = expm1(-|t|)
-// in (-1, 0] (never overflows) and c = alpha for t <= 0, 1 - alpha for t > 0:
-//   t <= 0:  1 - alpha + alpha e^t       = 1 + alpha m
-//   t > 0:   (alpha + (1 - alpha) e^-t) e^t = (1 + (1 - alpha) m) e^t
-// so psi*(t) = [t > 0] t / alpha + log1p(c m) / alpha, exact to a few roundings of |psi*(t)| for every t (no
-// cancellation near t = 0, no overflow for large t). Likewise, with D = 1 + c m,
-//   psi*'(t) - 1 = (1 - alpha) m / D for t <= 0 and -(1 - alpha) m / D for t > 0.
-// psi*'(t) itself is sigmoid(s) / alpha with s = t + log(alpha / (1 - alpha)), accurate for tiny weights.
+// The paper's smoothed CVaR (eq. 3.3): psi*(t) = log(1 - alpha + alpha e^t) / alpha = log1p(x) / alpha with
+// x = alpha expm1(t). alpha may lie anywhere in (0, 1), however close to 0 or 1, so no form below computes
+// 1 - alpha + ... as 1 + c m (which rounds to 0 when c m is near -1: alpha near 0 with t large, alpha near 1 with
+// t very negative). With q = e^-|t| in [0, 1] and m = expm1(-|t|) = q - 1,
+//   t > 0:   1 - alpha + alpha e^t = e^t (alpha + (1 - alpha) q)
+//   t <= 0:  1 - alpha + alpha e^t = (1 - alpha) + alpha q
+// both sums of positive terms: c1 + c2 q with (c1, c2) = (alpha, 1 - alpha) for t > 0 and swapped otherwise.
+//  - psi*(t) = log1p(x) / alpha wherever x is in [-1/2, 1] (relatively accurate near t = 0, where the other form
+//    cancels), and (t_+ + log(c1 + c2 q)) / alpha elsewhere: there |log(c1 + c2 q)| is at most ~max(|log alpha|,
+//    |log(1 - alpha)|) times the result, which is what the conditioning of psi* in t costs anyway. x = alpha E with
+//    E = expm1(t), formed as m for t <= 0 and -m / q for t > 0 (+inf once q underflows, selecting the second form).
+//  - excess(t) = psi*(t) - t, formed from psi*(t): a few roundings of |t| + excess(t).
+//  - psi*'(t) - 1 = (1 - alpha) m / (c1 + c2 q) for t <= 0 and -(1 - alpha) m / (c1 + c2 q) for t > 0.
+//  - psi*'(t) and psi*''(t) likewise (first, second).
+// The shortcuts (the coarse value in product form, the multisection runs) lose what these forms keep, in
+// proportion to 1/alpha and |log(1 - alpha)|: they are used only for alpha in [1/16, 15/16] (shortcuts).
 template <typename acc_t>
 struct SmoothedCVaR {
   acc_t shift;          // log(alpha / (1 - alpha))
@@ -421,13 +442,19 @@ struct SmoothedCVaR {
   acc_t one_minus_alpha;
   acc_t inv_alpha;
   acc_t inv_alpha_minus_1;
+  acc_t flat_limit;     // 2 psi*(-inf) = 2 log(1 - alpha) / alpha (see direct_below)
+  bool shortcuts;
   C10_HOST_DEVICE explicit SmoothedCVaR(double alpha_)
       : shift(static_cast<acc_t>(::log(alpha_) - ::log1p(-alpha_))),
         log1m_alpha(static_cast<acc_t>(::log1p(-alpha_))),
         alpha(static_cast<acc_t>(alpha_)),
         one_minus_alpha(static_cast<acc_t>(1.0 - alpha_)),
         inv_alpha(static_cast<acc_t>(1.0 / alpha_)),
-        inv_alpha_minus_1(static_cast<acc_t>((1.0 - alpha_) / alpha_)) {}
+        inv_alpha_minus_1(static_cast<acc_t>((1.0 - alpha_) / alpha_)),
+        flat_limit(static_cast<acc_t>(2.0 * ::log1p(-alpha_) / alpha_)),
+        shortcuts(alpha_ >= 1.0 / 16.0 && alpha_ <= 15.0 / 16.0) {}
+  C10_HOST_DEVICE inline acc_t direct_below() const { return flat_limit; }
+  C10_HOST_DEVICE inline bool coarse_ok() const { return shortcuts; }
   // e = exp(-|s|) and w = 1 / (1 + e) in [1/2, 1], from which sigmoid(s) (w for s > 0, e w otherwise) and
   // softplus(s) = s_+ + log1p(e) = s_+ - log(w) follow without overflow (a NaN s makes both NaN).
   template <typename T>
@@ -449,53 +476,70 @@ struct SmoothedCVaR {
     const Logistic<T> g = logistic(s);
     return M::if_positive(s, g.w, g.ew);
   }
-  // c m with m = expm1(-|t|) (see above).
+  // c1 + c2 q (see above), in [min(alpha, 1 - alpha), 1].
   template <typename T>
-  C10_HOST_DEVICE inline T scaled_m(T t) const {
+  C10_HOST_DEVICE inline T positive_sum(T t, T q) const {
     using M = Math<T>;
-    return M::expm1(M::neg_abs(t)) * M::if_positive(t, M::constant(one_minus_alpha), M::constant(alpha));
-  }
-  // log1p(c m) / alpha: psi*(t) - [t > 0] t / alpha.
-  template <typename T>
-  C10_HOST_DEVICE inline T log_part(T t) const {
-    using M = Math<T>;
-    return M::log1p(scaled_m(t)) * M::constant(inv_alpha);
+    const T a = M::constant(alpha), b = M::constant(one_minus_alpha);
+    return M::if_positive(t, q * b + a, q * a + b);
   }
   template <typename T>
   C10_HOST_DEVICE inline T value(T t) const {
     using M = Math<T>;
-    return log_part(t) + M::select_positive(t, t * M::constant(inv_alpha), M::constant(0.0));
+    const T minus_abs = M::neg_abs(t);
+    const T m = M::expm1(minus_abs);
+    const T q = M::exp(minus_abs);
+    const T e = M::if_positive(t, -m / q, m);
+    const T x = e * M::constant(alpha);
+    // log1p(x) / alpha, which is e itself to the last bit where |x| < 2^-60 (and where alpha e would lose digits
+    // below the type's smallest normal).
+    const T near = M::select_positive(-M::neg_abs(x) - M::constant(0x1p-60), M::log1p(x) * M::constant(inv_alpha), e);
+    const T far = (M::relu(t) + M::log(positive_sum(t, q))) * M::constant(inv_alpha);
+    // x > 1 or x < -1/2 takes the far form; a NaN x stays NaN (select_positive returns it).
+    return M::select_positive(x - M::constant(1.0), far, M::select_positive(M::constant(-0.5) - x, far, near));
   }
+  // psi*'(t) = e^t / (1 - alpha + alpha e^t) = [t > 0 ? 1 : q] / (c1 + c2 q) and
+  // psi*''(t) = psi*'(t) (1 - alpha psi*'(t)) = (1 - alpha) q / (c1 + c2 q)^2, relatively accurate for any alpha.
+  // With the shortcuts, sigmoid(s) / alpha and sigmoid(s) sigmoid(-s) / alpha instead (s = t + shift), whose
+  // exponential the coarse value shares; they lose |shift| roundings to t + shift, at most ~3 there.
   template <typename T>
   C10_HOST_DEVICE inline T first(T t) const {
     using M = Math<T>;
-    return sigmoid(t + M::constant(shift)) * M::constant(inv_alpha);
+    if (shortcuts) return sigmoid(t + M::constant(shift)) * M::constant(inv_alpha);
+    const T q = M::exp(M::neg_abs(t));
+    return M::if_positive(t, M::constant(1.0), q) / positive_sum(t, q);
   }
   template <typename T>
   C10_HOST_DEVICE inline T second(T t) const {
     using M = Math<T>;
-    // sigmoid(s) sigmoid(-s) = e w^2 whatever the sign of s: no 1 - p to lose the small side's digits.
-    const Logistic<T> g = logistic(t + M::constant(shift));
-    return g.ew * g.w * M::constant(inv_alpha);
+    if (shortcuts) {
+      // sigmoid(s) sigmoid(-s) = e w^2 whatever the sign of s: no 1 - p to lose the small side's digits.
+      const Logistic<T> g = logistic(t + M::constant(shift));
+      return g.ew * g.w * M::constant(inv_alpha);
+    }
+    const T q = M::exp(M::neg_abs(t));
+    const T sum = positive_sum(t, q);
+    return q * M::constant(one_minus_alpha) / (sum * sum);
   }
   template <typename T>
   C10_HOST_DEVICE inline T excess(T t) const {
-    using M = Math<T>;
-    return log_part(t) + M::select_positive(t, t * M::constant(inv_alpha_minus_1), -t);
+    return value(t) - t;
   }
   template <typename T>
   C10_HOST_DEVICE inline T excess_first(T t) const {
     using M = Math<T>;
-    const T cm = scaled_m(t);
-    const T m = M::expm1(M::neg_abs(t));
-    const T ratio = M::divide(m * M::constant(one_minus_alpha), M::constant(1.0) + cm);
+    const T minus_abs = M::neg_abs(t);
+    const T m = M::expm1(minus_abs);
+    const T q = M::exp(minus_abs);
+    const T ratio = M::divide(m * M::constant(one_minus_alpha), positive_sum(t, q));  // base >= min(alpha, 1 - alpha)
     return M::select_positive(t, -ratio, ratio);
   }
   // The coarse value in product form (see above): psi*(t) = (log(1 - alpha) + s_+ + log(1 + e)) / alpha with
   // s = t + shift and e = exp(-|s|) in [0, 1] (shared with first()), so that over a block of samples
   //   sum psi*(t_i) = coarse_scale * (count * coarse_offset + sum coarse_linear(t_i) + log prod coarse_factor(t_i))
   // where the factors 1 + e_i lie in [1, 2]: a product of a few dozen neither overflows nor loses more than a
-  // rounding per factor, and the block takes one log per lane instead of a log per sample.
+  // rounding per factor, and the block takes one log per lane instead of a log per sample. Each rounding there
+  // is of |log(1 - alpha)| + s_+ + 1, divided by alpha: only for alpha in [1/16, 15/16] (coarse_ok).
   static constexpr bool kHasCoarseValue = true;
   static constexpr bool kCoarseValueAsProduct = true;
   C10_HOST_DEVICE inline acc_t coarse_scale() const { return inv_alpha; }
@@ -514,12 +558,13 @@ struct SmoothedCVaR {
   // which is the two-sided form above in one expression (D in (-1, 0) for t > 0, >= 0 otherwise), and
   // D_j = expm1(-t_c) e^((j - c) d) + expm1((j - c) d). Factors up to e^(c d) scale expm1(-t_c)'s absolute error
   // (it is ~eps where D is near -1, a loss far above the points), so runs are kept to (K - 1) d <= 2: at most
-  // e times the error of expm1 itself. -t_c is clamped so that D stays finite; past the clamp every D_j is
-  // above e^70 and -P / (1 + P) is -1 to the last bit, as it should be.
+  // e times the error of expm1 itself. 1 + P >= alpha is formed as 1 + P, whose rounding is ~eps / alpha
+  // relative: runs are used only where the shortcuts are (alpha >= 1/16). -t_c is clamped so that D stays
+  // finite; past the clamp every D_j is above e^70 and -P / (1 + P) is -1 to the last bit, as it should be.
   static constexpr bool kHasExcessFirstRun = true;
   template <int K>
   C10_HOST_DEVICE inline bool run_fits(double d) const {
-    return (K - 1) * d <= 2.0;  // false for NaN
+    return shortcuts && (K - 1) * d <= 2.0;  // false for NaN
   }
   template <int K>
   C10_HOST_DEVICE inline ExcessFirstRunTable<acc_t, K> run_table(double d) const {
@@ -539,19 +584,38 @@ struct SmoothedCVaR {
   }
 };
 
-// One sample's share of the penalized objective, lam psi*(t) + s with t = (l - s) / lam, for scalar T (the
-// per-element value term of the CUDA loss and of the fused cross-entropy on both devices; the CPU loss kernel,
-// which sums t and excess in separate vector lanes, handles the same case after its reduction).
-//
-// Formed as l + lam excess(t): lam t + s == l, and this form keeps its absolute error near eps |l - s| however
-// large lam is, where lam psi*(t) + s cancels catastrophically (the ERM limit; DESIGN.md, Numerics). It is
-// inf - inf where t is infinite (a loss of +-inf, or an overflowing division by a tiny lam), and only there:
-// those samples take lam psi*(t) + s itself, which is +inf at t = +inf and psi*'s finite limit at -inf (the
-// sample's weight psi*'(-inf) is 0). A NaN t stays NaN.
+// One sample's share of the penalized objective, lam psi*(t) + s with t = (l - s) / lam, in one of two forms:
+//  - l + lam excess(t) (lam t + s == l): its absolute error stays near eps |l - s| however large lam is, where
+//    lam psi*(t) + s cancels catastrophically (the ERM limit, t -> 0; DESIGN.md, Numerics);
+//  - lam psi*(t) + s itself, for t <= direct_below(): there psi*(t) is flat (psi*(t) >= t/2), so l + lam excess(t)
+//    would be l - l + lam psi*(t) + s, and a loss far below the others (-1e30 beside losses near 1) would take
+//    every digit of its neighbours' shares down with it. Samples whose weight is 0 take this form too, so their
+//    gradient is 0 exactly (the fallback differentiates these forms).
+// Either form's error is then within a small factor of eps (|s| + lam |psi*(t)|) plus what t's rounding moves
+// it by. The excess form is inf - inf where t = +inf (a loss of +inf, or an overflowing division by a tiny lam):
+// those samples take lam psi*(t) + s, +inf. A NaN t stays NaN. For scalar T (the per-element value term of the
+// CUDA loss and of the fused cross-entropy on both devices); the CPU loss kernel sums the same forms as
+// (loss_part_a, loss_part_b).
 template <typename Div, typename T>
 C10_HOST_DEVICE inline T penalized_value(const Div& div, T t, T l, T lam, T s) {
+  if (t <= static_cast<T>(div.direct_below())) return lam * div.value(t) + s;
   const T v = l + lam * div.excess(t);
   return (v != v && t == t) ? lam * div.value(t) + s : v;
+}
+
+// The same choice for a sum: lam psi*(t) + s = s + a + lam b with (a, b) = (l - s, excess(t)) above direct_below()
+// and (0, psi*(t)) at or below it (d = l - s, as the caller formed it for t = d / lam), so that
+// s + (sum a + lam sum b) / N is the mean of penalized_value (where no t is +inf) with the precision of each form,
+// and sum a never holds the deviation of a loss far below the rest.
+template <typename Div, typename T>
+C10_HOST_DEVICE inline T loss_part_a(const Div& div, T t, T d) {
+  using M = Math<T>;
+  return M::select_positive(t - M::constant(div.direct_below()), d, M::constant(0.0));  // NaN t stays NaN
+}
+template <typename Div, typename T>
+C10_HOST_DEVICE inline T loss_part_b(const Div& div, T t) {
+  using M = Math<T>;
+  return M::select_positive(t - M::constant(div.direct_below()), div.excess(t), div.value(t));
 }
 
 // The parameters a divergence was asked for; only the ones it uses are read.

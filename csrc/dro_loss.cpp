@@ -38,7 +38,8 @@ at::Tensor map_terms(const at::Tensor& x, const at::Tensor& eta, double multipli
   at::Tensor out = cpu::empty_output_like(x);
   if (x.numel() > 0) {
     const double g_eta = scale * cpu::read_scalar(eta);
-    cpu::cpu_kernels().map_derivative(x.view(-1), out, spec, cpu::Affine{g_eta, 1.0 / lam}, multiplier, order);
+    at::Tensor flat = out.view(-1);
+    cpu::map_derivative(x.view(-1), flat, spec, g_eta, lam, multiplier, order);
   }
   return out;
 }

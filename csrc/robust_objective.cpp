@@ -18,12 +18,13 @@
 //                 (Michelot's active-set iteration); eta* is then solved exactly on that segment with float64 sums.
 //   the others    safeguarded Newton on log(mean psi*') = 0 (exact in one step for exponential tails) with
 //                 bisection inside the shrinking bracket whenever a step leaves it or stalls.
-// Every Newton iteration is ONE pass of the loss kernel (reduce with Sums::Newton: sum psi*' - 1 and sum psi*''
-// fused), so the psi* math exists only in csrc/divergences.h. The condition is summed as psi*'(t) - 1
-// (excess_first), which keeps its relative precision as t -> 0, so eta* -> mean l as lam -> inf; the value
-// at eta* is mean l + lam mean (psi*(t) - t) for the same reason. The sums accumulate in float32 for
-// half/bfloat16/float32 input and in float64 for float64 input, as the loss does; the iteration itself and
-// the closed forms run in float64.
+// Every Newton iteration is ONE pass of the loss kernel (reduce with Sums::Newton: sum psi*' - 1, sum psi*'' and
+// sum psi*'' |l| fused), so the psi* math exists only in csrc/divergences.h. The condition is summed as
+// psi*'(t) - 1 (excess_first), which keeps its relative precision as t -> 0, so eta* -> mean l as lam -> inf; the
+// value at eta* is the loss kernel's (each sample's share formed as divergences.h's penalized_value) for the same
+// reason. The sums accumulate in float32 for half/bfloat16/float32 input and in float64 for float64 input, as the
+// loss does, except where lam is too fine for float32 to resolve eta (solve); the iteration itself and the closed
+// forms run in float64. Psi never exceeds max l (solve).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -40,6 +41,7 @@
 #include "checks.h"
 #include "cpu/chunks.h"
 #include "cpu/kernels.h"
+#include "cpu/scalar_tensors.h"
 
 namespace dro_ext {
 
@@ -269,13 +271,13 @@ Solution solve_newton(const at::Tensor& x, const DivergenceSpec& spec, double la
   const double width = linear_weight_width(spec);
   const bool linear = width > 0.0;
   const double eps = machine_epsilon(x);
-  // Converged when a step moves eta by a few roundings of the losses: the kernel forms l - eta in the
-  // accumulate type, so it cannot resolve eta more finely (g itself keeps its relative precision at any lam).
-  const double tol = 4.0 * eps * std::max(std::abs(lo), std::abs(hi));
   double a = lo, b = hi, eta = start;
   double step_before_last = b - a, last_step = b - a;
-  double previous_active = -1.0;
+  double previous_active = -1.0, previous_g = kNaN;
   bool last_was_newton = false;
+  // A probe: eta moved one tolerance from probe_origin (where g was probe_origin_g) to see whether g changes sign.
+  bool probing = false;
+  double probe_origin = kNaN, probe_origin_g = kNaN;
   int iterations = 0;
   bool converged = false;
   while (iterations < kMaxIterations) {
@@ -288,6 +290,26 @@ Solution solve_newton(const at::Tensor& x, const DivergenceSpec& spec, double la
       break;
     }
     if (g > 0.0) a = eta; else b = eta;
+    // Converged when eta is known to a few roundings of what it can be resolved to: the kernel forms l - eta in the
+    // accumulate type, which moves the Newton step by roundings of |eta| and of the psi*''-weighted mean |l| (at
+    // most |eta| + that mean of |l - eta|: the losses the slope comes from; g itself keeps its relative precision
+    // at any lam). Not of the widest loss: a root at -4 beside losses of -1e20 (weight 0 there) is resolved as
+    // finely as its neighbours allow. With no slope at all (every weight flat), the bracket's ends.
+    const double scale =
+        s[1] > 0.0 && std::isfinite(s[2]) ? 2.0 * std::abs(eta) + s[2] / s[1] : std::max(std::abs(a), std::abs(b));
+    const double tol = 4.0 * eps * scale;
+    // Newton's model of g holds here (its last step at least halved |g|): a step below tol then finds the root.
+    const bool converging = last_was_newton && std::abs(g) <= 0.5 * std::abs(previous_g);
+    bool bisect = false;
+    if (probing) {
+      probing = false;
+      if ((g > 0.0) != (probe_origin_g > 0.0)) {  // the root lies within the probe's tolerance
+        if (std::abs(probe_origin_g) < std::abs(g)) eta = probe_origin;
+        converged = true;
+        break;
+      }
+      bisect = true;  // the tiny Newton step was no sign of the root: halve the bracket instead
+    }
     // Linear weights: the last Newton step solved the linear piece of this same active set, so eta is its root.
     if (linear && last_was_newton && s[1] == previous_active) {
       converged = true;
@@ -295,24 +317,44 @@ Solution solve_newton(const at::Tensor& x, const DivergenceSpec& spec, double la
     }
     previous_active = s[1];
     const double newton = linear ? lam * s[0] / s[1] : lam * std::log1p(g) * ((n + s[0]) / s[1]);
-    // A Newton step below the resolution of eta means g is at its rounding noise: eta is the root as far as
-    // the kernel can tell. (Without this test, a last step that rounds onto the bracket's end fell back to
-    // bisection, which then halved a bracket of 1e-10 down to the tolerance: a dozen wasted passes.)
-    if (std::abs(newton) <= tol) {
-      converged = true;
-      break;
+    double next;
+    bool use_newton = false;
+    if (!bisect && std::abs(newton) <= tol) {
+      // A Newton step below the resolution of eta: g is at its rounding noise and eta is the root as far as the
+      // kernel can tell, when Newton's model holds (converging). (Without this test, a last step that
+      // rounds onto the bracket's end fell back to bisection, which then halved a bracket of 1e-10 down to the
+      // tolerance: a dozen wasted passes.) Otherwise the step may be tiny only because g is steep here while the
+      // root is far, which Newton's local slope cannot see (kl_cvar at lam = 1e-6, losses 0 and 1000: the weight
+      // of 1000 capped at 1/alpha, the slope all from the loss at eta); one probe a tolerance towards the root
+      // tells the two apart.
+      if (converging) {
+        converged = true;
+        break;
+      }
+      next = eta + std::copysign(tol, g);  // g > 0: the root lies above eta
+      if (!(next > a && next < b)) {       // the bracket is within a tolerance already
+        converged = true;
+        break;
+      }
+      probing = true;
+      probe_origin = eta;
+      probe_origin_g = g;
+    } else {
+      next = eta + newton;
+      // Bisect when Newton leaves the bracket or (as in rtsafe) does not at least halve the step before last;
+      // the linear case's Newton from the left end is monotone and needs no such guard.
+      use_newton = !bisect && std::isfinite(next) && next > a && next < b &&
+                   (linear || std::abs(newton) <= 0.5 * std::abs(step_before_last));
+      if (!use_newton) next = 0.5 * (a + b);
     }
-    double next = eta + newton;
-    // Bisect when Newton leaves the bracket or (as in rtsafe) does not at least halve the step before last;
-    // the linear case's Newton from the left end is monotone and needs no such guard.
-    const bool use_newton = std::isfinite(next) && next > a && next < b &&
-                            (linear || std::abs(newton) <= 0.5 * std::abs(step_before_last));
-    if (!use_newton) next = 0.5 * (a + b);
+    previous_g = g;
     step_before_last = last_step;
     last_step = next - eta;
     eta = next;
     last_was_newton = use_newton;
-    if (std::abs(last_step) <= tol || b - a <= tol) {
+    // Converged once the bracket is within tol, after a bisection step within tol, or after a Newton step within tol
+    // while Newton's model holds; a first tiny Newton step is evaluated (and, if still tiny, probed) instead.
+    if (!probing && (b - a <= tol || (std::abs(last_step) <= tol && (!use_newton || converging)))) {
       converged = true;
       break;
     }
@@ -347,21 +389,38 @@ double warm_start(const at::Tensor& x, const DivergenceSpec& spec, double lam, d
   return std::isfinite(eta) && eta > lo && eta < hi ? eta : lo;
 }
 
+// Whether float32 sums resolve eta at this lam: lam at least 256 roundings of the largest |loss| (else t moves by
+// more than 1/256 per rounding of eta), and 1/lam a normal float32 (else t is inf or 0 for every loss). Where they
+// do not, the iterative solvers run on a float64 copy of the losses.
+bool float32_resolves(const at::Tensor& x, double lam, double largest) {
+  return lam >= 256.0 * machine_epsilon(x) * largest && cpu::float32_forms_t(lam);
+}
+
 Solution solve(const at::Tensor& x, const DivergenceSpec& spec, double lam) {
   const auto [lo, hi] = min_max(x);
   // NaN gives NaN; -inf has no sensible dual; +inf makes the worst case infinite.
   if (std::isnan(lo) || std::isnan(hi) || lo == -kInf) return {kNaN, kNaN, 0};
   if (hi == kInf) return {kInf, kInf, 0};
   if (lo == hi) return {lo, lo, 0};  // N = 1 or all equal: psi*(0) = 0
-  switch (spec.kind) {
-    case Divergence::KL:
-      return solve_kl(x, spec, lam, hi);
-    case Divergence::CVaR:
-      return solve_cvar(x, spec.alpha);
-    default:
-      if (linear_weight_width(spec) > 0.0) return solve_newton(x, spec, lam, lo, hi, lo);
-      return solve_newton(x, spec, lam, lo, hi, warm_start(x, spec, lam, lo, hi));
+  Solution sol;
+  if (spec.kind == Divergence::CVaR) {
+    sol = solve_cvar(x, spec.alpha);  // a selection: exact in any dtype
+  } else {
+    const at::Tensor xs =
+        x.scalar_type() != at::kDouble && !float32_resolves(x, lam, std::max(-lo, hi)) ? x.to(at::kDouble) : x;
+    if (spec.kind == Divergence::KL) {
+      sol = solve_kl(xs, spec, lam, hi);
+    } else if (linear_weight_width(spec) > 0.0) {
+      sol = solve_newton(xs, spec, lam, lo, hi, lo);
+    } else {
+      sol = solve_newton(xs, spec, lam, lo, hi, warm_start(xs, spec, lam, lo, hi));
+    }
   }
+  // Psi = min over eta of L <= L(max l) <= max l (psi*(t) <= 0 for t <= 0). Where lam is below even float64's
+  // resolution of the losses, L at the rounded eta* can exceed that by the rounding of eta times its slope: the
+  // bound holds regardless.
+  sol.value = std::min(sol.value, hi);  // keeps NaN
+  return sol;
 }
 
 std::tuple<at::Tensor, at::Tensor> robust_objective_cpu(
@@ -372,8 +431,8 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cpu(
   const at::Tensor x = losses.contiguous();
   const Solution sol = solve(x, spec, lam);
   auto options = losses.options();
-  return {at::scalar_tensor(sol.value, options),
-          at::scalar_tensor(sol.eta, options.dtype(accumulate_type(losses.scalar_type())))};
+  return {cpu::make_scalar(sol.value, options),
+          cpu::make_scalar(sol.eta, options.dtype(accumulate_type(losses.scalar_type())))};
 }
 
 at::Tensor robust_weights_cpu(
@@ -408,9 +467,9 @@ at::Tensor robust_weights_cpu(
   }
   // psi*'(t_i) / sum_j psi*'(t_j): the sum is N at eta* up to rounding; dividing by it makes q sum to one
   // even when eta* was rounded to float32.
-  const cpu::Affine affine{eta, 1.0 / lam};
-  const double total = cpu::cpu_kernels().reduce(x, spec, affine, cpu::Sums::Weight)[0];
-  cpu::cpu_kernels().map_derivative(x.view(-1), out, spec, affine, 1.0 / total, 1);
+  const at::Tensor xs = x.scalar_type() != at::kDouble && !cpu::float32_forms_t(lam) ? x.to(at::kDouble) : x;
+  const double total = cpu::cpu_kernels().reduce(xs, spec, cpu::Affine{eta, 1.0 / lam}, cpu::Sums::Weight)[0];
+  cpu::map_derivative(x, out, spec, eta, lam, 1.0 / total, 1);
   return out;
 }
 

@@ -5,12 +5,16 @@ DESIGN.md section 1 for the errata against the paper's Table 1).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 import torch
 
 DIVERGENCES = ("chi2", "kl", "cvar", "kl_cvar", "cressie_read", "smoothed_cvar")
 _NEEDS_ALPHA = ("cvar", "kl_cvar", "smoothed_cvar")
+# alpha's documented range is [MIN_ALPHA, 1) (csrc/checks.h): 1/alpha and alpha itself stay normal float32 numbers
+# with room to spare, which the float32 kernels need.
+MIN_ALPHA = 1e-30
 
 
 class Spec(NamedTuple):
@@ -21,14 +25,14 @@ class Spec(NamedTuple):
     k: float | None
 
 
-def _finite_float(name: str, value) -> float:
+def real_number(name: str, value) -> float:
+    """A real number as a float. bool, str and complex are refused, though float() takes them (float(True) == 1.0,
+    float("0.1") == 0.1): each is more likely a mistake than a parameter."""
     if isinstance(value, torch.Tensor):
         raise TypeError(f"dro_ext: {name} must be a Python number, got a Tensor")
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"dro_ext: {name} must be a number, got {value!r}") from None
-    return out
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.SymFloat, torch.SymInt)):
+        raise TypeError(f"dro_ext: {name} must be a real number, got {value!r} ({type(value).__name__})")
+    return float(value)
 
 
 def check_divergence(divergence: str, alpha=None, k=None) -> Spec:
@@ -41,15 +45,16 @@ def check_divergence(divergence: str, alpha=None, k=None) -> Spec:
         raise ValueError(f"dro_ext: divergence {divergence!r} takes no k, got k={k!r}; pass k=None")
     if divergence in _NEEDS_ALPHA:
         if alpha is None:
-            raise ValueError(f"dro_ext: divergence {divergence!r} needs alpha in (0, 1), got alpha=None")
-        alpha = _finite_float("alpha", alpha)
-        if not 0.0 < alpha < 1.0:
-            raise ValueError(f"dro_ext: alpha must be in (0, 1) for divergence {divergence!r}, got alpha={alpha}")
+            raise ValueError(f"dro_ext: divergence {divergence!r} needs alpha in [1e-30, 1), got alpha=None")
+        alpha = real_number("alpha", alpha)
+        if not MIN_ALPHA <= alpha < 1.0:
+            raise ValueError(f"dro_ext: alpha must be in [{MIN_ALPHA:g}, 1) for divergence {divergence!r}, "
+                             f"got alpha={alpha}")
         return Spec(divergence, alpha, None)
     if divergence == "cressie_read":
         if k is None:
             raise ValueError("dro_ext: divergence 'cressie_read' needs k > 1, got k=None")
-        k = _finite_float("k", k)
+        k = real_number("k", k)
         if not 1.0 < k < math.inf:
             raise ValueError(f"dro_ext: k must be a finite number > 1 for divergence 'cressie_read', got k={k}")
         return Spec(divergence, None, k)
@@ -57,16 +62,23 @@ def check_divergence(divergence: str, alpha=None, k=None) -> Spec:
 
 
 def check_positive(name: str, value) -> float:
-    value = _finite_float(name, value)
+    value = real_number(name, value)
     # Comparisons rather than math.isfinite, which torch.compile cannot trace on symbolic floats.
     if not 0.0 < value < math.inf:
         raise ValueError(f"dro_ext: {name} must be a finite number > 0, got {name}={value}")
     return value
 
 
+def check_dense(name: str, value: torch.Tensor) -> None:
+    """A strided (dense) tensor: the ops have no sparse or other layouts' kernels."""
+    if value.layout != torch.strided:
+        raise TypeError(f"dro_ext: {name} must be a dense (strided) tensor, got layout {value.layout}")
+
+
 def check_losses(losses) -> None:
     if not isinstance(losses, torch.Tensor):
         raise TypeError(f"dro_ext: losses must be a torch.Tensor, got {type(losses).__name__}")
+    check_dense("losses", losses)
     if losses.dim() != 1:
         raise ValueError(f"dro_ext: losses must be a 1-D tensor of per-sample losses, got shape {tuple(losses.shape)}")
     if losses.numel() == 0:
@@ -87,12 +99,36 @@ def as_eta(eta, losses: torch.Tensor) -> torch.Tensor:
                 f"dro_ext: eta is on {eta.device} but losses is on {losses.device}; move them to the same device"
             )
         return eta
-    return torch.tensor(_finite_float("eta", eta), dtype=accumulate_dtype(losses.dtype), device=losses.device)
+    return torch.tensor(real_number("eta", eta), dtype=accumulate_dtype(losses.dtype), device=losses.device)
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for half/bfloat16/float32 inputs, float64 for float64 inputs (DESIGN.md section 1)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# torch.sum splits a 1-D tensor of more than this many elements between threads, in as many parts as it has
+# threads: the rounding then depends on the thread count.
+_SINGLE_THREAD_SUM = 32768
+_SUM_CHUNK = 16384
+
+
+def fixed_order_sum(x: torch.Tensor) -> torch.Tensor:
+    """x.sum() of a 1-D tensor, the same bits whatever the thread count (as the native kernels' sums): beyond what one
+    thread sums, fixed chunks (rows of a 2-D view, each summed by one thread) and then their sums."""
+    n = x.shape[0]
+    if n <= _SINGLE_THREAD_SUM:
+        return x.sum()
+    padded = torch.nn.functional.pad(x, (0, -n % _SUM_CHUNK))  # zeros: they leave every chunk's sum alone
+    return padded.reshape(-1, _SUM_CHUNK).sum(dim=1).sum()
+
+
+def fallback_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """What the fallback evaluates the loss and its weights in: float64 wherever the device has it. The native
+    kernels sum in float32 and redo a pass in float64 where float32 intermediates overflow or cannot form
+    t = (l - G eta)/lam (a tiny or huge lam); a composition of PyTorch ops cannot look at its result first without
+    a host sync (and torch.func cannot at all), so the fallback takes float64 from the start."""
+    return torch.float64 if device.type != "mps" else accumulate_dtype(dtype)
 
 
 def _select_positive(x, if_pos, if_nonpos):
@@ -129,10 +165,38 @@ def _cressie_read_parts(t, k):
 
 
 def _smoothed_cvar_parts(t, alpha):
-    """(m, c m): m = expm1(-|t|) in (-1, 0] and c = alpha for t <= 0, 1 - alpha for t > 0 (csrc/divergences.h)."""
-    m = torch.expm1(_neg_abs(t))
-    c = alpha + (1.0 - 2.0 * alpha) * (t > 0).to(t.dtype)  # (torch.where of two numbers would be float32)
-    return m, m * c
+    """(m, c1 + c2 q): m = expm1(-|t|) = q - 1 with q = e^-|t|, and (c1, c2) = (alpha, 1 - alpha) for t > 0, swapped
+    otherwise, so that 1 - alpha + alpha e^t is e^t (c1 + c2 q) for t > 0 and c1 + c2 q otherwise: a sum of positive
+    terms, never 1 + c m, which cancels for alpha near 0 or 1 (csrc/divergences.h)."""
+    minus_abs = _neg_abs(t)
+    m = torch.expm1(minus_abs)
+    q = torch.exp(minus_abs)
+    # Each constant times 0 or 1, so that alpha and 1 - alpha round only once (torch.where of two numbers would be
+    # float32, and 1 - c1 would lose alpha near 0).
+    positive = (t > 0).to(t.dtype)
+    negative = 1.0 - positive
+    c1 = alpha * positive + (1.0 - alpha) * negative
+    c2 = (1.0 - alpha) * positive + alpha * negative
+    return m, c1 + c2 * q
+
+
+def _smoothed_cvar_shortcuts(alpha) -> bool:
+    """csrc/divergences.h's SmoothedCVaR::shortcuts: alpha in [1/16, 15/16]."""
+    return 1.0 / 16.0 <= alpha <= 15.0 / 16.0
+
+
+def _smoothed_cvar_value(t, alpha):
+    """psi*(t) = log1p(x) / alpha with x = alpha expm1(t) in [-1/2, 1], else (t_+ + log(c1 + c2 q)) / alpha.
+
+    expm1 is taken at t clamped to log1p(2 / alpha), where x = 2 already selects the second form, so that every
+    branch torch.where drops is finite and so is its gradient."""
+    _, total = _smoothed_cvar_parts(t, alpha)
+    e = torch.expm1(torch.clamp(t, max=math.log1p(2.0 / alpha)))
+    x = e * alpha
+    # e itself where |x| < 2^-60: log1p(x) / alpha to the last bit, without alpha e's digits below the smallest normal.
+    near = torch.where(x.abs() < 2.0**-60, e, torch.log1p(x) / alpha)
+    far = (_relu(t) + torch.log(total)) / alpha
+    return torch.where((x >= -0.5) & (x <= 1.0), near, far)
 
 
 def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
@@ -184,10 +248,17 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
     if name == "smoothed_cvar":
         alpha = spec.alpha
         if order == 0:
-            _, cm = _smoothed_cvar_parts(t, alpha)
-            return torch.log1p(cm) / alpha + _select_positive(t, t / alpha, 0.0)
-        p = torch.sigmoid(t + (math.log(alpha) - math.log1p(-alpha)))
-        return p / alpha if order == 1 else p * (1.0 - p) / alpha
+            return _smoothed_cvar_value(t, alpha)
+        if _smoothed_cvar_shortcuts(alpha):
+            s = t + (math.log(alpha) - math.log1p(-alpha))
+            # sigmoid(s) sigmoid(-s): no 1 - p to lose the small side's digits.
+            return torch.sigmoid(s) / alpha if order == 1 else torch.sigmoid(s) * torch.sigmoid(-s) / alpha
+        # e^t / (1 - alpha + alpha e^t) and its derivative from q = e^-|t|, without t + log(alpha/(1 - alpha)).
+        q = torch.exp(_neg_abs(t))
+        _, total = _smoothed_cvar_parts(t, alpha)
+        if order == 1:
+            return torch.where(t > 0, torch.ones_like(q), q) / total
+        return q * (1.0 - alpha) / (total * total)
     raise AssertionError(name)
 
 
@@ -210,9 +281,7 @@ def excess(t: torch.Tensor, spec: Spec) -> torch.Tensor:
         e = torch.expm1(log_u / (k - 1.0))
         return _select_positive(u, ((e - t) + at * e) / k, -1.0 / k - t)
     if name == "smoothed_cvar":
-        alpha = spec.alpha
-        _, cm = _smoothed_cvar_parts(t, alpha)
-        return torch.log1p(cm) / alpha + _select_positive(t, t * ((1.0 - alpha) / alpha), -t)
+        return _smoothed_cvar_value(t, spec.alpha) - t
     raise AssertionError(name)
 
 
@@ -231,31 +300,47 @@ def excess_first(t: torch.Tensor, spec: Spec) -> torch.Tensor:
         u, _, log_u = _cressie_read_parts(t, spec.k)
         return _select_positive(u, torch.expm1(log_u / (spec.k - 1.0)), -1.0)
     if name == "smoothed_cvar":
-        m, cm = _smoothed_cvar_parts(t, spec.alpha)
-        ratio = m * (1.0 - spec.alpha) / (1.0 + cm)
+        m, total = _smoothed_cvar_parts(t, spec.alpha)
+        ratio = m * (1.0 - spec.alpha) / total
         return _select_positive(t, -ratio, ratio)
     raise AssertionError(name)
+
+
+def direct_below(spec: Spec) -> float:
+    """csrc/divergences.h's direct_below: t_d <= 0 with psi*(t) >= t/2 for every t <= t_d (2 psi*(-inf), or the top
+    of psi*'s zero set where that is higher), where a sample's share of the objective is formed directly."""
+    name = spec.name
+    if name == "cvar":
+        return 0.0
+    if name == "cressie_read":
+        return max(-2.0 / spec.k, -1.0 / (spec.k - 1.0))
+    if name == "smoothed_cvar":
+        return 2.0 * math.log1p(-spec.alpha) / spec.alpha
+    return -2.0  # chi2, kl, kl_cvar: psi*(-inf) = -1
 
 
 def penalized_value(x: torch.Tensor, t: torch.Tensor, lam: float, g_eta: torch.Tensor, spec: Spec) -> torch.Tensor:
     """Each sample's lam psi*(t) + G eta for t = (x - G eta) / lam, elementwise (csrc/divergences.h's
     penalized_value), differentiable by autograd.
 
-    Formed as x + lam (psi*(t) - t): the G eta terms cancel, and lam * excess keeps its precision as lam grows,
-    where lam psi*(t) + G eta would not (DESIGN.md, Numerics). That form is inf - inf where t is infinite (a loss
-    of +-inf), and there the kernels take lam psi*(t) + G eta itself: +inf at t = +inf, psi*'s finite limit at
-    -inf. Here those samples get the excess form at a stand-in t = 0 (exactly G eta) plus their limit, built so
-    that autograd gives their true gradients without meeting inf - inf or 0 * inf (torch.where sends a zero
-    gradient into the branch it drops):
+    Above direct_below(spec) it is formed as x + lam (psi*(t) - t): the G eta terms cancel, and lam * excess keeps its
+    precision as lam grows, where lam psi*(t) + G eta would not (DESIGN.md, Numerics). At or below it (psi* flat:
+    a loss far below the others, or a sample of weight 0) as lam psi*(t) + G eta itself, which keeps the digits
+    that x - x would lose, and gives those samples a gradient of exactly psi*'(t) (0 where the weight is 0).
+    t = +inf (a loss of +inf) makes the excess form inf - inf; the kernels take lam psi*(t) + G eta there, +inf.
+    Each sample's formula is evaluated at a stand-in t where it is not the one selected, so that autograd never
+    meets inf - inf or 0 * inf (torch.where sends a zero gradient into the branch it drops):
       t = +inf: lam t w with w = psi*'(+inf) > 0, which is +inf with gradient w;
       t = -inf: the constant lam psi*(-inf) (its weight psi*'(-inf) is 0).
     """
+    t_direct_max = direct_below(spec)
     above, below = t == math.inf, t == -math.inf
-    infinite = above | below
+    direct = (t <= t_direct_max) & ~below
     t_above = torch.where(above, t, 0.0)
     w_above = psi_star(t_above.detach(), spec, 1)
     limit_below = psi_star(torch.where(below, t, 0.0).detach(), spec, 0)
     limits = torch.where(above, t_above * w_above, torch.where(below, limit_below, 0.0))
-    x_finite = torch.where(infinite, g_eta, x)
-    t_finite = torch.where(infinite, 0.0, t)
-    return x_finite + lam * (excess(t_finite, spec) + limits)
+    special = direct | above | below
+    from_excess = torch.where(special, g_eta, x) + lam * (excess(torch.where(special, 0.0, t), spec) + limits)
+    from_value = g_eta + lam * psi_star(torch.where(direct, t, t_direct_max), spec, 0)
+    return torch.where(direct, from_value, from_excess)

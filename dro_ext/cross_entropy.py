@@ -24,7 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dro_ext import _backend
-from dro_ext._divergences import Spec, accumulate_dtype, as_eta, check_divergence, check_positive
+from dro_ext._divergences import (
+    Spec, accumulate_dtype, as_eta, check_dense, check_divergence, check_positive, fallback_dtype, real_number,
+)
 from dro_ext._divergences import penalized_value as _penalized_value_torch
 from dro_ext._divergences import psi_star as _psi_star_torch
 
@@ -43,9 +45,7 @@ def _check_ignore_index(ignore_index) -> int:
 
 
 def _check_label_smoothing(label_smoothing) -> float:
-    if isinstance(label_smoothing, torch.Tensor):
-        raise TypeError("dro_ext: label_smoothing must be a Python number, got a Tensor")
-    value = float(label_smoothing)
+    value = real_number("label_smoothing", label_smoothing)
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"dro_ext: label_smoothing must be in [0, 1], got label_smoothing={label_smoothing}")
     return value
@@ -67,6 +67,7 @@ def _check_targets(targets, batch_shape, batch_name: str, device) -> None:
 def _check_float_tensor(name: str, value, min_dim: int = 1) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"dro_ext: {name} must be a torch.Tensor, got {type(value).__name__}")
+    check_dense(name, value)
     if not value.is_floating_point():
         raise TypeError(f"dro_ext: {name} must have a floating dtype (float16, bfloat16, float32, float64), "
                         f"got {value.dtype}")
@@ -100,6 +101,12 @@ def _checked_scalars(lam, divergence, alpha, k, scale, ignore_index, label_smoot
 def _row_losses(x, targets, ignore_index, label_smoothing):
     """F.cross_entropy(x, targets, reduction="none") on the (N, C) logits x, 0 on ignored rows."""
     return F.cross_entropy(x, targets, reduction="none", ignore_index=ignore_index, label_smoothing=label_smoothing)
+
+
+def _weighted_residual(c, r):
+    """csrc/cross_entropy_terms.h's weighted_residual: c r, and 0 where r is 0 (an overflowed weight c = inf moves
+    only the classes whose residual softmax_j - q_j is not 0)."""
+    return torch.where(r == 0, torch.zeros_like(r), c * r)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -154,15 +161,49 @@ if _backend.native_available():
                                     setup_context=_dro_cross_entropy_setup_context)
 
 
+class _FallbackCrossEntropy(torch.autograd.Function):
+    """The fallback's dro_cross_entropy, with the native op's backward: (w_i / n)(softmax_i - q_i) through
+    _weighted_residual and G (n - sum w) / n for eta. Autograd's own chain through F.cross_entropy multiplies a
+    weight that overflowed to inf by the zeros of the softmax (NaN), and an ignored row's dropped terms by 0."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, eta, lam, spec, scale, ignore_index, label_smoothing):
+        acc = fallback_dtype(logits.dtype, logits.device)
+        x = logits.detach().to(acc)
+        keep = targets != ignore_index
+        g_eta = scale * eta.detach().to(acc)
+        # Ignored rows stand in at l = G eta (t = 0), so that nothing of theirs is inf or NaN.
+        losses = torch.where(keep, _row_losses(x, targets, ignore_index, label_smoothing), g_eta)
+        t = (losses - g_eta) / lam
+        count = keep.sum().clamp(min=1).to(acc)
+        total = torch.where(keep, _penalized_value_torch(losses, t, lam, g_eta, spec), 0.0).sum()
+        weights = torch.where(keep, _psi_star_torch(t, spec, 1), 0.0)
+        ctx.save_for_backward(logits, targets, eta, weights, count)
+        ctx.args = (scale, ignore_index, label_smoothing, keep.sum())
+        return (total / count).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, targets, eta, weights, count = ctx.saved_tensors
+        scale, ignore_index, label_smoothing, kept = ctx.args
+        grad = grad.to(weights.dtype)
+        grad_logits = grad_eta = None
+        if ctx.needs_input_grad[0]:
+            x = logits.detach().to(weights.dtype)
+            keep = targets != ignore_index
+            q = torch.full_like(x, label_smoothing / x.shape[1])
+            q.scatter_add_(1, torch.where(keep, targets, 0)[:, None],
+                           torch.full_like(x[:, :1], 1.0 - label_smoothing))
+            c = (grad * weights / count)[:, None]
+            residual = torch.where(keep[:, None], torch.softmax(x, dim=1) - q, 0.0)
+            grad_logits = _weighted_residual(c, residual).to(logits.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_eta = (grad * scale * (kept - weights.sum()) / count).to(eta.dtype)
+        return grad_logits, None, grad_eta, None, None, None, None, None
+
+
 def _fallback_dro_cross_entropy(logits, targets, eta, lam, spec, scale, ignore_index, label_smoothing):
-    acc = accumulate_dtype(logits.dtype)
-    keep = targets != ignore_index
-    losses = _row_losses(logits.to(acc), targets, ignore_index, label_smoothing)
-    g_eta = scale * eta.to(acc)
-    t = (losses - g_eta) / lam
-    kept = keep.sum()
-    total = torch.where(keep, _penalized_value_torch(losses, t, lam, g_eta, spec), 0.0).sum()
-    return (total / kept.clamp(min=1)).to(logits.dtype)
+    return _FallbackCrossEntropy.apply(logits, targets, eta, lam, spec, scale, ignore_index, label_smoothing)
 
 
 def dro_cross_entropy(logits, targets, eta, lam, divergence="chi2", *, alpha=None, k=None, scale=1.0,
@@ -182,12 +223,12 @@ def dro_cross_entropy(logits, targets, eta, lam, divergence="chi2", *, alpha=Non
     _check_targets(targets, logits.shape[:-1], f"logits of shape {tuple(logits.shape)}", logits.device)
     eta = as_eta(eta, logits)
     num_classes = logits.shape[-1]
+    if num_classes == 0:  # before the reshape, which cannot infer -1 beside a 0
+        raise ValueError(f"dro_ext: logits must have at least one class, got shape {tuple(logits.shape)}")
     x, y = logits.reshape(-1, num_classes), targets.reshape(-1)
     if _backend.use_native():
         return torch.ops.dro_ext.dro_cross_entropy(x, y, eta, lam, spec.name, spec.alpha, spec.k, scale,
                                                    ignore_index, label_smoothing)[0]
-    if num_classes == 0:
-        raise ValueError(f"dro_ext: logits must have at least one class, got shape {tuple(logits.shape)}")
     _check_target_range(y, num_classes, ignore_index)
     return _fallback_dro_cross_entropy(x, y, eta, lam, spec, scale, ignore_index, label_smoothing)
 
@@ -230,7 +271,8 @@ def _chunk_fallback_(logits, targets, eta, inv_count, lam, spec, scale, ignore_i
         grad = unnormalized.div_(row_sum[:, None])  # softmax
         grad.sub_(label_smoothing / x.shape[1])
         grad.scatter_add_(1, safe_targets[:, None], torch.full_like(lse[:, None], label_smoothing - 1.0))
-        grad.mul_((weights * inv_count.to(acc))[:, None])
+        unmoved = grad == 0  # _weighted_residual, in place: an overflowed weight times a zero residual is 0
+        grad.mul_((weights * inv_count.to(acc))[:, None]).masked_fill_(unmoved, 0.0)
         if grad.data_ptr() != logits.data_ptr():
             logits.copy_(grad)
     return sums
@@ -443,7 +485,7 @@ class _DROCrossEntropyBase(nn.Module):
         self.scale = check_positive("scale", scale)
         self.ignore_index = _check_ignore_index(ignore_index)
         self.label_smoothing = _check_label_smoothing(label_smoothing)
-        self.eta = nn.Parameter(torch.tensor(float(eta_init)))
+        self.eta = nn.Parameter(torch.tensor(real_number("eta_init", eta_init)))
 
     def _kwargs(self):
         return dict(alpha=self.alpha, k=self.k, scale=self.scale, ignore_index=self.ignore_index,

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dro_ext._divergences import Spec, accumulate_dtype, check_divergence, check_positive
-from dro_ext._divergences import excess as _excess_torch
+from dro_ext._divergences import penalized_value as _penalized_value_torch
 from dro_ext._divergences import excess_first as _excess_first_torch
 from dro_ext._divergences import psi_star as _psi_star_torch
 from dro_ext.robust import _find_eta, _tail_size
@@ -263,15 +263,18 @@ def _solve(x: torch.Tensor, lam: float, spec: Spec, reducer: _Reducer) -> _Solut
 
     def newton_sums(eta):
         t = (x - eta) / lam
-        return reducer.sum(_excess_first_torch(t, spec).sum().item(), _psi_star_torch(t, spec, 2).sum().item())
+        second = _psi_star_torch(t, spec, 2)
+        return reducer.sum(_excess_first_torch(t, spec).sum().item(), second.sum().item(),
+                           (second * (x - eta).abs()).sum().item())
 
     def segment_sums(cut):
         active = x > cut
         return reducer.sum(x[active].sum().item(), active.sum().item())
 
     eta = _find_eta(newton_sums, segment_sums, n, lo, hi, lam, spec)
-    sum_x, sum_excess = reducer.sum(x.sum().item(), _excess_torch((x - eta) / lam, spec).sum().item())
-    return _Solution(sum_x / n + lam * sum_excess / n, eta, n, tail)
+    g_eta = torch.tensor(eta, dtype=x.dtype, device=x.device)
+    (sum_value,) = reducer.sum(_penalized_value_torch(x, (x - g_eta) / lam, lam, g_eta, spec).sum().item())
+    return _Solution(min(sum_value / n, hi), eta, n, tail)  # Psi <= max l (see robust._solve_torch)
 
 
 def _weights(x: torch.Tensor, solution: _Solution, lam: float, spec: Spec, reducer: _Reducer) -> torch.Tensor:

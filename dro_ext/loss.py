@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dro_ext._divergences import check_divergence, check_positive
+from dro_ext._divergences import check_divergence, check_positive, real_number
 from dro_ext.ops import dro_loss
 
 
@@ -30,7 +30,7 @@ class DROLoss(nn.Module):
         self.divergence, self.alpha, self.k = spec
         self.lam = check_positive("lam", lam)
         self.scale = check_positive("scale", scale)
-        self.eta = nn.Parameter(torch.tensor(float(eta_init)))
+        self.eta = nn.Parameter(torch.tensor(real_number("eta_init", eta_init)))
         self.group = group
 
     def forward(self, losses: torch.Tensor) -> torch.Tensor:

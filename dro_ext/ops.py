@@ -17,9 +17,12 @@ from dro_ext._divergences import (
     Spec,
     accumulate_dtype,
     as_eta,
+    check_dense,
     check_divergence,
     check_losses,
     check_positive,
+    fallback_dtype,
+    fixed_order_sum,
 )
 from dro_ext._divergences import penalized_value as _penalized_value_torch
 from dro_ext._divergences import psi_star as _psi_star_torch
@@ -60,16 +63,16 @@ if _backend.native_available():
 
 
 def _fallback_dro_loss(losses, eta, lam, spec: Spec, scale):
-    acc = accumulate_dtype(losses.dtype)
+    acc = fallback_dtype(losses.dtype, losses.device)
     x = losses.to(acc).contiguous()  # a strided view would be summed in another order than its copy
     g_eta = scale * eta.to(acc)
     t = (x - g_eta) / lam
-    value = _penalized_value_torch(x, t, lam, g_eta, spec).mean()
+    value = fixed_order_sum(_penalized_value_torch(x, t, lam, g_eta, spec)) / x.shape[0]
     return value.to(losses.dtype)
 
 
 def _fallback_terms(losses, eta, lam, spec: Spec, scale, order):
-    acc = accumulate_dtype(losses.dtype)
+    acc = fallback_dtype(losses.dtype, losses.device)
     t = (losses.to(acc) - scale * eta.to(acc)) / lam
     return _psi_star_torch(t, spec, order).to(losses.dtype)
 
@@ -85,7 +88,8 @@ _checked_scalars_cache: dict = {}
 
 
 def _checked_scalars(divergence, alpha, k, lam, scale):
-    key = (divergence, alpha, k, lam, scale)
+    # The types are part of the key: 0.1 + 0j == 0.1 and True == 1 hash alike, and must not pass as them.
+    key = (divergence, alpha, k, lam, scale, type(alpha), type(k), type(lam), type(scale))
     caching = not torch.compiler.is_compiling()  # the cache is a side effect torch.compile need not trace
     if caching:
         try:
@@ -115,7 +119,7 @@ def dro_loss(losses, eta, lam, divergence="chi2", *, alpha=None, k=None, scale=1
     weight is ``psi*'(+inf)``); a loss of ``-inf`` adds ``lam*psi*(-inf) + scale*eta``, its limit, with weight 0.
     """
     if (_backend.use_native() and isinstance(losses, torch.Tensor) and isinstance(eta, torch.Tensor)
-            and eta.device == losses.device):
+            and eta.device == losses.device and losses.layout == torch.strided):
         # The op checks the tensors itself, with the same errors; only the Python numbers are checked here.
         spec, lam, scale = _checked_scalars(divergence, alpha, k, lam, scale)
     else:
@@ -143,6 +147,7 @@ def psi_star(t, divergence="chi2", *, alpha=None, k=None) -> torch.Tensor:
     spec = check_divergence(divergence, alpha, k)
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
         raise TypeError("dro_ext: t must be a floating-point torch.Tensor")
+    check_dense("t", t)
     acc = accumulate_dtype(t.dtype)
     zero = torch.zeros((), dtype=acc, device=t.device)
     if _backend.use_native():

@@ -311,10 +311,18 @@ def _foreach_step(params, grads, momenta, steps, *, lr, momentum, eps, weight_de
         # A zero momentum must not move p: scale 0 there, not lr/eps (or 0/0 when eps == 0).
         acc = torch.float64 if dtype == torch.float64 else torch.float32
         scale = torch.where(denom > 0, lr_t / (denom + eps), torch.zeros_like(denom)).to(acc)
+        # float16/bfloat16: p = decay p - scale m in float32, rounded once, as the fused kernel forms it. The factor
+        # lr / (||m|| + eps) need not fit their range (1.4e6 for a float16 momentum of 6e-8, lr 0.1), nor its
+        # product with m their precision, though the step itself does.
+        wide = acc != dtype
+        targets = [p.to(acc) for p in b_params] if wide else b_params
         if weight_decay != 0.0:
             decay = 1.0 - lr_t * weight_decay
             if isinstance(decay, torch.Tensor):
-                torch._foreach_mul_(b_params, decay.to(device=device, dtype=acc))
+                torch._foreach_mul_(targets, decay.to(device=device, dtype=acc))
             else:
-                torch._foreach_mul_(b_params, decay)
-        torch._foreach_addcmul_(b_params, b_momenta, list(scale.unbind()), value=-1)
+                torch._foreach_mul_(targets, decay)
+        torch._foreach_addcmul_(targets, [m.to(acc) for m in b_momenta] if wide else b_momenta,
+                                list(scale.unbind()), value=-1)
+        if wide:
+            torch._foreach_copy_(b_params, targets)

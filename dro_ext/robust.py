@@ -29,12 +29,14 @@ from dro_ext import _backend
 from dro_ext._divergences import (
     Spec,
     accumulate_dtype,
+    check_dense,
     check_divergence,
     check_losses,
     check_positive,
+    fixed_order_sum,
 )
-from dro_ext._divergences import excess as _excess_torch
 from dro_ext._divergences import excess_first as _excess_first_torch
+from dro_ext._divergences import penalized_value as _penalized_value_torch
 from dro_ext._divergences import psi_star as _psi_star_torch
 from dro_ext.ops import dro_weights
 
@@ -128,20 +130,21 @@ def _find_eta(newton_sums: Callable, segment_sums: Callable, n: int, lo: float, 
               spec: Spec) -> float:
     """eta* of the iterative divergences: safeguarded Newton/bisection on mean psi*'((l - eta)/lam) = 1 in [lo, hi].
 
-    newton_sums(eta) gives (sum_i psi*'(t_i) - 1, sum_i psi*''(t_i)) and segment_sums(cut) gives (sum of the losses
-    above cut, their count), over every loss: the single-process fallback sums its tensor, dro_ext.distributed
-    all-reduces the sums of every rank, and both take the same steps.
+    newton_sums(eta) gives (sum_i psi*'(t_i) - 1, sum_i psi*''(t_i), sum_i psi*''(t_i) |l_i - eta|) and
+    segment_sums(cut) gives (sum of the losses above cut, their count), over every loss: the single-process fallback
+    sums its tensor, dro_ext.distributed all-reduces the sums of every rank, and both take the same steps as the
+    native solver (csrc/robust_objective.cpp's solve_newton, which explains each test).
     """
     # psi*' = (1 + t/width)_+ is piecewise linear for chi2 (width 2) and cressie_read at k = 2 (width 1).
     width = 2.0 if spec.name == "chi2" else (1.0 if spec.name == "cressie_read" and spec.k == 2.0 else 0.0)
     linear = width > 0.0
-    # eta to a few roundings of the losses (the condition keeps its relative precision at any lam).
-    tol = 4.0 * sys.float_info.epsilon * max(abs(lo), abs(hi))
+    eps = sys.float_info.epsilon
     a, b, eta = lo, hi, lo
     step_before_last = last_step = b - a
-    previous_active, last_was_newton, converged = -1.0, False, False
+    previous_active, previous_g, last_was_newton, converged = -1.0, math.nan, False, False
+    probing, probe_origin, probe_origin_g = False, math.nan, math.nan
     for _ in range(_MAX_ITERATIONS):
-        s1, s2 = newton_sums(eta)
+        s1, s2, s3 = newton_sums(eta)
         g = s1 / n
         if math.isnan(g):
             return math.nan
@@ -152,6 +155,19 @@ def _find_eta(newton_sums: Callable, segment_sums: Callable, n: int, lo: float, 
             a = eta
         else:
             b = eta
+        # eta to a few roundings of |eta| and of the psi*''-weighted mean |l| (the bracket's ends without a slope).
+        scale = 2.0 * abs(eta) + s3 / s2 if s2 > 0.0 and math.isfinite(s3) else max(abs(a), abs(b))
+        tol = 4.0 * eps * scale
+        converging = last_was_newton and abs(g) <= 0.5 * abs(previous_g)  # Newton's model holds
+        bisect = False
+        if probing:
+            probing = False
+            if (g > 0.0) != (probe_origin_g > 0.0):
+                if abs(probe_origin_g) < abs(g):
+                    eta = probe_origin
+                converged = True
+                break
+            bisect = True
         if linear and last_was_newton and s2 == previous_active:
             converged = True
             break
@@ -160,15 +176,29 @@ def _find_eta(newton_sums: Callable, segment_sums: Callable, n: int, lo: float, 
             newton = lam * s1 / s2 if linear else lam * math.log1p(g) * ((n + s1) / s2)
         except (ValueError, ZeroDivisionError, OverflowError):
             newton = math.nan
-        nxt = eta + newton
-        use_newton = (
-            math.isfinite(nxt) and a < nxt < b and (linear or abs(newton) <= 0.5 * abs(step_before_last))
-        )
-        if not use_newton:
-            nxt = 0.5 * (a + b)
+        use_newton = False
+        if not bisect and abs(newton) <= tol:
+            # Tiny Newton step: the root, after a Newton step that halved |g|; else probe a tolerance towards it.
+            if converging:
+                converged = True
+                break
+            nxt = eta + math.copysign(tol, g)
+            if not a < nxt < b:
+                converged = True
+                break
+            probing, probe_origin, probe_origin_g = True, eta, g
+        else:
+            nxt = eta + newton
+            use_newton = (
+                not bisect and math.isfinite(nxt) and a < nxt < b
+                and (linear or abs(newton) <= 0.5 * abs(step_before_last))
+            )
+            if not use_newton:
+                nxt = 0.5 * (a + b)
+        previous_g = g
         step_before_last, last_step = last_step, nxt - eta
         eta, last_was_newton = nxt, use_newton
-        if abs(last_step) <= tol or b - a <= tol:
+        if not probing and (b - a <= tol or (abs(last_step) <= tol and (not use_newton or converging))):
             converged = True
             break
     if linear and converged:
@@ -178,6 +208,12 @@ def _find_eta(newton_sums: Callable, segment_sums: Callable, n: int, lo: float, 
             if lo <= exact <= hi:
                 eta = exact
     return eta
+
+
+def _penalized_mean(x: torch.Tensor, eta: float, lam: float, spec: Spec) -> torch.Tensor:
+    """L(eta) = mean_i lam psi*((l_i - eta)/lam) + eta over float64 losses, each share as the loss forms it."""
+    g_eta = torch.tensor(eta, dtype=x.dtype, device=x.device)
+    return _penalized_value_torch(x, (x - g_eta) / lam, lam, g_eta, spec).mean()
 
 
 def _solve_torch(x: torch.Tensor, lam: float, spec: Spec) -> tuple[float, float]:
@@ -208,15 +244,16 @@ def _solve_torch(x: torch.Tensor, lam: float, spec: Spec) -> tuple[float, float]
 
     def newton_sums(eta):
         t = (x - eta) / lam
-        return _excess_first_torch(t, spec).sum().item(), _psi_star_torch(t, spec, 2).sum().item()
+        second = _psi_star_torch(t, spec, 2)
+        return _excess_first_torch(t, spec).sum().item(), second.sum().item(), (second * (x - eta).abs()).sum().item()
 
     def segment_sums(cut):
         active = x > cut
         return x[active].sum().item(), active.sum().item()
 
     eta = _find_eta(newton_sums, segment_sums, n, lo, hi, lam, spec)
-    value = x.mean().item() + lam * _excess_torch((x - eta) / lam, spec).mean().item()
-    return value, eta
+    # Psi <= L(max l) <= max l: where lam is below float64's resolution of the losses, L at the rounded eta* is not.
+    return min(_penalized_mean(x, eta, lam, spec).item(), hi), eta
 
 
 def _weights_torch(losses: torch.Tensor, eta: torch.Tensor, lam: float, spec: Spec) -> torch.Tensor:
@@ -382,12 +419,14 @@ def weight_stats(
             )
             return WeightStats(ess, max_weight, zero_fraction, group_mass if groups is not None else None)
         w = w.to(accumulate_dtype(w.dtype))
-        total = w.sum()
-        ess = total * total / (w * w).sum()
+        total = fixed_order_sum(w)
+        ess = total * total / fixed_order_sum(w * w)
         max_weight = w.amax() / total
         zero_fraction = (w == 0).sum().to(w.dtype) / w.numel()
         group_mass = None
         if groups is not None:
+            if groups.numel() and (int(groups.min()) < 0 or int(groups.max()) >= num_groups):
+                raise IndexError(f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={num_groups}")
             group_mass = torch.zeros(num_groups, dtype=torch.float64, device=w.device)
             group_mass.index_add_(0, groups.long(), w.to(torch.float64))
             group_mass = (group_mass / total.to(torch.float64)).to(w.dtype)
@@ -403,6 +442,7 @@ def _distributed():
 def check_losses_like(name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"dro_ext: {name} must be a torch.Tensor, got {type(t).__name__}")
+    check_dense(name, t)
     if t.dim() != 1:
         raise ValueError(f"dro_ext: {name} must be a 1-D tensor, got shape {tuple(t.shape)}")
     if t.numel() == 0:

@@ -129,6 +129,31 @@ def test_every_row_ignored_gives_zero_and_zero_gradients(backend):
         assert (g == 0).all()
 
 
+@pytest.mark.parametrize("name,params", [("kl", {}), ("cressie_read", {"k": 3.0})])
+def test_every_row_ignored_gives_zero_gradients_where_the_ignored_rows_would_overflow(backend, name, params):
+    # An ignored row's loss stands at 0, whose t = (0 - eta)/lam = 200 overflows kl's weight: the row takes no part
+    # in the value, so it must take none in the gradients either (the fallback once gave eta NaN: 0 * inf).
+    logits = torch.randn(4, 6, requires_grad=True)
+    eta = torch.tensor(-2.0, requires_grad=True)
+    value = dro_ext.dro_cross_entropy(logits, torch.full((4,), -100), eta, 0.01, name, **params)
+    assert value.item() == 0.0
+    for g in torch.autograd.grad(value, (logits, eta)):
+        assert (g == 0).all(), g
+
+
+def test_overflowing_weight_moves_only_the_classes_it_moves(backend):
+    # logits [0, 100] with target 0: l = 100, kl's weight e^100 overflows float32. The value is +inf (as dro_loss
+    # gives it) and the gradient (w/n)(softmax - q) is -inf at the target and +inf at the other class; a class whose
+    # residual is 0 (softmax and q both 0) gets 0. Native and fallback once gave [[nan, nan]] and [[nan, inf]].
+    logits = torch.tensor([[0.0, 100.0, -200.0]], requires_grad=True)
+    eta = torch.tensor(0.0, requires_grad=True)
+    value = dro_ext.dro_cross_entropy(logits, torch.tensor([0]), eta, 1.0, "kl")
+    grad_logits, grad_eta = torch.autograd.grad(value, (logits, eta))
+    assert value.item() == math.inf
+    assert grad_logits.tolist() == [[-math.inf, math.inf, 0.0]]
+    assert grad_eta.item() == -math.inf
+
+
 def test_empty_batch_gives_zero(backend):
     logits = torch.randn(0, 9, requires_grad=True)
     value = dro_ext.dro_cross_entropy(logits, torch.zeros(0, dtype=torch.long), 0.5, LAM, "chi2")
@@ -526,6 +551,14 @@ def test_bad_inputs_name_the_argument(backend):
         ce(logits, targets, 0.0, LAM, "cvar")
     with pytest.raises(TypeError, match="ignore_index"):
         ce(logits, targets, 0.0, LAM, ignore_index=1.5)
+    with pytest.raises(ValueError, match="logits must have at least one class"):
+        ce(torch.randn(3, 0), torch.zeros(3, dtype=torch.long), 0.0, LAM)
+    with pytest.raises(TypeError, match="logits must be a dense"):
+        ce(logits.to_sparse(), targets, 0.0, LAM)
+    with pytest.raises(TypeError, match="label_smoothing"):
+        ce(logits, targets, 0.0, LAM, label_smoothing="0.1")
+    with pytest.raises(TypeError, match="eta_init"):
+        dro_ext.DROCrossEntropyLoss("chi2", lam=LAM, eta_init="x")
 
     lce = dro_ext.dro_linear_cross_entropy
     hidden, weight = torch.randn(4, 3), torch.randn(5, 3)

@@ -214,11 +214,11 @@ def test_python_float_eta_gets_no_gradient_and_matches_tensor_eta(backend):
 
 
 def test_deterministic_across_calls_and_thread_counts(backend):
-    # Both backends repeat bitwise for a given thread count; the native kernels also across thread counts
-    # (fixed chunking), which PyTorch's own reductions in the fallback do not promise.
+    # Both backends repeat bitwise, across thread counts too: the native kernels and the fallback's sums take fixed
+    # chunks (PyTorch's own sum of a long tensor splits it by the thread count).
     losses = random_losses(300_001, torch.float32)
     threads = torch.get_num_threads()
-    thread_counts = (1, max(2, threads)) if backend == "native" else (threads,)
+    thread_counts = (1, max(2, threads))
     try:
         results = []
         for n_threads in thread_counts:
@@ -299,6 +299,36 @@ def test_bad_scalars_are_rejected_after_good_ones(backend):
             dro_ext.dro_loss(losses, eta, torch.tensor(0.5), "cvar", alpha=0.1)
 
 
+def test_bad_scalars_are_rejected_whatever_was_accepted_before(backend):
+    # 0.1 + 0j == 0.1 and True == 1 (and hash alike): neither may pass as the number once that number was checked,
+    # nor may a string that float() would take.
+    losses = random_losses(5, torch.float32)
+    eta = torch.tensor(0.0)
+    for lam in (0.1, 1):
+        dro_ext.dro_loss(losses, eta, lam, "chi2")
+    for bad in (0.1 + 0j, True, "0.1"):
+        with pytest.raises(TypeError, match="lam must be a real number"):
+            dro_ext.dro_loss(losses, eta, bad, "chi2")
+    dro_ext.dro_loss(losses, eta, 0.5, "cvar", alpha=0.5)
+    with pytest.raises(TypeError, match="alpha must be a real number"):
+        dro_ext.dro_loss(losses, eta, 0.5, "cvar", alpha=0.5 + 0j)
+    with pytest.raises(TypeError, match="eta_init"):
+        dro_ext.DROLoss("chi2", lam=0.1, eta_init="x")
+
+
+@pytest.mark.parametrize("name,params,below", [("chi2", {}, -3.0), ("cvar", {"alpha": 0.3}, 0.0),
+                                               ("cressie_read", {"k": 3.0}, -0.6)])
+def test_samples_of_weight_zero_get_a_gradient_of_exactly_zero(backend, name, params, below):
+    # A sample on psi*'s flat side (w = 0) has dL/dl = 0, not 1/N minus lam (1/N) / lam rounded (-7.45e-9 once).
+    lam = 10.0
+    losses = torch.tensor([5.0, 2.0, 1.0, 7.0, 3.0, 0.5, 4.0, 6.0, lam * below], requires_grad=True)
+    eta = torch.tensor(0.0, requires_grad=True)
+    (grad,) = torch.autograd.grad(dro_ext.dro_loss(losses, eta, lam, name, **params), losses)
+    weights = dro_ext.dro_weights(losses.detach(), eta, lam, name, **params)
+    assert weights[-1].item() == 0.0
+    assert grad[-1].item() == 0.0
+
+
 def test_mixed_eta_dtype_and_double_losses(backend):
     losses = random_losses(33, torch.float64).requires_grad_()
     eta = torch.tensor(0.4, dtype=torch.float32, requires_grad=True)
@@ -328,6 +358,11 @@ BAD_INPUTS = [
     (dict(eta=torch.ones(1)), ValueError, "eta must be a 0-d"),
     (dict(eta=torch.tensor(1)), TypeError, "eta must have a floating"),
     (dict(eta=torch.tensor(0.0, device="meta")), ValueError, "same device"),
+    (dict(losses=torch.ones(4).to_sparse()), TypeError, "losses must be a dense"),
+    (dict(lam=True), TypeError, "lam must be a real number"),
+    (dict(lam="0.5"), TypeError, "lam must be a real number"),
+    (dict(lam=0.5 + 0j), TypeError, "lam must be a real number"),
+    (dict(divergence="cvar", alpha=True), TypeError, "alpha must be a real number"),
 ]
 
 

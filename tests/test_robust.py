@@ -421,8 +421,23 @@ def test_weight_stats_random(backend, dtype):
     assert stats.zero_fraction.item() == pytest.approx((w == 0).double().mean().item(), rel=rtol)
     expected = torch.zeros(5, dtype=torch.float64).index_add_(0, groups, q)
     torch.testing.assert_close(stats.group_mass.double(), expected, rtol=rtol, atol=1e-7)
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match="groups holds an id outside"):
         dro_ext.weight_stats(w, groups=groups, num_groups=4)
+
+
+def test_weight_stats_are_the_same_bits_on_one_and_two_threads(backend):
+    # The fallback's sums of a long tensor take fixed chunks (PyTorch's own split it by the thread count), as the
+    # native kernels do.
+    w = torch.rand(300_001, dtype=torch.float64).to(torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n_threads in (1, max(2, threads)):
+            torch.set_num_threads(n_threads)
+            results.append(dro_ext.weight_stats(w))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0].ess, results[1].ess) and torch.equal(results[0].max_weight, results[1].max_weight)
 
 
 def test_weight_stats_opcheck():
@@ -446,6 +461,10 @@ def test_weight_stats_bad_inputs():
         dro_ext.weight_stats(w, groups=torch.zeros(4))
     with pytest.raises(TypeError, match="weights"):
         dro_ext.weight_stats(torch.ones(4, dtype=torch.long))
+    with pytest.raises(TypeError, match="weights must be a dense"):
+        dro_ext.weight_stats(torch.ones(4).to_sparse())
+    with pytest.raises(TypeError, match="losses must be a dense"):
+        dro_ext.robust_objective(torch.ones(4).to_sparse(), 0.1)
 
 
 # ------------------------------------------------------------------------------------------------

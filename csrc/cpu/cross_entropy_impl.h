@@ -99,8 +99,8 @@ RowStats<acc_t> row_stats(const scalar_t* x, int64_t num_classes, bool want_tota
   return {running_max + std::log(running_sum), total};
 }
 
-// out_j = c * exp(x_j - lse) - c * eps / C, then out_y = c * (p_y - eps / C - (1 - eps)) from the x_y read
-// before the row was overwritten (out may be x itself).
+// out_j = c (exp(x_j - lse) - eps / C), then out_y = c (p_y - eps / C - (1 - eps)) from the x_y read before the row
+// was overwritten (out may be x itself); each through weighted_residual (cross_entropy_terms.h).
 template <typename acc_t, typename scalar_t>
 void write_row_gradient(const scalar_t* x, scalar_t* out, int64_t num_classes, int64_t target, acc_t lse, acc_t c,
                         acc_t smoothing) {
@@ -108,15 +108,17 @@ void write_row_gradient(const scalar_t* x, scalar_t* out, int64_t num_classes, i
   using M = Math<V>;
   constexpr int64_t W = V::size();
   const acc_t x_target = static_cast<acc_t>(x[target]);
-  const acc_t uniform = c * smoothing / static_cast<acc_t>(num_classes);
+  const acc_t uniform = smoothing / static_cast<acc_t>(num_classes);
   const V vlse(lse), vc(c), vuniform(uniform);
+  const auto term = [&](const V& xs) { return weighted_residual(vc, M::exp(xs - vlse) - vuniform); };
   int64_t j = 0;
-  for (; j + W <= num_classes; j += W) store<acc_t>(out + j, vc * M::exp(load<acc_t>(x + j, W) - vlse) - vuniform, W);
+  for (; j + W <= num_classes; j += W) store<acc_t>(out + j, term(load<acc_t>(x + j, W)), W);
   if (j < num_classes) {
     const int64_t n = num_classes - j;
-    store<acc_t>(out + j, vc * M::exp(load<acc_t>(x + j, n) - vlse) - vuniform, n);
+    store<acc_t>(out + j, term(load<acc_t>(x + j, n)), n);
   }
-  out[target] = static_cast<scalar_t>(c * std::exp(x_target - lse) - uniform - c * (acc_t(1) - smoothing));
+  out[target] = static_cast<scalar_t>(
+      weighted_residual(c, std::exp(x_target - lse) - uniform - (acc_t(1) - smoothing)));
 }
 
 template <typename scalar_t>

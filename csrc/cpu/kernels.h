@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 
 #include <array>
 #include <cmath>
@@ -20,11 +21,13 @@ struct Affine {
 
 // What one pass of reduce() sums, with t_i = (x_i - shift) * inv_lam.
 enum class Sums {
-  // {sum_i t_i, sum_i excess(t_i), sum_i excess_first(t_i)}: the loss value shift + lam (mean t + mean excess)
-  // (= mean x + lam mean excess: lam t_i = x_i - shift to a rounding, so it keeps its precision as lam grows,
-  // where shift + lam mean psi*(t) would not) and the mean weight 1 + mean excess_first.
+  // {sum_i a_i, sum_i b_i, sum_i excess_first(t_i)} with (a_i, b_i) divergences.h's loss parts: the loss value
+  // shift + mean a + lam mean b, each sample's share in the form that keeps its precision (penalized_value:
+  // mean x + lam mean excess as lam grows, where shift + lam mean psi*(t) would not; psi*(t) itself for a loss
+  // far below the rest), and the mean weight 1 + mean excess_first.
   Loss,
-  // {sum_i excess_first(t_i), sum_i second(t_i), 0}: the optimality condition of eta and its slope.
+  // {sum_i excess_first(t_i), sum_i second(t_i), sum_i second(t_i) |x_i - shift|}: the optimality condition of
+  // eta, its slope, and the scale of the losses the slope comes from (how finely the condition can resolve eta).
   Newton,
   // {sum_i first(t_i), 0, 0}: the total weight, relatively accurate when every weight is tiny.
   Weight,
@@ -63,25 +66,53 @@ const KernelTable& kernels_avx2();    // falls back to kernels_default() where A
 const KernelTable& kernels_avx512();  // likewise
 const KernelTable& cpu_kernels();
 
+// Whether float32 kernels can form t = (x - shift) / lam as (x - shift) * inv_lam: 1/lam a normal float32. Else t is
+// +-inf or 0 for every loss (NaN where x == shift); the callers then run the float64 kernels on a copy of x.
+inline bool float32_forms_t(double lam) {
+  return std::isnormal(static_cast<float>(1.0 / lam));
+}
+
 // The penalized objective over the contiguous 1-D x and its mean weight, with t_i = (x_i - shift) / lam:
 //   value = mean_i lam psi*(t_i) + shift,  mean_weight = mean_i psi*'(t_i),
-// from one Loss pass (dro_loss, and the robust objective at its eta). The value is formed as
-// shift + lam (mean t + mean excess(t)) = mean x + lam mean (psi*(t) - t), which keeps its precision as lam grows,
-// where lam mean psi*(t) + shift would cancel catastrophically (DESIGN.md, Numerics); lam t is x - shift to a
-// rounding. That form is inf - inf where some t is infinite (a loss of +-inf): a NaN value takes a second pass
-// summing psi*(t) itself, +inf for a loss of +inf, finite for -inf and NaN for NaN (divergences.h's
-// penalized_value, which the CUDA kernel applies per element). Finite losses never pay for it.
+// from one Loss pass (dro_loss, and the robust objective at its eta), each sample's share formed as divergences.h's
+// penalized_value does. That form is inf - inf where some t is +inf (a loss of +inf): a NaN value takes a second
+// pass summing psi*(t) itself, +inf for a loss of +inf and NaN for NaN. Finite losses never pay for it.
+// Where float32 intermediates overflow though the result need not (t = (x - shift) / lam, t^2 or the sums, at a
+// tiny lam), a half/bfloat16/float32 x is summed again in float64: the value and the mean weight are then the
+// float64 ones, which the caller rounds to its dtype (inf only where the exact result overflows it). So is every x
+// where float32 cannot form t at all (float32_forms_t).
 struct PenalizedMean {
   double value;
   double mean_weight;
 };
 inline PenalizedMean penalized_mean(const at::Tensor& x, const DivergenceSpec& spec, double shift, double lam) {
+  if (x.scalar_type() != at::kDouble && !float32_forms_t(lam)) {
+    return penalized_mean(x.to(at::kDouble), spec, shift, lam);
+  }
   const Affine affine{shift, 1.0 / lam};
   const auto sums = cpu_kernels().reduce(x, spec, affine, Sums::Loss);
   const double n = static_cast<double>(x.numel());
-  double value = shift + lam * (sums[0] / n + sums[1] / n);
+  double value = shift + (sums[0] / n + lam * (sums[1] / n));
+  const double mean_weight = 1.0 + sums[2] / n;
+  if (!(std::isfinite(value) && std::isfinite(mean_weight)) && x.scalar_type() != at::kDouble) {
+    return penalized_mean(x.to(at::kDouble), spec, shift, lam);
+  }
   if (std::isnan(value)) value = shift + lam * (cpu_kernels().reduce(x, spec, affine, Sums::Value)[0] / n);
-  return {value, 1.0 + sums[2] / n};
+  return {value, mean_weight};
+}
+
+// out_i = multiplier * psi*^(order)((x_i - shift) / lam) into out (x's shape and dtype, contiguous), through a
+// float64 copy of x where float32 cannot form t (float32_forms_t).
+inline void map_derivative(const at::Tensor& x, at::Tensor& out, const DivergenceSpec& spec, double shift, double lam,
+                           double multiplier, int64_t order) {
+  if (x.scalar_type() != at::kDouble && !float32_forms_t(lam)) {
+    at::Tensor wide = x.to(at::kDouble);
+    at::Tensor wide_out = at::empty_like(wide);
+    cpu_kernels().map_derivative(wide, wide_out, spec, Affine{shift, 1.0 / lam}, multiplier, order);
+    out.copy_(wide_out);
+    return;
+  }
+  cpu_kernels().map_derivative(x, out, spec, Affine{shift, 1.0 / lam}, multiplier, order);
 }
 
 }  // namespace dro_ext::cpu

@@ -55,22 +55,26 @@ inline T derivative(const Div& div, const T& t) {
   }
 }
 
-// The per-element terms a reduction sums, of the input x and of t = (x - shift) * inv_lam.
+// The per-element terms a reduction sums, of the deviation d = x - shift and of t = d * inv_lam.
+// LossA and LossB are divergences.h's loss_part_a and loss_part_b, the first in units of d (so that the ERM part of
+// the loss, sum d, does not pass through t, which underflows where lam is huge); NegClampedAbsT is -min(|t|, 1);
+// SecondAbsDeviation is psi*''(t) |d|.
 enum class Term {
-  None, Input, T, NegAbsT, Value, Excess, ExcessFirst, First, Second, CoarseValue, CoarseLinear, CoarseFactor
+  None, Deviation, T, NegClampedAbsT, Value, Excess, ExcessFirst, First, Second, SecondAbsDeviation, LossA, LossB,
+  CoarseValue, CoarseLinear, CoarseFactor
 };
 
 // A running product instead of a running sum (the factors of a coarse value in product form, divergences.h).
 constexpr bool is_product(Term term) { return term == Term::CoarseFactor; }
 
 template <Term kTerm, typename Div, typename T>
-inline T term(const Div& div, const T& x, const T& t) {
-  if constexpr (kTerm == Term::Input) {
-    return x;
+inline T term(const Div& div, const T& d, const T& t) {
+  if constexpr (kTerm == Term::Deviation) {
+    return d;
   } else if constexpr (kTerm == Term::T) {
     return t;
-  } else if constexpr (kTerm == Term::NegAbsT) {
-    return Math<T>::neg_abs(t);
+  } else if constexpr (kTerm == Term::NegClampedAbsT) {
+    return Math<T>::max(Math<T>::neg_abs(t), Math<T>::constant(-1.0));
   } else if constexpr (kTerm == Term::Value) {
     return div.value(t);
   } else if constexpr (kTerm == Term::Excess) {
@@ -81,6 +85,12 @@ inline T term(const Div& div, const T& x, const T& t) {
     return div.first(t);
   } else if constexpr (kTerm == Term::Second) {
     return div.second(t);
+  } else if constexpr (kTerm == Term::SecondAbsDeviation) {
+    return div.second(t) * -Math<T>::neg_abs(d);
+  } else if constexpr (kTerm == Term::LossA) {
+    return loss_part_a(div, t, d);
+  } else if constexpr (kTerm == Term::LossB) {
+    return loss_part_b(div, t);
   } else if constexpr (kTerm == Term::CoarseLinear) {
     return div.coarse_linear(t);
   } else if constexpr (kTerm == Term::CoarseFactor) {
@@ -99,21 +109,21 @@ struct Accumulator {
   explicit Accumulator(const V& zero)
       : a(zero), b(zero), c(zero), d(zero), e(typename V::value_type(1)) {}
   template <typename Div>
-  inline void add(const Div& div, const V& x, const V& t) {
-    if constexpr (A != Term::None) a = a + term<A>(div, x, t);
-    if constexpr (B != Term::None) b = b + term<B>(div, x, t);
-    if constexpr (C != Term::None) c = c + term<C>(div, x, t);
-    if constexpr (D != Term::None) d = d + term<D>(div, x, t);
-    if constexpr (E != Term::None) e = e * term<E>(div, x, t);
+  inline void add(const Div& div, const V& dev, const V& t) {
+    if constexpr (A != Term::None) a = a + term<A>(div, dev, t);
+    if constexpr (B != Term::None) b = b + term<B>(div, dev, t);
+    if constexpr (C != Term::None) c = c + term<C>(div, dev, t);
+    if constexpr (D != Term::None) d = d + term<D>(div, dev, t);
+    if constexpr (E != Term::None) e = e * term<E>(div, dev, t);
   }
   // The terms of two vectors: one addition per running sum, so its latency is paid once per two vectors.
   template <typename Div>
-  inline void add_pair(const Div& div, const V& x1, const V& t1, const V& x2, const V& t2) {
-    if constexpr (A != Term::None) a = a + (term<A>(div, x1, t1) + term<A>(div, x2, t2));
-    if constexpr (B != Term::None) b = b + (term<B>(div, x1, t1) + term<B>(div, x2, t2));
-    if constexpr (C != Term::None) c = c + (term<C>(div, x1, t1) + term<C>(div, x2, t2));
-    if constexpr (D != Term::None) d = d + (term<D>(div, x1, t1) + term<D>(div, x2, t2));
-    if constexpr (E != Term::None) e = e * (term<E>(div, x1, t1) * term<E>(div, x2, t2));
+  inline void add_pair(const Div& div, const V& d1, const V& t1, const V& d2, const V& t2) {
+    if constexpr (A != Term::None) a = a + (term<A>(div, d1, t1) + term<A>(div, d2, t2));
+    if constexpr (B != Term::None) b = b + (term<B>(div, d1, t1) + term<B>(div, d2, t2));
+    if constexpr (C != Term::None) c = c + (term<C>(div, d1, t1) + term<C>(div, d2, t2));
+    if constexpr (D != Term::None) d = d + (term<D>(div, d1, t1) + term<D>(div, d2, t2));
+    if constexpr (E != Term::None) e = e * (term<E>(div, d1, t1) * term<E>(div, d2, t2));
   }
   // Adds only the first `count` lanes of other's terms (a partial vector's unused lanes hold junk terms).
   inline void add_lanes(const Accumulator& other, const V& zero, int64_t count) {
@@ -154,18 +164,18 @@ inline Acc accumulate_block(const scalar_t* x, int64_t begin, int64_t end, int64
   int64_t i = begin;
   for (; i + 2 * V::size() <= end; i += 2 * V::size()) {
     prefetch_ahead(x, i, 2 * V::size(), prefetch_limit);
-    const V x1 = load<acc_t>(x + i, V::size());
-    const V x2 = load<acc_t>(x + i + V::size(), V::size());
-    sums.add_pair(div, x1, (x1 - shift) * inv_lam, x2, (x2 - shift) * inv_lam);
+    const V d1 = load<acc_t>(x + i, V::size()) - shift;
+    const V d2 = load<acc_t>(x + i + V::size(), V::size()) - shift;
+    sums.add_pair(div, d1, d1 * inv_lam, d2, d2 * inv_lam);
   }
   for (; i + V::size() <= end; i += V::size()) {
-    const V x1 = load<acc_t>(x + i, V::size());
-    sums.add(div, x1, (x1 - shift) * inv_lam);
+    const V d1 = load<acc_t>(x + i, V::size()) - shift;
+    sums.add(div, d1, d1 * inv_lam);
   }
   if (i < end) {
-    const V x1 = load<acc_t>(x + i, end - i);
+    const V d1 = load<acc_t>(x + i, end - i) - shift;
     Acc tail(zero);
-    tail.add(div, x1, (x1 - shift) * inv_lam);
+    tail.add(div, d1, d1 * inv_lam);
     sums.add_lanes(tail, zero, end - i);
   }
   return sums;
@@ -249,18 +259,20 @@ void map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affi
   });
 }
 
-// The Loss sums of a divergence with a coarse value (see csrc/divergences.h): {sum t, sum excess,
-// sum excess_first}. A block whose mean |t| is below 1 (the ERM regime, where only the accurate terms keep the
-// loss's precision) sums excess and excess_first; any other block sums the coarse value and first (sum excess
-// = sum coarse_value - sum t, sum excess_first = sum first - count). There the coarse error, a few roundings
-// of 1 + |psi*(t)|, is within a small factor of the accurate terms' few roundings of |t| + excess(t), at the
-// cost of value + first (one exp, where excess needs expm1 and log1p).
+// The Loss sums of a divergence with a coarse value (see csrc/divergences.h): {sum a, sum b, sum excess_first}
+// with (a, b) the loss parts of divergences.h (value = shift + (sum a + lam sum b) / N). A block in the ERM regime
+// (below), where only the accurate terms keep the loss's precision, sums loss_part_a, loss_part_b and
+// excess_first; any other block sums the coarse value (as b, a = 0: the direct form lam psi*(t) + s) and first
+// (sum excess_first = sum first - count). The coarse error, a few roundings of 1 + |psi*(t)| per sample, is within
+// a small factor of the accurate terms' wherever |t| is not small, at the cost of value + first (one exp, where
+// excess needs expm1 and log1p). A block is coarse when sum min(|t|, 1) >= count / 2: most of its samples have
+// |t| near 1 or more, which one huge |t| among small ones cannot fake (a plain mean |t| could), and where
+// lam <= 2 sum lam min(|t|, 1) / count bounds the coarse error's lam-sized roundings by the samples' own size.
 //
-// Which path a block takes needs its sum of |t| first. Blocks tend to be like their neighbours, so after a
-// coarse block the next one sums t and |t| along with its coarse terms (no extra pass, and a second pass only
-// if it turns out to be an ERM block), and after an ERM block it scans t and |t| alone first (a cheap pass
-// over a block that is then in L1). Either way a block's sums are the same numbers: each running sum sees the
-// same terms in the same order.
+// Which path a block takes needs that sum first. Blocks tend to be like their neighbours, so after a coarse
+// block the next one sums it along with its coarse terms (no extra pass, and a second pass only if it turns out
+// to be an ERM block), and after an ERM block it scans it alone first (a cheap pass over a block that is then in
+// L1). Either way a block's sums are the same numbers: each running sum sees the same terms in the same order.
 //
 // The Newton sums {sum excess_first, sum second} take the same two paths (coarse: sum first - count).
 //
@@ -270,14 +282,16 @@ template <typename scalar_t, typename Div, bool kNewton>
 std::array<double, 3> reduce_coarse(const scalar_t* x, int64_t n, const Div& div, Affine affine) {
   using acc_t = at::opmath_type<scalar_t>;
   using V = Vectorized<acc_t>;
-  using Scan = Accumulator<V, Term::T, Term::NegAbsT, Term::None>;
+  using Scan = Accumulator<V, Term::None, Term::NegClampedAbsT, Term::None>;
   constexpr bool kProduct = !kNewton && requires { requires Div::kCoarseValueAsProduct; };
   constexpr Term kCoarseFirst = kNewton ? Term::Second : (kProduct ? Term::CoarseLinear : Term::CoarseValue);
   constexpr Term kCoarseFactor = kProduct ? Term::CoarseFactor : Term::None;
-  constexpr Term kAccurateFirst = kNewton ? Term::Second : Term::Excess;
-  using Coarse = Accumulator<V, Term::None, kCoarseFirst, Term::First, Term::None, kCoarseFactor>;
-  using ScanAndCoarse = Accumulator<V, Term::T, kCoarseFirst, Term::First, Term::NegAbsT, kCoarseFactor>;
-  using Accurate = Accumulator<V, Term::None, kAccurateFirst, Term::ExcessFirst>;
+  constexpr Term kNewtonScale = kNewton ? Term::SecondAbsDeviation : Term::None;  // either path sums it alike
+  using Coarse = Accumulator<V, kNewtonScale, kCoarseFirst, Term::First, Term::None, kCoarseFactor>;
+  using ScanAndCoarse = Accumulator<V, kNewtonScale, kCoarseFirst, Term::First, Term::NegClampedAbsT, kCoarseFactor>;
+  using Accurate =
+      std::conditional_t<kNewton, Accumulator<V, Term::SecondAbsDeviation, Term::Second, Term::ExcessFirst>,
+                         Accumulator<V, Term::LossA, Term::LossB, Term::ExcessFirst>>;
   const V shift(static_cast<acc_t>(affine.shift));
   const V inv_lam(static_cast<acc_t>(affine.inv_lam));
   // A block's sum of its first coarse term (Newton: second; Loss: the coarse value).
@@ -290,29 +304,28 @@ std::array<double, 3> reduce_coarse(const scalar_t* x, int64_t n, const Div& div
     }
   };
   const std::array<double, 3> total = sum_chunks(map_chunks<std::array<acc_t, 3>>(n, [&](int64_t begin, int64_t end) {
-    // Loss: {sum t, sum excess, sum excess_first}; Newton: {unused, sum second, sum excess_first}.
+    // Loss: {sum a, sum b, sum excess_first}; Newton: {sum second |x|, sum second, sum excess_first}.
     std::array<acc_t, 3> chunk{0, 0, 0};
     bool previous_was_erm = false;  // reset per chunk: the sums must not depend on the thread count
     for (int64_t block = begin; block < end; block += kBlock) {
       const int64_t block_end = std::min(end, block + kBlock);
       const acc_t count = static_cast<acc_t>(block_end - block);
-      acc_t sum_t, sum_neg_abs_t, coarse_first = 0, coarse_second = 0;
+      acc_t sum_neg_clamped, coarse_first = 0, coarse_second = 0, coarse_scale = 0;
       if (previous_was_erm) {
         const Scan scan = accumulate_block<Scan>(x, block, block_end, n, div, shift, inv_lam);
-        sum_t = horizontal_sum(scan.a);
-        sum_neg_abs_t = horizontal_sum(scan.b);
+        sum_neg_clamped = horizontal_sum(scan.b);
       } else {
         const ScanAndCoarse sums = accumulate_block<ScanAndCoarse>(x, block, block_end, n, div, shift, inv_lam);
-        sum_t = horizontal_sum(sums.a);
-        sum_neg_abs_t = horizontal_sum(sums.d);
+        sum_neg_clamped = horizontal_sum(sums.d);
         coarse_first = coarse_sum(sums, count);
         coarse_second = horizontal_sum(sums.c);
+        if constexpr (kNewton) coarse_scale = horizontal_sum(sums.a);
       }
-      chunk[0] += kNewton ? acc_t(0) : sum_t;
-      // sum -|t| > -count: mean |t| < 1 (a NaN t takes the coarse terms, which are NaN as well).
-      const bool erm = sum_neg_abs_t > -count;
+      // sum -min(|t|, 1) > -count / 2 (true for a NaN t: the accurate terms are NaN as well).
+      const bool erm = !(sum_neg_clamped <= acc_t(-0.5) * count);
       if (erm) {
         const Accurate accurate = accumulate_block<Accurate>(x, block, block_end, 0, div, shift, inv_lam);
+        chunk[0] += horizontal_sum(accurate.a);
         chunk[1] += horizontal_sum(accurate.b);
         chunk[2] += horizontal_sum(accurate.c);
       } else {
@@ -320,15 +333,17 @@ std::array<double, 3> reduce_coarse(const scalar_t* x, int64_t n, const Div& div
           const Coarse sums = accumulate_block<Coarse>(x, block, block_end, 0, div, shift, inv_lam);
           coarse_first = coarse_sum(sums, count);
           coarse_second = horizontal_sum(sums.c);
+          if constexpr (kNewton) coarse_scale = horizontal_sum(sums.a);
         }
-        chunk[1] += kNewton ? coarse_first : coarse_first - sum_t;
+        chunk[0] += coarse_scale;
+        chunk[1] += coarse_first;
         chunk[2] += coarse_second - count;
       }
       previous_was_erm = erm;
     }
     return chunk;
   }));
-  if constexpr (kNewton) return {total[2], total[1], 0.0};
+  if constexpr (kNewton) return {total[2], total[1], total[0]};
   return total;
 }
 
@@ -344,16 +359,15 @@ std::array<double, 3> reduce_impl(const at::Tensor& x, const DivergenceSpec& spe
       switch (sums) {
         case Sums::Loss:
           if constexpr (requires { requires Div::kHasCoarseValue; }) {
-            return reduce_coarse<scalar_t, Div, false>(data, n, div, affine);
-          } else {
-            return reduce_terms<scalar_t, Div, Term::T, Term::Excess, Term::ExcessFirst>(data, n, div, affine);
+            if (div.coarse_ok()) return reduce_coarse<scalar_t, Div, false>(data, n, div, affine);
           }
+          return reduce_terms<scalar_t, Div, Term::LossA, Term::LossB, Term::ExcessFirst>(data, n, div, affine);
         case Sums::Newton:
           if constexpr (requires { requires Div::kHasCoarseValue; }) {
-            return reduce_coarse<scalar_t, Div, true>(data, n, div, affine);
-          } else {
-            return reduce_terms<scalar_t, Div, Term::ExcessFirst, Term::Second>(data, n, div, affine);
+            if (div.coarse_ok()) return reduce_coarse<scalar_t, Div, true>(data, n, div, affine);
           }
+          return reduce_terms<scalar_t, Div, Term::ExcessFirst, Term::Second, Term::SecondAbsDeviation>(data, n, div,
+                                                                                                   affine);
         case Sums::Value:
           return reduce_terms<scalar_t, Div, Term::Value, Term::None>(data, n, div, affine);
         default:

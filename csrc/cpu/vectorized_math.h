@@ -47,6 +47,8 @@ struct Math<at::vec::Vectorized<S>> {
 #endif
     return x.log1p();
   }
+  // log(x) for x > 0 (smoothed_cvar's log of a sum of positive terms, away from 1).
+  static inline V log(const V& x) { return x.log(); }
   // a / b for b bounded away from 0 and infinity (see Math<T>::divide).
   static inline V divide(const V& a, const V& b) {
 #if defined(DRO_EXT_SIMD_FLOAT)

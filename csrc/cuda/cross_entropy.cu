@@ -96,19 +96,20 @@ __device__ __forceinline__ void row_logsumexp(const scalar_t* row, int64_t num_c
   lse = all.max + ::log(all.sum);
 }
 
-// grad_j = c exp(x_j - lse) - c eps / C, and at the target c (p_y - eps / C - (1 - eps)) from x_target read before
-// the row was overwritten (grad may be the row itself).
+// grad_j = c (exp(x_j - lse) - eps / C), and at the target c (p_y - eps / C - (1 - eps)) from x_target read before
+// the row was overwritten (grad may be the row itself); each through weighted_residual (cross_entropy_terms.h).
 template <typename scalar_t, typename acc_t>
 __device__ __forceinline__ void write_row_gradient(const scalar_t* row, scalar_t* grad, int64_t num_classes,
                                                    int64_t target, acc_t x_target, acc_t lse, acc_t c,
                                                    acc_t smoothing) {
-  const acc_t uniform = c * smoothing / static_cast<acc_t>(num_classes);
+  const acc_t uniform = smoothing / static_cast<acc_t>(num_classes);
   for (int64_t j = threadIdx.x; j < num_classes; j += kRowThreads) {
-    grad[j] = static_cast<scalar_t>(c * ::exp(static_cast<acc_t>(row[j]) - lse) - uniform);
+    grad[j] = static_cast<scalar_t>(weighted_residual(c, ::exp(static_cast<acc_t>(row[j]) - lse) - uniform));
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    grad[target] = static_cast<scalar_t>(c * ::exp(x_target - lse) - uniform - c * (acc_t(1) - smoothing));
+    grad[target] =
+        static_cast<scalar_t>(weighted_residual(c, ::exp(x_target - lse) - uniform - (acc_t(1) - smoothing)));
   }
 }
 

@@ -46,11 +46,12 @@ __device__ __forceinline__ T value_term(const Div& div, T t, T l, T shift, T inv
 }
 
 // Per-thread sums of (value_term, psi*') for a divergence with a coarse value (divergences.h: kl, kl_cvar,
-// smoothed_cvar, whose accurate excess costs an expm1 and a log1p on top of first()'s exponential). As
-// csrc/cpu/kernels_impl.h's reduce_coarse does per block of 512 losses, each warp's 32 vectors (128 float32
-// losses) whose mean |t| is at least 1 sum the coarse value, which shares first()'s exponential: there its error, a
-// few roundings of 1 + |psi*(t)|, is within a small factor of the accurate term's. Any other warp (the ERM regime,
-// and NaN) sums value_term itself. The choice is the warp's, not each lane's: a lane-by-lane choice sent nearly
+// smoothed_cvar, whose accurate excess costs an expm1 and a log1p on top of first()'s exponential; callers take it
+// only where div.coarse_ok()). As csrc/cpu/kernels_impl.h's reduce_coarse does per block of 512 losses, each warp's
+// 32 vectors (128 float32 losses) whose mean of min(|t|, 1) is at least 1/2 sum the coarse value, which shares
+// first()'s exponential: there its error, a few roundings of 1 + |psi*(t)|, is within a small factor of the
+// accurate term's (min: one huge |t| cannot send its small neighbours to the coarse terms). Any other warp (the ERM
+// regime, and NaN) sums value_term itself. The choice is the warp's, not each lane's: a lane-by-lane choice sent nearly
 // every warp down both paths (some lane of 32 almost always falls short), and on an H100 smoothed_cvar's forward
 // then took 77 us at 2^24 against chi2's 32 (bench/results/h100_2026-11-27). Vectors outside a whole-warp
 // iteration (the grid's last, the head and the tail) choose alone.
@@ -76,11 +77,10 @@ __device__ __forceinline__ Pair<at::opmath_type<scalar_t>> thread_loss_sums_coar
 #pragma unroll
     for (int j = 0; j < K; ++j) {
       t[j] = (l[j] - shift) * inv_lam;
-      abs_t += ::fabs(t[j]);
+      abs_t += ::fmin(::fabs(t[j]), acc_t(1));  // fmin returns 1 for a NaN |t|: the NaN is in t and first
       first += div.first(t[j]);
     }
-    // False for NaN (a NaN sum in the warp's case).
-    if (whole_warp ? warp_sum(abs_t) >= static_cast<acc_t>(32 * K) : abs_t >= static_cast<acc_t>(K)) {
+    if (whole_warp ? warp_sum(abs_t) >= static_cast<acc_t>(16 * K) : abs_t >= static_cast<acc_t>(0.5 * K)) {
       coarse_count += static_cast<acc_t>(K);
 #pragma unroll
       for (int j = 0; j < K; ++j) {
@@ -120,8 +120,9 @@ __device__ __forceinline__ Pair<at::opmath_type<scalar_t>> thread_derivative_sum
     at::opmath_type<scalar_t> inv_lam) {
   using acc_t = at::opmath_type<scalar_t>;
   if constexpr (A == 0 && B == 1 && requires { requires Div::kHasCoarseValue; }) {
-    return thread_loss_sums_coarse(x, n, div, shift, inv_lam);
-  } else {
+    if (div.coarse_ok()) return thread_loss_sums_coarse(x, n, div, shift, inv_lam);
+  }
+  {
     Pair<acc_t> s{acc_t(0), acc_t(0)};
     for_each_element<acc_t>(x, n, [&](acc_t l) {
       const acc_t t = (l - shift) * inv_lam;

@@ -354,7 +354,8 @@ __global__ void __launch_bounds__(kThreads) chi2_segment_kernel(const Pair<doubl
   }
 }
 
-// Psi = L(eta*) = lam * mean value_term, from the (psi*, psi*') sums at eta*.
+// Psi = L(eta*) = lam * mean value_term, from the (psi*, psi*') sums at eta*, and never above max l
+// (Psi <= L(max l) <= max l), which L at a rounded eta* can exceed where lam is below the losses' resolution.
 template <typename acc_t>
 __global__ void __launch_bounds__(kThreads) objective_finalize_kernel(const Pair<acc_t>* __restrict__ partials,
                                                                       int count, SolverState* state, double lam,
@@ -362,7 +363,8 @@ __global__ void __launch_bounds__(kThreads) objective_finalize_kernel(const Pair
   if (state->finished) return;  // the partials were skipped too (unwritten): read nothing
   const Pair<acc_t> total = reduce_partials(partials, count, Pair<acc_t>{acc_t(0), acc_t(0)}, PairSum());
   if (threadIdx.x != 0) return;
-  state->value = lam * (static_cast<double>(total.a) / n);
+  const double value = lam * (static_cast<double>(total.a) / n);
+  state->value = value > state->hi ? state->hi : value;  // keeps NaN
   state->finished = 1;
 }
 
