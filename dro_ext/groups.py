@@ -31,7 +31,7 @@ from dro_ext._divergences import (
     real_number,
 )
 
-__all__ = ["group_dro_loss"]
+__all__ = ["GroupDROLoss", "group_dro_loss"]
 
 
 def _group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int):
@@ -257,3 +257,216 @@ def group_dro_loss(losses, groups, num_groups, eta, lam, divergence="chi2", *, w
     # two are the same sums, term for term.
     value = fixed_order_sum(p * terms) / fixed_order_sum(p)
     return value.to(losses.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Online Group DRO
+# ---------------------------------------------------------------------------------------------------
+
+_MODES = ("eg", "greedy_cvar")
+_MISSING = ("zero", "stale")
+
+
+def _fraction(name: str, value, *, low_open: bool) -> float:
+    value = real_number(name, value)
+    inside = (0.0 < value <= 1.0) if low_open else (0.0 <= value <= 1.0)
+    if not inside:
+        raise ValueError(f"dro_ext: {name} must be in {'(0, 1]' if low_open else '[0, 1]'}, got {name}={value}")
+    return value
+
+
+def _greedy_cvar_weights(ranking: torch.Tensor, shares: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The worst-case weights of a CVaR at level alpha over groups of the given shares (summing to one), taken
+    greedily in decreasing order of `ranking`: each group gets its whole share while the running total stays within
+    alpha, the group that crosses alpha the part of its share up to alpha, the rest 0; normalized to sum to one.
+    Ties keep the group order (a stable sort), so the result is deterministic."""
+    if alpha >= 1.0:  # every group whole: the weights are the shares (no cumulative sum to round)
+        return shares
+    order = torch.sort(ranking, descending=True, stable=True).indices
+    sorted_shares = shares[order]
+    before = torch.cumsum(sorted_shares, 0) - sorted_shares
+    taken = torch.clamp(torch.minimum(sorted_shares, alpha - before), min=0.0)
+    return torch.zeros_like(taken).scatter(0, order, taken / taken.sum())
+
+
+class GroupDROLoss(nn.Module):
+    """Online Group DRO (Sagawa, Koh, Hashimoto, Liang, ICLR 2020): ``forward(losses, groups)`` returns
+    ``sum_g q_g m_g``, with ``m_g`` the mean loss of group g in the batch (0 for a group absent from it) and ``q`` a
+    distribution over the ``num_groups`` groups that the module keeps and updates from each batch.
+
+    ``mode="eg"`` (the paper's Algorithm 1): ``q_g <- q_g exp(step_size * a_g) / sum_h q_h exp(step_size * a_h)``,
+    computed on ``log q`` (no overflow, whatever the step), with the score ``a_g = m_g + C_g / sqrt(N_g)``:
+
+    - ``adjustment`` C (a number or one per group) with ``group_counts`` N (the population count of each group,
+      required then) is the paper's generalization adjustment. It enters the score only: the returned loss
+      uses the unadjusted ``m_g``.
+    - ``normalize_loss``: ``a`` divided by its sum (left as it is when that sum is 0).
+    - ``missing``: what a group absent from the batch scores. ``"zero"`` (the default, as the authors' code,
+      WILDS and DomainBed do, so that published settings reproduce): ``m_g = 0``, which lowers its ``q``
+      against the groups that are present. ``"stale"`` (as DoReMi): its last observed mean loss (0 before it was
+      first seen), which keeps ``q`` from drifting with batch composition when groups are many and batches small.
+
+    ``mode="greedy_cvar"`` (the paper's CVaR variant): ``q`` is the CVaR at level ``alpha`` (any ``alpha > 0``; at
+    ``alpha >= 1`` every group) over the groups ranked by their running mean loss plus ``C_g / sqrt(N_g)``:
+    taken greedily, each group weighs its share (``group_counts / sum``, or the batch shares ``n_g / n`` when
+    ``group_counts`` is not given) until the running total reaches ``alpha``, the group that crosses it only the
+    part up to ``alpha``; normalized to sum to one, then mixed with the shares as in the authors' code:
+    ``q = (1 - min_var_weight) q + min_var_weight * shares``. The running mean is an exponential moving average,
+    ``ema_g <- (1 - ema_gamma) ema_g + ema_gamma m_g`` over the batches where g is present, started at the first
+    such ``m_g``; it is kept in both modes. A batch without samples of an enabled group leaves ``q`` as it was
+    (batch shares only).
+
+    ``q_init`` (``num_groups`` numbers >= 0, normalized; uniform by default): the initial ``q``. A group of initial
+    weight 0 is disabled: its ``q`` stays exactly 0 in both modes.
+
+    ``forward(losses, groups, update=True)``: with ``update=True`` the state is first updated from the batch and
+    the returned loss uses the updated ``q`` (as the references do); ``update=False`` returns the loss under the
+    current ``q`` and leaves the state alone (e.g. the micro-batches of an accumulated step, all but one).
+    ``q`` carries no gradient. The state lives in buffers, so ``state_dict()`` saves it and ``load_state_dict``
+    resumes the run bitwise: ``log_q``, ``ema_loss``, ``last_loss`` (each group's last mean loss) and ``seen``
+    (which groups have appeared). They are of the default dtype at construction; a step computes in the wider
+    of their dtype and the losses' accumulate dtype. An empty batch is allowed (a rank without samples): it
+    returns 0 and updates the state as a batch where every group is absent.
+
+    ``group`` (a process group): the per-group sums and counts are all-reduced once per call (one collective of
+    ``2 * num_groups`` numbers), so every rank updates the same ``q`` from the concatenated batch and returns the
+    same loss, that of the concatenated batch; the gradients of the local losses are scaled so that DDP's average
+    over the ranks is the gradient of that loss.
+
+    Per step on CUDA nothing is read on the host: no ``.item()``, no data-dependent shapes (with the PyTorch
+    stand-in of the group reduction, ids out of range fail through a device-side assertion).
+    """
+
+    def __init__(self, num_groups, step_size=0.01, *, adjustment=None, group_counts=None, normalize_loss=False,
+                 missing="zero", q_init=None, mode="eg", alpha=None, ema_gamma=0.1, min_var_weight=0.0, group=None):
+        super().__init__()
+        self.num_groups = check_num_groups(num_groups)
+        if mode not in _MODES:
+            raise ValueError(f"dro_ext: mode must be 'eg' or 'greedy_cvar', got mode={mode!r}")
+        if missing not in _MISSING:
+            raise ValueError(f"dro_ext: missing must be 'zero' or 'stale', got missing={missing!r}")
+        if not isinstance(normalize_loss, bool):
+            raise TypeError(f"dro_ext: normalize_loss must be a bool, got {normalize_loss!r}")
+        self.mode, self.missing, self.normalize_loss = mode, missing, normalize_loss
+        self.step_size = check_positive("step_size", step_size)
+        self.ema_gamma = _fraction("ema_gamma", ema_gamma, low_open=True)
+        self.min_var_weight = _fraction("min_var_weight", min_var_weight, low_open=False)
+        if mode == "greedy_cvar":
+            if alpha is None:
+                raise ValueError("dro_ext: mode='greedy_cvar' needs alpha > 0 (the CVaR level), got alpha=None")
+            self.alpha = check_positive("alpha", alpha)
+            if normalize_loss:
+                raise ValueError("dro_ext: normalize_loss applies to mode='eg' only; pass normalize_loss=False")
+        else:
+            if alpha is not None:
+                raise ValueError(f"dro_ext: alpha is used by mode='greedy_cvar' only, got alpha={alpha!r}; "
+                                 f"pass alpha=None")
+            if self.min_var_weight != 0.0:
+                raise ValueError("dro_ext: min_var_weight is used by mode='greedy_cvar' only; pass 0")
+            self.alpha = None
+        counts = None if group_counts is None else check_group_vector("group_counts", group_counts, num_groups,
+                                                                      positive=True)
+        adjust = torch.zeros(num_groups, dtype=torch.float64)
+        if adjustment is not None:
+            if counts is None:
+                raise ValueError("dro_ext: adjustment needs group_counts (the N_g of C_g / sqrt(N_g)), got "
+                                 "group_counts=None")
+            if isinstance(adjustment, torch.Tensor) or not isinstance(adjustment, (int, float)):
+                c = _finite_vector("adjustment", adjustment, num_groups)
+            else:
+                c = torch.full((num_groups,), real_number("adjustment", adjustment), dtype=torch.float64)
+                if not math.isfinite(float(c[0])):
+                    raise ValueError(f"dro_ext: adjustment must be finite, got adjustment={adjustment}")
+            adjust = c / counts.sqrt()
+        q0 = (torch.full((num_groups,), 1.0 / num_groups, dtype=torch.float64) if q_init is None
+              else check_group_vector("q_init", q_init, num_groups, positive=False))
+        q0 = q0 / q0.sum()
+        active = q0 > 0
+        dtype = torch.get_default_dtype()
+        # The state: persistent buffers, saved by state_dict.
+        self.register_buffer("log_q", torch.log(q0).to(dtype))
+        self.register_buffer("ema_loss", torch.zeros(num_groups, dtype=dtype))
+        self.register_buffer("last_loss", torch.zeros(num_groups, dtype=dtype))
+        self.register_buffer("seen", torch.zeros(num_groups, dtype=torch.bool))
+        # The configuration: buffers (they follow the module to its device) outside the state_dict, in float64 so
+        # that a float64 state (module.double()) gets them unrounded.
+        self.register_buffer("active", active, persistent=False)
+        self.register_buffer("adjustment_term", adjust, persistent=False)
+        shares = None
+        if counts is not None:
+            shares = torch.where(active, counts, 0.0)
+            shares = shares / shares.sum()
+        self.register_buffer("population_shares", shares, persistent=False)
+        if group is not None:
+            from dro_ext.distributed import check_group
+
+            check_group(group, "GroupDROLoss")
+        self.group = group
+
+    @property
+    def q(self) -> torch.Tensor:
+        """The current distribution over the groups (a new tensor; 0 for disabled groups)."""
+        return self.log_q.exp()
+
+    def forward(self, losses: torch.Tensor, groups: torch.Tensor, update: bool = True) -> torch.Tensor:
+        check_batch_losses(losses)
+        check_groups(groups, losses)
+        if not isinstance(update, bool):
+            raise TypeError(f"dro_ext: update must be a bool, got {update!r}")
+        sums, counts = _reduced_group_sums(losses, groups, self.num_groups, self.group)
+        dtype = torch.promote_types(accumulate_dtype(losses.dtype), self.log_q.dtype)
+        m, present = _group_means(sums, counts, dtype)
+        if update:
+            with torch.no_grad():
+                self._update(m.detach(), present, counts.to(dtype))
+        q = self.log_q.to(dtype).exp()
+        return fixed_order_sum(q * m).to(losses.dtype)
+
+    def _update(self, m: torch.Tensor, present: torch.Tensor, counts: torch.Tensor) -> None:
+        dtype = m.dtype
+        seen = self.seen
+        ema = self.ema_loss.to(dtype)
+        averaged = (1.0 - self.ema_gamma) * ema + self.ema_gamma * m
+        ema = torch.where(present, torch.where(seen, averaged, m), ema)
+        last = torch.where(present, m, self.last_loss.to(dtype))
+        adjust = self.adjustment_term.to(dtype)
+        log_q = self.log_q.to(dtype)
+        if self.mode == "eg":
+            score = (m if self.missing == "zero" else last) + adjust
+            if self.normalize_loss:
+                total = score.sum()
+                score = torch.where(total != 0, score / total, score)
+            # Disabled groups stay at log q = -inf exactly (also when their score is infinite or NaN).
+            log_q = torch.where(self.active, log_q + self.step_size * score, -math.inf)
+            log_q = log_q - torch.logsumexp(log_q, 0)
+        else:
+            if self.population_shares is not None:
+                shares = self.population_shares.to(dtype)
+                usable = torch.ones((), dtype=torch.bool, device=m.device)
+            else:
+                shares = torch.where(self.active, counts, 0.0)
+                total = shares.sum()
+                usable = total > 0
+                shares = shares / torch.where(usable, total, 1.0)
+            weights = _greedy_cvar_weights(ema + adjust, shares, self.alpha)
+            weights = (1.0 - self.min_var_weight) * weights + self.min_var_weight * shares
+            log_q = torch.where(usable, torch.log(weights), log_q)
+        self.log_q.copy_(log_q)
+        self.ema_loss.copy_(ema)
+        self.last_loss.copy_(last)
+        self.seen.copy_(seen | present)
+
+    def extra_repr(self) -> str:
+        mode = f"mode={self.mode!r}" + (f", alpha={self.alpha}" if self.alpha is not None else "")
+        return (f"num_groups={self.num_groups}, step_size={self.step_size}, {mode}, missing={self.missing!r}, "
+                f"normalize_loss={self.normalize_loss}, ema_gamma={self.ema_gamma}")
+
+
+def _finite_vector(name: str, value, num_groups: int) -> torch.Tensor:
+    tensor = torch.as_tensor(value if isinstance(value, torch.Tensor) else [real_number(name, v) for v in value])
+    tensor = tensor.detach().to("cpu", torch.float64)
+    if tensor.shape != (num_groups,):
+        raise ValueError(f"dro_ext: {name} must be a number or have shape ({num_groups},), got {tuple(tensor.shape)}")
+    if not bool(torch.isfinite(tensor).all()):
+        raise ValueError(f"dro_ext: {name} must be finite, got {name}={tensor.tolist()}")
+    return tensor
