@@ -187,7 +187,7 @@ class _GlobalValueLocalGradient(torch.autograd.Function):
         return None, grad * ctx.factor, None
 
 
-def _reduced_group_sums(losses, groups, num_groups: int, process_group):
+def _reduced_group_sums(losses, groups, num_groups: int, process_group, where: str):
     """(sums, counts) of the batch, or, with a process group, of the concatenated batch of its ranks.
 
     Over ranks, (sums, counts) are all-reduced together (one collective of 2G numbers) so every rank holds the
@@ -201,7 +201,7 @@ def _reduced_group_sums(losses, groups, num_groups: int, process_group):
 
     from dro_ext.distributed import _collective_device, check_group
 
-    check_group(process_group, "GroupDROLoss")
+    check_group(process_group, where)
     device = _collective_device(process_group, losses.device)
     both = torch.cat([sums.detach(), counts]).to(device)
     both = funcol.all_reduce(both, "sum", process_group).to(losses.device)
@@ -235,16 +235,20 @@ def group_dro_loss(losses, groups, num_groups, eta, lam, divergence="chi2", *, w
 
     ``group`` (a process group): the objective of the concatenated batch of its ranks, the same value on every
     rank; the per-group sums and counts are all-reduced once, and the gradients of the local losses are scaled
-    so that DDP's average over the ranks is the gradient of that objective.
+    so that DDP's average over the ranks is the gradient of that objective. A rank may then hold no losses (if
+    no rank holds any, the value is NaN).
     """
     spec = check_divergence(divergence, alpha, k)
     lam, scale = check_positive("lam", lam), check_positive("scale", scale)
-    check_losses(losses)
+    if group is None:
+        check_losses(losses)
+    else:
+        check_batch_losses(losses)  # a rank may hold no samples; the concatenated batch must hold some
     num_groups = check_num_groups(num_groups)
     check_groups(groups, losses)
     eta = as_eta(eta, losses)
     weights = _group_weights(weighting, group_counts, num_groups, losses.device)
-    sums, counts = _reduced_group_sums(losses, groups, num_groups, group)
+    sums, counts = _reduced_group_sums(losses, groups, num_groups, group, "group_dro_loss")
     acc = fallback_dtype(losses.dtype, losses.device)
     m, present = _group_means(sums, counts, acc)
     g_eta = scale * eta.to(acc)
@@ -413,7 +417,7 @@ class GroupDROLoss(nn.Module):
         check_groups(groups, losses)
         if not isinstance(update, bool):
             raise TypeError(f"dro_ext: update must be a bool, got {update!r}")
-        sums, counts = _reduced_group_sums(losses, groups, self.num_groups, self.group)
+        sums, counts = _reduced_group_sums(losses, groups, self.num_groups, self.group, "GroupDROLoss")
         dtype = torch.promote_types(accumulate_dtype(losses.dtype), self.log_q.dtype)
         m, present = _group_means(sums, counts, dtype)
         if update:

@@ -618,3 +618,162 @@ def test_group_dro_bad_batch_names_the_argument(backend, losses, groups, exc, ma
         module(losses, groups)
     for name, buffer in module.state_dict().items():
         assert torch.equal(buffer, before[name]), name
+
+
+# ---------------------------------------------------------------------------------------------------
+# DROLoss(num_groups=...)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_droloss_without_groups_is_unchanged(backend):
+    module = dro_ext.DROLoss("kl", lam=0.5, eta_init=0.2)
+    assert list(module.state_dict()) == ["eta"] and [n for n, _ in module.named_buffers()] == []
+    losses = torch.rand(9)
+    assert torch.equal(module(losses), dro_ext.dro_loss(losses, module.eta, 0.5, "kl"))
+    with pytest.raises(ValueError, match="built without num_groups"):
+        module(losses, torch.zeros(9, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("weighting", WEIGHTINGS)
+@pytest.mark.parametrize("name,params", [("chi2", {}), ("cvar", {"alpha": 0.3}), ("cressie_read", {"k": 1.5})],
+                         ids=["chi2", "cvar", "cressie_read"])
+def test_droloss_over_groups_is_group_dro_loss(backend, name, params, weighting):
+    kwargs, _ = weighting_args(weighting, 4)
+    module = dro_ext.DROLoss(name, lam=0.6, scale=1.2, eta_init=0.4, num_groups=4, **kwargs, **params)
+    assert list(module.state_dict()) == ["eta"]
+    assert "num_groups=4" in repr(module)
+    losses, groups = random_batch(15, 4, torch.float32, absent=(0,))
+    losses.requires_grad_()
+    value = module(losses, groups)
+    eta = module.eta.detach().clone().requires_grad_()
+    want = dro_ext.group_dro_loss(losses, groups, 4, eta, 0.6, name, scale=1.2, **kwargs, **params)
+    assert torch.equal(value, want)
+    got_grads = torch.autograd.grad(value, (losses, module.eta))
+    want_grads = torch.autograd.grad(want, (losses, eta))
+    assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))
+    with pytest.raises(ValueError, match="groups is required"):
+        module(losses)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(weighting="population", group_counts=torch.ones(3)), ValueError, "pass num_groups as well"),
+    (dict(group_counts=torch.ones(3)), ValueError, "pass num_groups as well"),
+    (dict(weighting=torch.ones(3)), ValueError, "pass num_groups as well"),
+    (dict(num_groups=0), ValueError, "num_groups must be >= 1"),
+    (dict(num_groups=3, weighting="population"), ValueError, "needs group_counts"),
+    (dict(num_groups=3, weighting="population", group_counts=torch.ones(2)), ValueError, "group_counts must have"),
+])
+def test_droloss_group_arguments_are_checked(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        dro_ext.DROLoss("chi2", lam=0.5, **kwargs)
+
+
+def test_droloss_over_groups_compiles_fullgraph(backend):
+    module = dro_ext.DROLoss("kl", lam=0.5, num_groups=6)
+    losses, groups = random_batch(20, 6, torch.float32, absent=(5,))
+    torch._dynamo.reset()
+    compiled = torch.compile(module, fullgraph=True)
+    torch.testing.assert_close(compiled(losses, groups), module(losses, groups), rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Over the ranks of a process group (2 gloo CPU processes, spawned by the test with a wall-clock bound)
+# ---------------------------------------------------------------------------------------------------
+
+WORLD = 2
+DIST_TIMEOUT = 150.0  # wall-clock seconds for both ranks, start-up included: the machine may be heavily shared
+
+
+def _distributed_ranks(rank, world, store_path):
+    """Run in every rank: GroupDROLoss, group_dro_loss and DROLoss(num_groups) with group=WORLD against the
+    single process on the concatenated batch; unequal local batches, a group only one rank holds, and a step
+    where rank 0 holds nothing."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    world_group = dist.group.WORLD
+    torch.manual_seed(1234)  # the same data on every rank
+    split = [(5, 9), (8, 4), (0, 10), (6, 6)]
+    run = []
+    for step, sizes in enumerate(split):
+        losses, groups = random_batch(sum(sizes), 5, absent=(step % 5,))
+        groups[:sizes[0]] = groups[:sizes[0]] % 3  # groups 3 and 4 only on rank 1
+        run.append((losses, groups, sizes))
+
+    def local(full, sizes):
+        begin = sum(sizes[:rank])
+        return full[begin:begin + sizes[rank]]
+
+    for kwargs in (dict(step_size=0.5, missing="stale"), dict(mode="greedy_cvar", alpha=0.4)):
+        spread, single = group_dro64(5, group=world_group, **kwargs), group_dro64(5, **kwargs)
+        for losses, groups, sizes in run:
+            mine = local(losses, sizes).clone().requires_grad_()
+            value = spread(mine, local(groups, sizes))
+            (grad,) = torch.autograd.grad(value, mine)
+            whole = losses.clone().requires_grad_()
+            want = single(whole, groups)
+            (want_grad,) = torch.autograd.grad(want, whole)
+            torch.testing.assert_close(value, want, rtol=1e-13, atol=1e-15)
+            torch.testing.assert_close(spread.q, single.q, rtol=1e-13, atol=1e-15)
+            torch.testing.assert_close(grad / world, local(want_grad, sizes), rtol=1e-13, atol=1e-15)
+
+    for losses, groups, sizes in run:
+        for module_or_fn in ("function", "module"):
+            mine = local(losses, sizes).clone().requires_grad_()
+            eta = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+            if module_or_fn == "function":
+                value = dro_ext.group_dro_loss(mine, local(groups, sizes), 5, eta, 0.5, "kl", group=world_group)
+            else:
+                module = dro_ext.DROLoss("kl", lam=0.5, eta_init=0.3, num_groups=5, group=world_group).double()
+                eta = module.eta
+                value = module(mine, local(groups, sizes))
+            grad, grad_eta = torch.autograd.grad(value, (mine, eta))
+            whole = losses.clone().requires_grad_()
+            e64 = eta.detach().clone().requires_grad_()  # the module's eta is 0.3 rounded to float32
+            want = dro_ext.group_dro_loss(whole, groups, 5, e64, 0.5, "kl")
+            want_grad, want_eta = torch.autograd.grad(want, (whole, e64))
+            torch.testing.assert_close(value, want, rtol=1e-13, atol=1e-15)
+            torch.testing.assert_close(grad / world, local(want_grad, sizes), rtol=1e-13, atol=1e-15)
+            torch.testing.assert_close(grad_eta, want_eta, rtol=1e-13, atol=1e-15)  # the same on every rank
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                    reason="torch.distributed with the gloo backend is not available in this torch build")
+def test_group_objectives_over_ranks_equal_single_process(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = []
+    try:
+        for rank in range(WORLD):
+            log = open(tmp_path / f"rank{rank}.log", "w")
+            procs.append((subprocess.Popen([sys.executable, __file__, str(rank), str(WORLD), str(tmp_path / "store")],
+                                           cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True), log))
+        for proc, _ in procs:
+            try:
+                proc.wait(timeout=DIST_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the spawned ranks did not finish within {DIST_TIMEOUT:.0f} s (killed)")
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)  # the rank's own session, started above
+                proc.wait()
+            log.close()
+    for rank, (proc, _) in enumerate(procs):
+        assert proc.returncode == 0, (tmp_path / f"rank{rank}.log").read_text()[-4000:]
+
+
+if __name__ == "__main__":
+    import sys
+
+    _distributed_ranks(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
