@@ -527,16 +527,19 @@ def test_group_dro_gradcheck(backend):
         assert torch.autograd.gradcheck(value, (losses.clone().requires_grad_(),))
 
 
-def test_group_dro_compiles_fullgraph(backend):
+@pytest.mark.parametrize("kwargs", [dict(step_size=0.5, missing="stale"), dict(mode="greedy_cvar", alpha=0.4)],
+                         ids=["eg", "greedy_cvar"])
+def test_group_dro_compiles_fullgraph(backend, kwargs):
     """forward, update included (buffer mutation), compiled without graph breaks, follows eager step by step."""
     run = batches(4, 10, 4, torch.float32)
-    eager = dro_ext.GroupDROLoss(4, 0.5, missing="stale")
-    compiled_module = dro_ext.GroupDROLoss(4, 0.5, missing="stale")
+    eager = dro_ext.GroupDROLoss(4, **kwargs)
+    compiled_module = dro_ext.GroupDROLoss(4, **kwargs)
     torch._dynamo.reset()
     compiled = torch.compile(compiled_module, fullgraph=True)
-    for losses, groups in run:
+    for step, (losses, groups) in enumerate(run):
+        update = step != 2
         l1, l2 = losses.clone().requires_grad_(), losses.clone().requires_grad_()
-        want, got = eager(l1, groups), compiled(l2, groups)
+        want, got = eager(l1, groups, update=update), compiled(l2, groups, update=update)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(torch.autograd.grad(got, l2), torch.autograd.grad(want, l1), rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(compiled_module.q, eager.q, rtol=1e-6, atol=1e-7)
