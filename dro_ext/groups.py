@@ -94,6 +94,7 @@ def check_groups(groups, losses: torch.Tensor) -> None:
 def check_batch_losses(losses) -> None:
     """As check_losses, except that the batch may be empty (GroupDROLoss: a step where a rank holds no samples)."""
     if isinstance(losses, torch.Tensor) and losses.dim() == 1 and losses.numel() == 0:
+        check_dense("losses", losses)
         if not losses.is_floating_point():
             raise TypeError(f"dro_ext: losses must have a floating dtype, got {losses.dtype}")
         return

@@ -7,7 +7,6 @@ import torch
 
 import dro_ext
 import reference as ref
-from dro_ext import _backend
 from dro_ext.groups import _group_sums
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
