@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from dro_ext._divergences import check_divergence, check_positive, real_number
+from dro_ext.groups import _group_weights, check_num_groups, group_dro_loss
 from dro_ext.ops import dro_loss
 
 
@@ -22,9 +23,17 @@ class DROLoss(nn.Module):
     ``world_size * n_local / N`` (N from one all-reduce of a scalar per call, see
     :func:`dro_ext.distributed.batch_scale`), so that the averaged gradients are again those of the
     concatenated batch; the mean over the ranks of the returned values is the loss of that batch.
+
+    With ``num_groups=G`` the objective is over groups instead of samples (:func:`dro_ext.group_dro_loss`):
+    ``forward(losses, groups)`` takes the group id of each loss, and ``weighting`` (``"batch"``,
+    ``"population"`` with ``group_counts``, or a tensor of G weights) weighs the groups present. With ``group``
+    every rank then returns the objective of the concatenated batch (the per-group sums and counts are
+    all-reduced once), its local gradients scaled so that DDP's average is that objective's gradient.
+    Without ``num_groups``, ``groups`` must not be passed and the module is the per-sample loss above.
     """
 
-    def __init__(self, divergence="chi2", lam=0.1, *, alpha=None, k=None, scale=1.0, eta_init=0.0, group=None):
+    def __init__(self, divergence="chi2", lam=0.1, *, alpha=None, k=None, scale=1.0, eta_init=0.0, group=None,
+                 num_groups=None, weighting="batch", group_counts=None):
         super().__init__()
         spec = check_divergence(divergence, alpha, k)
         self.divergence, self.alpha, self.k = spec
@@ -32,8 +41,27 @@ class DROLoss(nn.Module):
         self.scale = check_positive("scale", scale)
         self.eta = nn.Parameter(torch.tensor(real_number("eta_init", eta_init)))
         self.group = group
+        self.num_groups = None
+        if num_groups is None:
+            if not (isinstance(weighting, str) and weighting == "batch") or group_counts is not None:
+                raise ValueError("dro_ext: weighting and group_counts weigh groups: pass num_groups as well")
+            return
+        self.num_groups = check_num_groups(num_groups)
+        # Checked here once, and kept outside the state_dict (which stays {"eta"}): None for batch weighting.
+        self.register_buffer("group_weights", _group_weights(weighting, group_counts, self.num_groups, "cpu"),
+                             persistent=False)
 
-    def forward(self, losses: torch.Tensor) -> torch.Tensor:
+    def forward(self, losses: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
+        if self.num_groups is not None:
+            if groups is None:
+                raise ValueError(f"dro_ext: groups is required: this DROLoss was built with "
+                                 f"num_groups={self.num_groups}; pass forward(losses, groups)")
+            weighting = "batch" if self.group_weights is None else self.group_weights
+            return group_dro_loss(losses, groups, self.num_groups, self.eta, self.lam, self.divergence,
+                                  weighting=weighting, alpha=self.alpha, k=self.k, scale=self.scale, group=self.group)
+        if groups is not None:
+            raise ValueError("dro_ext: groups given, but this DROLoss was built without num_groups; "
+                             "pass DROLoss(..., num_groups=G) to take the objective over groups")
         value = dro_loss(losses, self.eta, self.lam, self.divergence, alpha=self.alpha, k=self.k, scale=self.scale)
         if self.group is None:
             return value
@@ -43,4 +71,5 @@ class DROLoss(nn.Module):
 
     def extra_repr(self) -> str:
         params = "".join(f", {n}={v}" for n, v in (("alpha", self.alpha), ("k", self.k)) if v is not None)
-        return f"divergence={self.divergence!r}, lam={self.lam}{params}, scale={self.scale}"
+        groups = "" if self.num_groups is None else f", num_groups={self.num_groups}"
+        return f"divergence={self.divergence!r}, lam={self.lam}{params}, scale={self.scale}{groups}"

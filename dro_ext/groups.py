@@ -1,0 +1,477 @@
+"""DRO over groups: the per-group mean losses m_g = (sum of l_i over the samples i of group g) / n_g, and the two
+objectives built on them (docs/design.md, section 1.9):
+
+- :func:`group_dro_loss`: the penalized psi-divergence objective of :func:`dro_ext.dro_loss` with the groups in
+  place of the samples, ``scale*eta + sum_g p_g lam psi*((m_g - scale*eta)/lam)`` over the groups present in the
+  batch, ``p`` renormalized over them.
+- :class:`GroupDROLoss`: the online Group DRO of Sagawa et al. (ICLR 2020): a distribution ``q`` over the groups
+  updated by exponentiated gradient ascent on the group losses (or by a greedy CVaR over their running averages),
+  the loss being ``sum_g q_g m_g``.
+
+The O(N) work is the reduction of the losses to per-group sums and counts; the rest is O(G) and composed of
+PyTorch ops on either backend.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from dro_ext._divergences import (
+    accumulate_dtype,
+    as_eta,
+    check_dense,
+    check_divergence,
+    check_losses,
+    check_positive,
+    fallback_dtype,
+    fixed_order_sum,
+    penalized_value,
+    real_number,
+)
+
+__all__ = ["GroupDROLoss", "group_dro_loss"]
+
+
+def _group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int):
+    """(sums, counts) per group: ``sums[g]`` the sum of the losses of group g, ``counts[g]`` its number of samples
+    as a float; both (num_groups,) in the accumulate dtype (float32 for half inputs), 0 and 0 for an absent group;
+    the gradient of ``l_i`` is ``grad_sums[g_i]``; an id outside [0, num_groups) raises IndexError naming groups.
+
+    This is the stand-in, in PyTorch ops, for the native op ``dro_ext.group_sums(losses, groups, num_groups,
+    validate=True)`` with the same signature and results; it is the only place this module reduces the losses, so
+    that the native op replaces it here alone. index_add_ adds the samples in order on the CPU (deterministic);
+    on CUDA it adds with atomics, which the native op will not.
+    """
+    _check_group_ids(groups, num_groups)
+    acc = accumulate_dtype(losses.dtype)
+    index = groups.long()
+    sums = torch.zeros(num_groups, dtype=acc, device=losses.device).index_add(0, index, losses.to(acc))
+    ones = torch.ones(index.shape, dtype=acc, device=losses.device)
+    counts = torch.zeros(num_groups, dtype=acc, device=losses.device).index_add_(0, index, ones)
+    return sums, counts
+
+
+def _check_group_ids(groups: torch.Tensor, num_groups: int) -> None:
+    message = f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={num_groups}"
+    if groups.device.type == "cpu" and not torch.compiler.is_compiling():
+        # Reading a CPU tensor costs no device sync.
+        if groups.numel() and (int(groups.min()) < 0 or int(groups.max()) >= num_groups):
+            raise IndexError(message)
+    else:
+        # An asynchronous device-side check: no host sync (it fails at the next sync, as a RuntimeError).
+        torch._assert_async(((groups >= 0) & (groups < num_groups)).all(), message)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Argument checks
+# ---------------------------------------------------------------------------------------------------
+
+
+def check_num_groups(num_groups) -> int:
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int):
+        raise TypeError(f"dro_ext: num_groups must be an int, got {num_groups!r} ({type(num_groups).__name__})")
+    if num_groups < 1:
+        raise ValueError(f"dro_ext: num_groups must be >= 1, got num_groups={num_groups}")
+    return num_groups
+
+
+def check_groups(groups, losses: torch.Tensor) -> None:
+    if not isinstance(groups, torch.Tensor):
+        raise TypeError(f"dro_ext: groups must be a torch.Tensor of group ids, got {type(groups).__name__}")
+    check_dense("groups", groups)
+    if groups.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"dro_ext: groups must be an int64 or int32 tensor of group ids, got {groups.dtype}")
+    if groups.shape != losses.shape:
+        raise ValueError(f"dro_ext: groups must have the shape of losses, {tuple(losses.shape)}, "
+                         f"got {tuple(groups.shape)}")
+    if groups.device != losses.device:
+        raise ValueError(f"dro_ext: groups is on {groups.device} but losses is on {losses.device}; "
+                         f"move them to the same device")
+
+
+def check_batch_losses(losses) -> None:
+    """As check_losses, except that the batch may be empty (GroupDROLoss: a step where a rank holds no samples)."""
+    if isinstance(losses, torch.Tensor) and losses.dim() == 1 and losses.numel() == 0:
+        check_dense("losses", losses)
+        if not losses.is_floating_point():
+            raise TypeError(f"dro_ext: losses must have a floating dtype, got {losses.dtype}")
+        return
+    check_losses(losses)
+
+
+def check_group_vector(name: str, value, num_groups: int, *, positive: bool) -> torch.Tensor:
+    """A (num_groups,) tensor of finite numbers, > 0 (positive) or >= 0 with a positive sum, as float64.
+
+    Its values are read on the host (a check at construction; for a device tensor, one sync)."""
+    if isinstance(value, torch.Tensor):
+        check_dense(name, value)
+        if not (value.is_floating_point() or value.dtype in (torch.int64, torch.int32, torch.int16, torch.uint8)):
+            raise TypeError(f"dro_ext: {name} must be a real tensor, got {value.dtype}")
+        tensor = value.detach().to(torch.float64)
+    else:
+        try:
+            tensor = torch.tensor([real_number(name, v) for v in value], dtype=torch.float64)
+        except TypeError as exc:
+            raise TypeError(f"dro_ext: {name} must be a tensor or a sequence of {num_groups} numbers "
+                            f"({exc})") from None
+    if tensor.shape != (num_groups,):
+        raise ValueError(f"dro_ext: {name} must have shape ({num_groups},) (one entry per group), "
+                         f"got {tuple(tensor.shape)}")
+    host = tensor.cpu()
+    if not bool(torch.isfinite(host).all()):
+        raise ValueError(f"dro_ext: {name} must be finite, got {name}={host.tolist()}")
+    if positive and not bool((host > 0).all()):
+        raise ValueError(f"dro_ext: {name} must be > 0 for every group, got {name}={host.tolist()}")
+    if not positive and (not bool((host >= 0).all()) or not bool(host.sum() > 0)):
+        raise ValueError(f"dro_ext: {name} must be >= 0 with a positive sum, got {name}={host.tolist()}")
+    return tensor
+
+
+_WEIGHTINGS = ("batch", "population")
+
+
+def _group_weights(weighting, group_counts, num_groups: int, device) -> torch.Tensor | None:
+    """The unnormalized group weights: None for "batch" (the counts n_g), else a float64 (G,) tensor on device."""
+    if isinstance(weighting, torch.Tensor):
+        if group_counts is not None:
+            raise ValueError("dro_ext: group_counts is used by weighting='population' only; with a tensor "
+                             "weighting pass group_counts=None")
+        weights = _weight_tensor("weighting", weighting, num_groups)
+    elif weighting == "population":
+        if group_counts is None:
+            raise ValueError("dro_ext: weighting='population' needs group_counts (the population count of each "
+                             "group), got group_counts=None")
+        weights = _weight_tensor("group_counts", group_counts, num_groups)
+    elif weighting == "batch":
+        if group_counts is not None:
+            raise ValueError("dro_ext: group_counts is used by weighting='population' only; with "
+                             "weighting='batch' pass group_counts=None")
+        return None
+    else:
+        raise ValueError(f"dro_ext: weighting must be 'batch', 'population' or a tensor of {num_groups} group "
+                         f"weights, got {weighting!r}")
+    return weights.to(device)
+
+
+def _weight_tensor(name, value, num_groups: int) -> torch.Tensor:
+    # Per call: a CPU tensor or a sequence is checked in full (no device sync); a device tensor by dtype and shape
+    # only, its values being the caller's (a negative weight then gives a meaningless value, a zero sum NaN).
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        check_dense(name, value)
+        if not value.is_floating_point() or value.shape != (num_groups,):
+            raise ValueError(f"dro_ext: {name} must be a floating tensor of shape ({num_groups},), got "
+                             f"{value.dtype} of shape {tuple(value.shape)}")
+        return value.detach().to(torch.float64)
+    return check_group_vector(name, value, num_groups, positive=name == "group_counts")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Group means, on one process or over the ranks of a process group
+# ---------------------------------------------------------------------------------------------------
+
+
+class _GlobalValueLocalGradient(torch.autograd.Function):
+    """Forward: ``global_value``; backward: ``factor`` times the gradient, to ``local`` (a tensor of its shape)."""
+
+    @staticmethod
+    def forward(global_value, local, factor):
+        return global_value.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.factor = inputs[2]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad * ctx.factor, None
+
+
+def _reduced_group_sums(losses, groups, num_groups: int, process_group, where: str):
+    """(sums, counts) of the batch, or, with a process group, of the concatenated batch of its ranks.
+
+    Over ranks, (sums, counts) are all-reduced together (one collective of 2G numbers) so every rank holds the
+    same values; the sums' gradient goes to the local samples times the world size, which DDP's averaging of the
+    gradients over the ranks divides out again: the averaged gradient is the one of the concatenated batch."""
+    sums, counts = _group_sums(losses, groups, num_groups)
+    if process_group is None:
+        return sums, counts
+    import torch.distributed as dist
+    from torch.distributed import _functional_collectives as funcol
+
+    from dro_ext.distributed import _collective_device, check_group
+
+    check_group(process_group, where)
+    device = _collective_device(process_group, losses.device)
+    both = torch.cat([sums.detach(), counts]).to(device)
+    both = funcol.all_reduce(both, "sum", process_group).to(losses.device)
+    world = float(dist.get_world_size(process_group))
+    return _GlobalValueLocalGradient.apply(both[:num_groups], sums, world), both[num_groups:]
+
+
+def _group_means(sums, counts, dtype):
+    """(m, present): the mean loss of each group in dtype (0 for an absent group) and which groups are present."""
+    present = counts > 0
+    return sums.to(dtype) / torch.clamp(counts, min=1.0).to(dtype), present
+
+
+# ---------------------------------------------------------------------------------------------------
+# The penalized objective over groups
+# ---------------------------------------------------------------------------------------------------
+
+
+def group_dro_loss(losses, groups, num_groups, eta, lam, divergence="chi2", *, weighting="batch",
+                   group_counts=None, alpha=None, k=None, scale=1.0, group=None) -> torch.Tensor:
+    """The penalized DRO objective over groups (a 0-d tensor of the dtype of ``losses``):
+
+        scale*eta + sum_g p_g lam psi*((m_g - scale*eta)/lam),   m_g = mean of the losses of group g
+
+    over the groups present in the batch, ``p`` renormalized over them: ``weighting="batch"`` takes ``p_g``
+    proportional to the batch count ``n_g``, ``"population"`` to ``group_counts[g]`` (required then, every count
+    > 0), and a tensor of ``num_groups`` weights (>= 0) to those weights. ``divergence``, ``lam``, ``alpha``, ``k``
+    and ``scale`` are those of :func:`dro_ext.dro_loss`, which this equals when every group holds one sample
+    (batch weighting). ``groups`` is an int64 or int32 tensor of ids in ``[0, num_groups)``, one per loss.
+    Gradients flow to ``losses`` (``p_g psi*'(t_g) / n_g`` for each sample of group g) and to ``eta``.
+
+    ``group`` (a process group): the objective of the concatenated batch of its ranks, the same value on every
+    rank; the per-group sums and counts are all-reduced once, and the gradients of the local losses are scaled
+    so that DDP's average over the ranks is the gradient of that objective. A rank may then hold no losses (if
+    no rank holds any, the value is NaN).
+    """
+    spec = check_divergence(divergence, alpha, k)
+    lam, scale = check_positive("lam", lam), check_positive("scale", scale)
+    if group is None:
+        check_losses(losses)
+    else:
+        check_batch_losses(losses)  # a rank may hold no samples; the concatenated batch must hold some
+    num_groups = check_num_groups(num_groups)
+    check_groups(groups, losses)
+    eta = as_eta(eta, losses)
+    weights = _group_weights(weighting, group_counts, num_groups, losses.device)
+    sums, counts = _reduced_group_sums(losses, groups, num_groups, group, "group_dro_loss")
+    acc = fallback_dtype(losses.dtype, losses.device)
+    m, present = _group_means(sums, counts, acc)
+    g_eta = scale * eta.to(acc)
+    # An absent group is evaluated at m = scale*eta (t = 0, finite whatever eta), then weighted by exactly 0: its
+    # term adds nothing to the value and a zero gradient.
+    x = torch.where(present, m, g_eta)
+    terms = penalized_value(x, (x - g_eta) / lam, lam, g_eta, spec)
+    p = counts.to(acc) if weights is None else torch.where(present, weights.to(acc), 0.0)
+    # Sums in group order, as dro_loss sums in sample order: with one sample per group (ids in sample order) the
+    # two are the same sums, term for term.
+    value = fixed_order_sum(p * terms) / fixed_order_sum(p)
+    return value.to(losses.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Online Group DRO
+# ---------------------------------------------------------------------------------------------------
+
+_MODES = ("eg", "greedy_cvar")
+_MISSING = ("zero", "stale")
+
+
+def _fraction(name: str, value, *, low_open: bool) -> float:
+    value = real_number(name, value)
+    inside = (0.0 < value <= 1.0) if low_open else (0.0 <= value <= 1.0)
+    if not inside:
+        raise ValueError(f"dro_ext: {name} must be in {'(0, 1]' if low_open else '[0, 1]'}, got {name}={value}")
+    return value
+
+
+def _greedy_cvar_weights(ranking: torch.Tensor, shares: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The worst-case weights of a CVaR at level alpha over groups of the given shares (summing to one), taken
+    greedily in decreasing order of `ranking`: each group gets its whole share while the running total stays within
+    alpha, the group that crosses alpha the part of its share up to alpha, the rest 0; normalized to sum to one.
+    Ties keep the group order (a stable sort), so the result is deterministic."""
+    if alpha >= 1.0:  # every group whole: the weights are the shares (no cumulative sum to round)
+        return shares
+    order = torch.sort(ranking, descending=True, stable=True).indices
+    sorted_shares = shares[order]
+    before = torch.cumsum(sorted_shares, 0) - sorted_shares
+    taken = torch.clamp(torch.minimum(sorted_shares, alpha - before), min=0.0)
+    return torch.zeros_like(taken).scatter(0, order, taken / taken.sum())
+
+
+class GroupDROLoss(nn.Module):
+    """Online Group DRO (Sagawa, Koh, Hashimoto, Liang, ICLR 2020): ``forward(losses, groups)`` returns
+    ``sum_g q_g m_g``, with ``m_g`` the mean loss of group g in the batch (0 for a group absent from it) and ``q`` a
+    distribution over the ``num_groups`` groups that the module keeps and updates from each batch.
+
+    ``mode="eg"`` (the paper's Algorithm 1): ``q_g <- q_g exp(step_size * a_g) / sum_h q_h exp(step_size * a_h)``,
+    computed on ``log q`` (no overflow, whatever the step), with the score ``a_g = m_g + C_g / sqrt(N_g)``:
+
+    - ``adjustment`` C (a number or one per group) with ``group_counts`` N (the population count of each group,
+      required then) is the paper's generalization adjustment. It enters the score only: the returned loss
+      uses the unadjusted ``m_g``.
+    - ``normalize_loss``: ``a`` divided by its sum (left as it is when that sum is 0).
+    - ``missing``: what a group absent from the batch scores. ``"zero"`` (the default, as the authors' code,
+      WILDS and DomainBed do, so that published settings reproduce): ``m_g = 0``, which lowers its ``q``
+      against the groups that are present. ``"stale"`` (as DoReMi): its last observed mean loss (0 before it was
+      first seen), which keeps ``q`` from drifting with batch composition when groups are many and batches small.
+
+    ``mode="greedy_cvar"`` (the paper's CVaR variant): ``q`` is the CVaR at level ``alpha`` (any ``alpha > 0``; at
+    ``alpha >= 1`` every group) over the groups ranked by their running mean loss plus ``C_g / sqrt(N_g)``:
+    taken greedily, each group weighs its share (``group_counts / sum``, or the batch shares ``n_g / n`` when
+    ``group_counts`` is not given) until the running total reaches ``alpha``, the group that crosses it only the
+    part up to ``alpha``; normalized to sum to one, then mixed with the shares as in the authors' code:
+    ``q = (1 - min_var_weight) q + min_var_weight * shares``. The running mean is an exponential moving average,
+    ``ema_g <- (1 - ema_gamma) ema_g + ema_gamma m_g`` over the batches where g is present, started at the first
+    such ``m_g``; it is kept in both modes. A batch without samples of an enabled group leaves ``q`` as it was
+    (batch shares only).
+
+    ``q_init`` (``num_groups`` numbers >= 0, normalized; uniform by default): the initial ``q``. A group of initial
+    weight 0 is disabled: its ``q`` stays exactly 0 in both modes.
+
+    ``forward(losses, groups, update=True)``: with ``update=True`` the state is first updated from the batch and
+    the returned loss uses the updated ``q`` (as the references do); ``update=False`` returns the loss under the
+    current ``q`` and leaves the state alone (e.g. the micro-batches of an accumulated step, all but one).
+    ``q`` carries no gradient. The state lives in buffers, so ``state_dict()`` saves it and ``load_state_dict``
+    resumes the run bitwise: ``log_q``, ``ema_loss``, ``last_loss`` (each group's last mean loss) and ``seen``
+    (which groups have appeared). They are of the default dtype at construction; a step computes in the wider
+    of their dtype and the losses' accumulate dtype. An empty batch is allowed (a rank without samples): it
+    returns 0 and updates the state as a batch where every group is absent.
+
+    ``group`` (a process group): the per-group sums and counts are all-reduced once per call (one collective of
+    ``2 * num_groups`` numbers), so every rank updates the same ``q`` from the concatenated batch and returns the
+    same loss, that of the concatenated batch; the gradients of the local losses are scaled so that DDP's average
+    over the ranks is the gradient of that loss.
+
+    Per step on CUDA nothing is read on the host: no ``.item()``, no data-dependent shapes (with the PyTorch
+    stand-in of the group reduction, ids out of range fail through a device-side assertion).
+    """
+
+    def __init__(self, num_groups, step_size=0.01, *, adjustment=None, group_counts=None, normalize_loss=False,
+                 missing="zero", q_init=None, mode="eg", alpha=None, ema_gamma=0.1, min_var_weight=0.0, group=None):
+        super().__init__()
+        self.num_groups = check_num_groups(num_groups)
+        if mode not in _MODES:
+            raise ValueError(f"dro_ext: mode must be 'eg' or 'greedy_cvar', got mode={mode!r}")
+        if missing not in _MISSING:
+            raise ValueError(f"dro_ext: missing must be 'zero' or 'stale', got missing={missing!r}")
+        if not isinstance(normalize_loss, bool):
+            raise TypeError(f"dro_ext: normalize_loss must be a bool, got {normalize_loss!r}")
+        self.mode, self.missing, self.normalize_loss = mode, missing, normalize_loss
+        self.step_size = check_positive("step_size", step_size)
+        self.ema_gamma = _fraction("ema_gamma", ema_gamma, low_open=True)
+        self.min_var_weight = _fraction("min_var_weight", min_var_weight, low_open=False)
+        if mode == "greedy_cvar":
+            if alpha is None:
+                raise ValueError("dro_ext: mode='greedy_cvar' needs alpha > 0 (the CVaR level), got alpha=None")
+            self.alpha = check_positive("alpha", alpha)
+            if normalize_loss:
+                raise ValueError("dro_ext: normalize_loss applies to mode='eg' only; pass normalize_loss=False")
+        else:
+            if alpha is not None:
+                raise ValueError(f"dro_ext: alpha is used by mode='greedy_cvar' only, got alpha={alpha!r}; "
+                                 f"pass alpha=None")
+            if self.min_var_weight != 0.0:
+                raise ValueError("dro_ext: min_var_weight is used by mode='greedy_cvar' only; pass 0")
+            self.alpha = None
+        counts = None if group_counts is None else check_group_vector("group_counts", group_counts, num_groups,
+                                                                      positive=True)
+        adjust = torch.zeros(num_groups, dtype=torch.float64)
+        if adjustment is not None:
+            if counts is None:
+                raise ValueError("dro_ext: adjustment needs group_counts (the N_g of C_g / sqrt(N_g)), got "
+                                 "group_counts=None")
+            if isinstance(adjustment, torch.Tensor) or not isinstance(adjustment, (int, float)):
+                c = _finite_vector("adjustment", adjustment, num_groups)
+            else:
+                c = torch.full((num_groups,), real_number("adjustment", adjustment), dtype=torch.float64)
+                if not math.isfinite(float(c[0])):
+                    raise ValueError(f"dro_ext: adjustment must be finite, got adjustment={adjustment}")
+            adjust = c / counts.sqrt()
+        q0 = (torch.full((num_groups,), 1.0 / num_groups, dtype=torch.float64) if q_init is None
+              else check_group_vector("q_init", q_init, num_groups, positive=False))
+        q0 = q0 / q0.sum()
+        active = q0 > 0
+        dtype = torch.get_default_dtype()
+        # The state: persistent buffers, saved by state_dict.
+        self.register_buffer("log_q", torch.log(q0).to(dtype))
+        self.register_buffer("ema_loss", torch.zeros(num_groups, dtype=dtype))
+        self.register_buffer("last_loss", torch.zeros(num_groups, dtype=dtype))
+        self.register_buffer("seen", torch.zeros(num_groups, dtype=torch.bool))
+        # The configuration: buffers (they follow the module to its device) outside the state_dict, in float64 so
+        # that a float64 state (module.double()) gets them unrounded.
+        self.register_buffer("active", active, persistent=False)
+        self.register_buffer("adjustment_term", adjust, persistent=False)
+        shares = None
+        if counts is not None:
+            shares = torch.where(active, counts, 0.0)
+            shares = shares / shares.sum()
+        self.register_buffer("population_shares", shares, persistent=False)
+        if group is not None:
+            from dro_ext.distributed import check_group
+
+            check_group(group, "GroupDROLoss")
+        self.group = group
+
+    @property
+    def q(self) -> torch.Tensor:
+        """The current distribution over the groups (a new tensor; 0 for disabled groups)."""
+        return self.log_q.exp()
+
+    def forward(self, losses: torch.Tensor, groups: torch.Tensor, update: bool = True) -> torch.Tensor:
+        check_batch_losses(losses)
+        check_groups(groups, losses)
+        if not isinstance(update, bool):
+            raise TypeError(f"dro_ext: update must be a bool, got {update!r}")
+        sums, counts = _reduced_group_sums(losses, groups, self.num_groups, self.group, "GroupDROLoss")
+        dtype = torch.promote_types(accumulate_dtype(losses.dtype), self.log_q.dtype)
+        m, present = _group_means(sums, counts, dtype)
+        if update:
+            with torch.no_grad():
+                self._update(m.detach(), present, counts.to(dtype))
+        q = self.log_q.to(dtype).exp()
+        return fixed_order_sum(q * m).to(losses.dtype)
+
+    def _update(self, m: torch.Tensor, present: torch.Tensor, counts: torch.Tensor) -> None:
+        dtype = m.dtype
+        seen = self.seen
+        ema = self.ema_loss.to(dtype)
+        averaged = (1.0 - self.ema_gamma) * ema + self.ema_gamma * m
+        ema = torch.where(present, torch.where(seen, averaged, m), ema)
+        last = torch.where(present, m, self.last_loss.to(dtype))
+        adjust = self.adjustment_term.to(dtype)
+        log_q = self.log_q.to(dtype)
+        if self.mode == "eg":
+            score = (m if self.missing == "zero" else last) + adjust
+            if self.normalize_loss:
+                total = score.sum()
+                score = torch.where(total != 0, score / total, score)
+            # Disabled groups stay at log q = -inf exactly (also when their score is infinite or NaN).
+            log_q = torch.where(self.active, log_q + self.step_size * score, -math.inf)
+            log_q = log_q - torch.logsumexp(log_q, 0)
+        else:
+            if self.population_shares is not None:
+                shares = self.population_shares.to(dtype)
+                usable = torch.ones((), dtype=torch.bool, device=m.device)
+            else:
+                shares = torch.where(self.active, counts, 0.0)
+                total = shares.sum()
+                usable = total > 0
+                shares = shares / torch.where(usable, total, 1.0)
+            weights = _greedy_cvar_weights(ema + adjust, shares, self.alpha)
+            weights = (1.0 - self.min_var_weight) * weights + self.min_var_weight * shares
+            log_q = torch.where(usable, torch.log(weights), log_q)
+        self.log_q.copy_(log_q)
+        self.ema_loss.copy_(ema)
+        self.last_loss.copy_(last)
+        self.seen.copy_(seen | present)
+
+    def extra_repr(self) -> str:
+        mode = f"mode={self.mode!r}" + (f", alpha={self.alpha}" if self.alpha is not None else "")
+        return (f"num_groups={self.num_groups}, step_size={self.step_size}, {mode}, missing={self.missing!r}, "
+                f"normalize_loss={self.normalize_loss}, ema_gamma={self.ema_gamma}")
+
+
+def _finite_vector(name: str, value, num_groups: int) -> torch.Tensor:
+    tensor = torch.as_tensor(value if isinstance(value, torch.Tensor) else [real_number(name, v) for v in value])
+    tensor = tensor.detach().to("cpu", torch.float64)
+    if tensor.shape != (num_groups,):
+        raise ValueError(f"dro_ext: {name} must be a number or have shape ({num_groups},), got {tuple(tensor.shape)}")
+    if not bool(torch.isfinite(tensor).all()):
+        raise ValueError(f"dro_ext: {name} must be finite, got {name}={tensor.tolist()}")
+    return tensor

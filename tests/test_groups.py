@@ -1,0 +1,781 @@
+"""DRO over groups: group_dro_loss (the penalized objective over group means), GroupDROLoss (online Group DRO) and
+DROLoss(num_groups=...), against float64 references written from the formulas of docs/design.md section 1.9."""
+import math
+
+import pytest
+import torch
+
+import dro_ext
+import reference as ref
+from dro_ext.groups import _group_sums
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def case_kwargs(params):
+    return dict(alpha=params.get("alpha"), k=params.get("k"))
+
+
+def random_batch(n, num_groups, dtype=torch.float64, absent=()):
+    """n losses around 1 and their group ids in [0, num_groups), none of them in `absent`."""
+    allowed = torch.tensor([g for g in range(num_groups) if g not in absent])
+    groups = allowed[torch.randint(len(allowed), (n,))]
+    return (1.0 + torch.randn(n, dtype=torch.float64)).to(dtype), groups
+
+
+# ---------------------------------------------------------------------------------------------------
+# float64 references, from the formulas
+# ---------------------------------------------------------------------------------------------------
+
+
+def ref_group_means(losses, groups, num_groups):
+    """(m, n): the mean loss and the count of each group, 0 and 0 for an absent group (float64, differentiable)."""
+    means, counts = [], []
+    for g in range(num_groups):
+        members = losses[groups == g]
+        counts.append(float(members.numel()))
+        means.append(members.mean() if members.numel() else losses.new_zeros(()))
+    return torch.stack(means), torch.tensor(counts, dtype=torch.float64)
+
+
+def ref_group_dro_loss(losses, groups, num_groups, eta, lam, name, alpha=None, k=None, scale=1.0, weights=None):
+    """scale*eta + sum_g p_g lam psi*((m_g - scale*eta)/lam) over the present groups, p renormalized over them;
+    p_g = n_g when weights is None."""
+    m, n = ref_group_means(losses, groups, num_groups)
+    p = n if weights is None else torch.as_tensor(weights, dtype=torch.float64)
+    present = n > 0
+    p = p[present] / p[present].sum()
+    return scale * eta + (p * lam * ref.psi_star((m[present] - scale * eta) / lam, name, alpha, k)).sum()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The stand-in reduction
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_group_sums_and_counts(dtype):
+    losses, groups = random_batch(23, 6, dtype, absent=(4,))
+    losses.requires_grad_()
+    sums, counts = _group_sums(losses, groups, 6)
+    assert sums.dtype == counts.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    m, n = ref_group_means(losses.detach().double(), groups, 6)
+    torch.testing.assert_close(counts.double(), n, rtol=0, atol=0)
+    torch.testing.assert_close(sums.double(), m * n, rtol=1e-6, atol=1e-6)
+    assert sums[4] == 0 and counts[4] == 0
+    upstream = torch.randn(6, dtype=sums.dtype)
+    (grad,) = torch.autograd.grad(sums, losses, upstream)
+    assert torch.equal(grad, upstream[groups].to(dtype))
+
+
+# ---------------------------------------------------------------------------------------------------
+# group_dro_loss
+# ---------------------------------------------------------------------------------------------------
+
+WEIGHTINGS = ["batch", "population", "tensor"]
+
+
+def weighting_args(weighting, num_groups):
+    if weighting == "batch":
+        return dict(weighting="batch"), None
+    counts = torch.rand(num_groups, dtype=torch.float64) * 100 + 1
+    if weighting == "population":
+        return dict(weighting="population", group_counts=counts), counts
+    counts[1] = 0.0  # a weight of 0 is allowed: that group does not count
+    return dict(weighting=counts), counts
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("weighting", WEIGHTINGS)
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_group_dro_loss_matches_float64_reference(backend, name, params, weighting, dtype):
+    lam, scale, num_groups = 0.7, 1.3, 6
+    losses, groups = random_batch(29, num_groups, dtype, absent=(2,))
+    losses.requires_grad_()
+    eta = torch.tensor(0.6, requires_grad=True)
+    kwargs, weights = weighting_args(weighting, num_groups)
+    value = dro_ext.group_dro_loss(losses, groups, num_groups, eta, lam, name, scale=scale, **kwargs, **params)
+    assert value.dtype == dtype and value.dim() == 0
+    grad_l, grad_eta = torch.autograd.grad(value, (losses, eta))
+    assert grad_l.dtype == dtype and grad_eta.dtype == torch.float32
+
+    l64 = losses.detach().double().requires_grad_()
+    e64 = eta.detach().double().requires_grad_()
+    expected = ref_group_dro_loss(l64, groups, num_groups, e64, lam, name, scale=scale, weights=weights,
+                                  **case_kwargs(params))
+    exp_l, exp_eta = torch.autograd.grad(expected, (l64, e64))
+    tol = ref.tolerances(dtype)
+    torch.testing.assert_close(value.double(), expected, **tol)
+    torch.testing.assert_close(grad_l.double(), exp_l, **tol)
+    # eta is float32, and so is its gradient.
+    torch.testing.assert_close(grad_eta.double(), exp_eta, rtol=1e-5, atol=1e-6)
+
+
+DRO_LOSS_DTYPES = [torch.float16, torch.float32, torch.float64]
+
+
+def ulps(value, expected, dtype):
+    value, expected = float(value.detach()), float(expected.detach())
+    return abs(value - expected) / (torch.finfo(dtype).eps * max(abs(expected), 1e-30))
+
+
+@pytest.mark.parametrize("dtype", DRO_LOSS_DTYPES, ids=str)
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_one_sample_per_group_is_dro_loss(backend, name, params, dtype):
+    """With batch weighting and one sample per group, the group objective is dro_loss: bitwise against the
+    fallback's dro_loss when the ids are 0..N-1 in sample order (the same terms summed by the same torch.sum);
+    within a few ulps against the native kernels' float32 sums, when the ids are permuted, or when absent groups
+    lie between them (zeros between the terms change how torch.sum's vector lanes pair them up)."""
+    n, lam, scale = 37, 0.6, 1.4
+    losses = (1.0 + torch.randn(n, dtype=torch.float64)).to(dtype).requires_grad_()
+    eta = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+    expected = dro_ext.dro_loss(losses, eta, lam, name, scale=scale, **params)
+    exp_l, exp_eta = torch.autograd.grad(expected, (losses, eta))
+    in_order = torch.arange(n)
+    gaps = torch.arange(n) * 2 + 1  # ids in sample order with absent groups between them, G > N
+    for groups, num_groups, exact in ((in_order, n, True), (gaps, 2 * n + 3, False), (torch.randperm(n), n, False)):
+        value = dro_ext.group_dro_loss(losses, groups, num_groups, eta, lam, name, scale=scale, **params)
+        if exact and backend == "python":
+            assert torch.equal(value, expected), (value, expected)
+        else:
+            assert ulps(value, expected, dtype) <= 4, (value, expected)
+        grad_l, grad_eta = torch.autograd.grad(value, (losses, eta))
+        torch.testing.assert_close(grad_l, exp_l, **ref.tolerances(dtype))
+        torch.testing.assert_close(grad_eta, exp_eta, rtol=1e-5 if dtype != torch.float64 else 1e-12, atol=1e-9)
+
+
+@pytest.mark.parametrize("num_groups", [1, 2, 7, 40])
+def test_any_number_of_groups(backend, num_groups):
+    """G = 1 (the whole batch is one group), G < N, G close to N, G > N (most groups absent)."""
+    losses, groups = random_batch(9, num_groups)
+    losses.requires_grad_()
+    eta = torch.tensor(0.4, dtype=torch.float64, requires_grad=True)
+    value = dro_ext.group_dro_loss(losses, groups, num_groups, eta, 0.5, "kl")
+    expected = ref_group_dro_loss(losses, groups, num_groups, eta, 0.5, "kl")
+    torch.testing.assert_close(value, expected, rtol=1e-12, atol=1e-12)
+    got = torch.autograd.grad(value, (losses, eta))
+    want = torch.autograd.grad(expected, (losses, eta))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    if num_groups == 1:  # one group: lam psi*((mean - eta)/lam) + eta
+        mean = losses.detach().mean()
+        assert math.isclose(float(value.detach()), float(0.5 * torch.expm1((mean - 0.4) / 0.5) + 0.4), rel_tol=1e-13)
+
+
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_group_dro_loss_gradcheck(backend, name, params):
+    losses, groups = random_batch(11, 5, absent=(3,))
+    losses.requires_grad_()
+    eta = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+    weights = torch.tensor([1.0, 2.0, 0.5, 4.0, 3.0], dtype=torch.float64)
+
+    def batch(l, e):
+        return dro_ext.group_dro_loss(l, groups, 5, e, 0.8, name, scale=1.5, **params)
+
+    def weighted(l, e):
+        return dro_ext.group_dro_loss(l, groups, 5, e, 0.8, name, weighting=weights, **params)
+
+    assert torch.autograd.gradcheck(batch, (losses, eta))
+    assert torch.autograd.gradcheck(weighted, (losses, eta))
+
+
+def test_group_dro_loss_non_contiguous_and_int32_ids(backend):
+    base = torch.randn(40, dtype=torch.float32)
+    losses = base[::2]
+    groups = torch.randint(4, (20,))
+    eta = torch.tensor(0.1)
+    want = dro_ext.group_dro_loss(losses.contiguous(), groups, 4, eta, 0.5, "chi2")
+    assert torch.equal(dro_ext.group_dro_loss(losses, groups, 4, eta, 0.5, "chi2"), want)
+    assert torch.equal(dro_ext.group_dro_loss(losses, groups.int(), 4, eta, 0.5, "chi2"), want)
+    wide = torch.stack([groups, groups], 1)[:, 0]  # a strided view of the ids
+    assert torch.equal(dro_ext.group_dro_loss(losses, wide, 4, eta, 0.5, "chi2"), want)
+
+
+def test_group_dro_loss_nan_and_inf(backend):
+    losses = torch.tensor([0.5, 1.0, 2.0, 0.3], requires_grad=True)
+    groups = torch.tensor([0, 1, 1, 2])
+    losses_nan = losses.detach().clone()
+    losses_nan[2] = math.nan
+    value = dro_ext.group_dro_loss(losses_nan.requires_grad_(), groups, 4, torch.tensor(0.0), 0.5, "cvar", alpha=0.5)
+    assert torch.isnan(value)
+    (grad,) = torch.autograd.grad(value, losses_nan)
+    assert torch.isnan(grad).any()
+    losses_inf = losses.detach().clone()
+    losses_inf[3] = math.inf
+    value = dro_ext.group_dro_loss(losses_inf, groups, 4, torch.tensor(0.0), 0.5, "chi2")
+    assert value == math.inf
+
+
+def test_group_dro_loss_compiles_fullgraph(backend):
+    losses, groups = random_batch(17, 5, torch.float32, absent=(1,))
+    losses.requires_grad_()
+    eta = torch.tensor(0.3, requires_grad=True)
+
+    def fn(l, g, e):
+        return dro_ext.group_dro_loss(l, g, 5, e, 0.5, "smoothed_cvar", alpha=0.2)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True)
+    got = compiled(losses, groups, eta)
+    want = fn(losses, groups, eta)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(torch.autograd.grad(got, (losses, eta)), torch.autograd.grad(want, (losses, eta)),
+                               rtol=1e-6, atol=1e-7)
+
+
+GROUP_LOSS_BAD_INPUTS = [
+    (dict(groups=torch.tensor([0.0, 1.0, 0.0, 1.0])), TypeError, "groups must be an int64 or int32"),
+    (dict(groups=torch.tensor([0, 1, 0])), ValueError, "groups must have the shape"),
+    (dict(groups=torch.tensor([[0, 1, 0, 1]])), ValueError, "groups must have the shape"),
+    (dict(groups=[0, 1, 0, 1]), TypeError, "groups must be a torch.Tensor"),
+    (dict(groups=torch.tensor([0, -1, 0, 1])), IndexError, "groups holds an id outside"),
+    (dict(groups=torch.tensor([0, 3, 0, 1])), IndexError, "groups holds an id outside"),
+    (dict(groups=torch.tensor([0, 1, 0, 1], device="meta")), ValueError, "groups is on meta"),
+    (dict(num_groups=0), ValueError, "num_groups must be >= 1"),
+    (dict(num_groups=3.0), TypeError, "num_groups must be an int"),
+    (dict(num_groups=True), TypeError, "num_groups must be an int"),
+    (dict(weighting="population"), ValueError, "needs group_counts"),
+    (dict(weighting="uniform"), ValueError, "weighting must be"),
+    (dict(group_counts=torch.ones(3)), ValueError, "group_counts is used by weighting='population' only"),
+    (dict(weighting="population", group_counts=torch.ones(4)), ValueError, r"group_counts must have shape \(3,\)"),
+    (dict(weighting="population", group_counts=torch.tensor([1.0, 0.0, 2.0])), ValueError,
+     "group_counts must be > 0"),
+    (dict(weighting="population", group_counts=torch.tensor([1.0, math.nan, 2.0])), ValueError,
+     "group_counts must be finite"),
+    (dict(weighting=torch.tensor([1.0, -1.0, 2.0])), ValueError, "weighting must be >= 0"),
+    (dict(weighting=torch.zeros(3)), ValueError, "weighting must be >= 0 with a positive sum"),
+    (dict(weighting=torch.ones(2)), ValueError, r"weighting must have shape \(3,\)"),
+    (dict(losses=torch.ones(0), groups=torch.ones(0, dtype=torch.int64)), ValueError, "empty"),
+    (dict(losses=torch.ones(4, dtype=torch.int64)), TypeError, "floating"),
+    (dict(lam=0.0), ValueError, "lam"),
+    (dict(scale=-1.0), ValueError, "scale"),
+    (dict(divergence="cvar"), ValueError, "alpha"),
+    (dict(divergence="cvar", alpha=1.5), ValueError, "alpha"),
+    (dict(divergence="cressie_read", k=1.0), ValueError, "k"),
+    (dict(divergence="chi2", alpha=0.5), ValueError, "takes no alpha"),
+    (dict(eta=torch.ones(2)), ValueError, "eta must be a 0-d"),
+]
+
+
+@pytest.mark.parametrize("override,exc,match", GROUP_LOSS_BAD_INPUTS)
+def test_group_dro_loss_bad_input_names_the_argument(backend, override, exc, match):
+    args = dict(losses=torch.ones(4), groups=torch.tensor([0, 1, 0, 1]), num_groups=3, eta=torch.tensor(0.0),
+                lam=0.5, divergence="chi2")
+    args.update(override)
+    positional = [args.pop(k) for k in ("losses", "groups", "num_groups", "eta", "lam", "divergence")]
+    with pytest.raises(exc, match=match):
+        dro_ext.group_dro_loss(*positional, **args)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GroupDROLoss
+# ---------------------------------------------------------------------------------------------------
+
+
+def group_dro64(*args, **kwargs):
+    """A GroupDROLoss whose state is float64 from the start (built under the default dtype float64)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        return dro_ext.GroupDROLoss(*args, **kwargs)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class RefGroupDRO:
+    """Online Group DRO in float64, written from the update rules (q itself, not its logarithm)."""
+
+    def __init__(self, num_groups, step_size=0.01, adjustment=None, group_counts=None, normalize_loss=False,
+                 missing="zero", q_init=None, mode="eg", alpha=None, ema_gamma=0.1, min_var_weight=0.0):
+        self.G, self.step, self.normalize, self.missing = num_groups, step_size, normalize_loss, missing
+        self.mode, self.alpha, self.gamma, self.mvw = mode, alpha, ema_gamma, min_var_weight
+        q = torch.ones(num_groups, dtype=torch.float64) if q_init is None else torch.as_tensor(q_init).double()
+        self.q = q / q.sum()
+        self.active = self.q > 0
+        self.N = None if group_counts is None else torch.as_tensor(group_counts).double()
+        self.adj = torch.zeros(num_groups, dtype=torch.float64)
+        if adjustment is not None:
+            self.adj = torch.as_tensor(adjustment, dtype=torch.float64) / self.N.sqrt()
+        self.ema = torch.zeros(num_groups, dtype=torch.float64)
+        self.last = torch.zeros(num_groups, dtype=torch.float64)
+        self.seen = [False] * num_groups
+
+    def __call__(self, losses, groups, update=True):
+        m, n = ref_group_means(losses, groups, self.G)
+        if update:
+            self.update(m.detach(), n)
+        return (self.q * m).sum()
+
+    def update(self, m, n):
+        for g in range(self.G):
+            if n[g] > 0:
+                self.ema[g] = (1 - self.gamma) * self.ema[g] + self.gamma * m[g] if self.seen[g] else m[g]
+                self.last[g] = m[g]
+                self.seen[g] = True
+        if self.mode == "eg":
+            a = (m if self.missing == "zero" else self.last) + self.adj
+            if self.normalize and a.sum() != 0:
+                a = a / a.sum()
+            q = self.q * torch.exp(self.step * a)
+            self.q = q / q.sum()
+            return
+        base = self.N if self.N is not None else n
+        shares = torch.where(self.active, base, 0.0)
+        if shares.sum() == 0:
+            return
+        shares = shares / shares.sum()
+        ranking = (self.ema + self.adj).tolist()
+        order = sorted(range(self.G), key=lambda g: -ranking[g])  # sorted() is stable: ties keep the group order
+        w = torch.zeros(self.G, dtype=torch.float64)
+        room = self.alpha
+        for g in order:
+            w[g] = min(float(shares[g]), max(room, 0.0))
+            room -= float(shares[g])
+        w = w / w.sum()
+        self.q = (1 - self.mvw) * w + self.mvw * shares
+
+
+def batches(num_steps, n, num_groups, dtype=torch.float64):
+    """A run of batches where some groups are missing from some steps (and every group from none at the end)."""
+    out = []
+    for step in range(num_steps):
+        absent = {(step + j) % num_groups for j in range(step % 3)}
+        losses, groups = random_batch(n, num_groups, dtype, absent=absent)
+        out.append((losses * (1 + step % 2), groups))  # group losses that change over the run
+    return out
+
+
+EG_CONFIGS = {
+    "plain": dict(step_size=0.5),
+    "stale": dict(step_size=0.5, missing="stale"),
+    "adjusted": dict(step_size=0.3, adjustment=torch.tensor([1.0, 0.5, 2.0, 0.0, 1.5]),
+                     group_counts=torch.tensor([10.0, 40.0, 5.0, 100.0, 20.0])),
+    "adjusted-scalar-stale": dict(step_size=0.3, adjustment=2.0, missing="stale",
+                                  group_counts=torch.tensor([10.0, 40.0, 5.0, 100.0, 20.0])),
+    "normalized": dict(step_size=2.0, normalize_loss=True),
+    "normalized-stale": dict(step_size=2.0, normalize_loss=True, missing="stale"),
+    "disabled": dict(step_size=0.5, q_init=torch.tensor([0.0, 1.0, 2.0, 0.0, 1.0])),
+    "greedy": dict(mode="greedy_cvar", alpha=0.3),
+    "greedy-population": dict(mode="greedy_cvar", alpha=0.45, group_counts=torch.tensor([10.0, 40.0, 5.0, 100.0, 20.0]),
+                              adjustment=1.0, ema_gamma=0.3),
+    "greedy-mixed": dict(mode="greedy_cvar", alpha=0.2, min_var_weight=0.25),
+    "greedy-alpha1": dict(mode="greedy_cvar", alpha=1.0),
+    "greedy-alpha3": dict(mode="greedy_cvar", alpha=3.0, group_counts=torch.tensor([10.0, 40.0, 5.0, 100.0, 20.0])),
+    "greedy-disabled": dict(mode="greedy_cvar", alpha=0.5, q_init=torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0])),
+}
+
+
+@pytest.mark.parametrize("config", list(EG_CONFIGS), ids=list(EG_CONFIGS))
+def test_group_dro_trajectory_matches_float64_reference(backend, config):
+    """q, the running means, the value and its gradient over several steps, groups missing from some of them, and
+    update=False steps in between, against the float64 reference."""
+    kwargs = EG_CONFIGS[config]
+    module = group_dro64(5, **kwargs)
+    reference = RefGroupDRO(5, **kwargs)
+    for step, (losses, groups) in enumerate(batches(8, 11, 5)):
+        update = step % 4 != 3
+        losses = losses.requires_grad_()
+        value = module(losses, groups, update=update)
+        (grad,) = torch.autograd.grad(value, losses)
+        l64 = losses.detach().clone().requires_grad_()
+        expected = reference(l64, groups, update=update)
+        (exp_grad,) = torch.autograd.grad(expected, l64)
+        torch.testing.assert_close(module.q, reference.q, rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(value, expected, rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(grad, exp_grad, rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(module.ema_loss, reference.ema, rtol=1e-12, atol=1e-15)
+        assert module.seen.tolist() == reference.seen
+    if "q_init" in kwargs:
+        assert torch.equal(module.q[kwargs["q_init"] == 0], torch.zeros(2 if config == "disabled" else 1,
+                                                                       dtype=torch.float64))
+        assert not torch.isnan(module.log_q).any()
+
+
+def test_missing_modes_differ_as_documented(backend):
+    """A group absent from a batch scores 0 ("zero": its q falls against the present groups) or its last mean
+    loss ("stale": here the largest, so its q rises)."""
+    losses, groups = torch.tensor([3.0, 1.0, 1.0]), torch.tensor([0, 1, 2])
+    later, later_groups = torch.tensor([1.0, 1.0]), torch.tensor([1, 2])
+    q = {}
+    for missing in ("zero", "stale"):
+        module = dro_ext.GroupDROLoss(3, 1.0, missing=missing)
+        module(losses, groups)
+        before = module.q.clone()
+        module(later, later_groups)
+        q[missing] = (before, module.q)
+    assert q["zero"][1][0] < q["zero"][0][0]
+    assert q["stale"][1][0] > q["stale"][0][0]
+
+
+def test_greedy_cvar_weights_by_hand():
+    """Four groups of population shares 0.1, 0.2, 0.3, 0.4 ranked 3 > 1 > 0 > 2: at alpha = 0.5 the CVaR takes
+    group 3 whole (0.4) and 0.1 of group 1, so q = (0, 0.2, 0, 0.8); at alpha >= 1 q is the shares."""
+    counts = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    losses, groups = torch.tensor([2.0, 3.0, 1.0, 4.0], dtype=torch.float64), torch.tensor([0, 1, 2, 3])
+    for alpha, want in ((0.5, [0.0, 0.2, 0.0, 0.8]), (1.0, [0.1, 0.2, 0.3, 0.4]), (7.0, [0.1, 0.2, 0.3, 0.4])):
+        module = group_dro64(4, mode="greedy_cvar", alpha=alpha, group_counts=counts)
+        value = module(losses, groups)
+        torch.testing.assert_close(module.q, torch.tensor(want, dtype=torch.float64), rtol=1e-15, atol=1e-15)
+        torch.testing.assert_close(value, (module.q * losses).sum(), rtol=1e-15, atol=0)
+    mixed = group_dro64(4, mode="greedy_cvar", alpha=0.5, group_counts=counts, min_var_weight=0.5)
+    mixed(losses, groups)
+    torch.testing.assert_close(mixed.q, torch.tensor([0.05, 0.2, 0.15, 0.6], dtype=torch.float64), rtol=1e-15,
+                               atol=1e-16)
+
+
+def test_adjustment_enters_the_update_not_the_value(backend):
+    counts = torch.tensor([4.0, 100.0])
+    losses, groups = torch.tensor([1.0, 1.0], dtype=torch.float64), torch.tensor([0, 1])
+    module = group_dro64(2, 1.0, adjustment=2.0, group_counts=counts)
+    value = module(losses, groups)
+    assert math.isclose(float(value), 1.0, rel_tol=1e-15)  # sum_g q_g m_g with m = (1, 1): 1 whatever q
+    # a = m + 2 / sqrt(N) = (2, 1.2): q_0 / q_1 = exp(0.8)
+    assert math.isclose(float(module.q[0] / module.q[1]), math.exp(0.8), rel_tol=1e-14)
+    assert torch.equal(losses, torch.tensor([1.0, 1.0], dtype=torch.float64))
+
+
+def test_log_space_update_does_not_overflow(backend):
+    module = dro_ext.GroupDROLoss(3, 50.0)
+    for _ in range(20):
+        module(torch.tensor([100.0, 90.0, 1.0]), torch.tensor([0, 1, 2]))
+    q = module.q
+    assert torch.isfinite(q).all() and math.isclose(float(q.sum()), 1.0, rel_tol=1e-6)
+    assert q[0] == 1.0 and q[2] == 0.0  # exp(-big) underflows to 0, not NaN
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", ["eg", "greedy_cvar"])
+def test_group_dro_dtypes(backend, dtype, mode):
+    """Half, bfloat16, float32 and float64 losses with the default float32 state: the value in the losses' dtype,
+    the state in float32, against the float64 reference on the rounded losses."""
+    kwargs = dict(step_size=0.5) if mode == "eg" else dict(mode=mode, alpha=0.4)
+    module = dro_ext.GroupDROLoss(4, **kwargs)
+    reference = RefGroupDRO(4, **kwargs)
+    for losses, groups in batches(5, 13, 4, dtype):
+        losses.requires_grad_()
+        value = module(losses, groups)
+        assert value.dtype == dtype and module.log_q.dtype == torch.float32
+        (grad,) = torch.autograd.grad(value, losses)
+        assert grad.dtype == dtype
+        l64 = losses.detach().double().requires_grad_()
+        expected = reference(l64, groups)
+        (exp_grad,) = torch.autograd.grad(expected, l64)
+        tol = ref.tolerances(dtype) if dtype != torch.float64 else ref.tolerances(torch.float32)
+        torch.testing.assert_close(value.double(), expected, **tol)
+        torch.testing.assert_close(grad.double(), exp_grad, **tol)
+        torch.testing.assert_close(module.q.double(), reference.q, **ref.tolerances(torch.float32))
+
+
+def test_empty_batch_single_group_and_more_groups_than_samples(backend):
+    module = group_dro64(3, 0.5)
+    reference = RefGroupDRO(3, 0.5)
+    empty = torch.zeros(0, dtype=torch.float64, requires_grad=True)
+    value = module(empty, torch.zeros(0, dtype=torch.int64))
+    assert value == 0 and value.dtype == torch.float64
+    (grad,) = torch.autograd.grad(value, empty)
+    assert grad.shape == (0,)
+    reference(empty.detach(), torch.zeros(0, dtype=torch.int64))
+    torch.testing.assert_close(module.q, reference.q, rtol=1e-15, atol=1e-15)
+
+    single = group_dro64(1, 0.5)  # one group: q = 1, the loss is the batch mean
+    losses = torch.rand(6, dtype=torch.float64)
+    assert math.isclose(float(single(losses, torch.zeros(6, dtype=torch.int64))), float(losses.mean()),
+                        rel_tol=1e-15)
+    assert single.q.tolist() == [1.0]
+
+    many = group_dro64(50, 0.5)  # G > N: most groups absent every step
+    reference = RefGroupDRO(50, 0.5)
+    for losses, groups in batches(3, 7, 50):
+        torch.testing.assert_close(many(losses, groups), reference(losses, groups), rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(many.q, reference.q, rtol=1e-12, atol=1e-15)
+
+    greedy = group_dro64(3, mode="greedy_cvar", alpha=0.5)
+    greedy(torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([0, 1]))
+    before = greedy.q.clone()
+    greedy(torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.int64))  # no batch shares: q kept
+    assert torch.equal(greedy.q, before)
+
+
+@pytest.mark.parametrize("config", ["stale", "greedy-population"])
+def test_state_dict_resumes_bitwise(backend, config):
+    kwargs = EG_CONFIGS[config]
+    run = batches(6, 9, 5, torch.float32)
+    unbroken = dro_ext.GroupDROLoss(5, **kwargs)
+    values = [unbroken(l, g) for l, g in run]
+    first = dro_ext.GroupDROLoss(5, **kwargs)
+    for l, g in run[:3]:
+        first(l, g)
+    state = first.state_dict()
+    assert sorted(state) == ["ema_loss", "last_loss", "log_q", "seen"]
+    resumed = dro_ext.GroupDROLoss(5, **kwargs)
+    resumed.load_state_dict(state)
+    for (l, g), want in zip(run[3:], values[3:]):
+        assert torch.equal(resumed(l, g), want)
+    for name, buffer in unbroken.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], buffer), name
+
+
+def test_group_dro_gradcheck(backend):
+    losses, groups = random_batch(9, 4, absent=(2,))
+    for kwargs in (dict(step_size=0.7, missing="stale"), dict(mode="greedy_cvar", alpha=0.3)):
+        module = group_dro64(4, **kwargs)
+        module(losses, groups)  # a q away from uniform
+
+        def value(l):
+            return module(l, groups, update=False)
+
+        assert torch.autograd.gradcheck(value, (losses.clone().requires_grad_(),))
+
+
+@pytest.mark.parametrize("kwargs", [dict(step_size=0.5, missing="stale"), dict(mode="greedy_cvar", alpha=0.4)],
+                         ids=["eg", "greedy_cvar"])
+def test_group_dro_compiles_fullgraph(backend, kwargs):
+    """forward, update included (buffer mutation), compiled without graph breaks, follows eager step by step."""
+    run = batches(4, 10, 4, torch.float32)
+    eager = dro_ext.GroupDROLoss(4, **kwargs)
+    compiled_module = dro_ext.GroupDROLoss(4, **kwargs)
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_module, fullgraph=True)
+    for step, (losses, groups) in enumerate(run):
+        update = step != 2
+        l1, l2 = losses.clone().requires_grad_(), losses.clone().requires_grad_()
+        want, got = eager(l1, groups, update=update), compiled(l2, groups, update=update)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(torch.autograd.grad(got, l2), torch.autograd.grad(want, l1), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(compiled_module.q, eager.q, rtol=1e-6, atol=1e-7)
+
+
+def test_group_dro_nan_is_not_dropped(backend):
+    module = dro_ext.GroupDROLoss(3, 0.5)
+    losses = torch.tensor([1.0, math.nan, 2.0])
+    assert torch.isnan(module(losses, torch.tensor([0, 1, 2])))
+    assert torch.isnan(module.q).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_group_dro_step_has_no_host_sync_on_cuda():
+    module = dro_ext.GroupDROLoss(6, 0.5, missing="stale").cuda()
+    greedy = dro_ext.GroupDROLoss(6, mode="greedy_cvar", alpha=0.3, min_var_weight=0.1).cuda()
+    losses = torch.rand(1000, device="cuda", requires_grad=True)
+    groups = torch.randint(6, (1000,), device="cuda")
+    eta = torch.zeros((), device="cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        (module(losses, groups) + greedy(losses, groups)).backward()
+        dro_ext.group_dro_loss(losses, groups, 6, eta, 0.5, "kl").backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+GROUP_DRO_BAD_INPUTS = [
+    (dict(num_groups=0), ValueError, "num_groups must be >= 1"),
+    (dict(num_groups=2.5), TypeError, "num_groups must be an int"),
+    (dict(step_size=0.0), ValueError, "step_size must be a finite number > 0"),
+    (dict(step_size=-1.0), ValueError, "step_size"),
+    (dict(mode="cvar"), ValueError, "mode must be"),
+    (dict(missing="drop"), ValueError, "missing must be"),
+    (dict(mode="greedy_cvar"), ValueError, "needs alpha"),
+    (dict(mode="greedy_cvar", alpha=0.0), ValueError, "alpha must be a finite number > 0"),
+    (dict(mode="greedy_cvar", alpha=-0.5), ValueError, "alpha"),
+    (dict(mode="greedy_cvar", alpha=math.inf), ValueError, "alpha"),
+    (dict(alpha=0.5), ValueError, "alpha is used by mode='greedy_cvar' only"),
+    (dict(min_var_weight=0.5), ValueError, "min_var_weight is used by mode='greedy_cvar' only"),
+    (dict(mode="greedy_cvar", alpha=0.5, min_var_weight=1.5), ValueError, r"min_var_weight must be in \[0, 1\]"),
+    (dict(mode="greedy_cvar", alpha=0.5, normalize_loss=True), ValueError, "normalize_loss applies to mode='eg'"),
+    (dict(ema_gamma=0.0), ValueError, r"ema_gamma must be in \(0, 1\]"),
+    (dict(normalize_loss=1), TypeError, "normalize_loss must be a bool"),
+    (dict(adjustment=1.0), ValueError, "adjustment needs group_counts"),
+    (dict(adjustment=torch.ones(2), group_counts=torch.ones(3)), ValueError, r"adjustment must be a number or have"),
+    (dict(adjustment=math.nan, group_counts=torch.ones(3)), ValueError, "adjustment must be finite"),
+    (dict(group_counts=torch.tensor([1.0, 0.0, 1.0])), ValueError, "group_counts must be > 0"),
+    (dict(group_counts=torch.ones(4)), ValueError, r"group_counts must have shape \(3,\)"),
+    (dict(q_init=torch.zeros(3)), ValueError, "q_init must be >= 0 with a positive sum"),
+    (dict(q_init=torch.tensor([1.0, -1.0, 1.0])), ValueError, "q_init must be >= 0"),
+    (dict(q_init=torch.tensor([1.0, math.inf, 1.0])), ValueError, "q_init must be finite"),
+    (dict(group=object()), (RuntimeError, TypeError), "group"),
+]
+
+
+@pytest.mark.parametrize("override,exc,match", GROUP_DRO_BAD_INPUTS)
+def test_group_dro_bad_construction_names_the_argument(override, exc, match):
+    args = dict(num_groups=3)
+    args.update(override)
+    with pytest.raises(exc, match=match):
+        dro_ext.GroupDROLoss(args.pop("num_groups"), **args)
+
+
+@pytest.mark.parametrize("losses,groups,exc,match", [
+    (torch.ones(3), torch.tensor([0.0, 1.0, 2.0]), TypeError, "groups must be an int64 or int32"),
+    (torch.ones(3), torch.tensor([0, 1]), ValueError, "groups must have the shape"),
+    (torch.ones(3), torch.tensor([0, 1, 3]), IndexError, "groups holds an id outside"),
+    (torch.ones(3), torch.tensor([0, -1, 2]), IndexError, "groups holds an id outside"),
+    (torch.ones(3, 1), torch.tensor([0, 1, 2]), ValueError, "losses must be a 1-D"),
+    (torch.ones(3, dtype=torch.int64), torch.tensor([0, 1, 2]), TypeError, "floating"),
+    (torch.ones(0, dtype=torch.int64), torch.ones(0, dtype=torch.int64), TypeError, "floating"),
+])
+def test_group_dro_bad_batch_names_the_argument(backend, losses, groups, exc, match):
+    module = dro_ext.GroupDROLoss(3)
+    before = module.state_dict()
+    with pytest.raises(exc, match=match):
+        module(losses, groups)
+    for name, buffer in module.state_dict().items():
+        assert torch.equal(buffer, before[name]), name
+
+
+# ---------------------------------------------------------------------------------------------------
+# DROLoss(num_groups=...)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_droloss_without_groups_is_unchanged(backend):
+    module = dro_ext.DROLoss("kl", lam=0.5, eta_init=0.2)
+    assert list(module.state_dict()) == ["eta"] and [n for n, _ in module.named_buffers()] == []
+    losses = torch.rand(9)
+    assert torch.equal(module(losses), dro_ext.dro_loss(losses, module.eta, 0.5, "kl"))
+    with pytest.raises(ValueError, match="built without num_groups"):
+        module(losses, torch.zeros(9, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("weighting", WEIGHTINGS)
+@pytest.mark.parametrize("name,params", [("chi2", {}), ("cvar", {"alpha": 0.3}), ("cressie_read", {"k": 1.5})],
+                         ids=["chi2", "cvar", "cressie_read"])
+def test_droloss_over_groups_is_group_dro_loss(backend, name, params, weighting):
+    kwargs, _ = weighting_args(weighting, 4)
+    module = dro_ext.DROLoss(name, lam=0.6, scale=1.2, eta_init=0.4, num_groups=4, **kwargs, **params)
+    assert list(module.state_dict()) == ["eta"]
+    assert "num_groups=4" in repr(module)
+    losses, groups = random_batch(15, 4, torch.float32, absent=(0,))
+    losses.requires_grad_()
+    value = module(losses, groups)
+    eta = module.eta.detach().clone().requires_grad_()
+    want = dro_ext.group_dro_loss(losses, groups, 4, eta, 0.6, name, scale=1.2, **kwargs, **params)
+    assert torch.equal(value, want)
+    got_grads = torch.autograd.grad(value, (losses, module.eta))
+    want_grads = torch.autograd.grad(want, (losses, eta))
+    assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))
+    with pytest.raises(ValueError, match="groups is required"):
+        module(losses)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(weighting="population", group_counts=torch.ones(3)), ValueError, "pass num_groups as well"),
+    (dict(group_counts=torch.ones(3)), ValueError, "pass num_groups as well"),
+    (dict(weighting=torch.ones(3)), ValueError, "pass num_groups as well"),
+    (dict(num_groups=0), ValueError, "num_groups must be >= 1"),
+    (dict(num_groups=3, weighting="population"), ValueError, "needs group_counts"),
+    (dict(num_groups=3, weighting="population", group_counts=torch.ones(2)), ValueError, "group_counts must have"),
+])
+def test_droloss_group_arguments_are_checked(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        dro_ext.DROLoss("chi2", lam=0.5, **kwargs)
+
+
+def test_droloss_over_groups_compiles_fullgraph(backend):
+    module = dro_ext.DROLoss("kl", lam=0.5, num_groups=6)
+    losses, groups = random_batch(20, 6, torch.float32, absent=(5,))
+    torch._dynamo.reset()
+    compiled = torch.compile(module, fullgraph=True)
+    torch.testing.assert_close(compiled(losses, groups), module(losses, groups), rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Over the ranks of a process group (2 gloo CPU processes, spawned by the test with a wall-clock bound)
+# ---------------------------------------------------------------------------------------------------
+
+WORLD = 2
+DIST_TIMEOUT = 150.0  # wall-clock seconds for both ranks, start-up included: the machine may be heavily shared
+
+
+def _distributed_ranks(rank, world, store_path):
+    """Run in every rank: GroupDROLoss, group_dro_loss and DROLoss(num_groups) with group=WORLD against the
+    single process on the concatenated batch; unequal local batches, a group only one rank holds, and a step
+    where rank 0 holds nothing."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    world_group = dist.group.WORLD
+    torch.manual_seed(1234)  # the same data on every rank
+    split = [(5, 9), (8, 4), (0, 10), (6, 6)]
+    run = []
+    for step, sizes in enumerate(split):
+        losses, groups = random_batch(sum(sizes), 5, absent=(step % 5,))
+        groups[:sizes[0]] = groups[:sizes[0]] % 3  # groups 3 and 4 only on rank 1
+        run.append((losses, groups, sizes))
+
+    def local(full, sizes):
+        begin = sum(sizes[:rank])
+        return full[begin:begin + sizes[rank]]
+
+    for kwargs in (dict(step_size=0.5, missing="stale"), dict(mode="greedy_cvar", alpha=0.4)):
+        spread, single = group_dro64(5, group=world_group, **kwargs), group_dro64(5, **kwargs)
+        for losses, groups, sizes in run:
+            mine = local(losses, sizes).clone().requires_grad_()
+            value = spread(mine, local(groups, sizes))
+            (grad,) = torch.autograd.grad(value, mine)
+            whole = losses.clone().requires_grad_()
+            want = single(whole, groups)
+            (want_grad,) = torch.autograd.grad(want, whole)
+            torch.testing.assert_close(value, want, rtol=1e-13, atol=1e-15)
+            torch.testing.assert_close(spread.q, single.q, rtol=1e-13, atol=1e-15)
+            torch.testing.assert_close(grad / world, local(want_grad, sizes), rtol=1e-13, atol=1e-15)
+
+    for losses, groups, sizes in run:
+        for module_or_fn in ("function", "module"):
+            mine = local(losses, sizes).clone().requires_grad_()
+            eta = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+            if module_or_fn == "function":
+                value = dro_ext.group_dro_loss(mine, local(groups, sizes), 5, eta, 0.5, "kl", group=world_group)
+            else:
+                module = dro_ext.DROLoss("kl", lam=0.5, eta_init=0.3, num_groups=5, group=world_group).double()
+                eta = module.eta
+                value = module(mine, local(groups, sizes))
+            grad, grad_eta = torch.autograd.grad(value, (mine, eta))
+            whole = losses.clone().requires_grad_()
+            e64 = eta.detach().clone().requires_grad_()  # the module's eta is 0.3 rounded to float32
+            want = dro_ext.group_dro_loss(whole, groups, 5, e64, 0.5, "kl")
+            want_grad, want_eta = torch.autograd.grad(want, (whole, e64))
+            torch.testing.assert_close(value, want, rtol=1e-13, atol=1e-15)
+            torch.testing.assert_close(grad / world, local(want_grad, sizes), rtol=1e-13, atol=1e-15)
+            torch.testing.assert_close(grad_eta, want_eta, rtol=1e-13, atol=1e-15)  # the same on every rank
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                    reason="torch.distributed with the gloo backend is not available in this torch build")
+def test_group_objectives_over_ranks_equal_single_process(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = []
+    try:
+        for rank in range(WORLD):
+            log = open(tmp_path / f"rank{rank}.log", "w")
+            procs.append((subprocess.Popen([sys.executable, __file__, str(rank), str(WORLD), str(tmp_path / "store")],
+                                           cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True), log))
+        for proc, _ in procs:
+            try:
+                proc.wait(timeout=DIST_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the spawned ranks did not finish within {DIST_TIMEOUT:.0f} s (killed)")
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)  # the rank's own session, started above
+                proc.wait()
+            log.close()
+    for rank, (proc, _) in enumerate(procs):
+        assert proc.returncode == 0, (tmp_path / f"rank{rank}.log").read_text()[-4000:]
+
+
+if __name__ == "__main__":
+    import sys
+
+    _distributed_ranks(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
