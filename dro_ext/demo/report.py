@@ -1,5 +1,6 @@
-"""The demo's outputs: a four-panel figure like the paper's Figure 1, per-class accuracy tables like its
-Tables 2 and 3, ``report.md`` with a verdict per claim, and ``results.json`` with every number."""
+"""The demo's outputs: a figure with four panels like the paper's Figure 1 and two for the spurious-digits
+experiment beyond it, per-class accuracy tables like the paper's Tables 2 and 3 and a per-group table,
+``report.md`` with a verdict per claim, and ``results.json`` with every number."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,11 +11,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dro_ext.demo.claims import CLAIMS, TAIL_EPOCHS, mean_accuracy, seeds_needed
+from dro_ext.demo.claims import CLAIMS, TAIL_EPOCHS, mean_accuracy, seeds_needed, worst_group_accuracy
+from dro_ext.demo.experiments import GROUP_METHODS
 from dro_ext.demo.training import OPTIMIZERS, Run
 
-FIGURE_SIZE_INCHES = (12.0, 9.0)
-FIGURE_DPI = 100  # figure.png is 1200 x 900 pixels
+FIGURE_SIZE_INCHES = (12.0, 13.5)
+FIGURE_DPI = 100  # figure.png is 1200 x 1350 pixels
 
 # One panel per comparison: (results key, title, y label, [(run key, label), (run key, label)]).
 PANELS = (
@@ -28,6 +30,9 @@ PANELS = (
      (("cvar", "trained on CVaR"), ("smoothed_cvar", "trained on smoothed CVaR"))),
 )
 COLORS = ("tab:red", "tab:blue")
+GROUP_COLORS = {"erm": "tab:gray", "group_dro": "tab:blue", "group_chi2": "tab:green", "chi2": "tab:orange"}
+# The groups of the spurious digits, 2 * label + bar (label 1: digit < 5); in training, 0 and 3 are the majority.
+GROUP_NAMES = ("digit >= 5, no bar", "digit >= 5, bar", "digit < 5, no bar", "digit < 5, bar")
 
 
 def median_and_band(runs: list) -> tuple:
@@ -46,16 +51,56 @@ def _plottable(values) -> np.ndarray:
     return np.where(np.isfinite(values) & (values > 0), values, math.nan)
 
 
+def plot_worst_group_curves(ax, result: dict) -> None:
+    """Panel (e): the worst-group test accuracy after every epoch, for each method at its chosen hyperparameters:
+    the median over the seeds, with a band from the lowest to the highest seed. Shown, not used to stop early."""
+    for method, label in result["methods"].items():
+        median, low, high = median_and_band(result["seed_runs"][method])
+        color, epochs = GROUP_COLORS[method], range(len(median))
+        ax.fill_between(epochs, low, high, color=color, alpha=0.15, linewidth=0)
+        ax.plot(epochs, median, color=color, linewidth=2.0, label=label)
+    ax.set_ylim(0, 105)
+    ax.set_title("(e) Beyond the paper: digits with a spurious bar, worst-group test accuracy", fontsize=10)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("worst-group test accuracy (%)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+
+
+def plot_group_accuracy(ax, result: dict) -> None:
+    """Panel (f): each group's test accuracy at the end of training, one bar per method (the mean over the
+    seeds), a line from the lowest to the highest seed."""
+    methods = list(result["methods"])
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        per_seed = np.array([run.extra["test_group_accuracy"] for run in result["seed_runs"][method]])
+        mean = per_seed.mean(axis=0)
+        positions = np.arange(len(GROUP_NAMES)) + (i - (len(methods) - 1) / 2) * width
+        ax.bar(positions, mean, width, color=GROUP_COLORS[method], label=result["methods"][method])
+        ax.vlines(positions, per_seed.min(axis=0), per_seed.max(axis=0), color="black", linewidth=0.8)
+    counts = result["data"]["train"]["per_group"]
+    ax.set_xticks(range(len(GROUP_NAMES)), [f"{name}\n({n} training)" for name, n in zip(GROUP_NAMES, counts)],
+                  fontsize=8)
+    ax.set_ylim(0, 105)
+    ax.set_title("(f) Spurious digits: test accuracy per group (bar: mean; line: seed range)", fontsize=10)
+    ax.set_ylabel("test accuracy (%)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left", ncol=2)
+
+
 def plot_figure(results: dict, path: Path) -> None:
     """Four panels of the judged objective against epochs, log scale: for each method's chosen learning rate
     the median over the seeds in bold with a band from the lowest to the highest seed, the rest of its grid
-    (the first seed's runs) faint, an x where a run diverged."""
+    (the first seed's runs) faint, an x where a run diverged. Two more for the spurious digits: the worst-group
+    test accuracy per epoch and the per-group test accuracy at the end."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=FIGURE_SIZE_INCHES, dpi=FIGURE_DPI)
+    fig, axes = plt.subplots(3, 2, figsize=FIGURE_SIZE_INCHES, dpi=FIGURE_DPI)
+    plot_worst_group_curves(axes[2, 0], results["spurious_digits"])
+    plot_group_accuracy(axes[2, 1], results["spurious_digits"])
     for ax, (key, title, ylabel, series) in zip(axes.flat, PANELS):
         result = results[key]
         runs = [run for name, _ in series for run in (*result["runs"][name], *result["seed_runs"][name])]
@@ -84,8 +129,8 @@ def plot_figure(results: dict, path: Path) -> None:
         ax.set_ylabel(ylabel)
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=8, loc="upper right")
-    fig.suptitle("dro_ext demo: bold = median over the seeds at each method's chosen lr, band = lowest to highest "
-                 "seed; faint = rest of the grid (first seed); x = diverged", fontsize=10)
+    fig.suptitle("dro_ext demo: bold = median over the seeds at each method's chosen lr (and strength in (e)), "
+                 "band = lowest to highest seed;\nfaint = rest of the grid (first seed); x = diverged", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=FIGURE_DPI)
     plt.close(fig)
@@ -128,6 +173,40 @@ def tables_markdown(results: dict, claims: dict) -> str:
         claims["d"]["worst_class"],
     )
     return table2 + "\n" + table3
+
+
+def _mean_std_range(values: list) -> str:
+    std = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+    return f"{np.mean(values):.1f} +- {std:.1f} [{min(values):.1f}, {max(values):.1f}]"
+
+
+def _hyperparameters(run: Run) -> str:
+    knob = GROUP_METHODS[run.extra["method"]][1]
+    return f"lr {run.lr:g}" + (f", {knob} {run.extra['strength']:g}" if knob else "")
+
+
+def group_table(result: dict) -> str:
+    """The spurious digits as a markdown table: per method its chosen hyperparameters, the worst-group and
+    overall test accuracy (mean +- std [lowest, highest] over the seeds) and each group's mean test accuracy."""
+    seeds = len(result["seed_runs"]["erm"])
+    counts = result["data"]["train"]["per_group"]
+    lines = [
+        f"Beyond the paper: digits with a spurious bar, test accuracy (%) (mean +- std [lowest, highest] over "
+        f"{seeds} seed{'s' if seeds > 1 else ''}; per group: the mean; hyperparameters picked on the validation "
+        "split).",
+        "",
+        "| Method | Hyperparameters | Worst-group | Average | "
+        + " | ".join(f"{name} ({n} train)" for name, n in zip(GROUP_NAMES, counts)) + " |",
+        "|---|---|---|---|" + "---|" * len(GROUP_NAMES),
+    ]
+    for method, label in result["methods"].items():
+        runs = result["seed_runs"][method]
+        per_group = np.mean([run.extra["test_group_accuracy"] for run in runs], axis=0)
+        lines.append(f"| {label} | {_hyperparameters(runs[0])} | "
+                     f"{_mean_std_range([worst_group_accuracy(r) for r in runs])} | "
+                     f"{_mean_std_range([r.extra['test_accuracy'] for r in runs])} | "
+                     + " | ".join(f"{a:.1f}" for a in per_group) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _fmt(value: float) -> str:
@@ -185,7 +264,22 @@ def _accuracy_cell(c: dict, method: str) -> str:
             f"{c['largest_gain_class']} ({c['gains'][c['largest_gain_class']]:+.1f}); {c['seeds']} seeds{spread}")
 
 
-TASK_NAMES = {"example_3_1": "Example 3.1", "regression": "regression", "digits_chi2": "digits"}
+def _worst_group_cell(c: dict, method: str) -> str:
+    """The numbers behind an (e)/(f) verdict: worst-group and average test accuracy over the seeds."""
+    wg, average, seeds = c["worst_group"], c["average"], len(c["seeds"])
+
+    def stats(s):
+        return f"{s['mean']:.1f} +- {s['std']:.1f} (median {s['median']:.1f} [{s['low']:.1f}, {s['high']:.1f}])"
+
+    return (f"worst-group test accuracy (%), mean +- std (median [lowest, highest seed]): ERM {stats(wg['baseline'])} "
+            f"vs {method} {stats(wg['method'])}; {method} higher on {c['seeds_higher']}/{seeds} seeds "
+            f"({c['seeds_needed']} needed); average test accuracy {average['baseline']['mean']:.1f} +- "
+            f"{average['baseline']['std']:.1f} vs {average['method']['mean']:.1f} +- {average['method']['std']:.1f}")
+
+
+TASK_NAMES = {"example_3_1": "Example 3.1", "regression": "regression", "digits_chi2": "digits",
+              "group_dro": "spurious digits, GroupDROLoss", "group_chi2": "spurious digits, DROLoss(num_groups=4)",
+              "chi2": "spurious digits, DROLoss over samples"}
 
 
 def claims_table(claims: dict) -> str:
@@ -200,6 +294,9 @@ def claims_table(claims: dict) -> str:
     row("b", "digits", _optimization_cell(claims["b"], "CVaR", "smoothed CVaR"), claims["b"]["verdict"])
     row("c", "digits", _accuracy_cell(claims["c"], "NSGD+mom"), claims["c"]["verdict"])
     row("d", "digits", _accuracy_cell(claims["d"], "smoothed CVaR"), claims["d"]["verdict"])
+    for task, c in claims["e"]["tasks"].items():
+        row("e", TASK_NAMES[task], _worst_group_cell(c, GROUP_METHODS[task][0]), c["verdict"])
+    row("f", TASK_NAMES["chi2"], _worst_group_cell(claims["f"], GROUP_METHODS["chi2"][0]), claims["f"]["verdict"])
     return "\n".join(rows) + "\n"
 
 
@@ -208,11 +305,27 @@ def grid_edge_notes(results: dict) -> list:
     notes = []
     for key, result in results.items():
         grid = result["grid"]
+        if key == "spurious_digits":
+            notes += group_grid_edge_notes(result)
+            continue
         for name, best in result["best"].items():
             if best.lr in (grid[0], grid[-1]):
                 notes.append(f"- Note: the chosen learning rate of {name} in {key} ({best.lr:g}) is at an end of "
                              "the grid.")
     return notes or ["Every chosen learning rate lies inside its grid."]
+
+
+def group_grid_edge_notes(result: dict) -> list:
+    """:func:`grid_edge_notes` for the spurious digits: a chosen learning rate or strength at an end of its grid."""
+    notes = []
+    for method, best in result["best"].items():
+        knob = GROUP_METHODS[method][1]
+        for name, value in (("lr", best.lr), (knob, best.extra["strength"])):
+            grid = result["grid"].get(name)
+            if name is not None and len(grid) > 1 and value in (grid[0], grid[-1]):
+                notes.append(f"- Note: the chosen {name} of {method} in spurious_digits ({value:g}) is at an end of "
+                             "its grid.")
+    return notes
 
 
 def verdict_rule(seeds: list) -> str:
@@ -227,7 +340,12 @@ def verdict_rule(seeds: list) -> str:
         f"each method's median over the seeds are. **yes**: it holds on the medians and on at least {needed} of "
         f"{n} seeds; **partly**: on the medians only, or (for (a)) on some of its three tasks; **no**: otherwise. "
         "Each figure is a median over the seeds, with the lowest and the highest seed beside it. (c)/(d) compare "
-        "held-out per-class test accuracy, the mean over the same seeds at the same learning rates."
+        "held-out per-class test accuracy, the mean over the same seeds at the same learning rates. (e)/(f), "
+        "beyond the paper: each method's learning rate and strength are the pair of the grid with the best "
+        f"worst-group validation accuracy on seed {seeds[0]}, then every seed trains at them; the claim holds on a "
+        "seed when the method's worst-group test accuracy is above ERM's on that seed, and on the medians when its "
+        "median over the seeds is; **yes**/**partly**/**no** as for (a)/(b), and for (e) over its two methods as "
+        "for (a) over its tasks."
     )
 
 
@@ -249,6 +367,39 @@ def timing_phrase(meta: dict) -> str:
     return phrase + ")"
 
 
+def group_section(result: dict, settings: dict) -> list:
+    """report.md's lines on the spurious digits: the task, how it was trained and tuned, what to read."""
+    data = result["data"]
+    train, val, test = data["train"], data["val"], data["test"]
+    return [
+        "## Beyond the paper: Group DRO on digits with a spurious feature",
+        "",
+        "scikit-learn's digits as \"is the digit below 5?\", with a bright bar on the image's left edge (a column the",
+        f"digits almost never ink) that agrees with the label in {100 * train['agreement']:.0f}% of the "
+        f"{train['samples']} training images and in {100 * val['agreement']:.0f}% / {100 * test['agreement']:.0f}% "
+        f"of the {val['samples']} validation / {test['samples']} test images. Groups: (label, bar), 4 of them;",
+        "training / validation / test images per group: "
+        + "; ".join(f"{name} {a} / {b} / {c}" for name, a, b, c in
+                    zip(GROUP_NAMES, train["per_group"], val["per_group"], test["per_group"]))
+        + ". A model that reads the bar instead of the digit is right",
+        "on 95% of the training set and on half of the test set; the worst group's test accuracy says how much",
+        "it does. The same MLP 64-64-64-2 and NormalizedSGD (momentum 0.9, eps 0.1, batch 128, "
+        f"{settings['groups_epochs']} epochs)",
+        "train four objectives of the same per-sample cross-entropy: ERM (its mean), `GroupDROLoss` (online Group",
+        "DRO, Sagawa et al.), chi2 over groups (`DROLoss(num_groups=4)`: the paper's penalized chi2 over the batch's",
+        "group means) and chi2 over samples (`DROLoss`: the only one that needs no group labels in training). Each",
+        "method's learning",
+        f"rate (grid {list(settings['groups_lrs'])}) and strength (GroupDROLoss step_size "
+        f"{list(settings['groups_step_sizes'])}, chi2 lam {list(settings['groups_lams'])}) are the pair with",
+        "the best worst-group validation accuracy (ties: the best mean over the groups) on the first seed, searched",
+        "once, never on the test set; the validation split's group labels are used for that search by every",
+        "method, sample-level chi2 included. The figure's panel (e) shows the worst-group test accuracy per epoch;",
+        "the numbers are after the last epoch (no early stopping).",
+        "",
+        group_table(result),
+    ]
+
+
 def report_markdown(results: dict, claims: dict, meta: dict) -> str:
     settings = meta["settings"]
     lines = [
@@ -267,7 +418,8 @@ def report_markdown(results: dict, claims: dict, meta: dict) -> str:
         verdict_rule(meta["seeds"]),
         "",
         f"Overall (a): **{claims['a']['verdict']}**, (b): **{claims['b']['verdict']}**, "
-        f"(c): **{claims['c']['verdict']}**, (d): **{claims['d']['verdict']}**.",
+        f"(c): **{claims['c']['verdict']}**, (d): **{claims['d']['verdict']}**; beyond the paper, "
+        f"(e): **{claims['e']['verdict']}**, (f): **{claims['f']['verdict']}**.",
         "",
         claims_table(claims),
         "## Figure",
@@ -277,6 +429,7 @@ def report_markdown(results: dict, claims: dict, meta: dict) -> str:
         "## Per-class test accuracy",
         "",
         tables_markdown(results, claims),
+        *group_section(results["spurious_digits"], settings),
         "## What ran",
         "",
         "Shared settings (paper Section 5.1, Appendix E): lam = 0.1, alpha = 0.02, momentum 0.9, batch 128,",
@@ -297,6 +450,7 @@ def report_markdown(results: dict, claims: dict, meta: dict) -> str:
         f"  cross-entropy, {settings['digits_epochs']} epochs; grid {list(settings['digits_grid'])}. CVaR and",
         "  smoothed CVaR both train with SGD+momentum (Section 3.3: SGD suffices for smoothed CVaR) and are judged",
         "  by the CVaR objective.",
+        "- Spurious digits (beyond the paper): see the section above.",
         f"- Seeds {meta['seeds']}: the learning-rate search runs on the first; each chosen learning rate then",
         "  trains on every seed (model initialization and batch order; the data are the first seed's). The claims",
         "  and the tables use every seed.",
@@ -335,7 +489,7 @@ def write_outputs(out: Path, results: dict, claims: dict, meta: dict) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     paths = {name: out / name for name in ("figure.png", "tables.md", "report.md", "results.json")}
     plot_figure(results, paths["figure.png"])
-    paths["tables.md"].write_text(tables_markdown(results, claims))
+    paths["tables.md"].write_text(tables_markdown(results, claims) + "\n" + group_table(results["spurious_digits"]))
     paths["report.md"].write_text(report_markdown(results, claims, meta))
     payload = {"meta": meta, "claims": claims, "experiments": results}
     paths["results.json"].write_text(json.dumps(_jsonable(payload), indent=1, allow_nan=False) + "\n")
