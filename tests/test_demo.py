@@ -37,14 +37,15 @@ def _strict_json(text):
     return json.loads(text, parse_constant=reject)
 
 
-def _quick_demo(out: Path, cpu_capability=None):
+def _quick_demo(out: Path, cpu_capability=None, extra_args=()):
     """`python -m dro_ext.demo --quick --seed 3` in a fresh process (it sets torch's global determinism flag),
     with ATEN_CPU_CAPABILITY set to ``cpu_capability``, or unset (the widest build the processor runs)."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("ATEN_CPU_CAPABILITY", None)
     if cpu_capability is not None:
         env["ATEN_CPU_CAPABILITY"] = cpu_capability
-    proc = subprocess.run([sys.executable, "-m", "dro_ext.demo", "--quick", "--seed", "3", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "dro_ext.demo", "--quick", "--seed", "3", "--out", str(out),
+                           *extra_args],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
@@ -140,6 +141,37 @@ def test_results_json_holds_the_spurious_digits_search_and_seeds(quick_run):
     assert result["data"]["train"]["per_group"] == [426, 22, 22, 428]
     for key in ("e", "f"):
         assert payload["claims"][key]["verdict"] in ("yes", "partly", "no")
+
+
+def test_experiments_option_runs_only_those_and_their_claims(tmp_path):
+    out, proc = _quick_demo(tmp_path, extra_args=("--experiments", "spurious_digits"))
+    payload = _strict_json((out / "results.json").read_text())
+    assert list(payload["experiments"]) == ["spurious_digits"] and payload["meta"]["experiments"] == ["spurious_digits"]
+    assert list(payload["claims"]) == ["e", "f"]
+    assert "claim (e) reproduced:" in proc.stdout and "claim (a)" not in proc.stdout
+    text = (out / "report.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| (")]
+    assert [row[:5] for row in rows] == ["| (e)", "| (e)", "| (f)"]
+    assert "Overall, beyond the paper, (e): **" in text and "## Per-class test accuracy" not in text
+    tables = (out / "tables.md").read_text()
+    assert "| Class |" not in tables and tables.count("| Method | Hyperparameters |") == 1
+    import matplotlib.image
+
+    height, width = matplotlib.image.imread(out / "figure.png").shape[:2]
+    assert (width, height) == tuple(int(s * report.FIGURE_DPI) for s in report.FIGURE_SIZE_INCHES)
+
+
+def test_experiments_option_rejects_what_it_cannot_do(tmp_path):
+    from dro_ext.demo.__main__ import parse_args, run_demo
+
+    assert parse_args(["--experiments", "regression", "spurious_digits"]).experiments == ["regression",
+                                                                                        "spurious_digits"]
+    with pytest.raises(SystemExit):
+        parse_args(["--experiments", "imagenet"])
+    with pytest.raises(SystemExit):  # the README's block records a run of every experiment
+        parse_args(["--experiments", "regression", "--readme", "README.md"])
+    with pytest.raises(ValueError, match="only must name some of the experiments"):
+        run_demo(tmp_path, quick=True, only=[])
 
 
 def test_figure_is_a_png_of_the_expected_size(quick_run):

@@ -343,11 +343,8 @@ def train_with_groups(data, method: str, lr: float, strength, seed: int, epochs:
     torch.manual_seed(seed)
     model = small_mlp(x.shape[1], 2).to(device)
     objective, module = group_objective(method, strength)
-    extra_parameters = []
-    if module is not None:
-        module.to(device)
-        extra_parameters = list(module.parameters())
-    optimizer = make_optimizer("nsgd", [*model.parameters(), *extra_parameters], lr)
+    robust_parameters = [] if module is None else list(module.to(device).parameters())  # DROLoss's eta
+    optimizer = make_optimizer("nsgd", [*model.parameters(), *robust_parameters], lr)
     order = _generator(seed)
     run = Run("nsgd", lr, seed, curve=[min(group_accuracy(model, x_test, y_test, g_test))])
     for _ in range(epochs):
