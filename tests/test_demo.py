@@ -37,14 +37,15 @@ def _strict_json(text):
     return json.loads(text, parse_constant=reject)
 
 
-def _quick_demo(out: Path, cpu_capability=None):
+def _quick_demo(out: Path, cpu_capability=None, extra_args=()):
     """`python -m dro_ext.demo --quick --seed 3` in a fresh process (it sets torch's global determinism flag),
     with ATEN_CPU_CAPABILITY set to ``cpu_capability``, or unset (the widest build the processor runs)."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("ATEN_CPU_CAPABILITY", None)
     if cpu_capability is not None:
         env["ATEN_CPU_CAPABILITY"] = cpu_capability
-    proc = subprocess.run([sys.executable, "-m", "dro_ext.demo", "--quick", "--seed", "3", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "dro_ext.demo", "--quick", "--seed", "3", "--out", str(out),
+                           *extra_args],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
@@ -65,7 +66,7 @@ def quick_run_portable(tmp_path_factory):
 def test_quick_run_writes_every_output(quick_run):
     out, proc = quick_run
     assert sorted(p.name for p in out.iterdir()) == ["figure.png", "report.md", "results.json", "tables.md"]
-    for key in "abcd":
+    for key in "abcdef":
         assert f"claim ({key}) reproduced:" in proc.stdout
 
 
@@ -104,9 +105,73 @@ def test_results_json_holds_every_curve_seed_and_version(quick_run):
                 for run in seed_runs:
                     assert len(run["extra"]["test_accuracy_per_class"]) == 10
                     assert all(0 <= a <= 100 for a in run["extra"]["test_accuracy_per_class"])
-    assert set(payload["claims"]) == {"a", "b", "c", "d"}
-    for judged in (*payload["claims"]["a"]["tasks"].values(), payload["claims"]["b"]):
+    assert set(payload["claims"]) == {"a", "b", "c", "d", "e", "f"}
+    for judged in (*payload["claims"]["a"]["tasks"].values(), payload["claims"]["b"],
+                   *payload["claims"]["e"]["tasks"].values(), payload["claims"]["f"]):
         assert judged["seeds"] == [3, 4] and judged["seeds_needed"] == 2
+    assert set(payload["claims"]["e"]["tasks"]) == {"group_dro", "group_chi2"}
+
+
+def test_results_json_holds_the_spurious_digits_search_and_seeds(quick_run):
+    out, _ = quick_run
+    payload = _strict_json((out / "results.json").read_text())
+    result, settings = payload["experiments"]["spurious_digits"], experiments.Settings.quick()
+    assert result["grid"] == {"lr": list(settings.groups_lrs), "step_size": list(settings.groups_step_sizes),
+                              "lam": list(settings.groups_lams)}
+    assert list(result["methods"]) == ["erm", "group_dro", "group_chi2", "chi2"]
+    strengths = {"erm": [None], "group_dro": list(settings.groups_step_sizes), "group_chi2": list(settings.groups_lams),
+                 "chi2": list(settings.groups_lams)}
+    for method, grid in strengths.items():
+        runs, seed_runs = result["runs"][method], result["seed_runs"][method]
+        # Every (lr, strength) pair on the first seed, then the one with the best validation score on every seed.
+        pairs = [(lr, strength) for lr in settings.groups_lrs for strength in grid]
+        assert [(r["lr"], r["extra"]["strength"]) for r in runs] == pairs
+        assert all(r["seed"] == 3 for r in runs) and [r["seed"] for r in seed_runs] == [3, 4]
+        assert seed_runs[0] == result["best"][method] and result["best"][method] in runs
+        best_score = max((min(r["extra"]["val_group_accuracy"]), sum(r["extra"]["val_group_accuracy"])) for r in runs)
+        assert (min(seed_runs[0]["extra"]["val_group_accuracy"]),
+                sum(seed_runs[0]["extra"]["val_group_accuracy"])) == best_score
+        for run in runs + seed_runs:
+            assert run["extra"]["method"] == method
+            assert len(run["curve"]) == settings.groups_epochs + 1
+            assert run["curve"][-1] == min(run["extra"]["test_group_accuracy"])
+            for accuracies in (run["extra"]["val_group_accuracy"], run["extra"]["test_group_accuracy"]):
+                assert len(accuracies) == 4 and all(0 <= a <= 100 for a in accuracies)
+            assert 0 <= run["extra"]["test_accuracy"] <= 100
+    assert result["data"]["train"]["per_group"] == [426, 22, 22, 428]
+    for key in ("e", "f"):
+        assert payload["claims"][key]["verdict"] in ("yes", "partly", "no")
+
+
+def test_experiments_option_runs_only_those_and_their_claims(tmp_path):
+    out, proc = _quick_demo(tmp_path, extra_args=("--experiments", "spurious_digits"))
+    payload = _strict_json((out / "results.json").read_text())
+    assert list(payload["experiments"]) == ["spurious_digits"] and payload["meta"]["experiments"] == ["spurious_digits"]
+    assert list(payload["claims"]) == ["e", "f"]
+    assert "claim (e) reproduced:" in proc.stdout and "claim (a)" not in proc.stdout
+    text = (out / "report.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| (")]
+    assert [row[:5] for row in rows] == ["| (e)", "| (e)", "| (f)"]
+    assert "Overall, beyond the paper, (e): **" in text and "## Per-class test accuracy" not in text
+    tables = (out / "tables.md").read_text()
+    assert "| Class |" not in tables and tables.count("| Method | Hyperparameters |") == 1
+    import matplotlib.image
+
+    height, width = matplotlib.image.imread(out / "figure.png").shape[:2]
+    assert (width, height) == tuple(int(s * report.FIGURE_DPI) for s in report.FIGURE_SIZE_INCHES)
+
+
+def test_experiments_option_rejects_what_it_cannot_do(tmp_path):
+    from dro_ext.demo.__main__ import parse_args, run_demo
+
+    assert parse_args(["--experiments", "regression", "spurious_digits"]).experiments == ["regression",
+                                                                                        "spurious_digits"]
+    with pytest.raises(SystemExit):
+        parse_args(["--experiments", "imagenet"])
+    with pytest.raises(SystemExit):  # the README's block records a run of every experiment
+        parse_args(["--experiments", "regression", "--readme", "README.md"])
+    with pytest.raises(ValueError, match="only must name some of the experiments"):
+        run_demo(tmp_path, quick=True, only=[])
 
 
 def test_figure_is_a_png_of_the_expected_size(quick_run):
@@ -128,12 +193,18 @@ def test_report_names_every_claim_with_a_verdict(quick_run):
         assert keyed, f"claim ({key}) missing from report.md"
         for row in keyed:
             assert row.rstrip(" |").rsplit("| ", 1)[1] in ("yes", "partly", "no"), row
-    assert rows[0].startswith("| (a) Example 3.1") and len(rows) == 6
+    assert rows[0].startswith("| (a) Example 3.1") and len(rows) == 9
+    assert [row.split(" |")[0] for row in rows[6:]] == ["| (e) spurious digits, GroupDROLoss",
+                                                       "| (e) spurious digits, DROLoss(num_groups=4)",
+                                                       "| (f) spurious digits, DROLoss over samples"]
     assert "![training curves](figure.png)" in text
     assert "on seed 3, then every seed (3, 4:" in text and "on the medians and on at least 2 of 2 seeds" in text
     tables = (out / "tables.md").read_text()
     assert tables.count("| Class |") == 2 and tables.count("| Test acc (") == 4
     assert text.count("| Class |") == 2
+    for markdown in (text, tables):  # the spurious digits' table: once, a row per method
+        assert markdown.count("| Method | Hyperparameters | Worst-group | Average |") == 1
+        assert sum(markdown.count(f"\n| {label} | lr ") for label, _ in experiments.GROUP_METHODS.values()) == 4
 
 
 def _tiny(**changes):
@@ -141,15 +212,17 @@ def _tiny(**changes):
 
 
 def test_same_seed_gives_the_same_numbers_whatever_the_thread_count():
-    settings = _tiny(example_epochs=3, regression_epochs=2, digits_epochs=2, seeds=1)
+    settings = _tiny(example_epochs=3, regression_epochs=2, digits_epochs=2, groups_epochs=2, seeds=1)
     threads = torch.get_num_threads()
 
     def numbers(seed):
         ex = experiments.example_3_1(settings, seed=seed)
         reg = experiments.age_regression(settings, seed=seed)
         dig = experiments.digits_cvar(settings, seed=seed)
-        curves = [r.curve for result in (ex, reg, dig) for runs in result["runs"].values() for r in runs]
+        spurious = experiments.spurious_digits(settings, seed=seed)
+        curves = [r.curve for result in (ex, reg, dig, spurious) for runs in result["runs"].values() for r in runs]
         accuracies = [r.extra["test_accuracy_per_class"] for runs in dig["seed_runs"].values() for r in runs]
+        accuracies += [r.extra["val_group_accuracy"] for runs in spurious["runs"].values() for r in runs]
         return repr(curves + accuracies)  # repr: exact floats, and NaN (a diverged run) compares equal to itself
 
     try:
@@ -181,8 +254,9 @@ def _widest_dro_ext_build():
 
 
 def _verdicts(claims_payload: dict) -> dict:
-    verdicts = {key: claims_payload[key]["verdict"] for key in "abcd"}
-    verdicts.update({f"a {task}": c["verdict"] for task, c in claims_payload["a"]["tasks"].items()})
+    verdicts = {key: claims_payload[key]["verdict"] for key in "abcdef"}
+    for key in "ae":
+        verdicts.update({f"{key} {task}": c["verdict"] for task, c in claims_payload[key]["tasks"].items()})
     return verdicts
 
 
@@ -361,6 +435,104 @@ def test_compare_accuracy_marks_the_baselines_worst_class():
     mixed = [_run([1], accuracy=[88, 60, 81]), _run([1], accuracy=[88, 62, 83])]  # class 0 worse
     assert claims.compare_accuracy(base, mixed)["verdict"] == "partly"
     assert claims.compare_accuracy(better, base)["verdict"] == "no"
+
+
+@pytest.mark.parametrize("seed", (0, 7))
+def test_spurious_digits_agree_with_the_label_as_specified(seed):
+    """The bar agrees with the label on 95% of each label's training images and on half of each label's
+    validation and test images; groups are 2 * label + bar; the bar is the left column at full brightness; the
+    rest of each image is a digit of scikit-learn's set, untouched, each used once; the label is digit < 5."""
+    from sklearn.datasets import load_digits
+
+    from dro_ext.demo.data import load_spurious_digits
+
+    def right_columns(pixels):  # columns 1-7 of each image in the digits' own units, 0-16
+        return [tuple(row) for row in (pixels.reshape(-1, 8, 8)[:, :, 1:] * 16).round().reshape(len(pixels), -1)
+                .astype(int).tolist()]
+
+    images, digits = load_digits(return_X_y=True)
+    digit_of = dict(zip(right_columns(images / 16.0), digits))  # columns 1-7 tell the 1797 digits apart
+    assert len(digit_of) == len(digits)
+    data = load_spurious_digits(seed=seed)
+    seen = []
+    for split, agreement in (("train", 0.95), ("val", 0.5), ("test", 0.5)):
+        x, y, groups = (getattr(data, f"{name}_{split}") for name in "xyg")
+        assert x.dtype == torch.float32 and y.dtype == groups.dtype == torch.int64
+        bar = groups % 2
+        assert torch.equal(groups // 2, y)
+        for label in (0, 1):
+            members = y == label
+            assert (bar[members] == label).sum().item() == round(agreement * members.sum().item()), (split, label)
+        pixels = x.reshape(-1, 8, 8)
+        assert torch.equal(pixels[bar == 1][:, :, 0], torch.ones(int(bar.sum()), 8))
+        assert pixels[bar == 0][:, :, 0].max() < 1  # the digits never ink the left column at full brightness
+        keys = right_columns(x.numpy())
+        assert [int(digit_of[key] < 5) for key in keys] == y.tolist()
+        seen += keys
+    assert sorted(seen) == sorted(digit_of)  # the three splits partition the digits
+    train_counts = torch.bincount(data.g_train, minlength=4)
+    assert train_counts[[1, 2]].max() < 0.06 * len(data.y_train) / 2 < train_counts[[0, 3]].min()
+    test_counts = torch.bincount(data.g_test, minlength=4)
+    assert (test_counts.max() - test_counts.min()).item() <= 2  # the test groups about equal
+
+
+def test_spurious_digits_group_counts_at_seed_0():
+    from dro_ext.demo.data import load_spurious_digits
+
+    data = load_spurious_digits(seed=0)
+    assert [torch.bincount(g, minlength=4).tolist() for g in (data.g_train, data.g_val, data.g_test)] == [
+        [426, 22, 22, 428], [90, 89, 90, 90], [134, 135, 135, 136]]
+
+
+def test_group_objectives_are_the_documented_losses():
+    import dro_ext
+
+    losses = torch.tensor([0.5, 2.0, 1.0, 3.0, 0.25], dtype=torch.float64)
+    groups = torch.tensor([0, 1, 1, 3, 0])
+    erm, module = experiments.group_objective("erm", None)
+    assert module is None and erm(losses, groups) == losses.mean()
+    for method in ("group_dro", "group_chi2", "chi2"):
+        objective, module = experiments.group_objective(method, 0.5)
+        module.double()
+        value = objective(losses, groups)
+        if method == "group_dro":
+            expected = dro_ext.GroupDROLoss(4, step_size=0.5).double()(losses, groups)
+        elif method == "group_chi2":
+            expected = dro_ext.group_dro_loss(losses, groups, 4, module.eta, 0.5, "chi2")
+        else:
+            expected = dro_ext.dro_loss(losses, module.eta, 0.5, "chi2")
+        assert torch.equal(value, expected), method
+        assert [name for name, _ in module.named_parameters()] == ([] if method == "group_dro" else ["eta"])
+    with pytest.raises(ValueError, match="method must be one of"):
+        experiments.group_objective("irm", 1.0)
+
+
+def _wg_runs(worst, method="erm"):
+    runs = []
+    for seed, w in enumerate(worst):
+        run = _run([w], seed=seed)
+        run.extra.update(test_group_accuracy=[90.0, w, 95.0, 90.0], test_accuracy=85.0, strength=None, method=method)
+        runs.append(run)
+    return runs
+
+
+def test_worst_group_verdict_needs_the_medians_and_four_of_five_seeds():
+    erm = _wg_runs([40.0, 50.0, 60.0, 30.0, 20.0])
+    better = claims.compare_worst_group(erm, _wg_runs([45.0, 55.0, 65.0, 35.0, 25.0], "group_dro"))
+    assert better["verdict"] == "yes" and better["seeds_higher"] == 5 and better["holds_on_medians"]
+    assert better["worst_group"]["method"]["mean"] == pytest.approx(45.0)
+    assert better["worst_group"]["method"]["median"] == 45.0 and better["worst_group"]["method"]["low"] == 25.0
+    assert better["worst_group"]["baseline"]["std"] == pytest.approx(15.811388300841896)
+    three = claims.compare_worst_group(erm, _wg_runs([45.0, 55.0, 65.0, 10.0, 10.0], "group_dro"))
+    assert three["seeds_higher"] == 3 and three["holds_on_medians"] and three["verdict"] == "partly"
+    equal = claims.compare_worst_group(erm, _wg_runs([40.0, 50.0, 60.0, 30.0, 20.0], "group_dro"))
+    assert equal["seeds_higher"] == 0 and equal["verdict"] == "no"  # a tie is not a rise
+    # Higher on four seeds by a little, far lower on one: the medians decide against it.
+    mixed = claims.compare_worst_group(_wg_runs([10.0, 20.0, 30.0, 40.0, 50.0]),
+                                       _wg_runs([0.0, 21.0, 29.0, 41.0, 51.0], "chi2"))
+    assert mixed["seeds_higher"] == 3 and mixed["holds_on_medians"] is False and mixed["verdict"] == "no"
+    with pytest.raises(ValueError, match="different seeds"):
+        claims.compare_worst_group(erm, _wg_runs([1.0] * 4))
 
 
 def test_update_readme_replaces_only_the_marked_block(tmp_path):

@@ -8,6 +8,9 @@
 - :func:`load_imbalanced_digits`: scikit-learn's bundled 8x8 digits with the training part of each
   class subsampled by the paper's ratios ``PAPER_RHO`` (Appendix E, imbalanced CIFAR-10); the held-out
   test part keeps every class at full size, as the paper keeps CIFAR-10's test set unchanged.
+- :func:`load_spurious_digits`: the same digits as a binary task (digit < 5) with a spurious feature, a bright
+  bar on the image's left edge, that agrees with the label in 95% of the training images and in half of the
+  validation and test images; the groups are (label, bar), as in Sagawa et al.'s Waterbirds and CelebA.
 """
 from __future__ import annotations
 
@@ -18,6 +21,12 @@ import torch
 
 # Appendix E: the fraction of each class kept in the imbalanced training set (class 6 is the rarest).
 PAPER_RHO = (0.804, 0.543, 0.997, 0.593, 0.390, 0.285, 0.959, 0.806, 0.967, 0.660)
+
+
+# The spurious-correlation task: how often the bar agrees with the label in each split.
+TRAIN_AGREEMENT = 0.95
+HELD_OUT_AGREEMENT = 0.5
+SPURIOUS_GROUPS = 4  # (label, bar) pairs
 
 
 class Split(NamedTuple):
@@ -74,3 +83,63 @@ def load_imbalanced_digits(*, seed: int = 0, test_fraction: float = 1 / 3, rho=P
     as_x = lambda a: torch.from_numpy(a.astype(np.float32))  # noqa: E731
     as_y = lambda a: torch.from_numpy(a.astype(np.int64))  # noqa: E731
     return Split(as_x(x_train[keep]), as_y(y_train[keep]), as_x(x_test), as_y(y_test))
+
+
+class GroupSplit(NamedTuple):
+    """Train/validation/test features (float32), labels (int64) and group ids (int64, ``2 * label + bar``)."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    g_train: torch.Tensor
+    x_val: torch.Tensor
+    y_val: torch.Tensor
+    g_val: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    g_test: torch.Tensor
+
+
+def _bar_agreeing(labels: np.ndarray, agreement: float, rng: np.random.Generator) -> np.ndarray:
+    """The bar (0 or 1) of each image: equal to its label on exactly ``round(agreement * n)`` of the ``n``
+    images of each label, the others drawn at random, so that every split has the agreement it names."""
+    bar = labels.copy()
+    for label in (0, 1):
+        members = np.flatnonzero(labels == label)
+        flipped = rng.choice(members, size=len(members) - int(round(agreement * len(members))), replace=False)
+        bar[flipped] = 1 - label
+    return bar
+
+
+def load_spurious_digits(*, seed: int = 0, val_fraction: float = 0.2, test_fraction: float = 0.3,
+                         train_agreement: float = TRAIN_AGREEMENT,
+                         held_out_agreement: float = HELD_OUT_AGREEMENT) -> GroupSplit:
+    """scikit-learn's 8x8 digits as "is the digit below 5?", with a spurious feature: a bright bar.
+
+    The label is ``digit < 5`` (1) or not (0). The bar is the image's leftmost column set to full brightness
+    (a column the digits almost never ink), present (1) or not (0) per image: it equals the label on
+    ``train_agreement`` of each label's training images and on ``held_out_agreement`` of its validation and
+    test images, so that a model that reads the bar instead of the digit is right on 95% of the training set
+    but on half of the test set. Group ``2 * label + bar``: groups 0 (label 0, no bar) and 3 (label 1, bar)
+    are the majority of training, 1 and 2 its minority. The splits are stratified by digit; pixels in [0, 1].
+    """
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    images, digits = load_digits(return_X_y=True)
+    images = images / 16.0
+    held_out = val_fraction + test_fraction
+    x_train, x_rest, d_train, d_rest = train_test_split(images, digits, test_size=held_out, stratify=digits,
+                                                        random_state=seed)
+    x_val, x_test, d_val, d_test = train_test_split(x_rest, d_rest, test_size=test_fraction / held_out,
+                                                    stratify=d_rest, random_state=seed)
+    rng = np.random.default_rng(seed)
+    tensors = []
+    for x, digit, agreement in ((x_train, d_train, train_agreement), (x_val, d_val, held_out_agreement),
+                                (x_test, d_test, held_out_agreement)):
+        label = (digit < 5).astype(np.int64)
+        bar = _bar_agreeing(label, agreement, rng)
+        x = x.reshape(-1, 8, 8).copy()
+        x[bar == 1, :, 0] = 1.0
+        tensors += [torch.from_numpy(x.reshape(-1, 64).astype(np.float32)), torch.from_numpy(label),
+                    torch.from_numpy(2 * label + bar)]
+    return GroupSplit(*tensors)
