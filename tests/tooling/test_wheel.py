@@ -1,10 +1,12 @@
-"""The package as a user gets it: the wheel of this checkout, built the way a user builds it.
+"""The package as a user gets it: the wheel and the sdist of this checkout, built the way a user builds them.
 
 The wheel (`python -m build --wheel --no-isolation`) is installed into a fresh virtual environment that sees the
 system's packages (torch is not installed again) but not this checkout: it is imported from a folder outside the
 checkout, and must come from the environment's own site-packages, not from the checkout's editable install nor from
 its source tree. There it must load its compiled ops (CPU kernels, and CUDA kernels where the toolkit is present),
 compute a DROLoss forward and backward and a NormalizedSGD step as their formulas say, and run the quick demo.
+The sdist (`python -m build --sdist --no-isolation`, which compiles nothing) must hold every source the build needs
+(MANIFEST.in adds the headers, CMakeLists.txt and CHANGELOG.md to what setuptools takes by itself).
 
 Why the wheel build reuses the set-up's build: compiling the extension (CPU kernels three times for the SIMD builds,
 CUDA kernels) takes 10+ minutes on CI's 2 cores. setup.py keeps every build's objects in build/temp.*/ (the editable
@@ -18,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import textwrap
 import warnings
 import zipfile
@@ -33,6 +36,10 @@ ON_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # Building from reused objects takes seconds; a build that compiles everything, far longer (still bounded).
 BUILD_TIMEOUT_S = 3600
 EXTRAS = {"demo", "bench", "test", "examples"}
+SOURCE_SUFFIXES = {".cpp", ".h", ".cu", ".cuh"}
+# What building the extension from the sdist needs besides csrc/, and what a user is owed with it.
+SDIST_FILES = ["setup.py", "pyproject.toml", "CMakeLists.txt", "README.md", "LICENSE", "CHANGELOG.md",
+               "dro_ext/py.typed", "dro_ext/__init__.py"]
 
 
 def _cuda_expected() -> bool:
@@ -198,3 +205,18 @@ def test_installed_wheel_runs_the_quick_demo(venv_python, tmp_path):
                                                                     "tables.md"]
     assert "claim (a) reproduced:" in proc.stdout
 
+
+def test_sdist_holds_every_source_the_build_needs(tmp_path):
+    sdist, _ = _build("sdist", tmp_path)
+    prefix = f"dro_ext-{dro_ext.__version__}/"
+    assert sdist.name == f"dro_ext-{dro_ext.__version__}.tar.gz"
+    with tarfile.open(sdist) as archive:
+        members = {m.name[len(prefix):] for m in archive.getmembers() if m.isfile() and m.name.startswith(prefix)}
+        metadata = _metadata(archive.extractfile(prefix + "PKG-INFO").read().decode())
+    sources = {p.relative_to(REPO).as_posix() for p in (REPO / "csrc").rglob("*") if p.suffix in SOURCE_SUFFIXES}
+    assert len(sources) > 20 and {s for s in sources if s.endswith((".cu", ".cuh"))}, sorted(sources)
+    missing = sorted((sources | set(SDIST_FILES)) - members)
+    assert not missing, f"the sdist lacks {missing}: add them to MANIFEST.in"
+    assert not [m for m in members if m.endswith((".so", ".o", ".pyc")) or m.startswith(("build/", "tests/"))]
+    assert metadata["Version"] == dro_ext.__version__ and metadata["License-Expression"] == "BSD-3-Clause"
+    assert set(metadata.get_all("Provides-Extra")) == EXTRAS
