@@ -7,10 +7,13 @@ STAMP := build/.setup-done
 
 .PHONY: setup build test bench bench-loss cmake clean gpu-check compat gpu-prebuilt
 
-# Dependencies, then the extension (C++ CPU kernels; CUDA ones too when a toolkit is present).
-$(STAMP): setup.py pyproject.toml
+# Dependencies, then the extension (C++ CPU kernels; CUDA ones too when a toolkit is present). Beside the build's and
+# the tests': the framework recipes' (transformers, accelerate, lightning; tests/test_examples.py), the type checker
+# (mypy) and `build` (tests/tooling/test_wheel.py builds the wheel and the sdist with it). The editable install keeps
+# its objects in build/temp.*/ (setup.py), so running this again after a change here only links.
+$(STAMP): setup.py pyproject.toml Makefile
 	$(PIP) install -q "torch==$(TORCH_VERSION)" numpy scipy pytest hypothesis mpmath ninja expecttest scikit-learn \
-	  matplotlib tqdm pytest-benchmark
+	  matplotlib tqdm pytest-benchmark transformers accelerate lightning mypy build
 	$(PIP) install -q --no-build-isolation -e .
 	mkdir -p build && touch $(STAMP)
 

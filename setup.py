@@ -7,11 +7,19 @@ code is at least compiled and linked on every machine that can.
 import glob
 import os
 import shutil
+import sys
+import sysconfig
 
 from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CUDA_ARCH_LIST = "8.0;9.0"  # A100/H100-class; override with TORCH_CUDA_ARCH_LIST
+# Where the compiled objects stay between builds, whichever command builds: `setup.py build_ext --inplace`, a wheel
+# (`python -m build --wheel`, `pip wheel`) and `pip install -e .`, which would otherwise compile into a temporary
+# folder and delete it. Ninja then recompiles only what changed (a source, a header it includes, or the flags), so a
+# wheel built after the editable install only links (a full compile is 10+ minutes on 2 cores). It is setuptools'
+# own default for the first two.
+BUILD_TEMP = os.path.join(ROOT, "build", f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}")
 
 
 def find_cuda_home():
@@ -87,7 +95,17 @@ def extensions():
 def cmdclass():
     from torch.utils.cpp_extension import BuildExtension
 
-    return {"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)}
+    class BuildExtensionInBuildTemp(BuildExtension):
+        """BuildExtension with its objects in BUILD_TEMP unless --build-temp is given (scripts/build_against_torch.sh
+        gives one). The editable install sets `build`'s build_temp to a temporary folder and drops an option given
+        to build_ext in setup(options=...), so the default is set here, where both are overridden."""
+
+        def finalize_options(self):
+            if self.build_temp is None:
+                self.build_temp = BUILD_TEMP
+            super().finalize_options()
+
+    return {"build_ext": BuildExtensionInBuildTemp.with_options(use_ninja=shutil.which("ninja") is not None)}
 
 
 # The metadata (name, version, dependencies, extras) is pyproject.toml's [project]; this builds dro_ext._C.
