@@ -75,16 +75,20 @@ def check_dense(name: str, value: torch.Tensor) -> None:
         raise TypeError(f"dro_ext: {name} must be a dense (strided) tensor, got layout {value.layout}")
 
 
-def check_losses(losses) -> None:
-    if not isinstance(losses, torch.Tensor):
-        raise TypeError(f"dro_ext: losses must be a torch.Tensor, got {type(losses).__name__}")
-    check_dense("losses", losses)
-    if losses.dim() != 1:
-        raise ValueError(f"dro_ext: losses must be a 1-D tensor of per-sample losses, got shape {tuple(losses.shape)}")
-    if losses.numel() == 0:
-        raise ValueError("dro_ext: losses must not be empty")
-    if not losses.is_floating_point():
-        raise TypeError(f"dro_ext: losses must have a floating dtype (float16, bfloat16, float32, float64), got {losses.dtype}")
+def check_losses(value, name: str = "losses", *, allow_empty: bool = False) -> None:
+    """A dense 1-D floating tensor: the losses (or weight_stats' weights), checked with csrc/checks.h's messages.
+    allow_empty: a rank of a group= call may hold none (dro_ext.distributed checks the total)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"dro_ext: {name} must be a torch.Tensor, got {type(value).__name__}")
+    check_dense(name, value)
+    per_sample = " of per-sample losses" if name == "losses" else ""
+    if value.dim() != 1:
+        raise ValueError(f"dro_ext: {name} must be a 1-D tensor{per_sample}, got shape {tuple(value.shape)}")
+    if value.numel() == 0 and not allow_empty:
+        raise ValueError(f"dro_ext: {name} must not be empty")
+    if not value.is_floating_point():
+        raise TypeError(f"dro_ext: {name} must have a floating dtype (float16, bfloat16, float32, float64), "
+                        f"got {value.dtype}")
 
 
 def as_eta(eta, losses: torch.Tensor) -> torch.Tensor:
