@@ -35,10 +35,7 @@ DEFAULT_EPS = 1e-8
 _NORMS = ("global", "tensor")
 
 
-# An extension built before this op existed loads without it: then only the fallback runs.
-_NATIVE_OP = _backend.native_available() and hasattr(torch.ops.dro_ext, "normalized_sgd_step_")
-
-if _NATIVE_OP:
+if _backend.native_available():
 
     @torch.library.register_fake("dro_ext::normalized_sgd_step_")
     def _normalized_sgd_step_fake(
@@ -62,13 +59,6 @@ def _check_number(name, value, *, low, high=None):
     allowed = f"in [{low}, {high})" if high is not None else f">= {low}"
     if not math.isfinite(number) or number < low or (high is not None and number >= high):
         raise ValueError(f"dro_ext.NormalizedSGD: {name} must be a finite number {allowed}, got {name}={number}")
-
-
-# Device types the fused op has kernels for, looked up once: a constant for torch.compile to read.
-_FUSED_DEVICE_TYPES = frozenset(
-    t for t in ("cpu", "cuda")
-    if _NATIVE_OP and torch._C._dispatch_has_kernel_for_dispatch_key("dro_ext::normalized_sgd_step_", t.upper())
-)
 
 
 class NormalizedSGD(Optimizer):
@@ -104,7 +94,7 @@ class NormalizedSGD(Optimizer):
                  maximize=False, foreach=None, fused=None):
         if fused and foreach:
             raise ValueError("dro_ext.NormalizedSGD: fused=True and foreach=True are mutually exclusive")
-        if fused and not _NATIVE_OP:
+        if fused and not _backend.native_available():
             raise RuntimeError(f"dro_ext.NormalizedSGD: fused=True needs the native op normalized_sgd_step_, "
                                f"which is not loaded (extension load error: {_backend.load_error()})")
         defaults = dict(lr=lr, momentum=momentum, eps=eps, weight_decay=weight_decay, norm=norm,
@@ -163,11 +153,11 @@ class NormalizedSGD(Optimizer):
                 raise RuntimeError("dro_ext.NormalizedSGD: fused=True but the native ops are disabled "
                                    "(DRO_EXT_FORCE_PYTHON=1 or the extension did not load)")
             return True
-        if group["fused"] is not None or group["foreach"] or not _backend.use_native():
+        if group["fused"] is not None or group["foreach"]:
             return False
         # Automatic choice: the fused op where it has a kernel for the group's one device, else foreach.
         device = params[0].device
-        return device.type in _FUSED_DEVICE_TYPES and all(p.device == device for p in params)
+        return _backend.native_for(device.type) and all(p.device == device for p in params)
 
     def _group_lists(self, group):
         """(params, grads, momenta, steps) of the group's params that have a gradient, and the cached _GroupPlan

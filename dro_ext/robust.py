@@ -80,33 +80,6 @@ if _backend.native_available():
         return scalar, scalar.clone(), scalar.clone(), weights.new_empty((width,), dtype=acc)
 
 
-# Device types with native kernels, asked of the dispatcher once per type.
-_NATIVE_DEVICE_TYPES: dict = {"cpu": True}
-
-
-# torch.compile takes the answer as a constant, computed when it traces: the dispatcher query itself cannot be traced,
-# and a fullgraph compile of a process's first robust_objective on CUDA failed on it ("torch.* op returned non-Tensor").
-@torch.compiler.assume_constant_result
-def _has_native_kernel(device_type: str) -> bool:
-    if device_type not in _NATIVE_DEVICE_TYPES:
-        try:
-            _NATIVE_DEVICE_TYPES[device_type] = torch._C._dispatch_has_kernel_for_dispatch_key(
-                "dro_ext::robust_objective", device_type.upper())
-        except Exception:  # pragma: no cover - unknown dispatch key names
-            _NATIVE_DEVICE_TYPES[device_type] = False
-    return _NATIVE_DEVICE_TYPES[device_type]
-
-
-def _native_for_device_type(device_type: str) -> bool:
-    """The native ops are in use and have kernels for this device type (CUDA: when the build compiled them)."""
-    return _backend.use_native() and _has_native_kernel(device_type)
-
-
-def _native_for(losses: torch.Tensor) -> bool:
-    """The native op is used when loaded, selected, and it has a kernel for the losses' device."""
-    return _native_for_device_type(losses.device.type)
-
-
 # ---------------------------------------------------------------------------------------------------
 # The PyTorch fallback: dro_ext._solver over this process's losses, in float64.
 # ---------------------------------------------------------------------------------------------------
@@ -158,7 +131,7 @@ def robust_objective(
     spec = check_divergence(divergence, alpha, k)
     check_losses(losses)
     lam = check_positive("lam", lam)
-    if _native_for(losses):
+    if _backend.native_for(losses.device.type):
         return torch.ops.dro_ext.robust_objective(losses, lam, spec.name, spec.alpha, spec.k)
     return _RobustObjective.apply(losses, lam, spec)
 
@@ -178,7 +151,7 @@ def worst_case_weights(losses, lam, divergence="chi2", *, alpha=None, k=None, gr
     lam = check_positive("lam", lam)
     losses = losses.detach()
     _, eta = robust_objective(losses, lam, spec.name, alpha=spec.alpha, k=spec.k)
-    if _native_for(losses):
+    if _backend.native_for(losses.device.type):
         return torch.ops.dro_ext.robust_weights(losses, eta, lam, spec.name, spec.alpha, spec.k)
     return _fallback_weights(losses, eta, lam, spec)
 
@@ -255,7 +228,7 @@ def weight_stats(
                 raise ValueError(f"dro_ext: num_groups must be > 0, got num_groups={num_groups}")
         if group is not None:
             return _distributed().weight_stats(w, groups, num_groups, group)
-        if _native_for(w):
+        if _backend.native_for(w.device.type):
             ess, max_weight, zero_fraction, group_mass = torch.ops.dro_ext.weight_stats(
                 w, groups, num_groups if groups is not None else 0
             )

@@ -92,12 +92,10 @@ def test_cuda_tensors_route_to_native_ops():
     # DRO_EXT_FORCE_PYTHON=1): the routing decision is made from the dispatcher, without a device.
     if not _built_with_cuda():
         pytest.skip("the extension was built without CUDA (DRO_EXT_CUDA=0 or no toolkit)")
-    from dro_ext import robust
-
     with _backend.forced_backend("native"):
-        assert robust._native_for_device_type("cuda")
+        assert _backend.native_for("cuda")
     with _backend.forced_backend("python"):
-        assert not robust._native_for_device_type("cuda")
+        assert not _backend.native_for("cuda")
 
 
 class _HostReads(TorchDispatchMode):

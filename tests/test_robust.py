@@ -395,13 +395,12 @@ def test_compile_fullgraph_of_the_first_call_on_a_device_type(monkeypatch):
     # A process whose first robust_objective on a device type is compiled (the CPU's answer is known at import, so
     # this forgets it, as a CUDA process has not asked yet): the dispatcher query cannot be traced.
     _require_native()
-    from dro_ext import robust
-    monkeypatch.setattr(robust, "_NATIVE_DEVICE_TYPES", {})
+    monkeypatch.setattr(_backend, "_KERNEL_DEVICE_TYPES", {})
     torch._dynamo.reset()
     losses = make_losses(100)
     f = torch.compile(lambda l: dro_ext.robust_objective(l, 0.3, "chi2")[0], fullgraph=True, backend="eager")
     torch.testing.assert_close(f(losses), dro_ext.robust_objective(losses, 0.3, "chi2")[0])
-    assert robust._NATIVE_DEVICE_TYPES == {"cpu": True}
+    assert _backend._KERNEL_DEVICE_TYPES == {"cpu": True}
 
 
 # ------------------------------------------------------------------------------------------------
