@@ -341,7 +341,7 @@ def _check_grad_layout(p, g, index: int) -> None:
 
 
 def sharded_normalized_sgd_step(params, grads, momenta, steps, *, lr, momentum, eps, weight_decay, norm, maximize,
-                                grad_scale, found_inf, fused: bool):
+                                grad_scale, found_inf, fused: bool, foreach_momentum):
     """One NormalizedSGD step over a param group holding DTensor (FSDP2-sharded) parameters.
 
     The update is elementwise, so it runs on the local shards (``to_local()``, which shares storage with
@@ -353,7 +353,8 @@ def sharded_normalized_sgd_step(params, grads, momenta, steps, *, lr, momentum, 
     With the fused op the momentum pass is the native kernel on the local shards (first-step rule,
     ``maximize``, ``grad_scale`` and ``found_inf`` read where it runs), called with ``lr = 0`` so that it
     leaves the parameters as they are; the update with the reduced norm is a second, ``torch._foreach``
-    pass. No host sync on that path.
+    pass. No host sync on that path. Without it, ``foreach_momentum`` (dro_ext.optim's momentum rule, on tensors
+    of one device and dtype) updates the local momenta.
     """
     for i, (p, g) in enumerate(zip(params, grads)):
         _check_grad_layout(p, g, i)
@@ -371,8 +372,9 @@ def sharded_normalized_sgd_step(params, grads, momenta, steps, *, lr, momentum, 
     else:
         if found_inf is not None and bool(found_inf.ne(0).any()):
             return
-        _foreach_momentum(local_grads, local_momenta, steps, momentum=momentum, maximize=maximize,
-                          grad_scale=grad_scale)
+        buckets = torch.optim.Optimizer._group_tensors_by_device_and_dtype([local_grads, local_momenta, steps])
+        for (b_grads, b_momenta, b_steps), _ in buckets.values():
+            foreach_momentum(b_grads, b_momenta, b_steps, momentum=momentum, maximize=maximize, grad_scale=grad_scale)
 
     # Per-tensor sums of squares of the whole momenta: local partials, all-reduced over the shards. Built
     # from per-tensor device scalars (no host-made index tensors: a host-to-device copy would sync). In
@@ -409,14 +411,3 @@ def sharded_normalized_sgd_step(params, grads, momenta, steps, *, lr, momentum, 
     # p += m * (-scale): per-tensor device scalars, no momentum-sized temporary.
     steps_down = [(-s).to(m.dtype) for s, m in zip(scale.unbind(), local_momenta)]
     torch._foreach_addcmul_(local_params, local_momenta, steps_down)
-
-
-def _foreach_momentum(grads, momenta, steps, *, momentum, maximize, grad_scale):
-    """m <- beta m + (1 - beta) g (m <- g on the first step) on plain tensors; steps += 1."""
-    grad_mul = -1.0 if maximize else 1.0
-    for g, m, step in zip(grads, momenta, steps):
-        take = grad_mul * (1.0 - momentum * step.clamp_max(1.0).to(torch.float64))
-        if grad_scale is not None:
-            take = take / grad_scale.to(device=m.device, dtype=torch.float64)
-        m.mul_(momentum).add_(g * take.to(m.dtype).to(m.device))
-        step.add_(1.0)
