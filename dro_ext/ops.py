@@ -1,7 +1,7 @@
 """The public loss functions, dispatching to the native ops or to the PyTorch fallback, and the
 fake (meta) kernels and autograd formulas of the native ops.
 
-Math (DESIGN.md section 1), with t_i = (l_i - G*eta) / lam and w_i = psi*'(t_i):
+Math (docs/design.md sections 1.1-1.2), with t_i = (l_i - G*eta) / lam and w_i = psi*'(t_i):
 
     L(eta)   = mean_i lam * psi*(t_i) + G*eta  = mean_i l_i + lam * mean_i (psi*(t_i) - t_i)
     dL/dl_i  = w_i / N

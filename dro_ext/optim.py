@@ -1,4 +1,4 @@
-"""NormalizedSGD: mini-batch normalized SGD with momentum, Algorithm 1 of the paper (DESIGN.md section 1).
+"""NormalizedSGD: mini-batch normalized SGD with momentum, Algorithm 1 of the paper (docs/design.md section 1.8).
 
     m <- beta * m + (1 - beta) * g                (m <- g on a parameter's first step)
     p <- (1 - lr * weight_decay) * p - lr * m / (||m|| + eps)

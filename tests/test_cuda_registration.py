@@ -1,6 +1,6 @@
 """The CUDA path, checked without a GPU:
  - every dro_ext op has a CUDA kernel in a CUDA build of the extension (the dispatcher knows which kernels are
-   registered whether or not a device is visible; CONTRACTS.md rule 4);
+   registered whether or not a device is visible; docs/design.md section 4, rule 4);
  - the Python layer around the ops reads nothing back to the host for CUDA tensors: run on fake CUDA tensors
    (FakeTensorMode needs no device), every public function's forward and the optimizer step are recorded op by
    op, and a host read (.item(), bool(), float(), a copy to the CPU) fails the test; so are the backward

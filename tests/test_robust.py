@@ -1,6 +1,6 @@
-"""robust_objective, worst_case_weights, weight_stats and evaluate (issue 4).
+"""robust_objective, worst_case_weights, weight_stats and evaluate.
 
-The references are independent of dro_ext: psi* and psi are written out below from DESIGN.md section 1
+The references are independent of dro_ext: psi* and psi are written out below from docs/design.md section 1.3
 (numpy, float64), and Psi = min_eta L(eta) is found by scipy's bounded scalar minimizer.
 """
 import math
@@ -26,7 +26,7 @@ CASE_IDS = [name for name, _ in CASES]
 
 
 # ------------------------------------------------------------------------------------------------
-# Independent float64 references (DESIGN.md section 1)
+# Independent float64 references (docs/design.md section 1.3)
 # ------------------------------------------------------------------------------------------------
 
 
