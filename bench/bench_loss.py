@@ -31,7 +31,7 @@ QUICK_SIZES = (4096, 1 << 16)
 
 
 def eager_psi_star(t, name, alpha=None, k=None):
-    """The formula of DESIGN.md as a user would write it in PyTorch (stable smoothed-CVaR form)."""
+    """The formula of docs/design.md section 1.1 as a user would write it in PyTorch (stable smoothed-CVaR form)."""
     if name == "chi2":
         return torch.clamp(t + 2, min=0) ** 2 / 4 - 1
     if name == "kl":

@@ -20,7 +20,7 @@ from bench.common import (GRAPH_SUFFIX, add_common_arguments, check_device, copy
                           device_info, graph_replays, loadavg, markdown_table, partial_writer, progress, publish,
                           result_name, summarize, Timer)
 from dro_ext import _backend
-from dro_ext.optim import _FUSED_DEVICE_TYPES, NormalizedSGD
+from dro_ext.optim import NormalizedSGD
 
 LR, BETA, EPS = 0.01, 0.9, 1e-8
 BYTES_PER_PARAM = 24
@@ -116,7 +116,7 @@ def make_peer(name, params, grads, momenta):
 
 
 def fused_available(device) -> bool:
-    return torch.device(device).type in _FUSED_DEVICE_TYPES
+    return _backend.native_for(torch.device(device).type)
 
 
 def make_peers(params, grads, momenta, device) -> tuple[dict, list[str]]:

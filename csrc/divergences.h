@@ -5,7 +5,7 @@
 // kernels. All elementary operations go through Math<T> so that the vector kernels can specialize it
 // (csrc/cpu/vectorized_math.h) without a second copy of any formula.
 //
-// Conventions every functor honours (DESIGN.md section 1):
+// Conventions every functor honours (docs/design.md section 1.5):
 //  - NaN in t gives NaN in value, first, second, excess and excess_first: selects test "t > 0" and
 //    "t <= 0" separately, so a NaN falls through both and is returned as itself.
 //  - A lane that a select discards may hold inf or NaN (cressie_read's log1p(a t) at a t <= -1); no
@@ -117,7 +117,7 @@ C10_HOST_DEVICE constexpr double exp_headroom() {
   return sizeof(acc_t) == sizeof(float) ? 80.0 : 700.0;
 }
 
-// psi(s) = (s - 1)^2 (see the erratum in DESIGN.md): psi*(t) = -1 + (t + 2)_+^2 / 4, which is t + t^2/4
+// psi(s) = (s - 1)^2 (see the erratum in docs/design.md section 1.4): psi*(t) = -1 + (t + 2)_+^2 / 4, which is t + t^2/4
 // for t > -2 and -1 below. With m = max(t, -2): psi*(t) = m (1 + m/4), psi*(t) - t = m^2/4 + (m - t) and
 // psi*'(t) - 1 = m/2, each exact to a rounding or two (m - t is exact or 0).
 template <typename acc_t>
@@ -214,7 +214,7 @@ struct CVaR {
 };
 
 // psi(s) = s log s - s + 1 on [0, 1/alpha]: psi*(t) = e^t - 1 for t <= c = -log(alpha), and the tangent
-// line at c beyond it (see the erratum in DESIGN.md). Written branch-free with m = min(t, c) as
+// line at c beyond it (see the erratum in docs/design.md section 1.4). Written branch-free with m = min(t, c) as
 // expm1(m) + (t - c)_+ / alpha, which never evaluates exp above c; since t - m = (t - c)_+, the excess is
 // (expm1(m) - m) + (t - c)_+ (1/alpha - 1), and psi*'(t) - 1 = expm1(m) (= 1/alpha - 1 beyond c).
 template <typename acc_t>
@@ -586,7 +586,7 @@ struct SmoothedCVaR {
 
 // One sample's share of the penalized objective, lam psi*(t) + s with t = (l - s) / lam, in one of two forms:
 //  - l + lam excess(t) (lam t + s == l): its absolute error stays near eps |l - s| however large lam is, where
-//    lam psi*(t) + s cancels catastrophically (the ERM limit, t -> 0; DESIGN.md, Numerics);
+//    lam psi*(t) + s cancels catastrophically (the ERM limit, t -> 0; docs/design.md section 1.6);
 //  - lam psi*(t) + s itself, for t <= direct_below(): there psi*(t) is flat (psi*(t) >= t/2), so l + lam excess(t)
 //    would be l - l + lam psi*(t) + s, and a loss far below the others (-1e30 beside losses near 1) would take
 //    every digit of its neighbours' shares down with it. Samples whose weight is 0 take this form too, so their

@@ -29,7 +29,34 @@ def native_available() -> bool:
 
 
 def use_native() -> bool:
+    """The compiled ops are loaded and not set aside (DRO_EXT_FORCE_PYTHON, forced_backend)."""
     return _native_loaded and not _force_python
+
+
+# Whether the dispatcher has dro_ext kernels for a device type, asked once per type. Every op is compiled for the
+# same device types (CPU always, CUDA in a CUDA build: tests/test_cuda_registration.py pins it), so one op answers.
+_KERNEL_DEVICE_TYPES: dict[str, bool] = {}
+
+
+# torch.compile takes the answer as a constant, computed when it traces: the dispatcher query itself cannot be traced,
+# and a fullgraph compile of a process's first robust_objective on CUDA failed on it ("torch.* op returned non-Tensor").
+@torch.compiler.assume_constant_result
+def _has_kernels(device_type: str) -> bool:
+    found = _KERNEL_DEVICE_TYPES.get(device_type)
+    if found is None:
+        try:
+            found = torch._C._dispatch_has_kernel_for_dispatch_key("dro_ext::dro_loss", device_type.upper())
+        except Exception:  # not a dispatch key's name (e.g. "meta"): no native kernel of ours
+            found = False
+        _KERNEL_DEVICE_TYPES[device_type] = found
+    return found
+
+
+def native_for(device_type: str) -> bool:
+    """The rule every public function follows: the compiled ops run on tensors of this device type when they are
+    loaded, not set aside (use_native) and have kernels for it; the PyTorch fallback runs otherwise (CUDA tensors
+    in a CPU-only build, say)."""
+    return _native_loaded and not _force_python and _has_kernels(device_type)
 
 
 def backend() -> str:

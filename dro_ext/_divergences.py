@@ -1,6 +1,6 @@
 """The divergences on the Python side: argument validation and the PyTorch fallback of psi* and its
 derivatives. It mirrors csrc/divergences.h formula for formula (see that file for the derivations and
-DESIGN.md section 1 for the errata against the paper's Table 1).
+docs/design.md section 1.4 for the errata against the paper's Table 1).
 """
 from __future__ import annotations
 
@@ -75,16 +75,20 @@ def check_dense(name: str, value: torch.Tensor) -> None:
         raise TypeError(f"dro_ext: {name} must be a dense (strided) tensor, got layout {value.layout}")
 
 
-def check_losses(losses) -> None:
-    if not isinstance(losses, torch.Tensor):
-        raise TypeError(f"dro_ext: losses must be a torch.Tensor, got {type(losses).__name__}")
-    check_dense("losses", losses)
-    if losses.dim() != 1:
-        raise ValueError(f"dro_ext: losses must be a 1-D tensor of per-sample losses, got shape {tuple(losses.shape)}")
-    if losses.numel() == 0:
-        raise ValueError("dro_ext: losses must not be empty")
-    if not losses.is_floating_point():
-        raise TypeError(f"dro_ext: losses must have a floating dtype (float16, bfloat16, float32, float64), got {losses.dtype}")
+def check_losses(value, name: str = "losses", *, allow_empty: bool = False) -> None:
+    """A dense 1-D floating tensor: the losses (or weight_stats' weights), checked with csrc/checks.h's messages.
+    allow_empty: a rank of a group= call may hold none (dro_ext.distributed checks the total)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"dro_ext: {name} must be a torch.Tensor, got {type(value).__name__}")
+    check_dense(name, value)
+    per_sample = " of per-sample losses" if name == "losses" else ""
+    if value.dim() != 1:
+        raise ValueError(f"dro_ext: {name} must be a 1-D tensor{per_sample}, got shape {tuple(value.shape)}")
+    if value.numel() == 0 and not allow_empty:
+        raise ValueError(f"dro_ext: {name} must not be empty")
+    if not value.is_floating_point():
+        raise TypeError(f"dro_ext: {name} must have a floating dtype (float16, bfloat16, float32, float64), "
+                        f"got {value.dtype}")
 
 
 def as_eta(eta, losses: torch.Tensor) -> torch.Tensor:
@@ -103,7 +107,7 @@ def as_eta(eta, losses: torch.Tensor) -> torch.Tensor:
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half/bfloat16/float32 inputs, float64 for float64 inputs (DESIGN.md section 1)."""
+    """float32 for half/bfloat16/float32 inputs, float64 for float64 inputs (docs/design.md section 1.6)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -142,7 +146,7 @@ def _select_positive(x, if_pos, if_nonpos):
 
 def _relu(x):
     # max(x, 0) whose value and gradient are NaN at a NaN (torch.relu's gradient there is 0, which would
-    # silently drop the sample from the gradient); the gradient at 0 is 0, the subgradient of DESIGN.md. A select,
+    # silently drop the sample from the gradient); the gradient at 0 is 0, the subgradient of docs/design.md section 1.3. A select,
     # not x times a 0/1 factor, so that -inf gives 0 (-inf * 0 is NaN).
     return _select_positive(x, x, 0.0)
 
@@ -324,7 +328,7 @@ def penalized_value(x: torch.Tensor, t: torch.Tensor, lam: float, g_eta: torch.T
     penalized_value), differentiable by autograd.
 
     Above direct_below(spec) it is formed as x + lam (psi*(t) - t): the G eta terms cancel, and lam * excess keeps its
-    precision as lam grows, where lam psi*(t) + G eta would not (DESIGN.md, Numerics). At or below it (psi* flat:
+    precision as lam grows, where lam psi*(t) + G eta would not (docs/design.md section 1.6, the ERM limit). At or below it (psi* flat:
     a loss far below the others, or a sample of weight 0) as lam psi*(t) + G eta itself, which keeps the digits
     that x - x would lose, and gives those samples a gradient of exactly psi*'(t) (0 where the weight is 0).
     t = +inf (a loss of +inf) makes the excess form inf - inf; the kernels take lam psi*(t) + G eta there, +inf.

@@ -226,7 +226,7 @@ def dro_cross_entropy(logits, targets, eta, lam, divergence="chi2", *, alpha=Non
     if num_classes == 0:  # before the reshape, which cannot infer -1 beside a 0
         raise ValueError(f"dro_ext: logits must have at least one class, got shape {tuple(logits.shape)}")
     x, y = logits.reshape(-1, num_classes), targets.reshape(-1)
-    if _backend.use_native():
+    if _backend.native_for(x.device.type):
         return torch.ops.dro_ext.dro_cross_entropy(x, y, eta, lam, spec.name, spec.alpha, spec.k, scale,
                                                    ignore_index, label_smoothing)[0]
     _check_target_range(y, num_classes, ignore_index)
@@ -461,7 +461,7 @@ def dro_linear_cross_entropy(hidden, weight, targets, eta, lam, divergence="chi2
         chunk_size = default_chunk_size(rows, h.shape[1], weight.shape[0], h.element_size(), h.device.type)
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"dro_ext: chunk_size must be a positive int or None, got chunk_size={chunk_size!r}")
-    native = _backend.use_native()
+    native = _backend.native_for(h.device.type)
     if not native:
         _check_target_range(y, weight.shape[0], ignore_index)
     grad = torch.is_grad_enabled()

@@ -23,16 +23,12 @@ from __future__ import annotations
 import functools
 import math
 import struct
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from dro_ext._divergences import Spec, accumulate_dtype, check_divergence, check_positive
-from dro_ext._divergences import penalized_value as _penalized_value_torch
-from dro_ext._divergences import excess_first as _excess_first_torch
-from dro_ext._divergences import psi_star as _psi_star_torch
-from dro_ext.robust import _find_eta, _tail_size
+from dro_ext import _solver
+from dro_ext._divergences import accumulate_dtype, check_divergence, check_losses, check_positive
 
 __all__ = [
     "average_gradients",
@@ -81,27 +77,30 @@ def _all_reduce_(tensor: torch.Tensor, op, group, where: str) -> torch.Tensor:
     return tensor
 
 
-class _Reducer:
-    """Sums and maxima of Python floats over the ranks of a group, as float64 Python floats."""
+class _GroupReducer:
+    """The reducer of dro_ext._solver over the ranks of a group: sums and maxima of small float64 vectors are
+    all-reduced, and the tail boundary is an exact selection over the losses of every rank (_kth_largest)."""
 
     def __init__(self, group, device: torch.device, where: str):
         self.group, self.where = group, where
         self.device = _collective_device(group, device)
 
-    def _reduce(self, values, op) -> list[float]:
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
-        return _all_reduce_(t, op, self.group, self.where).tolist()
+    def _reduce(self, v: torch.Tensor, op) -> torch.Tensor:
+        """An all-reduced copy of a small tensor, on the tensor's device."""
+        out = v.detach().to(self.device, copy=True)
+        return _all_reduce_(out, op, self.group, self.where).to(v.device)
 
-    def sum(self, *values) -> list[float]:
-        return self._reduce(values, dist.ReduceOp.SUM)
+    def sum(self, v: torch.Tensor) -> torch.Tensor:
+        return self._reduce(v, dist.ReduceOp.SUM)
 
-    def max(self, *values) -> list[float]:
-        return self._reduce(values, dist.ReduceOp.MAX)
+    def max(self, v: torch.Tensor) -> torch.Tensor:
+        return self._reduce(v, dist.ReduceOp.MAX)
 
-    def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        """An all-reduced (summed) copy of a small tensor, on the tensor's device."""
-        out = t.detach().to(self.device, copy=True)
-        return _all_reduce_(out, dist.ReduceOp.SUM, self.group, self.where).to(t.device)
+    def tail_split(self, x: torch.Tensor, j: int, lo: float, hi: float) -> tuple[float, float, float]:
+        eta = _kth_largest(x, j, lo, hi, self)
+        above = x > eta
+        sum_above, n_above = _solver.totals(self, x[above].sum(), above.sum())
+        return eta, sum_above, n_above
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -162,17 +161,6 @@ def average_gradients(params, group) -> None:
 _SELECTION_FANOUT = 255
 
 
-def _check_local_losses(losses, name="losses") -> None:
-    # As check_losses, except that one rank may hold no losses (the concatenation must not be empty).
-    if not isinstance(losses, torch.Tensor):
-        raise TypeError(f"dro_ext: {name} must be a torch.Tensor, got {type(losses).__name__}")
-    if losses.dim() != 1:
-        raise ValueError(f"dro_ext: {name} must be a 1-D tensor of per-sample losses, got shape "
-                         f"{tuple(losses.shape)}")
-    if not losses.is_floating_point():
-        raise TypeError(f"dro_ext: {name} must have a floating dtype, got {losses.dtype}")
-
-
 def _ordered_keys(x: torch.Tensor) -> torch.Tensor:
     """int64 keys in the order of the float64 values (-0.0 and 0.0 share a key; no NaN in x)."""
     bits = (x + 0.0).view(torch.int64)  # + 0.0 turns -0.0 into 0.0
@@ -189,7 +177,7 @@ def _float_to_key(value: float) -> int:
     return bits if bits >= 0 else bits ^ 0x7FFFFFFFFFFFFFFF
 
 
-def _kth_largest(x: torch.Tensor, j: int, lo: float, hi: float, reducer: _Reducer) -> float:
+def _kth_largest(x: torch.Tensor, j: int, lo: float, hi: float, reducer: _GroupReducer) -> float:
     """The j-th largest of the losses of every rank (exact), by a search over the float64 bit patterns.
 
     Each round counts, for 255 thresholds, the losses at or above each (a binary search in the sorted
@@ -205,7 +193,7 @@ def _kth_largest(x: torch.Tensor, j: int, lo: float, hi: float, reducer: _Reduce
         thresholds = sorted({a + (width * i) // (steps + 1) for i in range(1, steps + 1)} - {a})
         t = torch.tensor(thresholds, dtype=torch.int64, device=keys.device)
         local = n_local - torch.searchsorted(keys, t, side="left")
-        counts = reducer.sum_tensor(local.to(torch.float64)).tolist()
+        counts = reducer.sum(local.to(torch.float64)).tolist()
         for threshold, count in zip(thresholds, counts):
             if count >= j:
                 a = threshold
@@ -215,88 +203,16 @@ def _kth_largest(x: torch.Tensor, j: int, lo: float, hi: float, reducer: _Reduce
     return _key_to_float(a)
 
 
-class _Solution(NamedTuple):
-    value: float
-    eta: float
-    n: int        # the number of losses over every rank
-    tail: float   # alpha * N for cvar (else 0)
-
-
-def _solve(x: torch.Tensor, lam: float, spec: Spec, reducer: _Reducer) -> _Solution:
-    """(Psi, eta*) of the losses of every rank; x holds this rank's losses in float64.
-
-    The algorithms of the single-process fallback (robust._solve_torch; the iterative solver is the same
-    robust._find_eta), with every sum, count and extremum all-reduced: every rank then holds the same numbers
-    and takes the same branches.
-    """
-    n_local = x.numel()
-    nan_local = bool(torch.isnan(x).any()) if n_local else False
-    if n_local and not nan_local:
-        lo_t, hi_t = torch.aminmax(x)
-        lo_local, hi_local = lo_t.item(), hi_t.item()
-    else:
-        lo_local, hi_local = math.inf, -math.inf
-    n_f, nan_count = reducer.sum(n_local, float(nan_local))
-    neg_lo, hi = reducer.max(-lo_local, hi_local)
-    n, lo = int(n_f), -neg_lo
-    if n == 0:
-        raise ValueError(f"dro_ext.{reducer.where}: the losses of every rank together are empty")
-    tail = _tail_size(spec.alpha, n) if spec.name == "cvar" else 0.0
-    if nan_count > 0 or lo == -math.inf:
-        return _Solution(math.nan, math.nan, n, tail)
-    if hi == math.inf:
-        return _Solution(math.inf, math.inf, n, tail)
-    if lo == hi:
-        return _Solution(lo, lo, n, tail)
-    if spec.name == "kl":
-        t = (x - hi) / lam
-        sum_exp, sum_expm1 = reducer.sum(torch.exp(t).sum().item(), torch.expm1(t).sum().item())
-        # As robust._solve_torch: log1p of the mean expm1 where the mean exp is near 1 (large lam).
-        eta = hi + lam * (math.log1p(sum_expm1 / n) if sum_exp / n > 0.5 else math.log(sum_exp / n))
-        return _Solution(eta, eta, n, tail)
-    if spec.name == "cvar":
-        j = min(n, max(1, math.ceil(tail)))
-        eta = _kth_largest(x, j, lo, hi, reducer)
-        above = x > eta
-        sum_above, n_above = reducer.sum(x[above].sum().item(), above.sum().item())
-        return _Solution((sum_above + (tail - n_above) * eta) / tail, eta, n, tail)
-
-    def newton_sums(eta):
-        t = (x - eta) / lam
-        second = _psi_star_torch(t, spec, 2)
-        return reducer.sum(_excess_first_torch(t, spec).sum().item(), second.sum().item(),
-                           (second * (x - eta).abs()).sum().item())
-
-    def segment_sums(cut):
-        active = x > cut
-        return reducer.sum(x[active].sum().item(), active.sum().item())
-
-    eta = _find_eta(newton_sums, segment_sums, n, lo, hi, lam, spec)
-    g_eta = torch.tensor(eta, dtype=x.dtype, device=x.device)
-    (sum_value,) = reducer.sum(_penalized_value_torch(x, (x - g_eta) / lam, lam, g_eta, spec).sum().item())
-    return _Solution(min(sum_value / n, hi), eta, n, tail)  # Psi <= max l (see robust._solve_torch)
-
-
-def _weights(x: torch.Tensor, solution: _Solution, lam: float, spec: Spec, reducer: _Reducer) -> torch.Tensor:
-    """This rank's share of the worst-case distribution at eta* (float64; sums to one over every rank)."""
-    eta = solution.eta
-    if spec.name == "cvar":
-        above, at = x > eta, x == eta
-        n_above, n_at = reducer.sum(above.sum().item(), at.sum().item())
-        boundary = max(1.0 - n_above / solution.tail, 0.0) / n_at if n_at > 0 else 0.0
-        # The last branch is reached only when x or eta is NaN, and x + eta is NaN then.
-        return torch.where(above, 1.0 / solution.tail, torch.where(at, boundary, torch.where(x < eta, 0.0, x + eta)))
-    w = _psi_star_torch((x - eta) / lam, spec, 1)
-    (total,) = reducer.sum(w.sum().item())
-    return w / total
+def _weights(x: torch.Tensor, solution: _solver.Solution, lam, spec, reducer: _GroupReducer) -> torch.Tensor:
+    eta = torch.tensor(solution.eta, dtype=torch.float64, device=x.device)
+    return _solver.weights(x, eta, solution.n, lam, spec, reducer)
 
 
 class _DistributedRobustObjective(torch.autograd.Function):
     @staticmethod
     def forward(ctx, losses, lam, spec, group):
-        reducer = _Reducer(group, losses.device, "robust_objective")
-        x = losses.detach().to(torch.float64)
-        solution = _solve(x, lam, spec, reducer)
+        reducer = _GroupReducer(group, losses.device, "robust_objective")
+        solution = _solver.solve(losses.detach().to(torch.float64), lam, spec, reducer)
         eta_t = torch.tensor(solution.eta, dtype=accumulate_dtype(losses.dtype), device=losses.device)
         ctx.save_for_backward(losses)
         ctx.args = (lam, spec, group, solution)
@@ -309,7 +225,7 @@ class _DistributedRobustObjective(torch.autograd.Function):
         # value is the same Psi, so each rank backpropagates into its own losses only.
         (losses,) = ctx.saved_tensors
         lam, spec, group, solution = ctx.args
-        reducer = _Reducer(group, losses.device, "robust_objective (backward)")
+        reducer = _GroupReducer(group, losses.device, "robust_objective (backward)")
         q = _weights(losses.detach().to(torch.float64), solution, lam, spec, reducer)
         return (q * grad_value.to(torch.float64)).to(losses.dtype), None, None, None
 
@@ -322,7 +238,7 @@ def robust_objective(losses, lam, divergence="chi2", *, alpha=None, k=None, grou
     one of two scalars per iteration (about 5 to 40). The backward pass adds one or two.
     """
     spec = check_divergence(divergence, alpha, k)
-    _check_local_losses(losses)
+    check_losses(losses, allow_empty=True)
     lam = check_positive("lam", lam)
     group = check_group(group, "robust_objective")
     return _DistributedRobustObjective.apply(losses, lam, spec, group)
@@ -334,12 +250,12 @@ def worst_case_weights(losses, lam, divergence="chi2", *, alpha=None, k=None, gr
     The returned weights (dtype of ``losses``) sum to one over all the ranks together.
     """
     spec = check_divergence(divergence, alpha, k)
-    _check_local_losses(losses)
+    check_losses(losses, allow_empty=True)
     lam = check_positive("lam", lam)
     group = check_group(group, "worst_case_weights")
-    reducer = _Reducer(group, losses.device, "worst_case_weights")
+    reducer = _GroupReducer(group, losses.device, "worst_case_weights")
     x = losses.detach().to(torch.float64)
-    solution = _solve(x, lam, spec, reducer)
+    solution = _solver.solve(x, lam, spec, reducer)
     return _weights(x, solution, lam, spec, reducer).to(losses.dtype)
 
 
@@ -352,7 +268,7 @@ def weight_stats(w: torch.Tensor, groups, num_groups, group):
     from dro_ext.robust import WeightStats
 
     group = check_group(group, "weight_stats")
-    reducer = _Reducer(group, w.device, "weight_stats")
+    reducer = _GroupReducer(group, w.device, "weight_stats")
     acc = accumulate_dtype(w.dtype)
     x = w.detach().to(torch.float64)
     width = int(num_groups) if groups is not None else 0
@@ -365,8 +281,8 @@ def weight_stats(w: torch.Tensor, groups, num_groups, group):
                 raise IndexError(f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={width}")
             sums[5:].index_add_(0, groups.long(), x)
     local_max = x.max().item() if x.numel() else -math.inf
-    sums = reducer.sum_tensor(sums)
-    (largest,) = reducer.max(local_max)
+    sums = reducer.sum(sums)
+    largest = reducer.max(torch.tensor([local_max], dtype=torch.float64, device=x.device)).item()
     total, total_sq, zeros, n, nans = sums[:5].tolist()
     if n == 0:
         raise ValueError("dro_ext.weight_stats: the weights of every rank together are empty")
@@ -425,7 +341,7 @@ def _check_grad_layout(p, g, index: int) -> None:
 
 
 def sharded_normalized_sgd_step(params, grads, momenta, steps, *, lr, momentum, eps, weight_decay, norm, maximize,
-                                grad_scale, found_inf, fused: bool):
+                                grad_scale, found_inf, fused: bool, foreach_momentum):
     """One NormalizedSGD step over a param group holding DTensor (FSDP2-sharded) parameters.
 
     The update is elementwise, so it runs on the local shards (``to_local()``, which shares storage with
@@ -437,7 +353,8 @@ def sharded_normalized_sgd_step(params, grads, momenta, steps, *, lr, momentum, 
     With the fused op the momentum pass is the native kernel on the local shards (first-step rule,
     ``maximize``, ``grad_scale`` and ``found_inf`` read where it runs), called with ``lr = 0`` so that it
     leaves the parameters as they are; the update with the reduced norm is a second, ``torch._foreach``
-    pass. No host sync on that path.
+    pass. No host sync on that path. Without it, ``foreach_momentum`` (dro_ext.optim's momentum rule, on tensors
+    of one device and dtype) updates the local momenta.
     """
     for i, (p, g) in enumerate(zip(params, grads)):
         _check_grad_layout(p, g, i)
@@ -455,8 +372,9 @@ def sharded_normalized_sgd_step(params, grads, momenta, steps, *, lr, momentum, 
     else:
         if found_inf is not None and bool(found_inf.ne(0).any()):
             return
-        _foreach_momentum(local_grads, local_momenta, steps, momentum=momentum, maximize=maximize,
-                          grad_scale=grad_scale)
+        buckets = torch.optim.Optimizer._group_tensors_by_device_and_dtype([local_grads, local_momenta, steps])
+        for (b_grads, b_momenta, b_steps), _ in buckets.values():
+            foreach_momentum(b_grads, b_momenta, b_steps, momentum=momentum, maximize=maximize, grad_scale=grad_scale)
 
     # Per-tensor sums of squares of the whole momenta: local partials, all-reduced over the shards. Built
     # from per-tensor device scalars (no host-made index tensors: a host-to-device copy would sync). In
@@ -493,14 +411,3 @@ def sharded_normalized_sgd_step(params, grads, momenta, steps, *, lr, momentum, 
     # p += m * (-scale): per-tensor device scalars, no momentum-sized temporary.
     steps_down = [(-s).to(m.dtype) for s, m in zip(scale.unbind(), local_momenta)]
     torch._foreach_addcmul_(local_params, local_momenta, steps_down)
-
-
-def _foreach_momentum(grads, momenta, steps, *, momentum, maximize, grad_scale):
-    """m <- beta m + (1 - beta) g (m <- g on the first step) on plain tensors; steps += 1."""
-    grad_mul = -1.0 if maximize else 1.0
-    for g, m, step in zip(grads, momenta, steps):
-        take = grad_mul * (1.0 - momentum * step.clamp_max(1.0).to(torch.float64))
-        if grad_scale is not None:
-            take = take / grad_scale.to(device=m.device, dtype=torch.float64)
-        m.mul_(momentum).add_(g * take.to(m.dtype).to(m.device))
-        step.add_(1.0)

@@ -1,7 +1,7 @@
 """The public loss functions, dispatching to the native ops or to the PyTorch fallback, and the
 fake (meta) kernels and autograd formulas of the native ops.
 
-Math (DESIGN.md section 1), with t_i = (l_i - G*eta) / lam and w_i = psi*'(t_i):
+Math (docs/design.md sections 1.1-1.2), with t_i = (l_i - G*eta) / lam and w_i = psi*'(t_i):
 
     L(eta)   = mean_i lam * psi*(t_i) + G*eta  = mean_i l_i + lam * mean_i (psi*(t_i) - t_i)
     dL/dl_i  = w_i / N
@@ -118,13 +118,13 @@ def dro_loss(losses, eta, lam, divergence="chi2", *, alpha=None, k=None, scale=1
     use :func:`dro_ext.robust_objective` for an overflow-free value. A loss of ``+inf`` gives ``+inf`` (its
     weight is ``psi*'(+inf)``); a loss of ``-inf`` adds ``lam*psi*(-inf) + scale*eta``, its limit, with weight 0.
     """
-    if (_backend.use_native() and isinstance(losses, torch.Tensor) and isinstance(eta, torch.Tensor)
-            and eta.device == losses.device and losses.layout == torch.strided):
+    if (isinstance(losses, torch.Tensor) and isinstance(eta, torch.Tensor) and eta.device == losses.device
+            and losses.layout == torch.strided and _backend.native_for(losses.device.type)):
         # The op checks the tensors itself, with the same errors; only the Python numbers are checked here.
         spec, lam, scale = _checked_scalars(divergence, alpha, k, lam, scale)
     else:
         spec, eta, lam, scale = _checked_args(losses, eta, lam, divergence, alpha, k, scale)
-        if not _backend.use_native():
+        if not _backend.native_for(losses.device.type):
             return _fallback_dro_loss(losses, eta, lam, spec, scale)
     return _dro_loss_op(losses, eta, lam, spec.name, spec.alpha, spec.k, scale)[0]
 
@@ -136,7 +136,7 @@ def dro_weights(losses, eta, lam, divergence="chi2", *, alpha=None, k=None, scal
     the worst-case distribution over the batch. Differentiable (through ``psi*''``).
     """
     spec, eta, lam, scale = _checked_args(losses, eta, lam, divergence, alpha, k, scale)
-    if _backend.use_native():
+    if _backend.native_for(losses.device.type):
         one = torch.ones((), dtype=accumulate_dtype(losses.dtype), device=losses.device)
         return torch.ops.dro_ext.psi_star_terms(losses, eta, one, lam, spec.name, spec.alpha, spec.k, scale, 1)
     return _fallback_terms(losses, eta, lam, spec, scale, 1)
@@ -150,7 +150,7 @@ def psi_star(t, divergence="chi2", *, alpha=None, k=None) -> torch.Tensor:
     check_dense("t", t)
     acc = accumulate_dtype(t.dtype)
     zero = torch.zeros((), dtype=acc, device=t.device)
-    if _backend.use_native():
+    if _backend.native_for(t.device.type):
         one = torch.ones((), dtype=acc, device=t.device)
         return torch.ops.dro_ext.psi_star_terms(t, zero, one, 1.0, spec.name, spec.alpha, spec.k, 1.0, 0)
     return _fallback_terms(t, zero, 1.0, spec, 1.0, 0)

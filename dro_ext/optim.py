@@ -1,4 +1,4 @@
-"""NormalizedSGD: mini-batch normalized SGD with momentum, Algorithm 1 of the paper (DESIGN.md section 1).
+"""NormalizedSGD: mini-batch normalized SGD with momentum, Algorithm 1 of the paper (docs/design.md section 1.8).
 
     m <- beta * m + (1 - beta) * g                (m <- g on a parameter's first step)
     p <- (1 - lr * weight_decay) * p - lr * m / (||m|| + eps)
@@ -35,10 +35,7 @@ DEFAULT_EPS = 1e-8
 _NORMS = ("global", "tensor")
 
 
-# An extension built before this op existed loads without it: then only the fallback runs.
-_NATIVE_OP = _backend.native_available() and hasattr(torch.ops.dro_ext, "normalized_sgd_step_")
-
-if _NATIVE_OP:
+if _backend.native_available():
 
     @torch.library.register_fake("dro_ext::normalized_sgd_step_")
     def _normalized_sgd_step_fake(
@@ -62,13 +59,6 @@ def _check_number(name, value, *, low, high=None):
     allowed = f"in [{low}, {high})" if high is not None else f">= {low}"
     if not math.isfinite(number) or number < low or (high is not None and number >= high):
         raise ValueError(f"dro_ext.NormalizedSGD: {name} must be a finite number {allowed}, got {name}={number}")
-
-
-# Device types the fused op has kernels for, looked up once: a constant for torch.compile to read.
-_FUSED_DEVICE_TYPES = frozenset(
-    t for t in ("cpu", "cuda")
-    if _NATIVE_OP and torch._C._dispatch_has_kernel_for_dispatch_key("dro_ext::normalized_sgd_step_", t.upper())
-)
 
 
 class NormalizedSGD(Optimizer):
@@ -104,13 +94,13 @@ class NormalizedSGD(Optimizer):
                  maximize=False, foreach=None, fused=None):
         if fused and foreach:
             raise ValueError("dro_ext.NormalizedSGD: fused=True and foreach=True are mutually exclusive")
-        if fused and not _NATIVE_OP:
+        if fused and not _backend.native_available():
             raise RuntimeError(f"dro_ext.NormalizedSGD: fused=True needs the native op normalized_sgd_step_, "
                                f"which is not loaded (extension load error: {_backend.load_error()})")
         defaults = dict(lr=lr, momentum=momentum, eps=eps, weight_decay=weight_decay, norm=norm,
                         maximize=maximize, foreach=foreach, fused=fused)
         super().__init__(params, defaults)
-        self._plans = {}  # id(group) -> _GroupPlan: the step lists kept between steps (_group_lists)
+        self._plans = {}  # id(group) -> the _GroupPlan kept for the group's next step (_plan)
 
     def add_param_group(self, param_group):
         # Checked per group, so a group that overrides a default gets the same errors as the constructor.
@@ -163,42 +153,32 @@ class NormalizedSGD(Optimizer):
                 raise RuntimeError("dro_ext.NormalizedSGD: fused=True but the native ops are disabled "
                                    "(DRO_EXT_FORCE_PYTHON=1 or the extension did not load)")
             return True
-        if group["fused"] is not None or group["foreach"] or not _backend.use_native():
+        if group["fused"] is not None or group["foreach"]:
             return False
         # Automatic choice: the fused op where it has a kernel for the group's one device, else foreach.
         device = params[0].device
-        return device.type in _FUSED_DEVICE_TYPES and all(p.device == device for p in params)
+        return _backend.native_for(device.type) and all(p.device == device for p in params)
 
-    def _group_lists(self, group):
-        """(params, grads, momenta, steps) of the group's params that have a gradient, and the cached _GroupPlan
-        they came from (None when built afresh). A plan is reused while the group, the state dict, the group's
-        param list and the backend are the ones it was built from and every param still has a gradient: then a
-        step reads only p.grad and the state entries, instead of running _init_group's checks again (at ~150
-        tensors those cost more host time than the kernels' launches)."""
-        if not torch.compiler.is_compiling():  # the cache is host bookkeeping torch.compile need not trace
-            plan = self._plans.get(id(group))
-            if plan is not None and plan.valid_for(self, group):
-                grads = [p.grad for p in plan.params]
-                if all(map(operator.is_not, grads, repeat(None))):
-                    try:
-                        momenta = [state["momentum_buffer"] for state in plan.states]
-                        steps = [state["step"] for state in plan.states]
-                    except KeyError:  # a state entry cleared since: rebuild
-                        pass
-                    else:
-                        return plan.params, grads, momenta, steps, plan
+    def _plan(self, group) -> tuple[_GroupPlan, tuple]:
+        """The group's plan and its (grads, momenta, steps) for this step: the kept plan while it still holds, else a
+        new one (kept when every param of the group has a gradient). At ~150 tensors, _init_group's checks cost more
+        host time than the kernels' launches; a kept plan reads only p.grad and the state entries."""
+        caching = not torch.compiler.is_compiling()  # the cache is host bookkeeping torch.compile need not trace
+        plan = self._plans.get(id(group)) if caching else None
+        if plan is not None and plan.valid_for(self, group):
+            lists = plan.lists()
+            if lists is not None:
+                return plan, lists
         params, grads, momenta, steps = [], [], [], []
         self._init_group(group, params, grads, momenta, steps)
-        plan = None
-        if not torch.compiler.is_compiling():
-            # Plans of groups or states the optimizer no longer has go: they would keep old momentum buffers alive.
-            plans = {key: kept for key, kept in self._plans.items()
-                     if key != id(group) and any(kept.group is g for g in self.param_groups)
-                     and kept.valid_for(self, kept.group)}
-            if params and len(params) == len(group["params"]):
-                plan = plans[id(group)] = _GroupPlan(self, group, params)
-            self._plans = plans
-        return params, grads, momenta, steps, plan
+        plan = _GroupPlan(self, group, params, keeping=caching)
+        if caching:
+            # Only the plans of the optimizer's groups stay: another would keep old momentum buffers alive.
+            self._plans = {id(g): self._plans[id(g)] for g in self.param_groups
+                           if g is not group and id(g) in self._plans}
+            if plan.reusable:
+                self._plans[id(group)] = plan
+        return plan, (grads, momenta, steps)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -209,57 +189,64 @@ class NormalizedSGD(Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         for group in self.param_groups:
-            params, grads, momenta, steps, plan = self._group_lists(group)
-            if not params:
+            plan, (grads, momenta, steps) = self._plan(group)
+            if not plan.params:
                 continue
-            dtensor = plan.dtensor if plan is not None else _distributed.has_dtensor(params)
-            fused = plan.fused if plan is not None else self._use_fused(group, params)
-            if dtensor:  # FSDP2: local shards, one all-reduce for the norm
-                _distributed.sharded_normalized_sgd_step(
-                    params, grads, momenta, steps, lr=group["lr"], momentum=group["momentum"], eps=group["eps"],
-                    weight_decay=group["weight_decay"], norm=group["norm"], maximize=group["maximize"],
-                    grad_scale=grad_scale, found_inf=found_inf, fused=fused)
-                continue
-            if fused:
-                _fused_step(params, grads, momenta, steps, lr=group["lr"], momentum=group["momentum"],
-                            eps=group["eps"], weight_decay=group["weight_decay"], norm=group["norm"],
-                            maximize=group["maximize"], grad_scale=grad_scale, found_inf=found_inf,
-                            one_device=plan is not None)
+            options = dict(lr=group["lr"], momentum=group["momentum"], eps=group["eps"],
+                           weight_decay=group["weight_decay"], norm=group["norm"], maximize=group["maximize"],
+                           grad_scale=grad_scale, found_inf=found_inf)
+            if plan.dtensor:  # FSDP2: local shards, one all-reduce for the norm
+                _distributed.sharded_normalized_sgd_step(plan.params, grads, momenta, steps, fused=plan.fused,
+                                                         foreach_momentum=_foreach_momentum_, **options)
+            elif plan.fused:
+                _fused_step(plan.params, grads, momenta, steps, **options)
             else:
-                _foreach_step(params, grads, momenta, steps, lr=group["lr"], momentum=group["momentum"],
-                              eps=group["eps"], weight_decay=group["weight_decay"], norm=group["norm"],
-                              maximize=group["maximize"], grad_scale=grad_scale, found_inf=found_inf)
+                _foreach_step(plan.params, grads, momenta, steps, **options)
         return loss
 
 
 class _GroupPlan:
-    """What one param group's step hands to the kernels, kept between steps (NormalizedSGD._group_lists): the
-    params (all of the group's, each with a gradient when built), their state entries, and the choices made from
-    them (sharded or not, fused or foreach). It holds the objects it was built from and is valid only while the
-    optimizer still has exactly those: load_state_dict replaces the state dict and the groups, add_param_group
-    adds a group, and a changed param list, "fused"/"foreach" setting or backend shows here too."""
+    """One param group's step as decided from its params (those with a gradient, from _init_group): their state
+    entries, whether they are sharded (DTensor) and whether the fused op runs. A plan is kept for the next step
+    (NormalizedSGD._plan) when every param of the group had a gradient, and serves while `valid_for` holds: the same
+    group, param list and state dict (load_state_dict replaces both; add_param_group adds a group with a plan of
+    its own) and the same "fused"/"foreach" settings and backend."""
 
-    __slots__ = ("group", "state", "group_params", "num_params", "fused_setting", "native", "params", "states",
-                 "dtensor", "fused")
+    __slots__ = ("group", "group_params", "num_params", "state", "settings", "params", "states", "dtensor", "fused",
+                 "reusable")
 
-    def __init__(self, optimizer, group, params):
-        self.group = group
-        self.state = optimizer.state
-        self.group_params = group["params"]
-        self.num_params = len(group["params"])
-        self.fused_setting = (group["fused"], group["foreach"])
-        self.native = _backend.use_native()
+    def __init__(self, optimizer, group, params, keeping: bool):
+        self.group, self.group_params, self.num_params = group, group["params"], len(group["params"])
+        self.state, self.settings = optimizer.state, _settings(group)
         self.params = params
-        self.states = [optimizer.state[p] for p in params]
-        self.dtensor = _distributed.has_dtensor(params)
-        self.fused = optimizer._use_fused(group, params)
+        self.dtensor = bool(params) and _distributed.has_dtensor(params)
+        self.fused = bool(params) and optimizer._use_fused(group, params)
         if self.fused and not self.dtensor:
             _check_one_device(params)
+        self.reusable = keeping and bool(params) and len(params) == self.num_params
+        # The state entries that a kept plan's later steps read. Only for a plan that is kept: while compiling (when
+        # none is) dynamo traced this read of the state dict wrongly for a second param group (wrong steps).
+        self.states = [optimizer.state[p] for p in params] if self.reusable else None
 
     def valid_for(self, optimizer, group) -> bool:
-        return (self.group is group and self.state is optimizer.state and self.group_params is group["params"]
-                and self.num_params == len(group["params"]) and self.fused_setting == (group["fused"], group["foreach"])
-                and self.native == _backend.use_native())
+        return (self.group is group and self.group_params is group["params"]
+                and self.num_params == len(group["params"]) and self.state is optimizer.state
+                and self.settings == _settings(group))
+
+    def lists(self):
+        """(grads, momenta, steps) of the plan's params as they are now; None where a param has lost its gradient or
+        its state entries since (the plan no longer holds)."""
+        grads = [p.grad for p in self.params]
+        if not all(map(operator.is_not, grads, repeat(None))):
+            return None
+        try:
+            return grads, [s["momentum_buffer"] for s in self.states], [s["step"] for s in self.states]
+        except KeyError:
+            return None
+
+
+def _settings(group):
+    return group["fused"], group["foreach"], _backend.use_native()
 
 
 def _check_one_device(params):
@@ -270,9 +257,8 @@ def _check_one_device(params):
 
 
 def _fused_step(params, grads, momenta, steps, *, lr, momentum, eps, weight_decay, norm, maximize,
-                grad_scale, found_inf, one_device=False):
-    if not one_device:  # a cached plan checked this when it was built
-        _check_one_device(params)
+                grad_scale, found_inf):
+    # _GroupPlan checked that every param sits on one device.
     if not isinstance(lr, torch.Tensor):
         # Made anew each step (~2 us): a tensor kept across steps would be whatever the first step's mode made it
         # (a FakeTensor under FakeTensorMode, say) for every later step.
@@ -282,23 +268,28 @@ def _fused_step(params, grads, momenta, steps, *, lr, momentum, eps, weight_deca
     )
 
 
+def _foreach_momentum_(grads, momenta, steps, *, momentum, maximize, grad_scale):
+    """The momentum rule, on tensors of one device and dtype: m <- beta m + take g with take = 1 - beta, and 1 on a
+    tensor's first step (step == 0, m == 0), negated for maximize and divided by GradScaler's grad_scale; steps += 1.
+    The fused op's kernels apply the same rule (csrc/normalized_sgd.cpp, csrc/cuda/normalized_sgd.cu)."""
+    acc = torch.float64 if momenta[0].dtype == torch.float64 else torch.float32
+    started = torch.stack(steps).clamp_max(1.0).to(torch.float64)
+    take = (-1.0 if maximize else 1.0) * (1.0 - momentum * started)
+    if grad_scale is not None:
+        take = take / grad_scale.to(device=started.device, dtype=torch.float64)
+    torch._foreach_mul_(momenta, momentum)
+    torch._foreach_addcmul_(momenta, grads, list(take.to(acc).unbind()))
+    torch._foreach_add_(steps, 1.0)
+
+
 def _foreach_step(params, grads, momenta, steps, *, lr, momentum, eps, weight_decay, norm, maximize,
                   grad_scale, found_inf):
     if found_inf is not None and bool(found_inf.ne(0).any()):
         return
-    grad_mul = -1.0 if maximize else 1.0
     buckets = Optimizer._group_tensors_by_device_and_dtype([params, grads, momenta, steps])
     sumsq, norms_per_bucket = [], []
     for (device, dtype), ((_, b_grads, b_momenta, b_steps), _) in buckets.items():
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
-        # m = beta*m + take*g with take = 1 - beta on later steps and 1 on the first (step == 0, m == 0).
-        started = torch.stack(b_steps).clamp_max(1.0).to(torch.float64)
-        take = grad_mul * (1.0 - momentum * started)
-        if grad_scale is not None:
-            take = take / grad_scale.to(device=device, dtype=torch.float64)
-        torch._foreach_mul_(b_momenta, momentum)
-        torch._foreach_addcmul_(b_momenta, b_grads, list(take.to(acc).unbind()))
-        torch._foreach_add_(b_steps, 1.0)
+        _foreach_momentum_(b_grads, b_momenta, b_steps, momentum=momentum, maximize=maximize, grad_scale=grad_scale)
         # In float64: float32 squares of tiny (< 1e-19) or huge (> 1e19) momenta under- or overflow.
         norms = torch.stack(torch._foreach_norm(b_momenta, 2, dtype=torch.float64))
         norms_per_bucket.append(norms)

@@ -1,5 +1,5 @@
 """The exact robust objective ``Psi = min over eta of L(eta)``, its worst-case distribution, weight
-diagnostics and a whole-dataset evaluation helper (DESIGN.md section 1, "Exact robust objective").
+diagnostics and a whole-dataset evaluation helper (docs/design.md section 1.7).
 
 With ``L(eta) = mean_i lam * psi*((l_i - eta)/lam) + eta`` (G = 1), ``eta*`` lies in ``[min l, max l]``
 because ``psi*'(0) = 1``, and the worst-case distribution is ``q_i = psi*'((l_i - eta*)/lam) / N``:
@@ -15,34 +15,27 @@ The condition is summed as ``psi*'(t) - 1`` and the value formed as ``mean l + l
 both accurate for small ``t``, so ``Psi -> mean l`` keeps its precision as ``lam -> inf`` (the ERM limit).
 
 The native op does each Newton iteration as one fused pass of the loss kernel (sum psi*' and sum psi*'');
-the PyTorch fallback runs the same algorithms in float64 with a Python loop.
+the PyTorch fallback is dro_ext._solver, in float64 with a Python loop (its docstring says how the two differ).
 """
 from __future__ import annotations
 
-import math
 import sys
 from typing import Callable, NamedTuple
 
 import torch
 
-from dro_ext import _backend
+from dro_ext import _backend, _solver
 from dro_ext._divergences import (
     Spec,
     accumulate_dtype,
-    check_dense,
     check_divergence,
     check_losses,
     check_positive,
     fixed_order_sum,
 )
-from dro_ext._divergences import excess_first as _excess_first_torch
-from dro_ext._divergences import penalized_value as _penalized_value_torch
-from dro_ext._divergences import psi_star as _psi_star_torch
 from dro_ext.ops import dro_weights
 
 __all__ = ["WeightStats", "evaluate", "robust_objective", "weight_stats", "worst_case_weights"]
-
-_MAX_ITERATIONS = 100
 
 # ---------------------------------------------------------------------------------------------------
 # Native ops: fake kernels and autograd (Danskin: dPsi/dl_i = q_i). Registered only when loaded.
@@ -87,197 +80,16 @@ if _backend.native_available():
         return scalar, scalar.clone(), scalar.clone(), weights.new_empty((width,), dtype=acc)
 
 
-# Device types with native kernels, asked of the dispatcher once per type.
-_NATIVE_DEVICE_TYPES: dict = {"cpu": True}
-
-
-# torch.compile takes the answer as a constant, computed when it traces: the dispatcher query itself cannot be traced,
-# and a fullgraph compile of a process's first robust_objective on CUDA failed on it ("torch.* op returned non-Tensor").
-@torch.compiler.assume_constant_result
-def _has_native_kernel(device_type: str) -> bool:
-    if device_type not in _NATIVE_DEVICE_TYPES:
-        try:
-            _NATIVE_DEVICE_TYPES[device_type] = torch._C._dispatch_has_kernel_for_dispatch_key(
-                "dro_ext::robust_objective", device_type.upper())
-        except Exception:  # pragma: no cover - unknown dispatch key names
-            _NATIVE_DEVICE_TYPES[device_type] = False
-    return _NATIVE_DEVICE_TYPES[device_type]
-
-
-def _native_for_device_type(device_type: str) -> bool:
-    """The native ops are in use and have kernels for this device type (CUDA: when the build compiled them)."""
-    return _backend.use_native() and _has_native_kernel(device_type)
-
-
-def _native_for(losses: torch.Tensor) -> bool:
-    """The native op is used when loaded, selected, and it has a kernel for the losses' device."""
-    return _native_for_device_type(losses.device.type)
-
-
 # ---------------------------------------------------------------------------------------------------
-# The PyTorch fallback: the same algorithms, in float64, with host-side iteration.
+# The PyTorch fallback: dro_ext._solver over this process's losses, in float64.
 # ---------------------------------------------------------------------------------------------------
-
-
-def _tail_size(alpha: float, n: int) -> float:
-    """alpha * N, snapped to an integer when it is one up to rounding (0.3 * 10 == 3.0000000000000004)."""
-    k = alpha * n
-    r = round(k)
-    return float(r) if abs(k - r) <= 8.0 * sys.float_info.epsilon * k else k
-
-
-def _find_eta(newton_sums: Callable, segment_sums: Callable, n: int, lo: float, hi: float, lam: float,
-              spec: Spec) -> float:
-    """eta* of the iterative divergences: safeguarded Newton/bisection on mean psi*'((l - eta)/lam) = 1 in [lo, hi].
-
-    newton_sums(eta) gives (sum_i psi*'(t_i) - 1, sum_i psi*''(t_i), sum_i psi*''(t_i) |l_i - eta|) and
-    segment_sums(cut) gives (sum of the losses above cut, their count), over every loss: the single-process fallback
-    sums its tensor, dro_ext.distributed all-reduces the sums of every rank, and both take the same steps as the
-    native solver (csrc/robust_objective.cpp's solve_newton, which explains each test).
-    """
-    # psi*' = (1 + t/width)_+ is piecewise linear for chi2 (width 2) and cressie_read at k = 2 (width 1).
-    width = 2.0 if spec.name == "chi2" else (1.0 if spec.name == "cressie_read" and spec.k == 2.0 else 0.0)
-    linear = width > 0.0
-    eps = sys.float_info.epsilon
-    a, b, eta = lo, hi, lo
-    step_before_last = last_step = b - a
-    previous_active, previous_g, last_was_newton, converged = -1.0, math.nan, False, False
-    probing, probe_origin, probe_origin_g = False, math.nan, math.nan
-    for _ in range(_MAX_ITERATIONS):
-        s1, s2, s3 = newton_sums(eta)
-        g = s1 / n
-        if math.isnan(g):
-            return math.nan
-        if g == 0.0:
-            converged = True
-            break
-        if g > 0.0:
-            a = eta
-        else:
-            b = eta
-        # eta to a few roundings of |eta| and of the psi*''-weighted mean |l| (the bracket's ends without a slope).
-        scale = 2.0 * abs(eta) + s3 / s2 if s2 > 0.0 and math.isfinite(s3) else max(abs(a), abs(b))
-        tol = 4.0 * eps * scale
-        converging = last_was_newton and abs(g) <= 0.5 * abs(previous_g)  # Newton's model holds
-        bisect = False
-        if probing:
-            probing = False
-            if (g > 0.0) != (probe_origin_g > 0.0):
-                if abs(probe_origin_g) < abs(g):
-                    eta = probe_origin
-                converged = True
-                break
-            bisect = True
-        if linear and last_was_newton and s2 == previous_active:
-            converged = True
-            break
-        previous_active = s2
-        try:
-            newton = lam * s1 / s2 if linear else lam * math.log1p(g) * ((n + s1) / s2)
-        except (ValueError, ZeroDivisionError, OverflowError):
-            newton = math.nan
-        use_newton = False
-        if not bisect and abs(newton) <= tol:
-            # Tiny Newton step: the root, after a Newton step that halved |g|; else probe a tolerance towards it.
-            if converging:
-                converged = True
-                break
-            nxt = eta + math.copysign(tol, g)
-            if not a < nxt < b:
-                converged = True
-                break
-            probing, probe_origin, probe_origin_g = True, eta, g
-        else:
-            nxt = eta + newton
-            use_newton = (
-                not bisect and math.isfinite(nxt) and a < nxt < b
-                and (linear or abs(newton) <= 0.5 * abs(step_before_last))
-            )
-            if not use_newton:
-                nxt = 0.5 * (a + b)
-        previous_g = g
-        step_before_last, last_step = last_step, nxt - eta
-        eta, last_was_newton = nxt, use_newton
-        if not probing and (b - a <= tol or (abs(last_step) <= tol and (not use_newton or converging))):
-            converged = True
-            break
-    if linear and converged:
-        sum_active, count = segment_sums(eta - width * lam)
-        if count > 0:
-            exact = (sum_active + width * lam * (count - n)) / count
-            if lo <= exact <= hi:
-                eta = exact
-    return eta
-
-
-def _penalized_mean(x: torch.Tensor, eta: float, lam: float, spec: Spec) -> torch.Tensor:
-    """L(eta) = mean_i lam psi*((l_i - eta)/lam) + eta over float64 losses, each share as the loss forms it."""
-    g_eta = torch.tensor(eta, dtype=x.dtype, device=x.device)
-    return _penalized_value_torch(x, (x - g_eta) / lam, lam, g_eta, spec).mean()
-
-
-def _solve_torch(x: torch.Tensor, lam: float, spec: Spec) -> tuple[float, float]:
-    """(Psi, eta*) for float64 losses x, as Python floats."""
-    n = x.numel()
-    lo_t, hi_t = torch.aminmax(x)
-    lo, hi = lo_t.item(), hi_t.item()
-    if math.isnan(lo) or math.isnan(hi) or lo == -math.inf:
-        return math.nan, math.nan
-    if hi == math.inf:
-        return math.inf, math.inf
-    if lo == hi:
-        return lo, lo
-    if spec.name == "kl":
-        t = (x - hi) / lam
-        mean_exp = torch.exp(t).mean().item()
-        # Near 1, log loses the digits of mean_exp - 1 that lam multiplies; log1p of the mean expm1 keeps them.
-        log_mean = math.log1p(torch.expm1(t).mean().item()) if mean_exp > 0.5 else math.log(mean_exp)
-        eta = hi + lam * log_mean
-        return eta, eta
-    if spec.name == "cvar":
-        tail = _tail_size(spec.alpha, n)
-        j = min(n, max(1, math.ceil(tail)))
-        top = torch.topk(x, j).values
-        eta = top[-1].item()
-        above = top[top > eta]
-        return (above.sum().item() + (tail - above.numel()) * eta) / tail, eta
-
-    def newton_sums(eta):
-        t = (x - eta) / lam
-        second = _psi_star_torch(t, spec, 2)
-        return _excess_first_torch(t, spec).sum().item(), second.sum().item(), (second * (x - eta).abs()).sum().item()
-
-    def segment_sums(cut):
-        active = x > cut
-        return x[active].sum().item(), active.sum().item()
-
-    eta = _find_eta(newton_sums, segment_sums, n, lo, hi, lam, spec)
-    # Psi <= L(max l) <= max l: where lam is below float64's resolution of the losses, L at the rounded eta* is not.
-    return min(_penalized_mean(x, eta, lam, spec).item(), hi), eta
-
-
-def _weights_torch(losses: torch.Tensor, eta: torch.Tensor, lam: float, spec: Spec) -> torch.Tensor:
-    """The worst-case distribution at eta (normalized to sum to one), in the losses' dtype."""
-    x = losses.detach().to(torch.float64)
-    e = eta.detach().to(torch.float64)
-    if spec.name == "cvar":
-        tail = _tail_size(spec.alpha, x.numel())
-        above = x > e
-        at = x == e
-        n_above, n_at = above.sum().to(torch.float64), at.sum().to(torch.float64)
-        boundary = torch.where(n_at > 0, torch.clamp(1.0 - n_above / tail, min=0.0) / n_at.clamp(min=1.0), 0.0)
-        # The last branch is reached only when x or eta is NaN, and x + e is NaN then.
-        q = torch.where(above, 1.0 / tail, torch.where(at, boundary, torch.where(x < e, 0.0, x + e)))
-        return q.to(losses.dtype)
-    w = _psi_star_torch((x - e) / lam, spec, 1)
-    return (w / w.sum()).to(losses.dtype)
 
 
 class _RobustObjective(torch.autograd.Function):
     @staticmethod
     def forward(ctx, losses, lam, spec):
         # contiguous: a strided view would be summed in another order than its copy
-        value, eta = _solve_torch(losses.detach().to(torch.float64).contiguous(), lam, spec)
+        value, eta, _ = _solver.solve(losses.detach().to(torch.float64).contiguous(), lam, spec)
         eta_t = torch.tensor(eta, dtype=accumulate_dtype(losses.dtype), device=losses.device)
         ctx.save_for_backward(losses, eta_t)
         ctx.args = (lam, spec)
@@ -288,7 +100,7 @@ class _RobustObjective(torch.autograd.Function):
     def backward(ctx, grad_value, _grad_eta):
         losses, eta_t = ctx.saved_tensors
         lam, spec = ctx.args
-        return _weights_torch(losses, eta_t, lam, spec) * grad_value.to(losses.dtype), None, None
+        return _fallback_weights(losses, eta_t, lam, spec) * grad_value.to(losses.dtype), None, None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -319,7 +131,7 @@ def robust_objective(
     spec = check_divergence(divergence, alpha, k)
     check_losses(losses)
     lam = check_positive("lam", lam)
-    if _native_for(losses):
+    if _backend.native_for(losses.device.type):
         return torch.ops.dro_ext.robust_objective(losses, lam, spec.name, spec.alpha, spec.k)
     return _RobustObjective.apply(losses, lam, spec)
 
@@ -339,9 +151,15 @@ def worst_case_weights(losses, lam, divergence="chi2", *, alpha=None, k=None, gr
     lam = check_positive("lam", lam)
     losses = losses.detach()
     _, eta = robust_objective(losses, lam, spec.name, alpha=spec.alpha, k=spec.k)
-    if _native_for(losses):
+    if _backend.native_for(losses.device.type):
         return torch.ops.dro_ext.robust_weights(losses, eta, lam, spec.name, spec.alpha, spec.k)
-    return _weights_torch(losses, eta, lam, spec)
+    return _fallback_weights(losses, eta, lam, spec)
+
+
+def _fallback_weights(losses: torch.Tensor, eta: torch.Tensor, lam: float, spec: Spec) -> torch.Tensor:
+    """The worst-case distribution at eta (normalized to sum to one), in the losses' dtype."""
+    x = losses.detach().to(torch.float64)
+    return _solver.weights(x, eta.detach().to(torch.float64), x.numel(), lam, spec).to(losses.dtype)
 
 
 class WeightStats(NamedTuple):
@@ -382,10 +200,7 @@ def weight_stats(
         if weights is not None:
             if losses is not None or eta is not None:
                 raise ValueError("dro_ext: give either weights or losses (+ eta), not both")
-            if group is None:
-                check_losses_like("weights", weights)
-            else:
-                _distributed()._check_local_losses(weights, "weights")
+            check_losses(weights, "weights", allow_empty=group is not None)
             w = weights
         else:
             if losses is None:
@@ -413,7 +228,7 @@ def weight_stats(
                 raise ValueError(f"dro_ext: num_groups must be > 0, got num_groups={num_groups}")
         if group is not None:
             return _distributed().weight_stats(w, groups, num_groups, group)
-        if _native_for(w):
+        if _backend.native_for(w.device.type):
             ess, max_weight, zero_fraction, group_mass = torch.ops.dro_ext.weight_stats(
                 w, groups, num_groups if groups is not None else 0
             )
@@ -437,18 +252,6 @@ def _distributed():
     from dro_ext import distributed
 
     return distributed
-
-
-def check_losses_like(name: str, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"dro_ext: {name} must be a torch.Tensor, got {type(t).__name__}")
-    check_dense(name, t)
-    if t.dim() != 1:
-        raise ValueError(f"dro_ext: {name} must be a 1-D tensor, got shape {tuple(t.shape)}")
-    if t.numel() == 0:
-        raise ValueError(f"dro_ext: {name} must not be empty")
-    if not t.is_floating_point():
-        raise TypeError(f"dro_ext: {name} must have a floating dtype, got {t.dtype}")
 
 
 def _to_device(batch, device):

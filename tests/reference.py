@@ -1,4 +1,4 @@
-"""Independent float64 references for the tests: the conjugates exactly as DESIGN.md's table writes them,
+"""Independent float64 references for the tests: the conjugates exactly as docs/design.md section 1.3's table writes them,
 and the divergences psi(s) they are conjugate to, from which a numerical conjugate is derived."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ CASE_IDS = [d + "".join(f"-{k}{v}" for k, v in p.items()) for d, p in CASES]
 
 
 def psi_star(t: torch.Tensor, name: str, alpha=None, k=None) -> torch.Tensor:
-    """The table of DESIGN.md section 1, written literally (no stabilization): valid for moderate t."""
+    """The table of docs/design.md section 1.3, written literally (no stabilization): valid for moderate t."""
     if name == "chi2":
         return -1 + torch.clamp(t + 2, min=0) ** 2 / 4
     if name == "kl":
@@ -132,7 +132,7 @@ def assert_matches_one_infinite(value, grads, losses, eta, lam, name, bad_index,
 
 
 def psi(s: float, name: str, alpha=None, k=None) -> float:
-    """The divergence whose conjugate the table lists (chi2 per DESIGN.md's erratum: (s-1)^2)."""
+    """The divergence whose conjugate the table lists (chi2 per docs/design.md section 1.4's erratum: (s-1)^2)."""
     if s < 0:
         return math.inf
     xlogx = s * math.log(s) if s > 0 else 0.0

@@ -1,6 +1,6 @@
 """The CUDA path, checked without a GPU:
  - every dro_ext op has a CUDA kernel in a CUDA build of the extension (the dispatcher knows which kernels are
-   registered whether or not a device is visible; CONTRACTS.md rule 4);
+   registered whether or not a device is visible; docs/design.md section 4, rule 4);
  - the Python layer around the ops reads nothing back to the host for CUDA tensors: run on fake CUDA tensors
    (FakeTensorMode needs no device), every public function's forward and the optimizer step are recorded op by
    op, and a host read (.item(), bool(), float(), a copy to the CPU) fails the test; so are the backward
@@ -92,12 +92,10 @@ def test_cuda_tensors_route_to_native_ops():
     # DRO_EXT_FORCE_PYTHON=1): the routing decision is made from the dispatcher, without a device.
     if not _built_with_cuda():
         pytest.skip("the extension was built without CUDA (DRO_EXT_CUDA=0 or no toolkit)")
-    from dro_ext import robust
-
     with _backend.forced_backend("native"):
-        assert robust._native_for_device_type("cuda")
+        assert _backend.native_for("cuda")
     with _backend.forced_backend("python"):
-        assert not robust._native_for_device_type("cuda")
+        assert not _backend.native_for("cuda")
 
 
 class _HostReads(TorchDispatchMode):

@@ -1,4 +1,4 @@
-"""Precision where the naive formulas lose it (issue 12), on both paths (the `backend` fixture):
+"""Precision where the naive formulas lose it (the ERM limit and small t), on both paths (the `backend` fixture):
 
 - the ERM limit: robust_objective and dro_loss at lam from 1e-6 to 1e30, against an mpmath reference of the
   literal formulas at 60 digits (where the cancellation of lam * psi*(t) + eta costs nothing);
@@ -28,12 +28,12 @@ LAMS = (1e-6, 1e-2, 1.0, 1e2, 1e6, 1e30)
 # pure-arithmetic path: the general log1p/expm1 form between the k = 2 and k = 3.5 cases.
 CASES = ref.CASES + [("cressie_read", {"k": 3.0})]
 CASE_IDS = ref.CASE_IDS + ["cressie_read-k3.0"]
-# float64 input: 1e-9 relative (issue 12); float32 input: 1e-4.
+# float64 input: 1e-9 relative; float32 input: 1e-4.
 RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
 # --------------------------------------------------------------------------------------------------
-# The mpmath reference: DESIGN.md's table written literally, evaluated at 60 digits.
+# The mpmath reference: docs/design.md section 1.3's table written literally, evaluated at 60 digits.
 # --------------------------------------------------------------------------------------------------
 
 
@@ -153,9 +153,10 @@ def test_robust_objective_at_every_lam(backend, name, params, dtype):
                 assert_close(eta, mean, RTOL[dtype], f"{name} eta* lam={lam}")
 
 
-def test_robust_objective_issue_example(backend):
-    # The issue's report: l = rand(100), lam = 1e30 gave 0.997 (kl), 0.0012 (kl_cvar, cressie_read) and
-    # 5.7e14 / -6.0e23 (smoothed_cvar, float64 / float32); every one must be mean(l).
+def test_robust_objective_of_uniform_losses_at_huge_lam_is_their_mean(backend):
+    # l = rand(100) at lam = 1e30 once gave 0.997 (kl), 0.0012 (kl_cvar, cressie_read) and 5.7e14 / -6.0e23
+    # (smoothed_cvar, float64 / float32), where the cancellation of lam * psi*(t) + eta lost every digit; every one
+    # must be mean(l).
     losses = torch.rand(100, dtype=torch.float64)
     mean = losses.mean().item()
     for name, params in [("kl", {}), ("kl_cvar", {"alpha": 0.1}), ("cressie_read", {"k": 2.0}),

@@ -1,0 +1,238 @@
+"""The PyTorch robust solver: ``(Psi, eta*)`` of ``L(eta) = mean_i lam psi*((l_i - eta)/lam) + eta`` and the
+worst-case distribution at ``eta*`` (docs/design.md section 1.7), written once for the single-process fallback
+(``dro_ext.robust``) and the ``group=`` path (``dro_ext.distributed``).
+
+The two differ only in their reducer, which turns this process's partial results into totals over every loss:
+
+- ``sum(v)``: a float64 vector of partial sums (and counts), summed over every process, on ``v``'s device;
+- ``max(v)``: the same with the elementwise maximum;
+- ``tail_split(x, j, lo, hi)``: the j-th largest loss and the float64 sum and count of the losses above it.
+
+:class:`LocalReducer` holds every loss in one tensor (its sums and maxima are the partials themselves, its
+``tail_split`` a ``topk``); ``dro_ext.distributed`` all-reduces, and selects the tail boundary by a search over
+float64 bit patterns. Every rank then holds the same totals and takes the same branches.
+
+How this solver differs from the native CPU solver (``csrc/robust_objective.cpp``), and why. Both take the same
+steps: the closed forms of ``kl`` and ``cvar``, and for the others the same safeguarded Newton/bisection
+(:func:`find_eta` is ``solve_newton`` test for test, with the exact segment solve for the piecewise-linear
+weights), from the same start. Two things differ:
+
+1. Precision of the sums, hence the stopping tolerance. This solver sums in float64 and stops within
+   ``4 * eps64 * s``, ``s = 2|eta| + (psi*''-weighted mean |l - eta|)``. The native solver sums in the accumulate
+   dtype (float32 for float16, bfloat16 and float32 losses wherever float32 resolves eta at this lam, float64
+   otherwise), as the loss does, and stops within ``4 * eps * s`` of that dtype: a PyTorch composition cannot
+   look at its sums to choose a dtype without a host read per choice, so the fallback takes float64 throughout.
+2. The start. For ``kl_cvar``, ``smoothed_cvar`` and ``cressie_read`` (k != 2) at N >= 65536 the native solver
+   starts Newton from the root on a strided subsample of 8192 losses, which saves it passes over all N; this
+   solver starts from ``min l``, as the native one does below that size. Every start in the bracket leads to the
+   same root within the tolerance, so the answers agree to it; a subsample of the losses of every rank would
+   need the ranks' offsets in the concatenation (one more collective) for passes that the fallback, which reads
+   its sums on the host anyway, has no reason to save.
+
+So the two agree within the accumulate dtype's tolerance: eta* to ``32 * eps * s`` (where the minimizers form an
+interval, as when every weight sits at 0 or its cap, each may return another point of it) and Psi to a few dozen
+roundings of the size of its terms, which ``tests/test_robust.py`` (``test_native_and_fallback_solvers_agree``)
+pins across divergences, dtypes, sizes (past the warm start's) and the extreme cases of
+``tests/test_exactness_properties.py``. The CUDA solver runs multisection instead (docs/design.md section 1.7).
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Callable, NamedTuple
+
+import torch
+
+from dro_ext._divergences import Spec
+from dro_ext._divergences import excess_first as _excess_first
+from dro_ext._divergences import penalized_value as _penalized_value
+from dro_ext._divergences import psi_star as _psi_star
+
+_MAX_ITERATIONS = 100
+
+
+class LocalReducer:
+    """Totals over the losses of one process: every loss is in the tensor at hand."""
+
+    where = "robust_objective"
+
+    def sum(self, v: torch.Tensor) -> torch.Tensor:
+        return v
+
+    def max(self, v: torch.Tensor) -> torch.Tensor:
+        return v
+
+    def tail_split(self, x: torch.Tensor, j: int, lo: float, hi: float) -> tuple[float, float, float]:
+        top = torch.topk(x, j).values
+        eta = top[-1].item()
+        above = top[top > eta]
+        return eta, above.sum().item(), float(above.numel())
+
+
+LOCAL = LocalReducer()
+
+
+def totals(reducer, *parts) -> list[float]:
+    """The totals of this process's partial sums (0-d tensors or numbers) over every process, as Python floats."""
+    device = next((p.device for p in parts if isinstance(p, torch.Tensor)), None)
+    v = torch.stack([torch.as_tensor(p, dtype=torch.float64, device=device) for p in parts])
+    return reducer.sum(v).tolist()
+
+
+class Solution(NamedTuple):
+    value: float
+    eta: float
+    n: int  # the number of losses over every process
+
+
+def tail_size(alpha: float, n: int) -> float:
+    """alpha * N, snapped to an integer when it is one up to rounding (0.3 * 10 == 3.0000000000000004)."""
+    k = alpha * n
+    r = round(k)
+    return float(r) if abs(k - r) <= 8.0 * sys.float_info.epsilon * k else k
+
+
+def find_eta(newton_sums: Callable, segment_sums: Callable, n: int, lo: float, hi: float, lam: float,
+             spec: Spec) -> float:
+    """eta* of the iterative divergences: safeguarded Newton/bisection on mean psi*'((l - eta)/lam) = 1 in [lo, hi].
+
+    newton_sums(eta) gives (sum_i psi*'(t_i) - 1, sum_i psi*''(t_i), sum_i psi*''(t_i) |l_i - eta|) and
+    segment_sums(cut) gives (sum of the losses above cut, their count), over every loss. The steps are those of
+    csrc/robust_objective.cpp's solve_newton, which explains each test.
+    """
+    # psi*' = (1 + t/width)_+ is piecewise linear for chi2 (width 2) and cressie_read at k = 2 (width 1).
+    width = 2.0 if spec.name == "chi2" else (1.0 if spec.name == "cressie_read" and spec.k == 2.0 else 0.0)
+    linear = width > 0.0
+    eps = sys.float_info.epsilon
+    a, b, eta = lo, hi, lo
+    step_before_last = last_step = b - a
+    previous_active, previous_g, last_was_newton, converged = -1.0, math.nan, False, False
+    probing, probe_origin, probe_origin_g = False, math.nan, math.nan
+    for _ in range(_MAX_ITERATIONS):
+        s1, s2, s3 = newton_sums(eta)
+        g = s1 / n
+        if math.isnan(g):
+            return math.nan
+        if g == 0.0:
+            converged = True
+            break
+        if g > 0.0:
+            a = eta
+        else:
+            b = eta
+        # eta to a few roundings of |eta| and of the psi*''-weighted mean |l| (the bracket's ends without a slope).
+        scale = 2.0 * abs(eta) + s3 / s2 if s2 > 0.0 and math.isfinite(s3) else max(abs(a), abs(b))
+        tol = 4.0 * eps * scale
+        converging = last_was_newton and abs(g) <= 0.5 * abs(previous_g)  # Newton's model holds
+        bisect = False
+        if probing:
+            probing = False
+            if (g > 0.0) != (probe_origin_g > 0.0):
+                if abs(probe_origin_g) < abs(g):
+                    eta = probe_origin
+                converged = True
+                break
+            bisect = True
+        if linear and last_was_newton and s2 == previous_active:
+            converged = True
+            break
+        previous_active = s2
+        try:
+            newton = lam * s1 / s2 if linear else lam * math.log1p(g) * ((n + s1) / s2)
+        except (ValueError, ZeroDivisionError, OverflowError):
+            newton = math.nan
+        use_newton = False
+        if not bisect and abs(newton) <= tol:
+            # Tiny Newton step: the root, after a Newton step that halved |g|; else probe a tolerance towards it.
+            if converging:
+                converged = True
+                break
+            nxt = eta + math.copysign(tol, g)
+            if not a < nxt < b:
+                converged = True
+                break
+            probing, probe_origin, probe_origin_g = True, eta, g
+        else:
+            nxt = eta + newton
+            use_newton = (
+                not bisect and math.isfinite(nxt) and a < nxt < b
+                and (linear or abs(newton) <= 0.5 * abs(step_before_last))
+            )
+            if not use_newton:
+                nxt = 0.5 * (a + b)
+        previous_g = g
+        step_before_last, last_step = last_step, nxt - eta
+        eta, last_was_newton = nxt, use_newton
+        if not probing and (b - a <= tol or (abs(last_step) <= tol and (not use_newton or converging))):
+            converged = True
+            break
+    if linear and converged:
+        sum_active, count = segment_sums(eta - width * lam)
+        if count > 0:
+            exact = (sum_active + width * lam * (count - n)) / count
+            if lo <= exact <= hi:
+                eta = exact
+    return eta
+
+
+def solve(x: torch.Tensor, lam: float, spec: Spec, reducer=LOCAL) -> Solution:
+    """(Psi, eta*) of the losses of every process; x holds this process's losses in float64 (possibly none)."""
+    n_local = x.numel()
+    if n_local:
+        lo_local, hi_local = torch.aminmax(x)  # NaN where x holds one
+        nan_local = torch.isnan(lo_local) | torch.isnan(hi_local)
+        lo_local, hi_local = torch.where(nan_local, math.inf, lo_local), torch.where(nan_local, -math.inf, hi_local)
+    else:
+        nan_local, lo_local, hi_local = False, math.inf, -math.inf
+    n_f, nan_count = totals(reducer, n_local, nan_local)
+    # Maxima, not a NaN-propagating reduction: the MAX all-reduces of gloo and NCCL need not propagate NaN.
+    neg_lo, hi = reducer.max(torch.stack([torch.as_tensor(-lo_local, dtype=torch.float64, device=x.device),
+                                          torch.as_tensor(hi_local, dtype=torch.float64, device=x.device)])).tolist()
+    n, lo = int(n_f), -neg_lo
+    if n == 0:
+        raise ValueError(f"dro_ext.{reducer.where}: the losses of every rank together are empty")
+    if nan_count > 0 or lo == -math.inf:  # -inf has no dual optimum
+        return Solution(math.nan, math.nan, n)
+    if hi == math.inf:
+        return Solution(math.inf, math.inf, n)
+    if lo == hi:  # N = 1 or all equal: psi*(0) = 0
+        return Solution(lo, lo, n)
+    if spec.name == "kl":
+        t = (x - hi) / lam
+        sum_exp, sum_expm1 = totals(reducer, torch.exp(t).sum(), torch.expm1(t).sum())
+        # Near 1, log loses the digits of mean exp - 1 that lam multiplies; log1p of the mean expm1 keeps them.
+        eta = hi + lam * (math.log1p(sum_expm1 / n) if sum_exp / n > 0.5 else math.log(sum_exp / n))
+        return Solution(eta, eta, n)
+    if spec.name == "cvar":
+        tail = tail_size(spec.alpha, n)
+        eta, sum_above, n_above = reducer.tail_split(x, min(n, max(1, math.ceil(tail))), lo, hi)
+        return Solution((sum_above + (tail - n_above) * eta) / tail, eta, n)
+
+    def newton_sums(eta):
+        t = (x - eta) / lam
+        second = _psi_star(t, spec, 2)
+        return totals(reducer, _excess_first(t, spec).sum(), second.sum(), (second * (x - eta).abs()).sum())
+
+    def segment_sums(cut):
+        active = x > cut
+        return totals(reducer, x[active].sum(), active.sum())
+
+    eta = find_eta(newton_sums, segment_sums, n, lo, hi, lam, spec)
+    g_eta = torch.tensor(eta, dtype=x.dtype, device=x.device)
+    (sum_value,) = totals(reducer, _penalized_value(x, (x - g_eta) / lam, lam, g_eta, spec).sum())
+    # Psi <= L(max l) <= max l: where lam is below float64's resolution of the losses, L at the rounded eta* is not.
+    return Solution(min(sum_value / n, hi), eta, n)
+
+
+def weights(x: torch.Tensor, eta: torch.Tensor, n: int, lam: float, spec: Spec, reducer=LOCAL) -> torch.Tensor:
+    """This process's share of the worst-case distribution at eta (a 0-d float64 tensor) over the n losses of every
+    process, for float64 losses x: float64, summing to one over every process. No host read."""
+    if spec.name == "cvar":
+        tail = tail_size(spec.alpha, n)
+        above, at = x > eta, x == eta
+        n_above, n_at = reducer.sum(torch.stack([above.sum(), at.sum()]).to(torch.float64)).unbind()
+        boundary = torch.where(n_at > 0, torch.clamp(1.0 - n_above / tail, min=0.0) / n_at.clamp(min=1.0), 0.0)
+        # The last branch is reached only when x or eta is NaN, and x + eta is NaN then.
+        return torch.where(above, 1.0 / tail, torch.where(at, boundary, torch.where(x < eta, 0.0, x + eta)))
+    w = _psi_star((x - eta) / lam, spec, 1)
+    return w / reducer.sum(w.sum().reshape(1))[0]

@@ -1,0 +1,79 @@
+"""The backend rule of dro_ext/_backend.py: every public function runs the compiled ops on a device type only when
+they are loaded, not set aside, and have kernels for it (`native_for`), and the PyTorch fallback otherwise.
+
+A CPU-only build has no CUDA kernels, so CUDA tensors must take the fallback there. Without a GPU this is checked
+on the CPU: the dispatcher is made to answer that the CPU has no dro_ext kernel, and every native op is replaced by
+a stub that records the call. Each public function must then give the fallback's answer without calling an op."""
+import pytest
+import torch
+
+import dro_ext
+from dro_ext import _backend, ops
+
+# The ops the public functions call (NormalizedSGD's fused step included).
+NATIVE_OPS = ["dro_loss", "psi_star_terms", "robust_objective", "robust_weights", "weight_stats",
+              "dro_cross_entropy", "dro_cross_entropy_chunk_", "normalized_sgd_step_"]
+
+
+def _every_public_function():
+    """name -> the results of one call of each public function on fresh CPU tensors (the same on each call)."""
+    gen = torch.Generator().manual_seed(3)
+    losses = torch.rand(57, generator=gen, dtype=torch.float64)
+    eta = torch.tensor(0.4, dtype=torch.float64)
+    logits = torch.randn(9, 5, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, 5, (9,), generator=gen)
+    hidden = torch.randn(9, 4, generator=gen, dtype=torch.float64)
+    weight = torch.randn(5, 4, generator=gen, dtype=torch.float64)
+    params = [torch.nn.Parameter(torch.randn(3, generator=gen)), torch.nn.Parameter(torch.randn(2, generator=gen))]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt = dro_ext.NormalizedSGD(params, lr=0.1)
+    opt.step()
+    module = dro_ext.DROLoss("chi2", lam=0.5)
+    return {
+        "dro_loss": dro_ext.dro_loss(losses, eta, 0.5, "kl"),
+        "DROLoss": module(losses.float()),
+        "dro_weights": dro_ext.dro_weights(losses, eta, 0.5, "chi2"),
+        "psi_star": dro_ext.psi_star(losses, "smoothed_cvar", alpha=0.3),
+        "robust_objective": dro_ext.robust_objective(losses, 0.5, "cressie_read", k=3.0),
+        "worst_case_weights": dro_ext.worst_case_weights(losses, 0.5, "cvar", alpha=0.3),
+        "weight_stats": dro_ext.weight_stats(losses)[:3],
+        "dro_cross_entropy": dro_ext.dro_cross_entropy(logits, targets, eta, 0.5, "chi2"),
+        "dro_linear_cross_entropy": dro_ext.dro_linear_cross_entropy(hidden, weight, targets, eta, 0.5, "kl"),
+        "NormalizedSGD": [p.detach().clone() for p in params],
+    }
+
+
+def test_a_device_type_without_kernels_runs_the_fallback(monkeypatch):
+    if _backend._force_python:
+        pytest.skip("DRO_EXT_FORCE_PYTHON=1: this run covers the fallback only")
+    assert _backend.native_available(), f"native extension not loaded: {_backend.load_error()}"
+    with _backend.forced_backend("python"):
+        expected = _every_public_function()
+
+    query = torch._C._dispatch_has_kernel_for_dispatch_key
+    monkeypatch.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key",
+                        lambda op, key: False if key == "CPU" else query(op, key))
+    monkeypatch.setattr(_backend, "_KERNEL_DEVICE_TYPES", {})
+    called = []
+    for name in NATIVE_OPS:
+        monkeypatch.setattr(torch.ops.dro_ext, name, lambda *args, name=name: called.append(name))
+    monkeypatch.setattr(ops, "_dro_loss_op", lambda *args: called.append("dro_loss"))
+    with _backend.forced_backend("native"):
+        assert dro_ext.backend() == "native" and not _backend.native_for("cpu")
+        got = _every_public_function()
+    assert not called, f"native ops called for a device type without kernels: {called}"
+    for name, value in expected.items():
+        for a, b in zip(torch.utils._pytree.tree_leaves(got[name]), torch.utils._pytree.tree_leaves(value)):
+            assert torch.equal(a, b), f"{name}: {a} != {b}"
+
+
+def test_the_rule_reads_the_dispatcher_and_the_forced_backend():
+    if _backend._force_python:
+        pytest.skip("DRO_EXT_FORCE_PYTHON=1: this run covers the fallback only")
+    assert _backend.native_available(), f"native extension not loaded: {_backend.load_error()}"
+    with _backend.forced_backend("native"):
+        assert _backend.native_for("cpu")
+        assert not _backend.native_for("meta")  # no dispatch key of that spelling: no kernel of ours
+    with _backend.forced_backend("python"):
+        assert not _backend.native_for("cpu")
