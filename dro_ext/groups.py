@@ -91,16 +91,6 @@ def check_groups(groups, losses: torch.Tensor) -> None:
                          f"move them to the same device")
 
 
-def check_batch_losses(losses) -> None:
-    """As check_losses, except that the batch may be empty (GroupDROLoss: a step where a rank holds no samples)."""
-    if isinstance(losses, torch.Tensor) and losses.dim() == 1 and losses.numel() == 0:
-        check_dense("losses", losses)
-        if not losses.is_floating_point():
-            raise TypeError(f"dro_ext: losses must have a floating dtype, got {losses.dtype}")
-        return
-    check_losses(losses)
-
-
 def check_group_vector(name: str, value, num_groups: int, *, positive: bool) -> torch.Tensor:
     """A (num_groups,) tensor of finite numbers, > 0 (positive) or >= 0 with a positive sum, as float64.
 
@@ -244,7 +234,7 @@ def group_dro_loss(losses, groups, num_groups, eta, lam, divergence="chi2", *, w
     if group is None:
         check_losses(losses)
     else:
-        check_batch_losses(losses)  # a rank may hold no samples; the concatenated batch must hold some
+        check_losses(losses, allow_empty=True)  # a rank may hold no samples; the concatenated batch must hold some
     num_groups = check_num_groups(num_groups)
     check_groups(groups, losses)
     eta = as_eta(eta, losses)
@@ -414,7 +404,7 @@ class GroupDROLoss(nn.Module):
         return self.log_q.exp()
 
     def forward(self, losses: torch.Tensor, groups: torch.Tensor, update: bool = True) -> torch.Tensor:
-        check_batch_losses(losses)
+        check_losses(losses, allow_empty=True)
         check_groups(groups, losses)
         if not isinstance(update, bool):
             raise TypeError(f"dro_ext: update must be a bool, got {update!r}")
