@@ -14,10 +14,32 @@ import torch
 
 from dro_ext import _backend
 from dro_ext._divergences import accumulate_dtype, check_dense
+from dro_ext.robust import _native_for
 
 __all__ = ["group_sums"]
 
 _ID_DTYPES = (torch.int32, torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Native ops: fake (meta) kernels, for torch.compile. The autograd of both ops is C++ (csrc/group_sums.cpp): each
+# op's backward is the other op, so double backward works.
+# ---------------------------------------------------------------------------------------------------
+
+if _backend.native_available():
+
+    @torch.library.register_fake("dro_ext::group_sums")
+    def _group_sums_fake(losses, groups, num_groups, validate=True):
+        torch._check(losses.dim() == 1, lambda: "dro_ext: losses must be a 1-D tensor")
+        acc = accumulate_dtype(losses.dtype)
+        return losses.new_empty((num_groups,), dtype=acc), losses.new_empty((num_groups,), dtype=acc)
+
+    @torch.library.register_fake("dro_ext::group_sums_backward")
+    def _group_sums_backward_fake(grad_sums, groups, dtype):
+        return groups.new_empty(groups.shape, dtype=dtype)
+
+    # Looked up once: resolving the overload costs a few hundred ns per call.
+    _group_sums_op = torch.ops.dro_ext.group_sums.default
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -26,7 +48,8 @@ _ID_DTYPES = (torch.int32, torch.int64)
 
 
 def _bad_id_message(num_groups) -> str:
-    return f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={num_groups}"
+    return (f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={num_groups}; pass ids in range "
+            "(or validate=False to drop them)")
 
 
 def _fallback_group_sums(losses, groups, num_groups, validate):
@@ -118,4 +141,6 @@ def group_sums(losses, groups, num_groups, *, validate=True) -> tuple[torch.Tens
     adds to no sum and gets a zero gradient), never written out of bounds.
     """
     num_groups = _check_args(losses, groups, num_groups, validate)
+    if _native_for(losses):  # loaded, selected, and built for the losses' device type
+        return _group_sums_op(losses, groups, num_groups, validate)
     return _fallback_group_sums(losses, groups, num_groups, validate)

@@ -280,3 +280,49 @@ def test_bad_inputs_name_the_argument(backend):
             dro_ext.group_sums(*args)
     with pytest.raises(TypeError, match="validate"):
         dro_ext.group_sums(losses, groups, 2, validate=1)
+
+
+# ------------------------------------------------------------------------------------------------- the raw ops
+
+native_only = pytest.mark.skipif(not _backend.native_available(), reason="native extension not built")
+
+
+@native_only
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_opcheck(dtype):
+    differentiable = dtype == torch.float64
+    losses = (1 + torch.randn(65, dtype=torch.float64)).to(dtype).requires_grad_(differentiable)
+    groups = torch.randint(0, 4, (65,))
+    for validate in (True, False):
+        torch.library.opcheck(torch.ops.dro_ext.group_sums.default, (losses, groups, 4, validate))
+    torch.library.opcheck(torch.ops.dro_ext.group_sums.default, (losses[::2], groups[::2].int(), 70, True))
+    grad = torch.randn(4, dtype=sum_dtype(dtype), requires_grad=differentiable)
+    torch.library.opcheck(torch.ops.dro_ext.group_sums_backward.default, (grad, groups, dtype))
+    torch.library.opcheck(torch.ops.dro_ext.group_sums_backward.default, (grad, groups.int()[::3], dtype))
+
+
+@native_only
+def test_raw_ops_check_their_arguments():
+    losses, ids = torch.randn(6), torch.zeros(6, dtype=torch.long)
+    op, backward = torch.ops.dro_ext.group_sums, torch.ops.dro_ext.group_sums_backward
+    with pytest.raises(ValueError, match="losses"):
+        op(losses.view(2, 3), ids.view(2, 3), 2, True)
+    with pytest.raises(TypeError, match="losses"):
+        op(torch.arange(6), ids, 2, True)
+    with pytest.raises(TypeError, match="groups"):
+        op(losses, ids.double(), 2, True)
+    with pytest.raises(ValueError, match="groups"):
+        op(losses, ids[:4], 2, True)
+    with pytest.raises(ValueError, match="num_groups"):
+        op(losses, ids, 0, True)
+    with pytest.raises(IndexError, match="groups"):
+        op(losses, ids - 1, 2, True)
+    assert op(losses, ids - 1, 2, False)[1].tolist() == [0.0, 0.0]  # dropped
+    with pytest.raises(ValueError, match="grad_sums"):
+        backward(torch.randn(2, 2), ids, torch.float32)
+    with pytest.raises(TypeError, match="groups"):
+        backward(torch.randn(2), ids.float(), torch.float32)
+    with pytest.raises(TypeError, match="dtype"):
+        backward(torch.randn(2), ids, torch.int64)
+    # The gather gives 0 to an id outside [0, G): what a dropped sample's gradient is.
+    assert backward(torch.tensor([1.0, 2.0]), torch.tensor([1, -1, 2, 0]), torch.float16).tolist() == [2, 0, 0, 1]
