@@ -23,6 +23,7 @@
 #include "autograd_node.h"
 #include "checks.h"
 #include "cpu/chunks.h"
+#include "cpu/output_buffer.h"
 #include "group_sums_checks.h"
 
 namespace dro_ext {
@@ -35,7 +36,8 @@ namespace {
 // end. With many groups the chains are rare and the copies would only cost memory and zeroing, so one copy is
 // used: the choice depends on num_groups only, never on the data or the thread count.
 constexpr int64_t kLanes = 4;
-constexpr int64_t kMaxGroupsForLanes = 1024;
+// At most this many groups get lanes: their kLanes rows of accumulators (12 bytes each) stay within L1 (12 KiB).
+constexpr int64_t kMaxGroupsForLanes = 256;
 // Parts per at::parallel_for task: the loop over one part of a chunk is tens of microseconds, which a fork and
 // join of the thread pool would cost as much as on a busy machine.
 constexpr int64_t kPartsPerTask = 4;
@@ -137,21 +139,28 @@ std::tuple<at::Tensor, at::Tensor> group_sums_cpu(const at::Tensor& losses, cons
 at::Tensor group_sums_backward_cpu(const at::Tensor& grad_sums, const at::Tensor& groups, at::ScalarType dtype) {
   check_group_sums_backward_args(grad_sums, groups, dtype);
   const int64_t n = groups.numel(), num_groups = grad_sums.numel();
-  at::Tensor out = at::empty({n}, groups.options().dtype(dtype));
+  // A training step asks for the same N-sized gradient every step: cpu/output_buffer.h reuses its pages.
+  at::Tensor out = cpu::empty_output({n}, groups.options().dtype(dtype));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "dro_ext_group_sums_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    // G values, read once per sample: converted up front to one contiguous type.
-    const at::Tensor g = grad_sums.to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
-    const acc_t* grad = g.const_data_ptr<acc_t>();
-    scalar_t* y = out.mutable_data_ptr<scalar_t>();
+    // The G values in scalar_t (what every sample's gradient is rounded to anyway), converted up front, and a 0 past
+    // them for the ids outside [0, num_groups): the loop is then one clamped load and store per sample.
+    std::vector<scalar_t> table(num_groups + 1, scalar_t(0));
+    {
+      const at::Tensor g = grad_sums.to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
+      const acc_t* grad = g.const_data_ptr<acc_t>();
+      for (int64_t k = 0; k < num_groups; ++k) table[k] = static_cast<scalar_t>(grad[k]);
+    }
+    const scalar_t* __restrict__ values = table.data();
+    scalar_t* __restrict__ y = out.mutable_data_ptr<scalar_t>();
     AT_DISPATCH_INDEX_TYPES(groups.scalar_type(), "dro_ext_group_sums_backward_ids", [&] {
-      const index_t* ids = groups.const_data_ptr<index_t>();
+      const index_t* __restrict__ ids = groups.const_data_ptr<index_t>();
       const int64_t id_stride = groups.stride(0);
+      const uint64_t bound = static_cast<uint64_t>(num_groups);
       at::parallel_for(0, n, kPartsPerTask * cpu::kReductionChunk, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
-          const int64_t id = static_cast<int64_t>(ids[i * id_stride]);
-          const bool in_range = static_cast<uint64_t>(id) < static_cast<uint64_t>(num_groups);
-          y[i] = static_cast<scalar_t>(in_range ? grad[id] : acc_t(0));
+          const uint64_t id = static_cast<uint64_t>(static_cast<int64_t>(ids[i * id_stride]));  // negative: huge
+          y[i] = values[id < bound ? id : bound];
         }
       });
     });

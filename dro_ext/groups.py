@@ -140,7 +140,14 @@ def group_sums(losses, groups, num_groups, *, validate=True) -> tuple[torch.Tens
     CUDA-graph capture or a sync-free step: an out-of-range id is then dropped (its sample counts in no group,
     adds to no sum and gets a zero gradient), never written out of bounds.
     """
+    if (type(num_groups) is int and num_groups >= 1 and type(validate) is bool and isinstance(losses, torch.Tensor)
+            and isinstance(groups, torch.Tensor) and losses.layout == groups.layout == torch.strided
+            and losses.device == groups.device and _native_for(losses)):  # loaded, selected, built for the device
+        # The op checks the tensors' dtypes and shapes itself, with the same errors; at a few thousand samples
+        # checking them here too would be a visible share of the call. (Devices are compared here: a meta tensor
+        # beside a CPU one would dispatch to the fake kernel, which checks nothing.)
+        return _group_sums_op(losses, groups, num_groups, validate)
     num_groups = _check_args(losses, groups, num_groups, validate)
-    if _native_for(losses):  # loaded, selected, and built for the losses' device type
+    if _native_for(losses):
         return _group_sums_op(losses, groups, num_groups, validate)
     return _fallback_group_sums(losses, groups, num_groups, validate)
