@@ -101,20 +101,20 @@ bool group_sums_kernel(const at::Tensor& losses, const at::Tensor& groups, int64
                              : sum_part<1>(x, x_stride, ids, id_stride, first, last, num_groups, s, c);
     }
   });
+  // Part by part over a range of groups (rows read in order, not one strided column per group), the same sums in the
+  // same order for every group: part 0, then + part 1, ...
+  std::vector<int64_t> total_counts(num_groups, 0);
   at::parallel_for(0, num_groups, cpu::kReductionChunk, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      acc_t s = acc_t(0);
-      int64_t c = 0;
-      for (int64_t p = 0; p < num_parts; ++p) {
-        const acc_t* ps = part_sums + p * width + k;
-        const int64_t* pc = part_counts + p * width + k;
-        const acc_t part_sum = lanes == kLanes ? (ps[0] + ps[row]) + (ps[2 * row] + ps[3 * row]) : ps[0];
-        s = p == 0 ? part_sum : s + part_sum;
-        for (int64_t j = 0; j < lanes; ++j) c += pc[j * row];
+    for (int64_t p = 0; p < num_parts; ++p) {
+      const acc_t* ps = part_sums + p * width;
+      const int64_t* pc = part_counts + p * width;
+      for (int64_t k = begin; k < end; ++k) {
+        const acc_t part_sum = lanes == kLanes ? (ps[k] + ps[row + k]) + (ps[2 * row + k] + ps[3 * row + k]) : ps[k];
+        sums[k] = p == 0 ? part_sum : sums[k] + part_sum;
+        for (int64_t j = 0; j < lanes; ++j) total_counts[k] += pc[j * row + k];
       }
-      sums[k] = s;
-      counts[k] = static_cast<acc_t>(c);
     }
+    for (int64_t k = begin; k < end; ++k) counts[k] = static_cast<acc_t>(total_counts[k]);
   });
   return std::all_of(part_in_range.begin(), part_in_range.end(), [](char ok) { return ok != 0; });
 }
