@@ -149,3 +149,31 @@ def plot_train(rows: list[dict], path: str, title: str = "") -> str:
     fig.suptitle(title or "training step")
     fig.savefig(path, dpi=100)
     return path
+
+
+def plot_groups(rows: list[dict], path: str, title: str = "") -> str:
+    """Time per sample against N, one panel per G, a line per implementation (rows left out are not drawn)."""
+    group_counts = sorted({r["groups"] for r in rows})
+    columns, lines = _grid(len(group_counts), 3)
+    fig = _figure(figsize=(4.2 * columns, 3.4 * lines))
+    axes = fig.subplots(lines, columns, squeeze=False, sharex=True)
+    styles = {"group_sums": ("tab:blue", "o"), "one-hot matmul": ("tab:orange", "s"), "index_add": ("tab:green", "^")}
+    for ax, g in zip(axes.flat, group_counts):
+        g_rows = [r for r in rows if r["groups"] == g and "median_ms" in r]
+        for impl in dict.fromkeys(r["impl"] for r in g_rows):
+            pts = sorted((r["n"], r["ns_per_sample"]) for r in g_rows if r["impl"] == impl)
+            color, marker = styles.get(impl, ("tab:gray", "x"))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"G = {g}", fontsize=9)
+        ax.set_xlabel("N")
+        ax.set_ylabel("ns per sample (fwd+bwd)")
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in list(axes.flat)[len(group_counts):]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=110)
+    return path

@@ -17,7 +17,7 @@ import time
 from bench.common import RESULTS_DIR, progress
 
 BENCHMARKS = ["bench.bench_loss", "bench.bench_optim", "bench.bench_robust", "bench.bench_cross_entropy",
-              "bench.bench_train"]
+              "bench.bench_groups", "bench.bench_train"]
 
 
 def main(argv=None) -> dict:

@@ -11,6 +11,9 @@
 - robust objective (bench_robust): at N = 128, 4096 and 65536 at least 20x faster than fast-dro's RobustLoss on
   the same device; solved to the rounding of its dtype at 2^22.
 - cross-entropy (bench_cross_entropy): time and memory against the eager and compiled logits paths.
+- group sums (bench_groups): group_sums forward + backward at least 2x faster than the fastest composition (one-hot
+  matmul, index_add_) at every N >= 4096 and G; its peak extra memory O(N + G), at most GROUP_SUMS_BYTES_PER_ITEM
+  bytes per sample or group at every (N, G).
 
     python -m bench.targets [DIR ...]       # default: bench/results
 
@@ -197,6 +200,43 @@ def _memory_over_eager(r):
     return r["memory_vs_eager"]
 
 
+# ----------------------------------------------------------------------------------------------- group sums
+
+# group_sums' peak extra memory per sample or group, whatever N and G: the losses' gradient (4 B per float32 sample),
+# the sums and counts (8 B per group) and, on the CPU, a part's accumulators (a float and an int64 per group in
+# each of 4 lanes up to 256 groups: 48 B per group; parts <= 1 + N / 16384, so their total stays within 48 G + 0.75 N)
+# fit; the one-hot matrix (5 G bytes per sample) does not once G passes a dozen.
+GROUP_SUMS_BYTES_PER_ITEM = 64
+
+
+# The (N, G) of bench_groups' full run.
+GROUP_SUMS_SIZES = (128, 4096, 1 << 20)
+GROUP_SUMS_GROUPS = (4, 64, 1024)
+
+
+def _group_sums_target(device: str, text: str, value, min_n: int, **bound) -> Target:
+    """A group_sums target, read from the group_sums rows of every G at N >= min_n."""
+    cases = tuple(f"N={n} G={g}" for n in GROUP_SUMS_SIZES if n >= min_n for g in GROUP_SUMS_GROUPS)
+    return Target("group sums", "groups", device, text,
+                  lambda rows: _by_case(rows, _case, value, impl="group_sums", n=lambda n: n >= min_n),
+                  cases=cases, **bound)
+
+
+def _group_sums_speedup(r):
+    return _number(r.get("speedup_vs_best_composition"))
+
+
+def _group_sums_memory(r):
+    return _number(r.get("peak_bytes_per_n_plus_g"))
+
+
+GROUP_SUMS_TARGETS = tuple(target for device in ("cpu", "cuda") for target in (
+    _group_sums_target(device, "group_sums fwd+bwd at N >= 4096: speedup >= 2x over the fastest composition "
+                       "(one-hot matmul, index_add_), every G", _group_sums_speedup, 4096, at_least=2.0),
+    _group_sums_target(device, f"group_sums peak extra memory O(N + G): <= {GROUP_SUMS_BYTES_PER_ITEM} B per "
+                       "(N + G), every (N, G)", _group_sums_memory, 0, at_most=GROUP_SUMS_BYTES_PER_ITEM,
+                       unit=" B/(N+G)")))
+
 CE_CPU_LOGITS = "N=4096, C=32000, float32"
 CE_CPU_LINEAR = "N=2048, H=1024, V=32000, float32"
 CE_GPU_LINEAR = "N=16384, H=4096, V=128256, bfloat16"
@@ -232,6 +272,7 @@ TARGETS = (
                    at_most=1.1, unit="x eager's"),
     _cross_entropy("cuda", "linear", CE_GPU_LINEAR, "<= 10% of eager's peak memory", "fused", _memory_over_eager,
                    at_most=0.10, unit="x eager's"),
+    *GROUP_SUMS_TARGETS,
 )
 
 

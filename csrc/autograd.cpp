@@ -16,9 +16,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
-#include <memory>
-#include <type_traits>
-
+#include "autograd_node.h"
 #include "checks.h"
 
 namespace dro_ext {
@@ -157,17 +155,6 @@ class PsiStarTermsFunction : public torch::autograd::Function<PsiStarTermsFuncti
             at::Tensor(), at::Tensor()};
   }
 };
-
-// torch 2.14 holds autograd Nodes in c10::intrusive_ptr, earlier releases in std::shared_ptr (the GPU machines
-// have 2.11): make the node the way this torch's set_history takes it, so one source builds against both.
-template <typename NodeT>
-auto make_node() {
-  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, torch::autograd::Node>) {
-    return c10::make_intrusive<NodeT>();
-  } else {
-    return std::make_shared<NodeT>();
-  }
-}
 
 std::tuple<at::Tensor, at::Tensor> dro_loss_autograd(const at::Tensor& losses, const at::Tensor& eta, double lam,
                                                      c10::string_view divergence, OptDouble alpha, OptDouble k,

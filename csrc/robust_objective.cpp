@@ -485,12 +485,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weight_stats_cpu(
   const int64_t width = with_groups ? num_groups : 0;
   // Per part: sum, sum of squares, max, zeros, a NaN flag, a bad-id flag, then the group sums. Parts are
   // runs of whole chunks, few enough that the partial group sums stay under ~32 MB whatever num_groups is;
-  // they depend on n and num_groups only, so the result does not depend on the thread count.
+  // they depend on n and num_groups only, so the result does not depend on the thread count (cpu/chunks.h).
   constexpr int64_t kFixed = 6;
-  const int64_t chunks = (n + kReductionChunk - 1) / kReductionChunk;
-  const int64_t max_parts = std::max<int64_t>(1, (int64_t{1} << 22) / (kFixed + width));
-  const int64_t parts = std::min(chunks, max_parts);
-  const int64_t part_size = ((chunks + parts - 1) / parts) * kReductionChunk;
+  const int64_t part_size = cpu::part_size(n, kFixed + width);
   const int64_t num_chunks = (n + part_size - 1) / part_size;
   std::vector<double> partial(num_chunks * (kFixed + width), 0.0);
   const int64_t* ids = with_groups ? g.const_data_ptr<int64_t>() : nullptr;

@@ -30,65 +30,26 @@ from dro_ext._divergences import (
     penalized_value,
     real_number,
 )
+from dro_ext.group_reduction import check_groups, check_num_groups, group_sums
 
 __all__ = ["GroupDROLoss", "group_dro_loss"]
 
 
 def _group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int):
-    """(sums, counts) per group: ``sums[g]`` the sum of the losses of group g, ``counts[g]`` its number of samples
-    as a float; both (num_groups,) in the accumulate dtype (float32 for half inputs), 0 and 0 for an absent group;
-    the gradient of ``l_i`` is ``grad_sums[g_i]``; an id outside [0, num_groups) raises IndexError naming groups.
-
-    This is the stand-in, in PyTorch ops, for the native op ``dro_ext.group_sums(losses, groups, num_groups,
-    validate=True)`` with the same signature and results; it is the only place this module reduces the losses, so
-    that the native op replaces it here alone. index_add_ adds the samples in order on the CPU (deterministic);
-    on CUDA it adds with atomics, which the native op will not.
-    """
-    _check_group_ids(groups, num_groups)
-    acc = accumulate_dtype(losses.dtype)
-    index = groups.long()
-    sums = torch.zeros(num_groups, dtype=acc, device=losses.device).index_add(0, index, losses.to(acc))
-    ones = torch.ones(index.shape, dtype=acc, device=losses.device)
-    counts = torch.zeros(num_groups, dtype=acc, device=losses.device).index_add_(0, index, ones)
-    return sums, counts
-
-
-def _check_group_ids(groups: torch.Tensor, num_groups: int) -> None:
-    message = f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={num_groups}"
+    """(sums, counts) per group through :func:`dro_ext.group_sums`, without a host sync on a device: there the ids
+    are checked by an asynchronous device-side assertion (a bad id fails at the next sync, as a RuntimeError) and
+    the op runs with validate=False; on the CPU, where reading the ids costs no sync, group_sums checks them
+    (IndexError naming groups). The only place this module reduces the losses."""
     if groups.device.type == "cpu" and not torch.compiler.is_compiling():
-        # Reading a CPU tensor costs no device sync.
-        if groups.numel() and (int(groups.min()) < 0 or int(groups.max()) >= num_groups):
-            raise IndexError(message)
-    else:
-        # An asynchronous device-side check: no host sync (it fails at the next sync, as a RuntimeError).
-        torch._assert_async(((groups >= 0) & (groups < num_groups)).all(), message)
+        return group_sums(losses, groups, num_groups)
+    torch._assert_async(((groups >= 0) & (groups < num_groups)).all(),
+                        f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={num_groups}")
+    return group_sums(losses, groups, num_groups, validate=False)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Argument checks
 # ---------------------------------------------------------------------------------------------------
-
-
-def check_num_groups(num_groups) -> int:
-    if isinstance(num_groups, bool) or not isinstance(num_groups, int):
-        raise TypeError(f"dro_ext: num_groups must be an int, got {num_groups!r} ({type(num_groups).__name__})")
-    if num_groups < 1:
-        raise ValueError(f"dro_ext: num_groups must be >= 1, got num_groups={num_groups}")
-    return num_groups
-
-
-def check_groups(groups, losses: torch.Tensor) -> None:
-    if not isinstance(groups, torch.Tensor):
-        raise TypeError(f"dro_ext: groups must be a torch.Tensor of group ids, got {type(groups).__name__}")
-    check_dense("groups", groups)
-    if groups.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"dro_ext: groups must be an int64 or int32 tensor of group ids, got {groups.dtype}")
-    if groups.shape != losses.shape:
-        raise ValueError(f"dro_ext: groups must have the shape of losses, {tuple(losses.shape)}, "
-                         f"got {tuple(groups.shape)}")
-    if groups.device != losses.device:
-        raise ValueError(f"dro_ext: groups is on {groups.device} but losses is on {losses.device}; "
-                         f"move them to the same device")
 
 
 def check_group_vector(name: str, value, num_groups: int, *, positive: bool) -> torch.Tensor:

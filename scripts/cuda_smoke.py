@@ -114,6 +114,15 @@ def main():
                 stats_cpu = ops.weight_stats(q.cpu(), groups.cpu(), 5)
                 if not all(close(a, b, acc) for a, b in zip(stats, stats_cpu)):
                     failures.append(f"weight_stats {label}")
+            # group_sums (a strided id view, an id out of range dropped) and its backward, once per size.
+            ids = torch.randint(-1, 6, (2 * n,), device="cuda", dtype=torch.int32)[::2]
+            sums = ops.group_sums(x, ids, 5, False)
+            sums_cpu = ops.group_sums(x.cpu(), ids.cpu(), 5, False)
+            if not all(close(a, b, acc) for a, b in zip(sums, sums_cpu)):
+                failures.append(f"group_sums {dtype} n={n} offset={offset}")
+            grad = ops.group_sums_backward(sums[0], ids, dtype)
+            if not torch.equal(grad.cpu(), ops.group_sums_backward(sums[0].cpu(), ids.cpu(), dtype)):
+                failures.append(f"group_sums_backward {dtype} n={n} offset={offset}")
     failures += optimizer_and_cross_entropy()
     torch.cuda.synchronize()
     for f in failures:

@@ -24,7 +24,7 @@
 # Step time limits (seconds) can be changed through the environment: BUILD_S, TEST_S, SUITE_S, MEMCHECK_S,
 # RACECHECK_S, BENCH_S (per benchmark), PROFILE_S, TRAIN_S, DEMO_S; CUDA_TEST_WORKERS (default 8) sets the test
 # processes and CUDA_TEST_FILES (space-separated) the test files (default: every tests/test_cuda_*.py); BENCHES picks
-# the benchmarks and their order (default: loss optim robust cross_entropy); BENCH_ARGS adds arguments to each
+# the benchmarks and their order (default: loss optim robust cross_entropy groups); BENCH_ARGS adds arguments to each
 # benchmark run (e.g. --quick). TOTAL_S (seconds) caps the whole run: each step gets at most what is left, and a
 # step that would get under 20 s is skipped (and left for a rerun). PACK_TO=FILE.tar.gz packs DIR into one archive
 # after every step, for a runner that returns only a few files and may kill the run at its limit.
@@ -63,7 +63,7 @@ BENCH_S="${BENCH_S:-135}"
 PROFILE_S="${PROFILE_S:-120}"
 TRAIN_S="${TRAIN_S:-300}"
 DEMO_S="${DEMO_S:-300}"
-BENCHES="${BENCHES:-loss optim robust cross_entropy}"
+BENCHES="${BENCHES:-loss optim robust cross_entropy groups}"
 BENCH_ARGS="${BENCH_ARGS:-}"
 
 has_phase() { [[ "+$PHASES+" == *"+$1+"* ]]; }

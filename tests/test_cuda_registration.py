@@ -28,6 +28,8 @@ REQUIRED_OPS = [
     "robust_objective",
     "robust_weights",
     "weight_stats",
+    "group_sums",
+    "group_sums_backward",
 ]
 
 
@@ -142,6 +144,10 @@ def _public_forwards(dev):
     calls += [("DROLoss", lambda: module(losses)),
               ("weight_stats", lambda: dro_ext.weight_stats(losses.detach().abs())),
               ("weight_stats(losses, eta)", lambda: dro_ext.weight_stats(losses=losses, eta=eta, lam=0.5))]
+    ids = torch.randint(0, 5, (1001,), device=dev)
+    # The op reads its bad-id flag in C++ (validate=True); the Python layer reads nothing either way.
+    calls += [("group_sums", lambda: dro_ext.group_sums(losses, ids, 5)),
+              ("group_sums(validate=False)", lambda: dro_ext.group_sums(losses, ids.int(), 5, validate=False))]
 
     logits = torch.randn(3, 7, 50, device=dev, dtype=torch.bfloat16, requires_grad=True)
     targets = torch.randint(0, 50, (3, 7), device=dev)

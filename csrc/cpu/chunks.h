@@ -14,6 +14,19 @@ namespace dro_ext::cpu {
 // (The optimizer step chunks its tensors on its own: kStepChunk in csrc/normalized_sgd.cpp.)
 constexpr int64_t kReductionChunk = 16384;
 
+// A reduction into `width` accumulators per part (weight_stats' group masses, group_sums' per-group sums) cuts
+// [0, n) into parts of whole chunks, each summed by one thread into its own row of partials: as many parts as keep
+// parts * width within kPartialsBudget accumulators (one part at least), so the partials take O(width) memory
+// whatever n is. The cut depends on n and width only, so the result does not depend on the thread count.
+constexpr int64_t kPartialsBudget = int64_t{1} << 22;
+
+// The number of elements of each part (the last may be shorter): a multiple of kReductionChunk.
+inline int64_t part_size(int64_t n, int64_t width) {
+  const int64_t chunks = std::max<int64_t>(1, (n + kReductionChunk - 1) / kReductionChunk);
+  const int64_t parts = std::min(chunks, std::max<int64_t>(1, kPartialsBudget / std::max<int64_t>(1, width)));
+  return ((chunks + parts - 1) / parts) * kReductionChunk;
+}
+
 // f(c, begin, end) for every chunk c = [begin, end) of [0, n), on the thread pool.
 template <typename F>
 void for_each_chunk(int64_t n, const F& f) {

@@ -79,16 +79,19 @@ class OutputBufferCache {
   std::vector<std::pair<size_t, void*>> free_;
 };
 
-// An uninitialized contiguous tensor shaped and typed like x, on the CPU.
-inline at::Tensor empty_output_like(const at::Tensor& x) {
-  const size_t bytes = static_cast<size_t>(x.numel()) * x.element_size();
-  if (bytes < OutputBufferCache::kLargeOutput) return at::empty(x.sizes(), x.options());
+// An uninitialized contiguous CPU tensor of the given sizes and options (a CPU device).
+inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  const size_t bytes = static_cast<size_t>(c10::multiply_integers(sizes)) * options.dtype().itemsize();
+  if (bytes < OutputBufferCache::kLargeOutput) return at::empty(sizes, options);
   const size_t rounded = (bytes + OutputBufferCache::kHugePage - 1) & ~(OutputBufferCache::kHugePage - 1);
   auto& cache = OutputBufferCache::instance();
   void* data = cache.acquire(rounded);
   TORCH_CHECK(data != nullptr, "dro_ext: out of memory allocating ", rounded, " bytes");
-  return at::from_blob(data, x.sizes(), [rounded](void* p) { OutputBufferCache::instance().release(rounded, p); },
-                       x.options());
+  return at::from_blob(data, sizes, [rounded](void* p) { OutputBufferCache::instance().release(rounded, p); },
+                       options);
 }
+
+// An uninitialized contiguous tensor shaped and typed like x, on the CPU.
+inline at::Tensor empty_output_like(const at::Tensor& x) { return empty_output(x.sizes(), x.options()); }
 
 }  // namespace dro_ext::cpu

@@ -281,7 +281,7 @@ def _names_with_peer(bench_train, case):
     return [impl.name for impl in bench_train.impls_for(case, fast_dro_class=object)]
 
 
-@pytest.mark.parametrize("name", ["loss", "optim", "robust", "train"])
+@pytest.mark.parametrize("name", ["loss", "optim", "robust", "groups", "train"])
 def test_quick_writes_table_csv_and_png(quick_run, name):
     out, proc = quick_run
     md = (out / f"{name}.md").read_text()
@@ -292,6 +292,30 @@ def test_quick_writes_table_csv_and_png(quick_run, name):
     image = imread(out / f"{name}.png")
     assert image.ndim == 3 and image.shape[0] >= 300 and image.shape[1] >= 500
     assert image[..., :3].std() > 0.05  # something is drawn, not a blank canvas
+
+
+def test_quick_groups_json_has_every_size_group_count_and_implementation(quick_run):
+    out, _ = quick_run
+    rows = _rows(out, "groups")
+    from bench.bench_groups import IMPLS, QUICK_GROUPS, QUICK_SIZES
+    assert {(r["n"], r["groups"], r["impl"]) for r in rows} == {
+        (n, g, impl) for n in QUICK_SIZES for g in QUICK_GROUPS for impl in IMPLS}
+    for r in rows:
+        assert r["median_ms"] > 0 and r["peak_extra_bytes"] > 0, r
+        assert r["best_composition"] in ("one-hot matmul", "index_add")
+    # The one-hot matrix's memory grows with G; group_sums' stays O(N + G).
+    fused = {(r["n"], r["groups"]): r["peak_bytes_per_n_plus_g"] for r in rows if r["impl"] == "group_sums"}
+    one_hot = {(r["n"], r["groups"]): r["peak_bytes_per_n_plus_g"] for r in rows if r["impl"] == "one-hot matmul"}
+    assert all(one_hot[key] > fused[key] for key in fused)
+
+
+def test_groups_bench_leaves_out_a_one_hot_matrix_past_its_limit(monkeypatch):
+    from bench import bench_groups
+    monkeypatch.setattr(bench_groups, "ONE_HOT_MAX_ELEMENTS", 1000)
+    rows = bench_groups.bench_case(300, 4, "cpu", Timer("cpu"), bench_groups.IMPLS, rounds=1, min_seconds=0.01)
+    by_impl = {r["impl"]: r for r in rows}
+    assert "not run" in by_impl["one-hot matmul"]["skipped"] and "median_ms" not in by_impl["one-hot matmul"]
+    assert by_impl["group_sums"]["best_composition"] == "index_add"
 
 
 def test_quick_cross_entropy_json_has_both_cases_and_every_implementation(quick_run):

@@ -227,7 +227,7 @@ def test_the_committed_cpu_results_match_the_readers_schema():
     # benchmark that stopped measuring a case would leave them 'not measured'); the verdicts themselves are the
     # results'.
     cpu = [t for t in targets.TARGETS if t.device == "cpu"]
-    assert len(cpu) == 11
+    assert len(cpu) == 13
     for target in cpu:
         files = targets.result_files([str(ROOT / "bench" / "results")], target.bench, "cpu")
         assert [os.path.basename(path) for path, _ in files] == [f"{target.bench}.json"], target.text
@@ -239,7 +239,8 @@ def test_the_committed_cpu_results_match_the_readers_schema():
 def test_the_benchmarks_full_settings_measure_every_targets_sizes():
     # The targets hold their sizes; a benchmark whose full run stopped measuring them would leave its targets 'not
     # measured' on the one GPU run there is.
-    from bench import bench_cross_entropy, bench_loss, bench_optim, bench_robust
+    from bench import bench_cross_entropy, bench_groups, bench_loss, bench_optim, bench_robust
+    assert bench_groups.FULL_SIZES == targets.GROUP_SUMS_SIZES and bench_groups.FULL_GROUPS == targets.GROUP_SUMS_GROUPS
     assert {128, 4096, 1 << 20, 1 << 24} <= set(bench_loss.FULL_SIZES) and "mean" in bench_loss.IMPLS
     assert {*targets.FAST_DRO_SIZES, 1 << 22} <= set(bench_robust.FULL_SIZES)
     assert bench_robust.DTYPES == (torch.float32, torch.float64)
@@ -250,3 +251,28 @@ def test_the_benchmarks_full_settings_measure_every_targets_sizes():
     assert describe("linear", cases["cuda"]["linear"]) == targets.CE_GPU_LINEAR
     assert describe("linear", cases["cpu"]["linear"]) == targets.CE_CPU_LINEAR
     assert describe("logits", cases["cpu"]["logits"]) == targets.CE_CPU_LOGITS
+
+
+def group_rows(speedups, bytes_per_item=4.0, device="cpu"):
+    """group_sums rows of every (N, G) of the full run, with the given speedup over the fastest composition."""
+    rows = []
+    for (n, g), speedup in zip([(n, g) for n in targets.GROUP_SUMS_SIZES for g in targets.GROUP_SUMS_GROUPS], speedups):
+        rows.append({"device": device, "case": f"N={n} G={g}", "n": n, "groups": g, "impl": "group_sums",
+                     "speedup_vs_best_composition": speedup, "peak_bytes_per_n_plus_g": bytes_per_item})
+        rows.append({"device": device, "case": f"N={n} G={g}", "n": n, "groups": g, "impl": "index_add",
+                     "speedup_vs_best_composition": 1 / speedup, "peak_bytes_per_n_plus_g": 40.0})
+    return rows
+
+
+def test_group_sums_targets_read_n_from_4096_for_time_and_every_row_for_memory(tmp_path):
+    # N = 128 is slower than its peers here, which the time target does not cover; the memory target covers it.
+    write(tmp_path, "groups_h100", group_rows([0.5] * 3 + [2.0] * 6, device="cuda:0"))
+    assert verdicts(tmp_path, "group_sums fwd+bwd")["groups_h100.json"] == ("2x (worst: N=4096 G=4)", "met")
+    assert verdicts(tmp_path, "group_sums peak")["groups_h100.json"] == ("4 B/(N+G) (worst: N=128 G=4)", "met")
+    rows = group_rows([3.0] * 8 + [1.9], device="cuda:0")
+    rows[0]["peak_bytes_per_n_plus_g"] = targets.GROUP_SUMS_BYTES_PER_ITEM + 1.0
+    write(tmp_path, "groups_h100", rows)
+    assert verdicts(tmp_path, "group_sums fwd+bwd")["groups_h100.json"] == ("1.9x (worst: N=1048576 G=1024)",
+                                                                           "MISSED in 1 of 6")
+    assert verdicts(tmp_path, "group_sums peak")["groups_h100.json"] == (
+        f"{targets.GROUP_SUMS_BYTES_PER_ITEM + 1} B/(N+G) (worst: N=128 G=4)", "MISSED in 1 of 9")

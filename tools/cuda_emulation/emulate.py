@@ -15,6 +15,7 @@ tests then run the CUDA code:
     --kernel loss           csrc/cuda/dro_loss.cu         (tests/test_loss.py, tests/test_precision.py)
     --kernel robust         csrc/cuda/robust_objective.cu (tests/test_robust.py, tests/test_precision.py)
     --kernel cross_entropy  csrc/cuda/cross_entropy.cu    (tests/test_cross_entropy.py)
+    --kernel groups         csrc/cuda/group_sums.cu       (tests/test_group_sums.py, tests/test_cuda_group_sums.py)
     --kernel all            each of them in turn, with its default tests, and a summary
 
 The native test repeats per CPU SIMD build (ids native-avx2, native-default, native-avx512) only rerun the same
@@ -75,6 +76,9 @@ KERNELS = {
                            "and not test_linear_exact_segment_large"),
     "cross_entropy": Kernel("cross_entropy.cu", ("common.cuh", "divergence_dispatch.cuh"),
                             ("tests/test_cross_entropy.py",)),
+    # One block per group part, 256 std::threads each: the cases with tens of thousands of groups take minutes.
+    "groups": Kernel("group_sums.cu", ("common.cuh",), ("tests/test_group_sums.py", "tests/test_cuda_group_sums.py"),
+                     large="not G_above_N and not 5000"),
 }
 
 

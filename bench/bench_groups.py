@@ -1,0 +1,209 @@
+"""Per-group sums (dro_ext.group_sums), forward + backward, side by side with the two compositions Group DRO code
+writes: a G x N one-hot matrix times the losses (as kohpangwei/group_DRO's loss does), and index_add_ over zeros
+(the scatter composition), at every (N, G).
+
+    python -m bench.bench_groups [--sizes 128 4096 1048576] [--groups 4 64 1024] [--device cpu|cuda]
+    python -m bench.bench_groups --quick      # N = 4096 and 2^14, G = 4 and 64, 2 short rounds: seconds
+
+Writes <out>/groups.{json,csv,md,png} (groups_<card>.* on CUDA): one row per (N, G, implementation) with the
+median time of a forward (sums and counts) + backward (the gradient of the losses for a fixed upstream gradient
+of the sums), taken in interleaved rounds, its ratio to the fastest composition, and the peak extra memory one
+forward + backward allocates above its inputs: on CUDA torch.cuda.max_memory_allocated, on the CPU the running sum
+of the allocations and frees of PyTorch's CPU allocator recorded by torch.profiler (profile_memory=True), each op's
+net allocation at its start (or its net free at its end), so the group_sums op's per-part partials count (they are
+ATen tensors its aten::empty children allocate). The one-hot composition is left out (a row
+that says so) where its G x N matrix would pass ONE_HOT_MAX_ELEMENTS.
+
+Each implementation is a function (losses, groups, G) -> tensor whose gradient is taken: a later fused Group DRO
+loss is one more entry in IMPLS (a function returning its scalar loss).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import dro_ext
+from bench.common import (add_common_arguments, check_device, cuda_peak_bytes, default_min_seconds, device_info,
+                          interleaved_rounds, loadavg, markdown_table, partial_writer, progress, publish,
+                          result_name, Timer)
+
+FULL_SIZES = (128, 4096, 1 << 20)
+FULL_GROUPS = (4, 64, 1024)
+QUICK_SIZES = (4096, 1 << 14)
+QUICK_GROUPS = (4, 64)
+# A one-hot matrix of more elements than this (1 GiB as float32, with its bool mask beside it) is not built.
+ONE_HOT_MAX_ELEMENTS = 1 << 28
+
+
+def fused(losses, groups, num_groups):
+    return dro_ext.group_sums(losses, groups, num_groups)[0]
+
+
+def one_hot(losses, groups, num_groups):
+    """The G x N one-hot composition: the group map times the losses; the counts are its row sums."""
+    group_map = (groups == torch.arange(num_groups, device=groups.device).unsqueeze(1)).to(losses.dtype)
+    counts = group_map.sum(1)  # noqa: F841 (computed as the composition computes it; the bench times it)
+    return group_map @ losses
+
+
+def index_add(losses, groups, num_groups):
+    """The scatter composition: index_add_ of the losses, and of ones for the counts, over zeros."""
+    sums = losses.new_zeros(num_groups).index_add(0, groups, losses)
+    counts = losses.new_zeros(num_groups).index_add_(0, groups, torch.ones_like(losses))  # noqa: F841
+    return sums
+
+
+IMPLS = {"group_sums": fused, "one-hot matmul": one_hot, "index_add": index_add}
+FUSED = "group_sums"
+COMPOSITIONS = ("one-hot matmul", "index_add")
+
+
+def forward_backward(fn, losses, groups, num_groups, grad_out):
+    def run():
+        out = fn(losses, groups, num_groups)
+        # The sums get the fixed upstream gradient; a scalar (a loss over the groups) gets 1.
+        return torch.autograd.grad(out, losses, grad_out if out.dim() else None)
+    return run
+
+
+def cpu_peak_bytes(run) -> int:
+    """Peak of the running sum of CPU allocations and frees while run() executes (torch.profiler's memory events),
+    above where it started: what one call needs beyond its inputs (its outputs freed at the end included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    # Each op's own net allocation (its children's excluded; a free outside any op is a "[memory]" event), counted
+    # when the op starts if it allocated and when it ends if it freed: a temporary that a child op (aten::empty)
+    # allocates and its parent frees before returning is counted. Within one op's own code its allocations and
+    # frees are netted.
+    deltas = sorted((e.time_range.start if e.self_cpu_memory_usage > 0 else e.time_range.end, e.self_cpu_memory_usage)
+                    for e in prof.events() if e.self_cpu_memory_usage != 0)
+    live = peak = 0
+    for _, delta in deltas:
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def peak_bytes(run, device) -> int:
+    return cuda_peak_bytes(run, device) if torch.device(device).type == "cuda" else cpu_peak_bytes(run)
+
+
+def make_inputs(n, num_groups, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    losses = (1 + torch.randn(n, generator=gen)).to(device).requires_grad_()
+    groups = torch.randint(0, num_groups, (n,), generator=gen).to(device)
+    grad_out = torch.rand(num_groups, generator=gen).to(device)
+    return losses, groups, grad_out
+
+
+def bench_case(n, num_groups, device, timer, impls, *, rounds, min_seconds) -> list[dict]:
+    losses, groups, grad_out = make_inputs(n, num_groups, device)
+    skipped = {}
+    if n * num_groups > ONE_HOT_MAX_ELEMENTS and "one-hot matmul" in impls:
+        skipped["one-hot matmul"] = (f"not run: its G x N matrix would take {5 * n * num_groups / 2**30:.1f} GiB "
+                                     "(float32 and bool)")
+    runs = {name: forward_backward(fn, losses, groups, num_groups, grad_out)
+            for name, fn in impls.items() if name not in skipped}
+    stats = interleaved_rounds(runs, timer, rounds=rounds, min_seconds=min_seconds,
+                               min_reps=3 if n >= 1 << 20 else 10)
+    measured_compositions = [c for c in COMPOSITIONS if c in stats]
+    best = min(measured_compositions, key=lambda c: stats[c]["median_s"]) if measured_compositions else None
+    fused_s = stats[FUSED]["median_s"] if FUSED in stats else None
+    rows = []
+    for name in impls:
+        row = {"device": str(device), "case": f"N={n} G={num_groups}", "n": n, "groups": num_groups,
+               "dtype": "float32", "ids": "int64", "impl": name}
+        if name in skipped:
+            rows.append({**row, "skipped": skipped[name]})
+            continue
+        t = stats[name]
+        peak = peak_bytes(runs[name], device)
+        row.update({
+            "median_ms": 1e3 * t["median_s"], "p25_ms": 1e3 * t["p25_s"], "p75_ms": 1e3 * t["p75_s"],
+            "reps": t["reps"], "ns_per_sample": 1e9 * t["median_s"] / n,
+            "time_vs_fused": t["median_s"] / fused_s if fused_s else None,
+            "best_composition": best,
+            "speedup_vs_best_composition": stats[best]["median_s"] / t["median_s"] if best else None,
+            "peak_extra_bytes": peak, "peak_bytes_per_n_plus_g": peak / (n + num_groups),
+        })
+        rows.append(row)
+    return rows
+
+
+def bench(device, sizes, group_counts, *, rounds, min_seconds, impls=None, on_case=None) -> list[dict]:
+    timer = Timer(device)
+    impls = impls or IMPLS
+    cases = [(n, g) for n in sizes for g in group_counts]
+    rows = []
+    for i, (n, num_groups) in enumerate(cases, 1):
+        case_rows = bench_case(n, num_groups, device, timer, impls, rounds=rounds, min_seconds=min_seconds)
+        rows += case_rows
+        progress(f"[groups {i}/{len(cases)}] N={n:>8} G={num_groups:>5}: " + "  ".join(
+            f"{r['impl']} {r['median_ms']:.3f} ms" if "median_ms" in r else f"{r['impl']} skipped"
+            for r in case_rows))
+        if on_case:
+            on_case(rows, i, len(cases))
+    return rows
+
+
+HEADER = ["N", "G", "impl", "median ms", "ns/sample", "x group_sums", "group_sums speedup", "peak extra KiB",
+          "B per (N+G)"]
+
+
+def table_rows(rows):
+    out = []
+    for r in rows:
+        if "skipped" in r:
+            out.append([r["n"], r["groups"], r["impl"], r["skipped"], None, None, None, None, None])
+            continue
+        speedup = r["speedup_vs_best_composition"] if r["impl"] == FUSED else None
+        out.append([r["n"], r["groups"], r["impl"], r["median_ms"], r["ns_per_sample"], r["time_vs_fused"], speedup,
+                    r["peak_extra_bytes"] / 1024, r["peak_bytes_per_n_plus_g"]])
+    return out
+
+
+NOTE = ("Forward (sums and counts) + backward (the losses' gradient for a fixed upstream gradient of the sums), "
+        "float32 losses, int64 ids drawn uniformly from [0, G). `x group_sums` is that row's time over group_sums'; "
+        "`group_sums speedup` is the fastest composition's time over group_sums'. `peak extra KiB` is the peak "
+        "memory one forward + backward allocates above its inputs (CPU: PyTorch's allocator events under "
+        "torch.profiler, group_sums' per-part partials included; CUDA: max_memory_allocated); `B per (N+G)` is that "
+        "peak over N + G, bounded for an O(N + G) implementation and growing with G for the one-hot matrix.")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(parser, quick_help="N = 4096 and 2^14, G = 4 and 64, 2 short rounds")
+    parser.add_argument("--sizes", type=int, nargs="+", default=None)
+    parser.add_argument("--groups", type=int, nargs="+", default=None)
+    parser.add_argument("--min-seconds", type=float, default=None,
+                        help="per implementation, over all rounds (default 1.0 s on the CPU, 0.3 s on CUDA)")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads for the run (default: torch's own); recorded in the results")
+    parser.add_argument("--name", default="groups")
+    args = parser.parse_args(argv)
+    device = check_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
+    group_counts = args.groups or (QUICK_GROUPS if args.quick else FULL_GROUPS)
+    rounds = args.rounds or (2 if args.quick else 3)
+    min_seconds = default_min_seconds(args, device, quick=0.03, full=1.0)
+    settings = {"sizes": list(sizes), "groups": list(group_counts), "rounds": rounds, "min_seconds": min_seconds,
+                "quick": args.quick, "backend": dro_ext.backend()}
+    info = device_info(device)
+    load_before = loadavg()
+    name = result_name(args.name, info)
+    after = "\n\n" + NOTE
+    on_case = partial_writer(args, name, info, lambda rows: markdown_table(HEADER, table_rows(rows)) + after,
+                             load_before=load_before, settings=settings)
+    rows = bench(device, sizes, group_counts, rounds=rounds, min_seconds=min_seconds, on_case=on_case)
+    return publish(args, "groups", name, rows, HEADER, table_rows(rows), info, load_before=load_before,
+                   settings=settings, after=after, plot="plot_groups")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+// Per-group sums and counts of per-sample losses (docs/design.md section 1.9): schemas, CPU kernels, autograd.
+//
+//   group_sums(l, g, G, validate)       -> (sums, counts): sums[k] = sum of l_i over g_i = k, counts[k] = n_k, both
+//                                          (G,) in the accumulation dtype; ids outside [0, G) raise IndexError
+//                                          (validate) or are dropped
+//   group_sums_backward(grad, g, dtype) -> grad_l (N,) of dtype: grad_l_i = grad[g_i], 0 for an id outside [0, G)
+//
+// The gather is the backward of the sums and the sums the backward of the gather, so each op's autograd calls the
+// other: double backward (and more) comes for free.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "autograd_node.h"
+#include "checks.h"
+#include "cpu/chunks.h"
+#include "cpu/output_buffer.h"
+#include "group_sums_checks.h"
+
+namespace dro_ext {
+
+namespace {
+
+// With few groups, consecutive samples often share one, and a single accumulator per group makes each add wait for
+// the one before (a store-to-load chain through memory). kLanes interleaved copies of the accumulators, sample
+// begin + kLanes q + j of a part going to copy j, break those chains; the copies are added in a fixed order at the
+// end. With many groups the chains are rare and the copies would only cost memory and zeroing, so one copy is
+// used: the choice depends on num_groups only, never on the data or the thread count.
+constexpr int64_t kLanes = 4;
+// At most this many groups get lanes: their kLanes rows of accumulators (12 bytes each) stay within L1 (12 KiB).
+constexpr int64_t kMaxGroupsForLanes = 256;
+// Parts per at::parallel_for task: the loop over one part of a chunk is tens of microseconds, which a fork and
+// join of the thread pool would cost as much as on a busy machine.
+constexpr int64_t kPartsPerTask = 4;
+static_assert(kLanes == 4, "group_sums_kernel adds the lanes of a part as (l0 + l1) + (l2 + l3)");
+
+// The samples [begin, end) of one part into its `lanes` rows of num_groups + 1 accumulators (slot num_groups takes
+// the ids outside [0, num_groups), and is dropped). Returns whether every id was in range.
+template <int64_t LANES, typename scalar_t, typename id_t, typename acc_t>
+bool sum_part(const scalar_t* x, int64_t x_stride, const id_t* ids, int64_t id_stride, int64_t begin, int64_t end,
+              int64_t num_groups, acc_t* s, int64_t* c) {
+  const int64_t row = num_groups + 1;
+  bool in_range = true;
+  auto add = [&](int64_t i, int64_t lane) {
+    const int64_t id = static_cast<int64_t>(ids[i * id_stride]);
+    const bool ok = static_cast<uint64_t>(id) < static_cast<uint64_t>(num_groups);  // negative ids wrap to huge
+    in_range &= ok;
+    const int64_t slot = lane * row + (ok ? id : num_groups);
+    s[slot] += static_cast<acc_t>(x[i * x_stride]);
+    c[slot] += 1;
+  };
+  int64_t i = begin;
+  for (; i + LANES <= end; i += LANES) {
+    for (int64_t j = 0; j < LANES; ++j) add(i + j, j);  // unrolled: LANES independent chains
+  }
+  for (; i < end; ++i) add(i, (i - begin) % LANES);
+  return in_range;
+}
+
+// One pass over the samples: part p (a run of whole chunks, cpu::part_size) adds its samples in index order into
+// its own lanes of partial sums and counts; then, for every group, each part's lanes are added ((l0 + l1) + (l2 +
+// l3)) and the parts in part order. Counts are integers (exact at any N) converted once. Returns whether every id
+// was in [0, num_groups).
+template <typename scalar_t, typename id_t>
+bool group_sums_kernel(const at::Tensor& losses, const at::Tensor& groups, int64_t num_groups,
+                       at::opmath_type<scalar_t>* sums, at::opmath_type<scalar_t>* counts) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t n = losses.numel();
+  const scalar_t* x = losses.const_data_ptr<scalar_t>();
+  const id_t* ids = groups.const_data_ptr<id_t>();
+  const int64_t x_stride = losses.stride(0), id_stride = groups.stride(0);
+  const int64_t lanes = num_groups <= kMaxGroupsForLanes ? kLanes : 1;
+  const int64_t row = num_groups + 1, width = lanes * row;
+  const int64_t part = cpu::part_size(n, width);
+  const int64_t num_parts = std::max<int64_t>(1, (n + part - 1) / part);
+  // Through ATen's allocator, like every other tensor, so that memory profiles see the partials.
+  const at::Tensor sums_buffer =
+      at::empty({num_parts, width}, losses.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+  const at::Tensor counts_buffer = at::empty({num_parts, width}, losses.options().dtype(at::kLong));
+  acc_t* part_sums = sums_buffer.mutable_data_ptr<acc_t>();
+  int64_t* part_counts = counts_buffer.mutable_data_ptr<int64_t>();
+  std::vector<char> part_in_range(num_parts, 1);
+  at::parallel_for(0, num_parts, kPartsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      acc_t* s = part_sums + p * width;
+      int64_t* c = part_counts + p * width;
+      std::fill(s, s + width, acc_t(0));  // zeroed here, by the thread that sums into it
+      std::fill(c, c + width, int64_t{0});
+      const int64_t first = p * part, last = std::min(n, (p + 1) * part);
+      part_in_range[p] = lanes == kLanes
+                             ? sum_part<kLanes>(x, x_stride, ids, id_stride, first, last, num_groups, s, c)
+                             : sum_part<1>(x, x_stride, ids, id_stride, first, last, num_groups, s, c);
+    }
+  });
+  // Part by part over a range of groups (rows read in order, not one strided column per group), the same sums in the
+  // same order for every group: part 0, then + part 1, ...
+  std::vector<int64_t> total_counts(num_groups, 0);
+  at::parallel_for(0, num_groups, cpu::kReductionChunk, [&](int64_t begin, int64_t end) {
+    for (int64_t p = 0; p < num_parts; ++p) {
+      const acc_t* ps = part_sums + p * width;
+      const int64_t* pc = part_counts + p * width;
+      for (int64_t k = begin; k < end; ++k) {
+        const acc_t part_sum = lanes == kLanes ? (ps[k] + ps[row + k]) + (ps[2 * row + k] + ps[3 * row + k]) : ps[k];
+        sums[k] = p == 0 ? part_sum : sums[k] + part_sum;
+        for (int64_t j = 0; j < lanes; ++j) total_counts[k] += pc[j * row + k];
+      }
+    }
+    for (int64_t k = begin; k < end; ++k) counts[k] = static_cast<acc_t>(total_counts[k]);
+  });
+  return std::all_of(part_in_range.begin(), part_in_range.end(), [](char ok) { return ok != 0; });
+}
+
+std::tuple<at::Tensor, at::Tensor> group_sums_cpu(const at::Tensor& losses, const at::Tensor& groups,
+                                                  int64_t num_groups, bool validate) {
+  check_group_sums_args(losses, groups, num_groups);
+  const auto options = losses.options().dtype(accumulate_type(losses.scalar_type()));
+  at::Tensor sums = at::empty({num_groups}, options), counts = at::empty({num_groups}, options);
+  bool in_range = true;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, losses.scalar_type(), "dro_ext_group_sums", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    AT_DISPATCH_INDEX_TYPES(groups.scalar_type(), "dro_ext_group_sums_ids", [&] {
+      in_range = group_sums_kernel<scalar_t, index_t>(losses, groups, num_groups, sums.mutable_data_ptr<acc_t>(),
+                                                      counts.mutable_data_ptr<acc_t>());
+    });
+  });
+  if (validate) check_ids_in_range(in_range, num_groups);
+  return {sums, counts};
+}
+
+at::Tensor group_sums_backward_cpu(const at::Tensor& grad_sums, const at::Tensor& groups, at::ScalarType dtype) {
+  check_group_sums_backward_args(grad_sums, groups, dtype);
+  const int64_t n = groups.numel(), num_groups = grad_sums.numel();
+  // A training step asks for the same N-sized gradient every step: cpu/output_buffer.h reuses its pages.
+  at::Tensor out = cpu::empty_output({n}, groups.options().dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "dro_ext_group_sums_backward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    // The G values in scalar_t (what every sample's gradient is rounded to anyway), converted up front, and a 0 past
+    // them for the ids outside [0, num_groups): the loop is then one clamped load and store per sample.
+    std::vector<scalar_t> table(num_groups + 1, scalar_t(0));
+    {
+      const at::Tensor g = grad_sums.to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
+      const acc_t* grad = g.const_data_ptr<acc_t>();
+      for (int64_t k = 0; k < num_groups; ++k) table[k] = static_cast<scalar_t>(grad[k]);
+    }
+    const scalar_t* __restrict__ values = table.data();
+    scalar_t* __restrict__ y = out.mutable_data_ptr<scalar_t>();
+    AT_DISPATCH_INDEX_TYPES(groups.scalar_type(), "dro_ext_group_sums_backward_ids", [&] {
+      const index_t* __restrict__ ids = groups.const_data_ptr<index_t>();
+      const int64_t id_stride = groups.stride(0);
+      const uint64_t bound = static_cast<uint64_t>(num_groups);
+      at::parallel_for(0, n, kPartsPerTask * cpu::kReductionChunk, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const uint64_t id = static_cast<uint64_t>(static_cast<int64_t>(ids[i * id_stride]));  // negative: huge
+          y[i] = values[id < bound ? id : bound];
+        }
+      });
+    });
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------- autograd
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+std::tuple<at::Tensor, at::Tensor> call_group_sums(const at::Tensor& losses, const at::Tensor& groups,
+                                                   int64_t num_groups, bool validate) {
+  static auto op = find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t, bool)>(
+      "dro_ext::group_sums");
+  return op.call(losses, groups, num_groups, validate);
+}
+
+at::Tensor call_group_sums_backward(const at::Tensor& grad_sums, const at::Tensor& groups, at::ScalarType dtype) {
+  static auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, at::ScalarType)>(
+      "dro_ext::group_sums_backward");
+  return op.call(grad_sums, groups, dtype);
+}
+
+// Hand-written Nodes, as dro_loss's (csrc/autograd.cpp): at a few thousand samples a generic Function's bookkeeping
+// would be a visible share of the call. Each backward goes through the dispatcher, with autograd when grad mode is
+// on (a double backward records it), below autograd otherwise.
+struct GroupSumsBackward final : public torch::autograd::Node {
+  torch::autograd::SavedVariable groups;
+  at::ScalarType losses_dtype;
+
+  std::string name() const override { return "GroupSumsBackward"; }
+  void release_variables() override { groups.reset_data(); }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    torch::autograd::variable_list out(1);
+    if (!grads[0].defined() || !should_compute_output(0)) return out;
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
+    if (!at::GradMode::is_enabled()) below_autograd.emplace();
+    out[0] = call_group_sums_backward(grads[0], groups.unpack(), losses_dtype);
+    return out;
+  }
+};
+
+// The gather's backward: its adjoint, the sums of the incoming gradient by group (out-of-range ids dropped, as the
+// gather gave them 0).
+struct GroupGatherBackward final : public torch::autograd::Node {
+  torch::autograd::SavedVariable groups;
+  int64_t num_groups = 0;
+  at::ScalarType grad_sums_dtype;
+
+  std::string name() const override { return "GroupGatherBackward"; }
+  void release_variables() override { groups.reset_data(); }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    torch::autograd::variable_list out(1);
+    if (!grads[0].defined() || !should_compute_output(0)) return out;
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
+    if (!at::GradMode::is_enabled()) below_autograd.emplace();
+    out[0] = std::get<0>(call_group_sums(grads[0], groups.unpack(), num_groups, false)).to(grad_sums_dtype);
+    return out;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> group_sums_autograd(const at::Tensor& losses, const at::Tensor& groups,
+                                                       int64_t num_groups, bool validate) {
+  TORCH_CHECK(!torch::autograd::isFwGradDefined(losses),
+              "dro_ext: forward-mode AD is not implemented for group_sums; use the fallback (DRO_EXT_FORCE_PYTHON=1)");
+  auto [sums, counts] = [&] {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_group_sums(losses, groups, num_groups, validate);
+  }();
+  if (torch::autograd::compute_requires_grad(losses)) {
+    auto node = make_node<GroupSumsBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(losses));
+    node->groups = torch::autograd::SavedVariable(groups, /*is_output=*/false);
+    node->losses_dtype = losses.scalar_type();
+    torch::autograd::set_history(sums, node);  // counts get no history: they are not differentiable
+  }
+  return {sums, counts};
+}
+
+at::Tensor group_sums_backward_autograd(const at::Tensor& grad_sums, const at::Tensor& groups, at::ScalarType dtype) {
+  TORCH_CHECK(!torch::autograd::isFwGradDefined(grad_sums),
+              "dro_ext: forward-mode AD is not implemented for group_sums_backward");
+  at::Tensor out = [&] {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_group_sums_backward(grad_sums, groups, dtype);
+  }();
+  if (torch::autograd::compute_requires_grad(grad_sums)) {
+    auto node = make_node<GroupGatherBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(grad_sums));
+    node->groups = torch::autograd::SavedVariable(groups, /*is_output=*/false);
+    node->num_groups = grad_sums.size(0);
+    node->grad_sums_dtype = grad_sums.scalar_type();
+    torch::autograd::set_history(out, node);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dro_ext, m) {
+  m.def("group_sums(Tensor losses, Tensor groups, int num_groups, bool validate=True) -> (Tensor, Tensor)");
+  m.def("group_sums_backward(Tensor grad_sums, Tensor groups, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dro_ext, CPU, m) {
+  m.impl("group_sums", &group_sums_cpu);
+  m.impl("group_sums_backward", &group_sums_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(dro_ext, Autograd, m) {
+  m.impl("group_sums", &group_sums_autograd);
+  m.impl("group_sums_backward", &group_sums_backward_autograd);
+}
+
+}  // namespace dro_ext

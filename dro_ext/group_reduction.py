@@ -1,0 +1,155 @@
+"""Per-group sums of per-sample losses: the segment reduction group-level DRO (Group DRO, domain reweighting)
+is built on. With l_i the loss of sample i, g_i in [0, G) its group and n_g the number of samples of group g:
+
+    sums[g]   = sum_{i : g_i = g} l_i        counts[g] = n_g
+    d sums[g] / d l_i = [g_i = g]            so  d l_i = grad_sums[g_i]
+
+A caller's group means are sums / counts.clamp_min(1) (docs/design.md, "Group sums").
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from dro_ext import _backend
+from dro_ext._divergences import accumulate_dtype, check_dense, check_losses
+
+__all__ = ["check_groups", "check_num_groups", "group_sums"]
+
+_ID_DTYPES = (torch.int32, torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Native ops: fake (meta) kernels, for torch.compile. The autograd of both ops is C++ (csrc/group_sums.cpp): each
+# op's backward is the other op, so double backward works.
+# ---------------------------------------------------------------------------------------------------
+
+if _backend.native_available():
+
+    @torch.library.register_fake("dro_ext::group_sums")
+    def _group_sums_fake(losses, groups, num_groups, validate=True):
+        torch._check(losses.dim() == 1, lambda: "dro_ext: losses must be a 1-D tensor")
+        acc = accumulate_dtype(losses.dtype)
+        return losses.new_empty((num_groups,), dtype=acc), losses.new_empty((num_groups,), dtype=acc)
+
+    @torch.library.register_fake("dro_ext::group_sums_backward")
+    def _group_sums_backward_fake(grad_sums, groups, dtype):
+        return groups.new_empty(groups.shape, dtype=dtype)
+
+    # Looked up once: resolving the overload costs a few hundred ns per call.
+    _group_sums_op = torch.ops.dro_ext.group_sums.default
+
+
+# ---------------------------------------------------------------------------------------------------
+# The PyTorch fallback, which is also the reference semantics of the native op.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _bad_id_message(num_groups) -> str:
+    return (f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={num_groups}; pass ids in range "
+            "(or validate=False to drop them)")
+
+
+def _fallback_group_sums(losses, groups, num_groups, validate):
+    """index_add_ over zeros in the accumulation dtype. On the CPU index_add_ into a 1-D tensor adds the samples
+    one after another in index order: deterministic, whatever the thread count. On CUDA it adds with float
+    atomics, so the sums may differ in their last bits from run to run, unless torch.use_deterministic_algorithms(True)
+    is set (PyTorch then takes a sorted, deterministic path for index_add_ on CUDA)."""
+    acc = accumulate_dtype(losses.dtype)
+    x = losses.to(acc)
+    width = num_groups
+    if validate:
+        if not torch.compiler.is_compiling():
+            # The one host read (a sync on CUDA). A compiled graph cannot branch on it; there index_add_'s own
+            # bounds check stands in (an IndexError on the CPU, a device-side assertion on CUDA).
+            if bool(((groups < 0) | (groups >= num_groups)).any()):
+                raise IndexError(_bad_id_message(num_groups))
+        ids = groups
+    else:
+        # Out-of-range ids are dropped, as the native op drops them: they go to one spare slot past the last
+        # group, which is cut off (its samples get no gradient either).
+        ids = torch.where((groups >= 0) & (groups < num_groups), groups, num_groups)
+        width = num_groups + 1
+    sums = torch.zeros(width, dtype=acc, device=losses.device).index_add(0, ids, x)
+    # Counted in int64 (exact at any N) and converted once, as the native op counts.
+    ones = torch.ones((), dtype=torch.int64, device=losses.device).expand(ids.shape)
+    counts = torch.zeros(width, dtype=torch.int64, device=losses.device).index_add_(0, ids, ones).to(acc)
+    return sums[:num_groups], counts[:num_groups]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------------
+
+
+def check_num_groups(num_groups) -> int:
+    if isinstance(num_groups, bool) or not isinstance(num_groups, (numbers.Integral, torch.SymInt)):
+        raise TypeError(f"dro_ext: num_groups must be an int, got {num_groups!r} ({type(num_groups).__name__})")
+    if num_groups < 1:
+        raise ValueError(f"dro_ext: num_groups must be >= 1, got num_groups={num_groups}")
+    return num_groups if isinstance(num_groups, torch.SymInt) else int(num_groups)
+
+
+def check_groups(groups, losses: torch.Tensor) -> None:
+    """Group ids for ``losses``: an int32 or int64 dense tensor of its shape, on its device."""
+    if not isinstance(groups, torch.Tensor):
+        raise TypeError(f"dro_ext: groups must be a torch.Tensor of group ids, got {type(groups).__name__}")
+    check_dense("groups", groups)
+    if groups.dtype not in _ID_DTYPES:
+        raise TypeError(f"dro_ext: groups must be an int32 or int64 tensor of group ids, got {groups.dtype}")
+    if groups.shape != losses.shape:
+        raise ValueError(f"dro_ext: groups must have the shape of losses, {tuple(losses.shape)}, "
+                         f"got {tuple(groups.shape)}")
+    if groups.device != losses.device:
+        raise ValueError(f"dro_ext: groups is on {groups.device} but losses is on {losses.device}; "
+                         "move them to the same device")
+
+
+def _check_args(losses, groups, num_groups, validate) -> int:
+    check_losses(losses, allow_empty=True)
+    check_groups(groups, losses)
+    num_groups = check_num_groups(num_groups)
+    if not isinstance(validate, bool):
+        raise TypeError(f"dro_ext: validate must be a bool, got {validate!r} ({type(validate).__name__})")
+    return num_groups
+
+
+def group_sums(losses, groups, num_groups, *, validate=True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group sums and counts of per-sample losses: ``(sums, counts)``, each of shape ``(num_groups,)``.
+
+    ``sums[g]`` is the sum of ``losses[i]`` over the samples with ``groups[i] == g`` and ``counts[g]`` their number;
+    a group with no sample has sum 0 and count 0, and a NaN loss makes its group's sum NaN. ``losses`` is a 1-D
+    floating tensor (any stride, N = 0 included); ``groups`` an int32 or int64 tensor of the same shape and device
+    with ids in ``[0, num_groups)``; ``num_groups`` an int >= 1.
+
+    dtypes: float32 and float64 losses give sums in their dtype. float16 and bfloat16 losses are summed in float32
+    and give float32 sums: a group's sum outgrows float16's range (65504) at a few thousand samples of loss ~10, and
+    bfloat16's 8-bit mantissa stops adding a loss of 1 to a sum past 256, so a sum rounded back to them would be
+    wrong where Group DRO needs it (the largest groups). ``counts`` has the dtype of ``sums`` (exact up to 2^24
+    samples a group in float32), so that a distributed caller can all-reduce sums and counts together, as 2G
+    floats in one collective.
+
+    Gradient: ``d losses[i] = grad_sums[groups[i]]`` (``counts`` has none), so group means
+    ``sums / counts.clamp_min(1)`` give ``d losses[i] = grad_means[g_i] / n_{g_i}``. The backward is a gather,
+    itself differentiable (double backward works).
+
+    Deterministic: the sums are formed in a fixed order (fixed chunks and a fixed-order combine, no float atomics),
+    bitwise the same run to run and whatever the CPU thread count; one pass over the samples, O(N + G) memory.
+
+    ``validate``: ids outside ``[0, num_groups)`` raise IndexError. On CUDA that costs one host sync (the kernel
+    raises a flag on the device; the op reads it once). ``validate=False`` skips the check, and the sync, for
+    CUDA-graph capture or a sync-free step: an out-of-range id is then dropped (its sample counts in no group,
+    adds to no sum and gets a zero gradient), never written out of bounds.
+    """
+    if (type(num_groups) is int and num_groups >= 1 and type(validate) is bool and isinstance(losses, torch.Tensor)
+            and isinstance(groups, torch.Tensor) and losses.layout == groups.layout == torch.strided
+            and losses.device == groups.device and _backend.native_for(losses.device.type)):  # loaded, selected, built for the device
+        # The op checks the tensors' dtypes and shapes itself, with the same errors; at a few thousand samples
+        # checking them here too would be a visible share of the call. (Devices are compared here: a meta tensor
+        # beside a CPU one would dispatch to the fake kernel, which checks nothing.)
+        return _group_sums_op(losses, groups, num_groups, validate)
+    num_groups = _check_args(losses, groups, num_groups, validate)
+    if _backend.native_for(losses.device.type):
+        return _group_sums_op(losses, groups, num_groups, validate)
+    return _fallback_group_sums(losses, groups, num_groups, validate)
