@@ -5,6 +5,7 @@ of Jin et al., "Non-convex Distributionally Robust Optimization: Non-asymptotic 
 as fused C++ (and CUDA) kernels exposed as torch custom ops, with a pure-PyTorch fallback.
 """
 from dro_ext._backend import backend
+from dro_ext._divergences import Divergence
 from dro_ext.cross_entropy import (
     DROCrossEntropyLoss, DROLinearCrossEntropyLoss, dro_cross_entropy, dro_linear_cross_entropy,
 )
@@ -16,8 +17,8 @@ from dro_ext.optim import NormalizedSGD
 from dro_ext.robust import evaluate, robust_objective, weight_stats, worst_case_weights
 
 __all__ = [
-    "DIVERGENCES", "DROCrossEntropyLoss", "DROLinearCrossEntropyLoss", "DROLoss", "GroupDROLoss", "NormalizedSGD",
-    "backend", "dro_cross_entropy", "dro_linear_cross_entropy", "dro_loss", "dro_weights", "evaluate",
+    "DIVERGENCES", "DROCrossEntropyLoss", "DROLinearCrossEntropyLoss", "DROLoss", "Divergence", "GroupDROLoss",
+    "NormalizedSGD", "backend", "dro_cross_entropy", "dro_linear_cross_entropy", "dro_loss", "dro_weights", "evaluate",
     "group_dro_loss", "group_sums", "psi_star", "robust_objective", "weight_stats", "worst_case_weights",
 ]
 __version__ = "0.1.0"

@@ -8,13 +8,15 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from collections.abc import Iterator
 
 import torch  # noqa: F401  (loads libtorch, which dro_ext._C links against)
 
 _native_loaded = False
 _load_error: Exception | None = None
 try:
-    from dro_ext import _C  # noqa: F401  (registers torch.ops.dro_ext.*)
+    # The compiled extension: no Python names and no stub for the type checker to read.
+    from dro_ext import _C  # type: ignore[attr-defined]  # noqa: F401  (registers torch.ops.dro_ext.*)
 
     _native_loaded = True
 except ImportError as exc:  # built without the extension, or built for another torch
@@ -70,7 +72,7 @@ def load_error() -> Exception | None:
 
 
 @contextlib.contextmanager
-def forced_backend(name: str):
+def forced_backend(name: str) -> Iterator[None]:
     """Run a block on the given backend ("native" or "python"); used by the tests to cover both paths."""
     global _force_python
     if name not in ("native", "python"):

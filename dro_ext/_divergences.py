@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 
-DIVERGENCES = ("chi2", "kl", "cvar", "kl_cvar", "cressie_read", "smoothed_cvar")
+# The divergences' names: a type for the signatures that take one, and the tuple that the checks read, made from it.
+Divergence = Literal["chi2", "kl", "cvar", "kl_cvar", "cressie_read", "smoothed_cvar"]
+DIVERGENCES: tuple[Divergence, ...] = get_args(Divergence)
 _NEEDS_ALPHA = ("cvar", "kl_cvar", "smoothed_cvar")
 # alpha's documented range is [MIN_ALPHA, 1) (csrc/checks.h): 1/alpha and alpha itself stay normal float32 numbers
 # with room to spare, which the float32 kernels need.
@@ -20,12 +22,12 @@ MIN_ALPHA = 1e-30
 class Spec(NamedTuple):
     """A validated divergence with the parameters it uses (the others are None)."""
 
-    name: str
+    name: Divergence
     alpha: float | None
     k: float | None
 
 
-def real_number(name: str, value) -> float:
+def real_number(name: str, value: object) -> float:
     """A real number as a float. bool, str and complex are refused, though float() takes them (float(True) == 1.0,
     float("0.1") == 0.1): each is more likely a mistake than a parameter."""
     if isinstance(value, torch.Tensor):
@@ -35,7 +37,7 @@ def real_number(name: str, value) -> float:
     return float(value)
 
 
-def check_divergence(divergence: str, alpha=None, k=None) -> Spec:
+def check_divergence(divergence: str, alpha: float | None = None, k: float | None = None) -> Spec:
     if divergence not in DIVERGENCES:
         raise ValueError(f"dro_ext: unknown divergence {divergence!r}; expected one of {', '.join(DIVERGENCES)}")
     # A parameter the divergence does not take is an error, not silently ignored.
@@ -61,7 +63,7 @@ def check_divergence(divergence: str, alpha=None, k=None) -> Spec:
     return Spec(divergence, None, None)
 
 
-def check_positive(name: str, value) -> float:
+def check_positive(name: str, value: object) -> float:
     value = real_number(name, value)
     # Comparisons rather than math.isfinite, which torch.compile cannot trace on symbolic floats.
     if not 0.0 < value < math.inf:
@@ -75,7 +77,7 @@ def check_dense(name: str, value: torch.Tensor) -> None:
         raise TypeError(f"dro_ext: {name} must be a dense (strided) tensor, got layout {value.layout}")
 
 
-def check_losses(value, name: str = "losses", *, allow_empty: bool = False) -> None:
+def check_losses(value: object, name: str = "losses", *, allow_empty: bool = False) -> None:
     """A dense 1-D floating tensor: the losses (or weight_stats' weights), checked with csrc/checks.h's messages.
     allow_empty: a rank of a group= call may hold none (dro_ext.distributed checks the total)."""
     if not isinstance(value, torch.Tensor):
@@ -91,7 +93,7 @@ def check_losses(value, name: str = "losses", *, allow_empty: bool = False) -> N
                         f"got {value.dtype}")
 
 
-def as_eta(eta, losses: torch.Tensor) -> torch.Tensor:
+def as_eta(eta: float | torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
     """eta as a 0-d tensor on the losses' device; a Python number becomes a constant (no gradient)."""
     if isinstance(eta, torch.Tensor):
         if eta.dim() != 0:
@@ -135,7 +137,7 @@ def fallback_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return torch.float64 if device.type != "mps" else accumulate_dtype(dtype)
 
 
-def _select_positive(x, if_pos, if_nonpos):
+def _select_positive(x: torch.Tensor, if_pos: torch.Tensor | float, if_nonpos: torch.Tensor | float) -> torch.Tensor:
     # x > 0 ? if_pos : (x <= 0 ? if_nonpos : NaN), so a NaN in x comes out as NaN; its gradient there is NaN
     # as well (x times a factor that is x itself at NaN and 0 elsewhere: a plain pass-through of x would have
     # gradient 1 and hide the NaN from the gradient, and the factor keeps the masked-out gradient of an
@@ -144,19 +146,19 @@ def _select_positive(x, if_pos, if_nonpos):
     return torch.where(x > 0, if_pos, torch.where(x <= 0, if_nonpos, nan_lane))
 
 
-def _relu(x):
+def _relu(x: torch.Tensor) -> torch.Tensor:
     # max(x, 0) whose value and gradient are NaN at a NaN (torch.relu's gradient there is 0, which would
     # silently drop the sample from the gradient); the gradient at 0 is 0, the subgradient of docs/design.md section 1.3. A select,
     # not x times a 0/1 factor, so that -inf gives 0 (-inf * 0 is NaN).
     return _select_positive(x, x, 0.0)
 
 
-def _neg_abs(t):
+def _neg_abs(t: torch.Tensor) -> torch.Tensor:
     # -|t| with derivative 1 at t = 0 (the t <= 0 branch), as the forms built on it need (psi*'(0) = 1).
     return torch.where(t > 0, -t, t)
 
 
-def _cressie_read_parts(t, k):
+def _cressie_read_parts(t: torch.Tensor, k: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(u, a t, e) with a = k - 1, u = 1 + a t and e = u^(1/a) - 1 = expm1(log1p(a t) / a) where u > 0.
 
     Where u <= 0, log1p is evaluated at 0 instead, so autograd never meets its pole (those lanes are selected
@@ -168,7 +170,7 @@ def _cressie_read_parts(t, k):
     return u, at, log_u
 
 
-def _smoothed_cvar_parts(t, alpha):
+def _smoothed_cvar_parts(t: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(m, c1 + c2 q): m = expm1(-|t|) = q - 1 with q = e^-|t|, and (c1, c2) = (alpha, 1 - alpha) for t > 0, swapped
     otherwise, so that 1 - alpha + alpha e^t is e^t (c1 + c2 q) for t > 0 and c1 + c2 q otherwise: a sum of positive
     terms, never 1 + c m, which cancels for alpha near 0 or 1 (csrc/divergences.h)."""
@@ -184,12 +186,12 @@ def _smoothed_cvar_parts(t, alpha):
     return m, c1 + c2 * q
 
 
-def _smoothed_cvar_shortcuts(alpha) -> bool:
+def _smoothed_cvar_shortcuts(alpha: float) -> bool:
     """csrc/divergences.h's SmoothedCVaR::shortcuts: alpha in [1/16, 15/16]."""
     return 1.0 / 16.0 <= alpha <= 15.0 / 16.0
 
 
-def _smoothed_cvar_value(t, alpha):
+def _smoothed_cvar_value(t: torch.Tensor, alpha: float) -> torch.Tensor:
     """psi*(t) = log1p(x) / alpha with x = alpha expm1(t) in [-1/2, 1], else (t_+ + log(c1 + c2 q)) / alpha.
 
     expm1 is taken at t clamped to log1p(2 / alpha), where x = 2 already selects the second form, so that every
@@ -201,6 +203,13 @@ def _smoothed_cvar_value(t, alpha):
     near = torch.where(x.abs() < 2.0**-60, e, torch.log1p(x) / alpha)
     far = (_relu(t) + torch.log(total)) / alpha
     return torch.where((x >= -0.5) & (x <= 1.0), near, far)
+
+
+def required(parameter: float | None) -> float:
+    """alpha or k of a Spec whose divergence takes it: check_divergence sets exactly those (the others are None)."""
+    if parameter is None:
+        raise AssertionError("dro_ext: a divergence parameter is None in a Spec whose divergence takes it")
+    return parameter
 
 
 def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
@@ -220,21 +229,22 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
     if name == "kl":
         return torch.expm1(t) if order == 0 else torch.exp(t)
     if name == "cvar":
-        inv_alpha = 1.0 / spec.alpha
+        inv_alpha = 1.0 / required(spec.alpha)
         if order == 0:
             return _relu(t) * inv_alpha
         return _select_positive(t, inv_alpha if order == 1 else 0.0, 0.0)
     if name == "kl_cvar":
-        cut = -math.log(spec.alpha)
+        alpha = required(spec.alpha)
+        cut = -math.log(alpha)
         # clamp (not minimum) so that the gradient at t == cut is exp(cut), as in the closed form.
         below = torch.clamp(t, max=cut)
         if order == 0:
-            return torch.expm1(below) + _relu(t - cut) / spec.alpha
+            return torch.expm1(below) + _relu(t - cut) / alpha
         if order == 1:
             return torch.exp(below)
         return _select_positive(t - cut, 0.0, torch.exp(below))
     if name == "cressie_read":
-        k = spec.k
+        k = required(spec.k)
         power = 1.0 / (k - 1.0)
         if order == 0:
             # (u^(p+1) - 1) / k = (e + a t (1 + e)) / k. At t = +inf its autograd gradient would be
@@ -250,7 +260,7 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
             power -= 1.0
         return _select_positive(u, torch.exp(log_u * power), 0.0)
     if name == "smoothed_cvar":
-        alpha = spec.alpha
+        alpha = required(spec.alpha)
         if order == 0:
             return _smoothed_cvar_value(t, alpha)
         if _smoothed_cvar_shortcuts(alpha):
@@ -274,18 +284,20 @@ def excess(t: torch.Tensor, spec: Spec) -> torch.Tensor:
     if name == "kl":
         return torch.expm1(t) - t
     if name == "cvar":
-        return _select_positive(t, t * ((1.0 - spec.alpha) / spec.alpha), -t)
+        alpha = required(spec.alpha)
+        return _select_positive(t, t * ((1.0 - alpha) / alpha), -t)
     if name == "kl_cvar":
-        cut = -math.log(spec.alpha)
+        alpha = required(spec.alpha)
+        cut = -math.log(alpha)
         below = torch.clamp(t, max=cut)
-        return (torch.expm1(below) - below) + _relu(t - cut) * ((1.0 - spec.alpha) / spec.alpha)
+        return (torch.expm1(below) - below) + _relu(t - cut) * ((1.0 - alpha) / alpha)
     if name == "cressie_read":
-        k = spec.k
+        k = required(spec.k)
         u, at, log_u = _cressie_read_parts(t, k)
         e = torch.expm1(log_u / (k - 1.0))
         return _select_positive(u, ((e - t) + at * e) / k, -1.0 / k - t)
     if name == "smoothed_cvar":
-        return _smoothed_cvar_value(t, spec.alpha) - t
+        return _smoothed_cvar_value(t, required(spec.alpha)) - t
     raise AssertionError(name)
 
 
@@ -297,15 +309,18 @@ def excess_first(t: torch.Tensor, spec: Spec) -> torch.Tensor:
     if name == "kl":
         return torch.expm1(t)
     if name == "cvar":
-        return _select_positive(t, (1.0 - spec.alpha) / spec.alpha, -1.0)
+        alpha = required(spec.alpha)
+        return _select_positive(t, (1.0 - alpha) / alpha, -1.0)
     if name == "kl_cvar":
-        return torch.expm1(torch.clamp(t, max=-math.log(spec.alpha)))
+        return torch.expm1(torch.clamp(t, max=-math.log(required(spec.alpha))))
     if name == "cressie_read":
-        u, _, log_u = _cressie_read_parts(t, spec.k)
-        return _select_positive(u, torch.expm1(log_u / (spec.k - 1.0)), -1.0)
+        k = required(spec.k)
+        u, _, log_u = _cressie_read_parts(t, k)
+        return _select_positive(u, torch.expm1(log_u / (k - 1.0)), -1.0)
     if name == "smoothed_cvar":
-        m, total = _smoothed_cvar_parts(t, spec.alpha)
-        ratio = m * (1.0 - spec.alpha) / total
+        alpha = required(spec.alpha)
+        m, total = _smoothed_cvar_parts(t, alpha)
+        ratio = m * (1.0 - alpha) / total
         return _select_positive(t, -ratio, ratio)
     raise AssertionError(name)
 
@@ -317,9 +332,11 @@ def direct_below(spec: Spec) -> float:
     if name == "cvar":
         return 0.0
     if name == "cressie_read":
-        return max(-2.0 / spec.k, -1.0 / (spec.k - 1.0))
+        k = required(spec.k)
+        return max(-2.0 / k, -1.0 / (k - 1.0))
     if name == "smoothed_cvar":
-        return 2.0 * math.log1p(-spec.alpha) / spec.alpha
+        alpha = required(spec.alpha)
+        return 2.0 * math.log1p(-alpha) / alpha
     return -2.0  # chi2, kl, kl_cvar: psi*(-inf) = -1
 
 

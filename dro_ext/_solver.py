@@ -39,16 +39,29 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
-from dro_ext._divergences import Spec
+from dro_ext._divergences import Spec, required
 from dro_ext._divergences import excess_first as _excess_first
 from dro_ext._divergences import penalized_value as _penalized_value
 from dro_ext._divergences import psi_star as _psi_star
 
 _MAX_ITERATIONS = 100
+
+
+class Reducer(Protocol):
+    """Totals over the losses of every process: this process's alone (LocalReducer) or a process group's
+    (dro_ext.distributed). ``where`` names the public function in error messages."""
+
+    where: str
+
+    def sum(self, v: torch.Tensor) -> torch.Tensor: ...
+
+    def max(self, v: torch.Tensor) -> torch.Tensor: ...
+
+    def tail_split(self, x: torch.Tensor, j: int, lo: float, hi: float) -> tuple[float, float, float]: ...
 
 
 class LocalReducer:
@@ -72,7 +85,7 @@ class LocalReducer:
 LOCAL = LocalReducer()
 
 
-def totals(reducer, *parts) -> list[float]:
+def totals(reducer: Reducer, *parts: torch.Tensor | float) -> list[float]:
     """The totals of this process's partial sums (0-d tensors or numbers) over every process, as Python floats."""
     device = next((p.device for p in parts if isinstance(p, torch.Tensor)), None)
     v = torch.stack([torch.as_tensor(p, dtype=torch.float64, device=device) for p in parts])
@@ -92,8 +105,8 @@ def tail_size(alpha: float, n: int) -> float:
     return float(r) if abs(k - r) <= 8.0 * sys.float_info.epsilon * k else k
 
 
-def find_eta(newton_sums: Callable, segment_sums: Callable, n: int, lo: float, hi: float, lam: float,
-             spec: Spec) -> float:
+def find_eta(newton_sums: Callable[[float], list[float]], segment_sums: Callable[[float], list[float]], n: int,
+             lo: float, hi: float, lam: float, spec: Spec) -> float:
     """eta* of the iterative divergences: safeguarded Newton/bisection on mean psi*'((l - eta)/lam) = 1 in [lo, hi].
 
     newton_sums(eta) gives (sum_i psi*'(t_i) - 1, sum_i psi*''(t_i), sum_i psi*''(t_i) |l_i - eta|) and
@@ -175,9 +188,12 @@ def find_eta(newton_sums: Callable, segment_sums: Callable, n: int, lo: float, h
     return eta
 
 
-def solve(x: torch.Tensor, lam: float, spec: Spec, reducer=LOCAL) -> Solution:
+def solve(x: torch.Tensor, lam: float, spec: Spec, reducer: Reducer = LOCAL) -> Solution:
     """(Psi, eta*) of the losses of every process; x holds this process's losses in float64 (possibly none)."""
     n_local = x.numel()
+    nan_local: torch.Tensor | bool
+    lo_local: torch.Tensor | float
+    hi_local: torch.Tensor | float
     if n_local:
         lo_local, hi_local = torch.aminmax(x)  # NaN where x holds one
         nan_local = torch.isnan(lo_local) | torch.isnan(hi_local)
@@ -204,16 +220,16 @@ def solve(x: torch.Tensor, lam: float, spec: Spec, reducer=LOCAL) -> Solution:
         eta = hi + lam * (math.log1p(sum_expm1 / n) if sum_exp / n > 0.5 else math.log(sum_exp / n))
         return Solution(eta, eta, n)
     if spec.name == "cvar":
-        tail = tail_size(spec.alpha, n)
+        tail = tail_size(required(spec.alpha), n)
         eta, sum_above, n_above = reducer.tail_split(x, min(n, max(1, math.ceil(tail))), lo, hi)
         return Solution((sum_above + (tail - n_above) * eta) / tail, eta, n)
 
-    def newton_sums(eta):
+    def newton_sums(eta: float) -> list[float]:
         t = (x - eta) / lam
         second = _psi_star(t, spec, 2)
         return totals(reducer, _excess_first(t, spec).sum(), second.sum(), (second * (x - eta).abs()).sum())
 
-    def segment_sums(cut):
+    def segment_sums(cut: float) -> list[float]:
         active = x > cut
         return totals(reducer, x[active].sum(), active.sum())
 
@@ -224,11 +240,12 @@ def solve(x: torch.Tensor, lam: float, spec: Spec, reducer=LOCAL) -> Solution:
     return Solution(min(sum_value / n, hi), eta, n)
 
 
-def weights(x: torch.Tensor, eta: torch.Tensor, n: int, lam: float, spec: Spec, reducer=LOCAL) -> torch.Tensor:
+def weights(x: torch.Tensor, eta: torch.Tensor, n: int, lam: float, spec: Spec,
+            reducer: Reducer = LOCAL) -> torch.Tensor:
     """This process's share of the worst-case distribution at eta (a 0-d float64 tensor) over the n losses of every
     process, for float64 losses x: float64, summing to one over every process. No host read."""
     if spec.name == "cvar":
-        tail = tail_size(spec.alpha, n)
+        tail = tail_size(required(spec.alpha), n)
         above, at = x > eta, x == eta
         n_above, n_at = reducer.sum(torch.stack([above.sum(), at.sum()]).to(torch.float64)).unbind()
         boundary = torch.where(n_at > 0, torch.clamp(1.0 - n_above / tail, min=0.0) / n_at.clamp(min=1.0), 0.0)

@@ -23,12 +23,20 @@ from __future__ import annotations
 import functools
 import math
 import struct
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Callable, TypeGuard, cast
 
 import torch
 import torch.distributed as dist
 
 from dro_ext import _solver
-from dro_ext._divergences import accumulate_dtype, check_divergence, check_losses, check_positive
+from dro_ext._divergences import Divergence, Spec, accumulate_dtype, check_divergence, check_losses, check_positive
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    from dro_ext.robust import WeightStats
 
 __all__ = [
     "average_gradients",
@@ -44,7 +52,7 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------------
 
 
-def check_group(group, where: str):
+def check_group(group: object, where: str) -> dist.ProcessGroup:
     """The process group, after checking torch.distributed is initialized (a clear error otherwise)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"dro_ext.{where}: group= needs torch.distributed to be initialized "
@@ -55,7 +63,7 @@ def check_group(group, where: str):
     return group
 
 
-def _collective_device(group, device: torch.device) -> torch.device:
+def _collective_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
     # gloo reduces CPU tensors (and CUDA ones through a host copy); NCCL needs CUDA tensors. The small
     # vectors reduced here go where the group's backend wants them.
     backend = str(dist.get_backend(group)).lower()
@@ -66,7 +74,8 @@ def _collective_device(group, device: torch.device) -> torch.device:
     return device
 
 
-def _all_reduce_(tensor: torch.Tensor, op, group, where: str) -> torch.Tensor:
+def _all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup,
+                 where: str) -> torch.Tensor:
     try:
         dist.all_reduce(tensor, op=op, group=group)
     except RuntimeError as exc:  # DistBackendError and the gloo/NCCL errors derive from RuntimeError
@@ -81,11 +90,11 @@ class _GroupReducer:
     """The reducer of dro_ext._solver over the ranks of a group: sums and maxima of small float64 vectors are
     all-reduced, and the tail boundary is an exact selection over the losses of every rank (_kth_largest)."""
 
-    def __init__(self, group, device: torch.device, where: str):
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, where: str) -> None:
         self.group, self.where = group, where
         self.device = _collective_device(group, device)
 
-    def _reduce(self, v: torch.Tensor, op) -> torch.Tensor:
+    def _reduce(self, v: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
         """An all-reduced copy of a small tensor, on the tensor's device."""
         out = v.detach().to(self.device, copy=True)
         return _all_reduce_(out, op, self.group, self.where).to(v.device)
@@ -108,7 +117,7 @@ class _GroupReducer:
 # ---------------------------------------------------------------------------------------------------
 
 
-def batch_scale(num_local: int, group, device) -> torch.Tensor:
+def batch_scale(num_local: int, group: dist.ProcessGroup, device: torch.device | str) -> torch.Tensor:
     """``world_size * n_local / N`` as a 0-d float64 tensor on ``device``: one all-reduce of a scalar.
 
     The DRO objective of the concatenated batch is the sample-weighted mean of the local objectives,
@@ -129,7 +138,7 @@ def batch_scale(num_local: int, group, device) -> torch.Tensor:
     return (count * world / total).to(device)
 
 
-def average_gradients(params, group) -> None:
+def average_gradients(params: Iterable[torch.Tensor], group: dist.ProcessGroup) -> None:
     """Average the gradients of plain (replicated) parameters over the ranks: one all-reduce in all.
 
     FSDP2 (``fully_shard``) reduces the gradients of the parameters it manages, but it cannot manage a
@@ -203,14 +212,16 @@ def _kth_largest(x: torch.Tensor, j: int, lo: float, hi: float, reducer: _GroupR
     return _key_to_float(a)
 
 
-def _weights(x: torch.Tensor, solution: _solver.Solution, lam, spec, reducer: _GroupReducer) -> torch.Tensor:
+def _weights(x: torch.Tensor, solution: _solver.Solution, lam: float, spec: Spec,
+             reducer: _GroupReducer) -> torch.Tensor:
     eta = torch.tensor(solution.eta, dtype=torch.float64, device=x.device)
     return _solver.weights(x, eta, solution.n, lam, spec, reducer)
 
 
 class _DistributedRobustObjective(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, losses, lam, spec, group):
+    def forward(ctx: Any, losses: torch.Tensor, lam: float, spec: Spec, group: dist.ProcessGroup
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         reducer = _GroupReducer(group, losses.device, "robust_objective")
         solution = _solver.solve(losses.detach().to(torch.float64), lam, spec, reducer)
         eta_t = torch.tensor(solution.eta, dtype=accumulate_dtype(losses.dtype), device=losses.device)
@@ -220,7 +231,8 @@ class _DistributedRobustObjective(torch.autograd.Function):
         return torch.tensor(solution.value, dtype=losses.dtype, device=losses.device), eta_t
 
     @staticmethod
-    def backward(ctx, grad_value, _grad_eta):
+    def backward(ctx: Any, grad_value: torch.Tensor, _grad_eta: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, None, None, None]:
         # Danskin: d Psi / d l_i = q_i, this rank's share of the worst-case distribution. Every rank's
         # value is the same Psi, so each rank backpropagates into its own losses only.
         (losses,) = ctx.saved_tensors
@@ -230,7 +242,8 @@ class _DistributedRobustObjective(torch.autograd.Function):
         return (q * grad_value.to(torch.float64)).to(losses.dtype), None, None, None
 
 
-def robust_objective(losses, lam, divergence="chi2", *, alpha=None, k=None, group):
+def robust_objective(losses: torch.Tensor, lam: float, divergence: Divergence = "chi2", *, alpha: float | None = None,
+                     k: float | None = None, group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dro_ext.robust_objective` of the losses of every rank of ``group`` (see that function).
 
     Collectives: two scalar all-reduces (count and range), then ``kl`` one, ``cvar`` about 8 of a
@@ -244,7 +257,9 @@ def robust_objective(losses, lam, divergence="chi2", *, alpha=None, k=None, grou
     return _DistributedRobustObjective.apply(losses, lam, spec, group)
 
 
-def worst_case_weights(losses, lam, divergence="chi2", *, alpha=None, k=None, group):
+def worst_case_weights(losses: torch.Tensor, lam: float, divergence: Divergence = "chi2", *,
+                       alpha: float | None = None, k: float | None = None,
+                       group: dist.ProcessGroup) -> torch.Tensor:
     """This rank's share of :func:`dro_ext.worst_case_weights` over the losses of every rank.
 
     The returned weights (dtype of ``losses``) sum to one over all the ranks together.
@@ -259,7 +274,8 @@ def worst_case_weights(losses, lam, divergence="chi2", *, alpha=None, k=None, gr
     return _weights(x, solution, lam, spec, reducer).to(losses.dtype)
 
 
-def weight_stats(w: torch.Tensor, groups, num_groups, group):
+def weight_stats(w: torch.Tensor, groups: torch.Tensor | None, num_groups: int,
+                 group: dist.ProcessGroup) -> WeightStats:
     """:class:`dro_ext.robust.WeightStats` of the weights of every rank (``w``: this rank's, checked).
 
     One all-reduce (sum) of ``[sum w, sum w^2, #zeros, n, #NaN, per-group sums...]`` and one (max) of the
@@ -299,7 +315,7 @@ def weight_stats(w: torch.Tensor, groups, num_groups, group):
 
 
 @functools.lru_cache(maxsize=None)
-def _dtensor_type():
+def _dtensor_type() -> type[DTensor] | None:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without DTensor
@@ -307,20 +323,23 @@ def _dtensor_type():
     return DTensor
 
 
-def has_dtensor(params) -> bool:
+def has_dtensor(params: Iterable[object]) -> bool:
     dtensor = _dtensor_type()
     return dtensor is not None and any(isinstance(p, dtensor) for p in params)
 
 
-def _local(t):
+def _is_dtensor(t: object) -> TypeGuard[DTensor]:
     dtensor = _dtensor_type()
-    return t.to_local() if isinstance(t, dtensor) else t
+    return dtensor is not None and isinstance(t, dtensor)
 
 
-def _shard_key(p):
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _shard_key(p: torch.Tensor) -> tuple[DeviceMesh, tuple[int, ...]] | None:
     """(mesh, sharded mesh dims) of a DTensor sharded on some mesh dim, else None (replicated/plain)."""
-    dtensor = _dtensor_type()
-    if not isinstance(p, dtensor):
+    if not _is_dtensor(p):
         return None
     for placement in p.placements:
         if placement.is_partial():
@@ -330,18 +349,21 @@ def _shard_key(p):
     return (p.device_mesh, dims) if dims else None
 
 
-def _check_grad_layout(p, g, index: int) -> None:
-    dtensor = _dtensor_type()
-    if isinstance(p, dtensor) != isinstance(g, dtensor) or (
-            isinstance(p, dtensor) and (tuple(p.placements) != tuple(g.placements) or p.device_mesh != g.device_mesh)):
-        where = f"{tuple(g.placements)}" if isinstance(g, dtensor) else "a plain tensor"
-        what = f"{tuple(p.placements)}" if isinstance(p, dtensor) else "a plain tensor"
+def _check_grad_layout(p: torch.Tensor, g: torch.Tensor, index: int) -> None:
+    if _is_dtensor(p) != _is_dtensor(g) or (
+            _is_dtensor(p) and _is_dtensor(g)
+            and (tuple(p.placements) != tuple(g.placements) or p.device_mesh != g.device_mesh)):
+        where = f"{tuple(g.placements)}" if _is_dtensor(g) else "a plain tensor"
+        what = f"{tuple(p.placements)}" if _is_dtensor(p) else "a plain tensor"
         raise ValueError(f"dro_ext.NormalizedSGD: parameter {index} is {what} but its gradient is {where}; "
                          f"the sharded step needs the gradient laid out as its parameter")
 
 
-def sharded_normalized_sgd_step(params, grads, momenta, steps, *, lr, momentum, eps, weight_decay, norm, maximize,
-                                grad_scale, found_inf, fused: bool, foreach_momentum):
+def sharded_normalized_sgd_step(params: list[torch.Tensor], grads: list[torch.Tensor], momenta: list[torch.Tensor],
+                                steps: list[torch.Tensor], *, lr: float | torch.Tensor, momentum: float, eps: float,
+                                weight_decay: float, norm: str, maximize: bool, grad_scale: torch.Tensor | None,
+                                found_inf: torch.Tensor | None, fused: bool,
+                                foreach_momentum: Callable[..., None]) -> None:
     """One NormalizedSGD step over a param group holding DTensor (FSDP2-sharded) parameters.
 
     The update is elementwise, so it runs on the local shards (``to_local()``, which shares storage with
@@ -372,7 +394,9 @@ def sharded_normalized_sgd_step(params, grads, momenta, steps, *, lr, momentum, 
     else:
         if found_inf is not None and bool(found_inf.ne(0).any()):
             return
-        buckets = torch.optim.Optimizer._group_tensors_by_device_and_dtype([local_grads, local_momenta, steps])
+        # cast: the helper's hint takes lists of optional tensors, which a list of tensors is not (lists are invariant).
+        tensor_lists = cast("list[list[torch.Tensor | None]]", [local_grads, local_momenta, steps])
+        buckets = torch.optim.Optimizer._group_tensors_by_device_and_dtype(tensor_lists)
         for (b_grads, b_momenta, b_steps), _ in buckets.values():
             foreach_momentum(b_grads, b_momenta, b_steps, momentum=momentum, maximize=maximize, grad_scale=grad_scale)
 
@@ -392,8 +416,8 @@ def sharded_normalized_sgd_step(params, grads, momenta, steps, *, lr, momentum, 
             partial = _all_reduce_(partial.to(coll_device), dist.ReduceOp.SUM, group, "NormalizedSGD.step").to(device)
         for j, i in enumerate(members):
             sumsq[i] = partial[j]
-    sumsq = torch.stack(sumsq)
-    norms = sumsq.sqrt() if norm == "tensor" else sumsq.sum().sqrt().expand_as(sumsq)
+    sumsq_vector = torch.stack(sumsq)
+    norms = sumsq_vector.sqrt() if norm == "tensor" else sumsq_vector.sum().sqrt().expand_as(sumsq_vector)
 
     # p <- (1 - lr wd) p - lr m / (||m|| + eps); a zero momentum does not move p.
     if isinstance(lr, torch.Tensor) and lr.device.type == "cpu":

@@ -1,12 +1,18 @@
 """DROLoss: the penalized DRO objective as an nn.Module that owns its dual variable eta."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
+
 import torch
 from torch import nn
 
-from dro_ext._divergences import check_divergence, check_positive, real_number
+from dro_ext._divergences import Divergence, check_divergence, check_positive, real_number
 from dro_ext.groups import _group_weights, check_num_groups, group_dro_loss
 from dro_ext.ops import dro_loss
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class DROLoss(nn.Module):
@@ -32,8 +38,14 @@ class DROLoss(nn.Module):
     Without ``num_groups``, ``groups`` must not be passed and the module is the per-sample loss above.
     """
 
-    def __init__(self, divergence="chi2", lam=0.1, *, alpha=None, k=None, scale=1.0, eta_init=0.0, group=None,
-                 num_groups=None, weighting="batch", group_counts=None):
+    eta: nn.Parameter
+    group_weights: torch.Tensor | None  # a buffer, with num_groups only: None for batch weighting
+
+    def __init__(self, divergence: Divergence = "chi2", lam: float = 0.1, *, alpha: float | None = None,
+                 k: float | None = None, scale: float = 1.0, eta_init: float = 0.0, group: ProcessGroup | None = None,
+                 num_groups: int | None = None,
+                 weighting: Literal["batch", "population"] | torch.Tensor | Sequence[float] = "batch",
+                 group_counts: torch.Tensor | Sequence[float] | None = None) -> None:
         super().__init__()
         spec = check_divergence(divergence, alpha, k)
         self.divergence, self.alpha, self.k = spec
@@ -41,7 +53,7 @@ class DROLoss(nn.Module):
         self.scale = check_positive("scale", scale)
         self.eta = nn.Parameter(torch.tensor(real_number("eta_init", eta_init)))
         self.group = group
-        self.num_groups = None
+        self.num_groups: int | None = None
         if num_groups is None:
             if not (isinstance(weighting, str) and weighting == "batch") or group_counts is not None:
                 raise ValueError("dro_ext: weighting and group_counts weigh groups: pass num_groups as well")

@@ -13,9 +13,11 @@ from __future__ import annotations
 import math
 import operator
 from itertools import repeat
+from typing import Any, Callable, Literal, cast, overload
 
 import torch
 from torch.optim import Optimizer
+from torch.optim.optimizer import ParamsT
 
 from dro_ext import _backend
 from dro_ext import distributed as _distributed
@@ -39,13 +41,14 @@ if _backend.native_available():
 
     @torch.library.register_fake("dro_ext::normalized_sgd_step_")
     def _normalized_sgd_step_fake(
-        params, grads, momenta, steps, lr, momentum, eps, weight_decay=0.0, norm="global", maximize=False,
-        grad_scale=None, found_inf=None,
-    ):
+        params: list[torch.Tensor], grads: list[torch.Tensor], momenta: list[torch.Tensor], steps: list[torch.Tensor],
+        lr: torch.Tensor, momentum: float, eps: float, weight_decay: float = 0.0, norm: str = "global",
+        maximize: bool = False, grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+    ) -> None:
         return None
 
 
-def _check_number(name, value, *, low, high=None):
+def _check_number(name: str, value: object, *, low: float, high: float | None = None) -> None:
     """value must be a finite number (or one-element Tensor) in [low, high), or >= low without high."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
@@ -90,8 +93,9 @@ class NormalizedSGD(Optimizer):
 
     _step_supports_amp_scaling = True
 
-    def __init__(self, params, lr, momentum=0.9, *, eps=DEFAULT_EPS, weight_decay=0.0, norm="global",
-                 maximize=False, foreach=None, fused=None):
+    def __init__(self, params: ParamsT, lr: float | torch.Tensor, momentum: float = 0.9, *, eps: float = DEFAULT_EPS,
+                 weight_decay: float = 0.0, norm: Literal["global", "tensor"] = "global", maximize: bool = False,
+                 foreach: bool | None = None, fused: bool | None = None) -> None:
         if fused and foreach:
             raise ValueError("dro_ext.NormalizedSGD: fused=True and foreach=True are mutually exclusive")
         if fused and not _backend.native_available():
@@ -100,9 +104,9 @@ class NormalizedSGD(Optimizer):
         defaults = dict(lr=lr, momentum=momentum, eps=eps, weight_decay=weight_decay, norm=norm,
                         maximize=maximize, foreach=foreach, fused=fused)
         super().__init__(params, defaults)
-        self._plans = {}  # id(group) -> the _GroupPlan kept for the group's next step (_plan)
+        self._plans: dict[int, _GroupPlan] = {}  # id(group) -> the _GroupPlan kept for the group's next step (_plan)
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         # Checked per group, so a group that overrides a default gets the same errors as the constructor.
         super().add_param_group(param_group)
         group = self.param_groups[-1]
@@ -116,7 +120,7 @@ class NormalizedSGD(Optimizer):
             if not p.is_floating_point():
                 raise ValueError(f"dro_ext.NormalizedSGD: parameters must be floating point, got {p.dtype}")
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # load_state_dict comes here too, with the new state and groups
         self._plans = {}
         for group in self.param_groups:
@@ -125,7 +129,8 @@ class NormalizedSGD(Optimizer):
             group.setdefault("foreach", None)
             group.setdefault("fused", None)
 
-    def _init_group(self, group, params, grads, momenta, steps):
+    def _init_group(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
+                    momenta: list[torch.Tensor], steps: list[torch.Tensor]) -> bool:
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -147,7 +152,7 @@ class NormalizedSGD(Optimizer):
             steps.append(state["step"])
         return False
 
-    def _use_fused(self, group, params) -> bool:
+    def _use_fused(self, group: dict[str, Any], params: list[torch.Tensor]) -> bool:
         if group["fused"]:
             if not _backend.use_native():
                 raise RuntimeError("dro_ext.NormalizedSGD: fused=True but the native ops are disabled "
@@ -159,7 +164,7 @@ class NormalizedSGD(Optimizer):
         device = params[0].device
         return _backend.native_for(device.type) and all(p.device == device for p in params)
 
-    def _plan(self, group) -> tuple[_GroupPlan, tuple]:
+    def _plan(self, group: dict[str, Any]) -> tuple[_GroupPlan, _TensorLists]:
         """The group's plan and its (grads, momenta, steps) for this step: the kept plan while it still holds, else a
         new one (kept when every param of the group has a gradient). At ~150 tensors, _init_group's checks cost more
         host time than the kernels' launches; a kept plan reads only p.grad and the state entries."""
@@ -169,7 +174,10 @@ class NormalizedSGD(Optimizer):
             lists = plan.lists()
             if lists is not None:
                 return plan, lists
-        params, grads, momenta, steps = [], [], [], []
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        momenta: list[torch.Tensor] = []
+        steps: list[torch.Tensor] = []
         self._init_group(group, params, grads, momenta, steps)
         plan = _GroupPlan(self, group, params, keeping=caching)
         if caching:
@@ -180,8 +188,14 @@ class NormalizedSGD(Optimizer):
                 self._plans[id(group)] = plan
         return plan, (grads, momenta, steps)
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -205,6 +219,10 @@ class NormalizedSGD(Optimizer):
         return loss
 
 
+# A param group's (grads, momenta, steps) for a step.
+_TensorLists = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
+
+
 class _GroupPlan:
     """One param group's step as decided from its params (those with a gradient, from _init_group): their state
     entries, whether they are sharded (DTensor) and whether the fused op runs. A plan is kept for the next step
@@ -215,7 +233,8 @@ class _GroupPlan:
     __slots__ = ("group", "group_params", "num_params", "state", "settings", "params", "states", "dtensor", "fused",
                  "reusable")
 
-    def __init__(self, optimizer, group, params, keeping: bool):
+    def __init__(self, optimizer: NormalizedSGD, group: dict[str, Any], params: list[torch.Tensor],
+                 keeping: bool) -> None:
         self.group, self.group_params, self.num_params = group, group["params"], len(group["params"])
         self.state, self.settings = optimizer.state, _settings(group)
         self.params = params
@@ -228,36 +247,43 @@ class _GroupPlan:
         # none is) dynamo traced this read of the state dict wrongly for a second param group (wrong steps).
         self.states = [optimizer.state[p] for p in params] if self.reusable else None
 
-    def valid_for(self, optimizer, group) -> bool:
+    def valid_for(self, optimizer: NormalizedSGD, group: dict[str, Any]) -> bool:
         return (self.group is group and self.group_params is group["params"]
                 and self.num_params == len(group["params"]) and self.state is optimizer.state
                 and self.settings == _settings(group))
 
-    def lists(self):
+    def lists(self) -> _TensorLists | None:
         """(grads, momenta, steps) of the plan's params as they are now; None where a param has lost its gradient or
         its state entries since (the plan no longer holds)."""
+        states = self.states
+        if states is None:  # a plan that is not kept (it has no lists to give)
+            return None
         grads = [p.grad for p in self.params]
         if not all(map(operator.is_not, grads, repeat(None))):
             return None
         try:
-            return grads, [s["momentum_buffer"] for s in self.states], [s["step"] for s in self.states]
+            # cast: no gradient is None, as checked just above
+            return (cast("list[torch.Tensor]", grads), [s["momentum_buffer"] for s in states],
+                    [s["step"] for s in states])
         except KeyError:
             return None
 
 
-def _settings(group):
+def _settings(group: dict[str, Any]) -> tuple[bool | None, bool | None, bool]:
     return group["fused"], group["foreach"], _backend.use_native()
 
 
-def _check_one_device(params):
+def _check_one_device(params: list[torch.Tensor]) -> None:
     device = params[0].device
     if any(p.device != device for p in params):
         raise ValueError("dro_ext.NormalizedSGD: the fused step needs every parameter of a group on one device "
                          "(the global norm spans the group); use foreach=True for a group across devices")
 
 
-def _fused_step(params, grads, momenta, steps, *, lr, momentum, eps, weight_decay, norm, maximize,
-                grad_scale, found_inf):
+def _fused_step(params: list[torch.Tensor], grads: list[torch.Tensor], momenta: list[torch.Tensor],
+                steps: list[torch.Tensor], *, lr: float | torch.Tensor, momentum: float, eps: float,
+                weight_decay: float, norm: str, maximize: bool, grad_scale: torch.Tensor | None,
+                found_inf: torch.Tensor | None) -> None:
     # _GroupPlan checked that every param sits on one device.
     if not isinstance(lr, torch.Tensor):
         # Made anew each step (~2 us): a tensor kept across steps would be whatever the first step's mode made it
@@ -268,7 +294,8 @@ def _fused_step(params, grads, momenta, steps, *, lr, momentum, eps, weight_deca
     )
 
 
-def _foreach_momentum_(grads, momenta, steps, *, momentum, maximize, grad_scale):
+def _foreach_momentum_(grads: list[torch.Tensor], momenta: list[torch.Tensor], steps: list[torch.Tensor], *,
+                       momentum: float, maximize: bool, grad_scale: torch.Tensor | None) -> None:
     """The momentum rule, on tensors of one device and dtype: m <- beta m + take g with take = 1 - beta, and 1 on a
     tensor's first step (step == 0, m == 0), negated for maximize and divided by GradScaler's grad_scale; steps += 1.
     The fused op's kernels apply the same rule (csrc/normalized_sgd.cpp, csrc/cuda/normalized_sgd.cu)."""
@@ -282,12 +309,15 @@ def _foreach_momentum_(grads, momenta, steps, *, momentum, maximize, grad_scale)
     torch._foreach_add_(steps, 1.0)
 
 
-def _foreach_step(params, grads, momenta, steps, *, lr, momentum, eps, weight_decay, norm, maximize,
-                  grad_scale, found_inf):
+def _foreach_step(params: list[torch.Tensor], grads: list[torch.Tensor], momenta: list[torch.Tensor],
+                  steps: list[torch.Tensor], *, lr: float | torch.Tensor, momentum: float, eps: float,
+                  weight_decay: float, norm: str, maximize: bool, grad_scale: torch.Tensor | None,
+                  found_inf: torch.Tensor | None) -> None:
     if found_inf is not None and bool(found_inf.ne(0).any()):
         return
-    buckets = Optimizer._group_tensors_by_device_and_dtype([params, grads, momenta, steps])
-    sumsq, norms_per_bucket = [], []
+    buckets = _group_by_device_and_dtype([params, grads, momenta, steps])
+    sumsq: list[torch.Tensor] = []
+    norms_per_bucket: list[torch.Tensor] = []
     for (device, dtype), ((_, b_grads, b_momenta, b_steps), _) in buckets.items():
         _foreach_momentum_(b_grads, b_momenta, b_steps, momentum=momentum, maximize=maximize, grad_scale=grad_scale)
         # In float64: float32 squares of tiny (< 1e-19) or huge (> 1e19) momenta under- or overflow.
@@ -317,3 +347,13 @@ def _foreach_step(params, grads, momenta, steps, *, lr, momentum, eps, weight_de
                                 list(scale.unbind()), value=-1)
         if wide:
             torch._foreach_copy_(b_params, targets)
+
+
+def _group_by_device_and_dtype(
+    tensor_lists: list[list[torch.Tensor]],
+) -> dict[tuple[torch.device, torch.dtype], tuple[list[list[torch.Tensor]], list[int]]]:
+    """Optimizer._group_tensors_by_device_and_dtype, typed for lists without None: its hint takes and gives lists of
+    optional tensors (a list of tensors is not one: lists are invariant), and it gives back the tensors it got."""
+    return cast("dict[tuple[torch.device, torch.dtype], tuple[list[list[torch.Tensor]], list[int]]]",
+                Optimizer._group_tensors_by_device_and_dtype(
+                    cast("list[list[torch.Tensor | None]]", tensor_lists)))

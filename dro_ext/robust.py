@@ -20,12 +20,15 @@ the PyTorch fallback is dro_ext._solver, in float64 with a Python loop (its docs
 from __future__ import annotations
 
 import sys
-from typing import Callable, NamedTuple
+from collections.abc import Iterable, Iterator, Sized
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, TypeVar
 
 import torch
 
 from dro_ext import _backend, _solver
 from dro_ext._divergences import (
+    Divergence,
     Spec,
     accumulate_dtype,
     check_divergence,
@@ -34,6 +37,9 @@ from dro_ext._divergences import (
     fixed_order_sum,
 )
 from dro_ext.ops import dro_weights
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["WeightStats", "evaluate", "robust_objective", "weight_stats", "worst_case_weights"]
 
@@ -44,18 +50,21 @@ __all__ = ["WeightStats", "evaluate", "robust_objective", "weight_stats", "worst
 if _backend.native_available():
 
     @torch.library.register_fake("dro_ext::robust_objective")
-    def _robust_objective_fake(losses, lam, divergence, alpha=None, k=None):
+    def _robust_objective_fake(losses: torch.Tensor, lam: float, divergence: str, alpha: float | None = None,
+                               k: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         torch._check(losses.dim() == 1, lambda: "dro_ext: losses must be a 1-D tensor")
         return losses.new_empty(()), losses.new_empty((), dtype=accumulate_dtype(losses.dtype))
 
-    def _robust_objective_setup_context(ctx, inputs, output):
+    def _robust_objective_setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]
+                                        ) -> None:
         losses, lam, divergence, alpha, k = inputs
         _, eta_star = output
         ctx.save_for_backward(losses, eta_star)
         ctx.args = (lam, divergence, alpha, k)
         ctx.mark_non_differentiable(eta_star)
 
-    def _robust_objective_backward(ctx, grad_value, _grad_eta):
+    def _robust_objective_backward(ctx: Any, grad_value: torch.Tensor, _grad_eta: torch.Tensor | None
+                                   ) -> tuple[torch.Tensor | None, None, None, None, None]:
         losses, eta_star = ctx.saved_tensors
         grad_losses = None
         if ctx.needs_input_grad[0]:
@@ -69,11 +78,13 @@ if _backend.native_available():
     )
 
     @torch.library.register_fake("dro_ext::robust_weights")
-    def _robust_weights_fake(losses, eta_star, lam, divergence, alpha=None, k=None):
+    def _robust_weights_fake(losses: torch.Tensor, eta_star: torch.Tensor, lam: float, divergence: str,
+                             alpha: float | None = None, k: float | None = None) -> torch.Tensor:
         return torch.empty_like(losses, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("dro_ext::weight_stats")
-    def _weight_stats_fake(weights, groups=None, num_groups=0):
+    def _weight_stats_fake(weights: torch.Tensor, groups: torch.Tensor | None = None, num_groups: int = 0
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         acc = accumulate_dtype(weights.dtype)
         scalar = weights.new_empty((), dtype=acc)
         width = num_groups if groups is not None else 0
@@ -87,7 +98,7 @@ if _backend.native_available():
 
 class _RobustObjective(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, losses, lam, spec):
+    def forward(ctx: Any, losses: torch.Tensor, lam: float, spec: Spec) -> tuple[torch.Tensor, torch.Tensor]:
         # contiguous: a strided view would be summed in another order than its copy
         value, eta, _ = _solver.solve(losses.detach().to(torch.float64).contiguous(), lam, spec)
         eta_t = torch.tensor(eta, dtype=accumulate_dtype(losses.dtype), device=losses.device)
@@ -97,7 +108,8 @@ class _RobustObjective(torch.autograd.Function):
         return torch.tensor(value, dtype=losses.dtype, device=losses.device), eta_t
 
     @staticmethod
-    def backward(ctx, grad_value, _grad_eta):
+    def backward(ctx: Any, grad_value: torch.Tensor, _grad_eta: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, None, None]:
         losses, eta_t = ctx.saved_tensors
         lam, spec = ctx.args
         return _fallback_weights(losses, eta_t, lam, spec) * grad_value.to(losses.dtype), None, None
@@ -109,7 +121,8 @@ class _RobustObjective(torch.autograd.Function):
 
 
 def robust_objective(
-    losses, lam, divergence="chi2", *, alpha=None, k=None, group=None
+    losses: torch.Tensor, lam: float, divergence: Divergence = "chi2", *, alpha: float | None = None,
+    k: float | None = None, group: ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The robust objective ``Psi = min_eta mean_i lam*psi*((l_i - eta)/lam) + eta`` and its minimizer.
 
@@ -136,7 +149,9 @@ def robust_objective(
     return _RobustObjective.apply(losses, lam, spec)
 
 
-def worst_case_weights(losses, lam, divergence="chi2", *, alpha=None, k=None, group=None) -> torch.Tensor:
+def worst_case_weights(losses: torch.Tensor, lam: float, divergence: Divergence = "chi2", *,
+                       alpha: float | None = None, k: float | None = None,
+                       group: ProcessGroup | None = None) -> torch.Tensor:
     """The worst-case distribution ``q_i = psi*'((l_i - eta*)/lam) / N`` over the samples (sums to one).
 
     For ``cvar`` the samples above ``eta*`` get ``1/(alpha N)`` each and the samples equal to ``eta*``
@@ -172,18 +187,18 @@ class WeightStats(NamedTuple):
 
 
 def weight_stats(
-    weights=None,
+    weights: torch.Tensor | None = None,
     *,
-    losses=None,
-    eta=None,
-    lam=None,
-    divergence="chi2",
-    alpha=None,
-    k=None,
-    scale=1.0,
-    groups=None,
-    num_groups=None,
-    group=None,
+    losses: torch.Tensor | None = None,
+    eta: float | torch.Tensor | None = None,
+    lam: float | None = None,
+    divergence: Divergence = "chi2",
+    alpha: float | None = None,
+    k: float | None = None,
+    scale: float = 1.0,
+    groups: torch.Tensor | None = None,
+    num_groups: int | None = None,
+    group: ProcessGroup | None = None,
 ) -> WeightStats:
     """Effective sample size, max weight, zero fraction and per-group mass of a sample weighting.
 
@@ -212,6 +227,7 @@ def weight_stats(
             else:
                 w = dro_weights(losses.detach(), eta, lam, divergence, alpha=alpha, k=k, scale=scale)
         w = w.detach()
+        width = 0  # the number of groups, where groups are given
         if groups is not None:
             if not isinstance(groups, torch.Tensor) or groups.dtype not in (torch.int64, torch.int32):
                 raise TypeError("dro_ext: groups must be an int64 or int32 tensor of group ids")
@@ -226,11 +242,12 @@ def weight_stats(
             num_groups = int(num_groups)
             if num_groups <= 0:
                 raise ValueError(f"dro_ext: num_groups must be > 0, got num_groups={num_groups}")
+            width = num_groups
         if group is not None:
-            return _distributed().weight_stats(w, groups, num_groups, group)
+            return _distributed().weight_stats(w, groups, width, group)
         if _backend.native_for(w.device.type):
             ess, max_weight, zero_fraction, group_mass = torch.ops.dro_ext.weight_stats(
-                w, groups, num_groups if groups is not None else 0
+                w, groups, width
             )
             return WeightStats(ess, max_weight, zero_fraction, group_mass if groups is not None else None)
         w = w.to(accumulate_dtype(w.dtype))
@@ -240,21 +257,21 @@ def weight_stats(
         zero_fraction = (w == 0).sum().to(w.dtype) / w.numel()
         group_mass = None
         if groups is not None:
-            if groups.numel() and (int(groups.min()) < 0 or int(groups.max()) >= num_groups):
-                raise IndexError(f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={num_groups}")
-            group_mass = torch.zeros(num_groups, dtype=torch.float64, device=w.device)
+            if groups.numel() and (int(groups.min()) < 0 or int(groups.max()) >= width):
+                raise IndexError(f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={width}")
+            group_mass = torch.zeros(width, dtype=torch.float64, device=w.device)
             group_mass.index_add_(0, groups.long(), w.to(torch.float64))
             group_mass = (group_mass / total.to(torch.float64)).to(w.dtype)
         return WeightStats(ess, max_weight, zero_fraction, group_mass)
 
 
-def _distributed():
+def _distributed() -> ModuleType:
     from dro_ext import distributed
 
     return distributed
 
 
-def _to_device(batch, device):
+def _to_device(batch: Any, device: torch.device | str | int) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
@@ -265,14 +282,17 @@ def _to_device(batch, device):
     return batch
 
 
-def _progress(iterable, enabled: bool):
+_Item = TypeVar("_Item")
+
+
+def _progress(iterable: Iterable[_Item], enabled: bool) -> Iterator[_Item]:
     """tqdm when it is installed, else a plain counter on stderr; nothing when disabled."""
     if not enabled:
         yield from iterable
         return
     try:
-        total = len(iterable)
-    except TypeError:
+        total = len(iterable) if isinstance(iterable, Sized) else None
+    except TypeError:  # a __len__ that raises, e.g. a DataLoader over an IterableDataset
         total = None
     try:
         from tqdm.auto import tqdm
@@ -293,16 +313,16 @@ def _progress(iterable, enabled: bool):
 
 def evaluate(
     model: torch.nn.Module,
-    loader,
-    per_sample_loss_fn: Callable[[torch.nn.Module, object], torch.Tensor],
-    lam,
-    divergence="chi2",
+    loader: Iterable[Any],
+    per_sample_loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    lam: float,
+    divergence: Divergence = "chi2",
     *,
-    alpha=None,
-    k=None,
-    device=None,
-    progress=True,
-    group=None,
+    alpha: float | None = None,
+    k: float | None = None,
+    device: torch.device | str | int | None = None,
+    progress: bool = True,
+    group: ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``Psi`` over a whole dataset: ``robust_objective`` of the per-sample losses of every batch.
 

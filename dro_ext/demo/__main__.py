@@ -16,6 +16,8 @@ import platform
 import shlex
 import sys
 import time
+from collections.abc import Sequence
+from typing import Any
 from dataclasses import asdict
 from pathlib import Path
 
@@ -34,7 +36,7 @@ EXPERIMENTS = (
 )
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m dro_ext.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny settings that run in seconds (a smoke test)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -81,7 +83,7 @@ def cpu_builds() -> dict:
             "dro_ext": torch.ops.dro_ext._cpu_capability() if _backend.use_native() else None}
 
 
-def load_average():
+def load_average() -> float | None:
     """The 1-minute load average (None where the OS has none): with the CPU time, how shared the machine was."""
     try:
         return os.getloadavg()[0]
@@ -100,7 +102,8 @@ def versions() -> dict:
 
 
 def run_demo(out: Path, *, quick: bool = False, device: str = "cpu", seed: int = 0, threads: int = 1,
-             command: str = "python -m dro_ext.demo", only=None) -> dict:
+             command: str = "python -m dro_ext.demo", only: Sequence[str] | None = None
+             ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Run every experiment (or those named in ``only``), assess the claims they make and write the outputs;
     returns ``(paths, claims, meta)``.
 
@@ -122,7 +125,8 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "cpu", seed: int =
 
     settings = experiments.Settings.quick() if quick else experiments.Settings.full()
     start, cpu_start, load_at_start = time.perf_counter(), time.process_time(), load_average()
-    results, seconds = {}, {}
+    results: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
     for name, experiment in EXPERIMENTS:
         if only is not None and name not in only:
             continue
@@ -147,7 +151,7 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "cpu", seed: int =
     return report.write_outputs(Path(out), results, claims, meta), claims, meta
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     command = "python -m dro_ext.demo " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     paths, claims, meta = run_demo(args.out, quick=args.quick, device=args.device, seed=args.seed,

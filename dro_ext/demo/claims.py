@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable
+from typing import Any
 
 from dro_ext.demo.training import Run
 
@@ -69,7 +71,7 @@ def optimization_verdict(holds_on_medians: bool, seeds_holding: int, seeds: int)
     return "yes" if seeds_holding >= seeds_needed(seeds) else "partly"
 
 
-def overall_verdict(task_verdicts) -> str:
+def overall_verdict(task_verdicts: Iterable[str]) -> str:
     """A claim judged on several tasks: ``yes`` on every task, ``no`` on every task, else ``partly``."""
     task_verdicts = list(task_verdicts)
     if all(v == "yes" for v in task_verdicts):
@@ -216,17 +218,17 @@ CLAIM_EXPERIMENTS = {
 def assess(results: dict) -> dict:
     """The verdict and numbers of every claim whose experiments are in ``results`` (the experiments' results,
     see :mod:`dro_ext.demo.experiments`, by name), keyed and ordered as :data:`CLAIMS`."""
-    def optimization(result, baseline, method):
+    def optimization(result: dict[str, Any], baseline: str, method: str) -> dict[str, Any]:
         return compare_optimization(result["seed_runs"][baseline], result["seed_runs"][method],
                                     result["runs"][baseline], result["runs"][method])
 
-    def accuracy(result, baseline, method):
+    def accuracy(result: dict[str, Any], baseline: str, method: str) -> dict[str, Any]:
         return compare_accuracy(result["seed_runs"][baseline], result["seed_runs"][method])
 
-    def worst_group(result, method):
+    def worst_group(result: dict[str, Any], method: str) -> dict[str, Any]:
         return compare_worst_group(result["seed_runs"]["erm"], result["seed_runs"][method])
 
-    def over_tasks(tasks):
+    def over_tasks(tasks: dict[str, dict[str, Any]]) -> dict[str, Any]:
         return {"tasks": tasks, "verdict": overall_verdict(c["verdict"] for c in tasks.values())}
 
     judges = {

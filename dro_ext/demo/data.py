@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -61,7 +62,7 @@ def make_age_regression(n: int = 4000, n_features: int = 16, *, seed: int = 0, t
     return Split(x[:n_train], y[:n_train], x[n_train:], y[n_train:])
 
 
-def load_imbalanced_digits(*, seed: int = 0, test_fraction: float = 1 / 3, rho=PAPER_RHO) -> Split:
+def load_imbalanced_digits(*, seed: int = 0, test_fraction: float = 1 / 3, rho: Sequence[float] = PAPER_RHO) -> Split:
     """scikit-learn's 8x8 digits: a stratified held-out test split, then each training class subsampled.
 
     Class ``c`` keeps ``round(rho[c] * n_c)`` of its ``n_c`` training images (drawn at random with
@@ -75,11 +76,11 @@ def load_imbalanced_digits(*, seed: int = 0, test_fraction: float = 1 / 3, rho=P
         images / 16.0, labels, test_size=test_fraction, stratify=labels, random_state=seed
     )
     rng = np.random.default_rng(seed)
-    keep = []
+    kept_per_class = []
     for c, ratio in enumerate(rho):
         members = np.flatnonzero(y_train == c)
-        keep.append(rng.choice(members, size=int(round(ratio * len(members))), replace=False))
-    keep = np.sort(np.concatenate(keep))
+        kept_per_class.append(rng.choice(members, size=int(round(ratio * len(members))), replace=False))
+    keep = np.sort(np.concatenate(kept_per_class))
     as_x = lambda a: torch.from_numpy(a.astype(np.float32))  # noqa: E731
     as_y = lambda a: torch.from_numpy(a.astype(np.int64))  # noqa: E731
     return Split(as_x(x_train[keep]), as_y(y_train[keep]), as_x(x_test), as_y(y_test))

@@ -19,16 +19,18 @@ accuracy; its hyperparameters are picked on a validation split, not by the speed
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import dro_ext
-from dro_ext.demo.data import (PAPER_RHO, SPURIOUS_GROUPS, load_imbalanced_digits, load_spurious_digits,
-                               make_age_regression)
-from dro_ext.demo.training import (BATCH_SIZE, Run, fixed_batches, lr_search, make_optimizer, shuffled_batches,
+from dro_ext.demo.data import (PAPER_RHO, SPURIOUS_GROUPS, GroupSplit, Split, load_imbalanced_digits,
+                               load_spurious_digits, make_age_regression)
+from dro_ext.demo.training import (BATCH_SIZE, Run, RunOne, fixed_batches, lr_search, make_optimizer, shuffled_batches,
                                    train)
 
 # The paper's DRO settings (Section 5.1): lam = 0.1 and the CVaR level alpha = 0.02 in every experiment.
@@ -131,7 +133,7 @@ def example_3_1(settings: Settings, seed: int, device: str = "cpu") -> dict:
         optimizer = make_optimizer(optimizer_name, [*model.parameters(), *criterion.parameters()], lr)
         noise = _generator(run_seed)  # x starts at 10 on every seed: the seed draws the noise
 
-        def epoch_batches():
+        def epoch_batches() -> Iterator[torch.Tensor]:
             for _ in range(settings.example_steps_per_epoch):
                 yield (torch.randint(0, 2, (128,), generator=noise) * 2.0 - 1.0).to(device)
 
@@ -152,11 +154,11 @@ def _seeds(settings: Settings, seed: int) -> range:
     return range(seed, seed + settings.seeds)
 
 
-def _compare(runners: dict, grid, seeds) -> dict:
+def _compare(runners: dict[str, tuple[str, RunOne]], grid: Sequence[float], seeds: Sequence[int]) -> dict:
     """``runners[method] = (optimizer, run_one)`` with ``run_one(optimizer, lr, seed) -> Run``: grid-search
     each method's learning rate on the first seed (``runs``, ``best``), then train the chosen rate on every
     seed (``seed_runs``, whose first run is the grid's)."""
-    result = {"grid": list(grid), "best": {}, "runs": {}, "seed_runs": {}}
+    result: dict[str, Any] = {"grid": list(grid), "best": {}, "runs": {}, "seed_runs": {}}
     for method, (optimizer, run_one) in runners.items():
         best, runs = lr_search(run_one, optimizer, grid)
         result["best"][method], result["runs"][method] = best, runs
@@ -164,7 +166,7 @@ def _compare(runners: dict, grid, seeds) -> dict:
     return result
 
 
-def _compare_optimizers(run_one, grid, seeds) -> dict:
+def _compare_optimizers(run_one: RunOne, grid: Sequence[float], seeds: Sequence[int]) -> dict:
     """SGD+momentum against NormalizedSGD through the same ``run_one``: :func:`_compare` of the two."""
     return _compare({name: (name, run_one) for name in ("sgd", "nsgd")}, grid, seeds)
 
@@ -180,7 +182,7 @@ def small_mlp(n_in: int, n_out: int, hidden: int = 64) -> nn.Module:
                          nn.Linear(hidden, n_out))
 
 
-def squared_error(model: nn.Module, batch) -> torch.Tensor:
+def squared_error(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Per-sample loss of the regression (reduction="none"): what DROLoss reweights."""
     x, age = batch
     return (model(x).squeeze(-1) - age) ** 2
@@ -223,7 +225,7 @@ def age_regression(settings: Settings, seed: int, device: str = "cpu") -> dict:
 # ---------------------------------------------------------------------------------------------------
 
 
-def cross_entropy(model: nn.Module, batch) -> torch.Tensor:
+def cross_entropy(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, label = batch
     return F.cross_entropy(model(x), label, reduction="none")
 
@@ -236,7 +238,8 @@ def per_class_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_c
     return [100.0 * correct[y == c].mean().item() for c in range(num_classes)]
 
 
-def _digits_runner(data, seed: int, device: str, divergence: str, judge_by, epochs: int):
+def _digits_runner(data: Split, seed: int, device: str, divergence: dro_ext.Divergence,
+                   judge_by: tuple[dro_ext.Divergence, float | None], epochs: int) -> RunOne:
     """A ``run_one(optimizer, lr, seed)`` for the digits: trains with ``DROLoss(divergence)``, judges the
     training set by ``judge_by = (divergence, alpha)`` each epoch and records the per-class test accuracy."""
     x, y = data.x_train.to(device), data.y_train.to(device)
@@ -266,7 +269,7 @@ def _digits_runner(data, seed: int, device: str, divergence: str, judge_by, epoc
     return run_one
 
 
-def _digits_data_summary(data) -> dict:
+def _digits_data_summary(data: Split) -> dict:
     return {
         "rho": list(PAPER_RHO),
         "train_per_class": torch.bincount(data.y_train, minlength=10).tolist(),
@@ -308,12 +311,16 @@ GROUP_METHODS = {
 }
 
 
-def group_objective(method: str, strength):
+def group_objective(method: str, strength: float | None
+                    ) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], nn.Module | None]:
     """``(objective, module)``: ``objective(losses, groups)`` is the loss to minimize from the per-sample losses
     and the group ids; ``module`` is the dro_ext module behind it (None for ERM), whose parameters (DROLoss's
     ``eta``) join the model's in the optimizer."""
     if method == "erm":
         return (lambda losses, groups: losses.mean()), None
+    if strength is None:  # only ERM's grid holds None
+        raise ValueError(f"method {method!r} needs a strength (its step size or lam), got None")
+    module: nn.Module
     if method == "group_dro":  # Sagawa et al.: a distribution q over the groups, updated from every batch
         module = dro_ext.GroupDROLoss(SPURIOUS_GROUPS, step_size=strength)
         return module, module
@@ -334,7 +341,8 @@ def group_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, groups: t
     return [100.0 * correct[groups == g].mean().item() for g in range(SPURIOUS_GROUPS)]
 
 
-def train_with_groups(data, method: str, lr: float, strength, seed: int, epochs: int, device: str = "cpu") -> Run:
+def train_with_groups(data: GroupSplit, method: str, lr: float, strength: float | None, seed: int, epochs: int,
+                      device: str = "cpu") -> Run:
     """Train the small MLP on ``data``'s training split with ``method``'s objective (NormalizedSGD at ``lr``);
     ``run.curve`` is the worst-group test accuracy after every epoch, ``run.extra`` the per-group accuracies
     at the end (validation and test) and the overall test accuracy."""
@@ -384,7 +392,7 @@ def spurious_digits(settings: Settings, seed: int, device: str = "cpu") -> dict:
     data = load_spurious_digits(seed=seed)
     grids = {"erm": (None,), "group_dro": settings.groups_step_sizes, "group_chi2": settings.groups_lams,
              "chi2": settings.groups_lams}
-    result = {"methods": {m: label for m, (label, _) in GROUP_METHODS.items()},
+    result: dict[str, Any] = {"methods": {m: label for m, (label, _) in GROUP_METHODS.items()},
               "grid": {"lr": list(settings.groups_lrs)}, "best": {}, "runs": {}, "seed_runs": {}}
     for method, (_, knob) in GROUP_METHODS.items():
         if knob is not None:
@@ -400,7 +408,7 @@ def spurious_digits(settings: Settings, seed: int, device: str = "cpu") -> dict:
     return result
 
 
-def spurious_data_summary(data) -> dict:
+def spurious_data_summary(data: GroupSplit) -> dict:
     """Per split: its size, the samples in each group, and how often the bar agrees with the label."""
     summary = {}
     for split in ("train", "val", "test"):

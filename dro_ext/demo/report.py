@@ -7,9 +7,12 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from dro_ext.demo.claims import CLAIMS, TAIL_EPOCHS, mean_accuracy, seeds_needed, worst_group_accuracy
 from dro_ext.demo.experiments import GROUP_METHODS
@@ -45,19 +48,19 @@ def median_and_band(runs: list) -> tuple:
     return np.median(table, axis=0), table.min(axis=0), table.max(axis=0)
 
 
-def _plottable(values) -> np.ndarray:
+def _plottable(values: npt.ArrayLike) -> np.ndarray:
     """Values for a log axis: non-finite and non-positive ones left out (NaN leaves a gap in the line)."""
-    values = np.asarray(values, dtype=float)
-    return np.where(np.isfinite(values) & (values > 0), values, math.nan)
+    array = np.asarray(values, dtype=float)
+    return np.where(np.isfinite(array) & (array > 0), array, math.nan)
 
 
-def _percent_axis(ax) -> None:
+def _percent_axis(ax: Any) -> None:
     """0-100% with room above for the legend, which would otherwise hide the curves or bars near 100%."""
     ax.set_ylim(0, 118)
     ax.set_yticks(range(0, 101, 20))
 
 
-def plot_worst_group_curves(ax, result: dict) -> None:
+def plot_worst_group_curves(ax: Any, result: dict) -> None:
     """Panel (e): the worst-group test accuracy after every epoch, for each method at its chosen hyperparameters:
     the median over the seeds, with a band from the lowest to the highest seed. Shown, not used to stop early."""
     for method, label in result["methods"].items():
@@ -73,7 +76,7 @@ def plot_worst_group_curves(ax, result: dict) -> None:
     ax.legend(fontsize=8, loc="upper center", ncol=4)
 
 
-def plot_group_accuracy(ax, result: dict) -> None:
+def plot_group_accuracy(ax: Any, result: dict) -> None:
     """Panel (f): each group's test accuracy at the end of training, one bar per method (the mean over the
     seeds), a line from the lowest to the highest seed."""
     methods = list(result["methods"])
@@ -94,7 +97,7 @@ def plot_group_accuracy(ax, result: dict) -> None:
     ax.legend(fontsize=8, loc="upper center", ncol=4)
 
 
-def plot_objective_panel(ax, result: dict, title: str, ylabel: str, series) -> None:
+def plot_objective_panel(ax: Any, result: dict, title: str, ylabel: str, series: Sequence[tuple[Any, ...]]) -> None:
     """One of the paper's panels: the judged objective against epochs, log scale, for each method of ``series``:
     at its chosen learning rate the median over the seeds in bold with a band from the lowest to the highest
     seed, the rest of its grid (the first seed's runs) faint, an x where a run diverged."""
@@ -126,7 +129,7 @@ def plot_objective_panel(ax, result: dict, title: str, ylabel: str, series) -> N
     ax.legend(fontsize=8, loc="upper right")
 
 
-def _not_run(ax, title: str) -> None:
+def _not_run(ax: Any, title: str) -> None:
     ax.set_axis_off()
     ax.text(0.5, 0.5, f"{title}: not run (--experiments)", ha="center", va="center", transform=ax.transAxes)
 
@@ -304,7 +307,7 @@ def _worst_group_cell(c: dict, method: str) -> str:
     """The numbers behind an (e)/(f) verdict: worst-group and average test accuracy over the seeds."""
     wg, average, seeds = c["worst_group"], c["average"], len(c["seeds"])
 
-    def stats(s):
+    def stats(s: dict[str, float]) -> str:
         return f"{s['mean']:.1f} +- {s['std']:.1f} (median {s['median']:.1f} [{s['low']:.1f}, {s['high']:.1f}])"
 
     return (f"worst-group test accuracy (%), mean +- std (median [lowest, highest seed]): ERM {stats(wg['baseline'])} "
@@ -440,7 +443,7 @@ def group_section(result: dict, settings: dict) -> list:
 
 def overall_line(claims: dict) -> str:
     """The verdict of each claim that was assessed, in one line."""
-    def verdicts(keys):
+    def verdicts(keys: str) -> str:
         return ", ".join(f"({key}): **{claims[key]['verdict']}**" for key in keys if key in claims)
 
     paper, beyond = verdicts("abcd"), verdicts("ef")
@@ -536,7 +539,7 @@ def report_markdown(results: dict, claims: dict, meta: dict) -> str:
     return "\n".join(lines)
 
 
-def _jsonable(value):
+def _jsonable(value: object) -> object:
     """Runs become dicts; non-finite floats become null (strict JSON)."""
     if isinstance(value, Run):
         return _jsonable(dataclasses.asdict(value))

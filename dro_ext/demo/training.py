@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 from tqdm import tqdm
@@ -28,7 +29,7 @@ OPTIMIZERS = {
 }
 
 
-def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+def make_optimizer(name: str, params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
     """``"sgd"``: the paper's baseline, torch's SGD with momentum 0.9. ``"nsgd"``: Algorithm 1."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=MOMENTUM)
@@ -37,7 +38,8 @@ def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {name!r}")
 
 
-def shuffled_batches(x: torch.Tensor, y: torch.Tensor, generator: torch.Generator, batch_size: int = BATCH_SIZE):
+def shuffled_batches(x: torch.Tensor, y: torch.Tensor, generator: torch.Generator,
+                     batch_size: int = BATCH_SIZE) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """One epoch of mini-batches in a random order drawn from ``generator`` (a CPU generator, so the order
     is the same on every device)."""
     order = torch.randperm(len(x), generator=generator).to(x.device)
@@ -80,7 +82,7 @@ def train(
     criterion: dro_ext.DROLoss,
     optimizer: torch.optim.Optimizer,
     epoch_batches: Callable[[], Iterable],
-    per_sample_loss: Callable[[torch.nn.Module, object], torch.Tensor],
+    per_sample_loss: Callable[[torch.nn.Module, Any], torch.Tensor],
     judge: Callable[[], float],
     epochs: int,
     run: Run,
@@ -111,7 +113,13 @@ def train(
     return run
 
 
-def lr_search(run_one: Callable[[str, float], Run], optimizer: str, grid) -> tuple[Run, list]:
+class RunOne(Protocol):
+    """One training run of an experiment: ``run_one(optimizer, lr)`` on the experiment's first seed, or on another."""
+
+    def __call__(self, optimizer_name: str, lr: float, run_seed: int = ..., /) -> Run: ...
+
+
+def lr_search(run_one: RunOne, optimizer: str, grid: Sequence[float]) -> tuple[Run, list]:
     """Train once per learning rate in ``grid``; the best run is the fastest (lowest :meth:`Run.speed_score`),
     as the paper picks "the one that achieves the fastest optimization speed"."""
     runs = [run_one(optimizer, lr) for lr in grid]
