@@ -9,6 +9,7 @@ A caller's group means are sums / counts.clamp_min(1) (docs/design.md, "Group su
 from __future__ import annotations
 
 import numbers
+from typing import cast
 
 import torch
 
@@ -28,13 +29,14 @@ _ID_DTYPES = (torch.int32, torch.int64)
 if _backend.native_available():
 
     @torch.library.register_fake("dro_ext::group_sums")
-    def _group_sums_fake(losses, groups, num_groups, validate=True):
+    def _group_sums_fake(losses: torch.Tensor, groups: torch.Tensor, num_groups: int,
+                         validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         torch._check(losses.dim() == 1, lambda: "dro_ext: losses must be a 1-D tensor")
         acc = accumulate_dtype(losses.dtype)
         return losses.new_empty((num_groups,), dtype=acc), losses.new_empty((num_groups,), dtype=acc)
 
     @torch.library.register_fake("dro_ext::group_sums_backward")
-    def _group_sums_backward_fake(grad_sums, groups, dtype):
+    def _group_sums_backward_fake(grad_sums: torch.Tensor, groups: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return groups.new_empty(groups.shape, dtype=dtype)
 
     # Looked up once: resolving the overload costs a few hundred ns per call.
@@ -46,12 +48,13 @@ if _backend.native_available():
 # ---------------------------------------------------------------------------------------------------
 
 
-def _bad_id_message(num_groups) -> str:
+def _bad_id_message(num_groups: int) -> str:
     return (f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={num_groups}; pass ids in range "
             "(or validate=False to drop them)")
 
 
-def _fallback_group_sums(losses, groups, num_groups, validate):
+def _fallback_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int,
+                         validate: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """index_add_ over zeros in the accumulation dtype. On the CPU index_add_ into a 1-D tensor adds the samples
     one after another in index order: deterministic, whatever the thread count. On CUDA it adds with float
     atomics, so the sums may differ in their last bits from run to run, unless torch.use_deterministic_algorithms(True)
@@ -83,15 +86,16 @@ def _fallback_group_sums(losses, groups, num_groups, validate):
 # ---------------------------------------------------------------------------------------------------
 
 
-def check_num_groups(num_groups) -> int:
+def check_num_groups(num_groups: object) -> int:
     if isinstance(num_groups, bool) or not isinstance(num_groups, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"dro_ext: num_groups must be an int, got {num_groups!r} ({type(num_groups).__name__})")
     if num_groups < 1:
         raise ValueError(f"dro_ext: num_groups must be >= 1, got num_groups={num_groups}")
-    return num_groups if isinstance(num_groups, torch.SymInt) else int(num_groups)
+    # A SymInt while compiling (a traced int, which stands in for one), else a plain int.
+    return cast(int, num_groups) if isinstance(num_groups, torch.SymInt) else int(num_groups)
 
 
-def check_groups(groups, losses: torch.Tensor) -> None:
+def check_groups(groups: object, losses: torch.Tensor) -> None:
     """Group ids for ``losses``: an int32 or int64 dense tensor of its shape, on its device."""
     if not isinstance(groups, torch.Tensor):
         raise TypeError(f"dro_ext: groups must be a torch.Tensor of group ids, got {type(groups).__name__}")
@@ -106,7 +110,7 @@ def check_groups(groups, losses: torch.Tensor) -> None:
                          "move them to the same device")
 
 
-def _check_args(losses, groups, num_groups, validate) -> int:
+def _check_args(losses: torch.Tensor, groups: torch.Tensor, num_groups: object, validate: object) -> int:
     check_losses(losses, allow_empty=True)
     check_groups(groups, losses)
     num_groups = check_num_groups(num_groups)
@@ -115,7 +119,8 @@ def _check_args(losses, groups, num_groups, validate) -> int:
     return num_groups
 
 
-def group_sums(losses, groups, num_groups, *, validate=True) -> tuple[torch.Tensor, torch.Tensor]:
+def group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, *,
+               validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group sums and counts of per-sample losses: ``(sums, counts)``, each of shape ``(num_groups,)``.
 
     ``sums[g]`` is the sum of ``losses[i]`` over the samples with ``groups[i] == g`` and ``counts[g]`` their number;

@@ -9,11 +9,14 @@ Math (docs/design.md sections 1.1-1.2), with t_i = (l_i - G*eta) / lam and w_i =
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dro_ext import _backend
 from dro_ext._divergences import (
     DIVERGENCES,
+    Divergence,
     Spec,
     accumulate_dtype,
     as_eta,
@@ -36,18 +39,23 @@ __all__ = ["DIVERGENCES", "dro_loss", "dro_weights", "psi_star"]
 if _backend.native_available():
 
     @torch.library.register_fake("dro_ext::dro_loss")
-    def _dro_loss_fake(losses, eta, lam, divergence, alpha=None, k=None, scale=1.0):
+    def _dro_loss_fake(losses: torch.Tensor, eta: torch.Tensor, lam: float, divergence: str, alpha: float | None = None,
+                       k: float | None = None, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         torch._check(losses.dim() == 1, lambda: "dro_ext: losses must be a 1-D tensor")
         value = losses.new_empty(())
         mean_weight = losses.new_empty((), dtype=accumulate_dtype(losses.dtype))
         return value, mean_weight
 
     @torch.library.register_fake("dro_ext::psi_star_terms")
-    def _psi_star_terms_fake(losses, eta, multiplier, lam, divergence, alpha=None, k=None, scale=1.0, order=1):
+    def _psi_star_terms_fake(losses: torch.Tensor, eta: torch.Tensor, multiplier: torch.Tensor, lam: float,
+                             divergence: str, alpha: float | None = None, k: float | None = None, scale: float = 1.0,
+                             order: int = 1) -> torch.Tensor:
         return torch.empty_like(losses, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("dro_ext::dro_loss_backward")
-    def _dro_loss_backward_fake(grad, losses, eta, mean_weight, lam, divergence, alpha=None, k=None, scale=1.0):
+    def _dro_loss_backward_fake(grad: torch.Tensor, losses: torch.Tensor, eta: torch.Tensor, mean_weight: torch.Tensor,
+                                lam: float, divergence: str, alpha: float | None = None, k: float | None = None,
+                                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.empty_like(losses, memory_format=torch.contiguous_format), torch.empty_like(eta)
 
     # The autograd formulas of these ops are registered in C++ (csrc/autograd.cpp): a Python
@@ -62,7 +70,7 @@ if _backend.native_available():
 # ---------------------------------------------------------------------------------------------------
 
 
-def _fallback_dro_loss(losses, eta, lam, spec: Spec, scale):
+def _fallback_dro_loss(losses: torch.Tensor, eta: torch.Tensor, lam: float, spec: Spec, scale: float) -> torch.Tensor:
     acc = fallback_dtype(losses.dtype, losses.device)
     x = losses.to(acc).contiguous()  # a strided view would be summed in another order than its copy
     g_eta = scale * eta.to(acc)
@@ -71,7 +79,8 @@ def _fallback_dro_loss(losses, eta, lam, spec: Spec, scale):
     return value.to(losses.dtype)
 
 
-def _fallback_terms(losses, eta, lam, spec: Spec, scale, order):
+def _fallback_terms(losses: torch.Tensor, eta: torch.Tensor, lam: float, spec: Spec, scale: float,
+                    order: int) -> torch.Tensor:
     acc = fallback_dtype(losses.dtype, losses.device)
     t = (losses.to(acc) - scale * eta.to(acc)) / lam
     return _psi_star_torch(t, spec, order).to(losses.dtype)
@@ -84,10 +93,11 @@ def _fallback_terms(losses, eta, lam, spec: Spec, scale, order):
 
 # Validated (divergence, alpha, k, lam, scale) tuples. A training step calls the loss with the same Python
 # numbers every time, and at a few thousand samples checking them again costs a visible share of the step.
-_checked_scalars_cache: dict = {}
+_checked_scalars_cache: dict[tuple[Any, ...], tuple[Spec, float, float]] = {}
 
 
-def _checked_scalars(divergence, alpha, k, lam, scale):
+def _checked_scalars(divergence: str, alpha: float | None, k: float | None, lam: float,
+                     scale: float) -> tuple[Spec, float, float]:
     # The types are part of the key: 0.1 + 0j == 0.1 and True == 1 hash alike, and must not pass as them.
     key = (divergence, alpha, k, lam, scale, type(alpha), type(k), type(lam), type(scale))
     caching = not torch.compiler.is_compiling()  # the cache is a side effect torch.compile need not trace
@@ -102,13 +112,15 @@ def _checked_scalars(divergence, alpha, k, lam, scale):
     return checked
 
 
-def _checked_args(losses, eta, lam, divergence, alpha, k, scale):
+def _checked_args(losses: torch.Tensor, eta: torch.Tensor | float, lam: float, divergence: str, alpha: float | None,
+                  k: float | None, scale: float) -> tuple[Spec, torch.Tensor, float, float]:
     spec, lam, scale = _checked_scalars(divergence, alpha, k, lam, scale)
     check_losses(losses)
     return spec, as_eta(eta, losses), lam, scale
 
 
-def dro_loss(losses, eta, lam, divergence="chi2", *, alpha=None, k=None, scale=1.0) -> torch.Tensor:
+def dro_loss(losses: torch.Tensor, eta: torch.Tensor | float, lam: float, divergence: Divergence = "chi2", *,
+             alpha: float | None = None, k: float | None = None, scale: float = 1.0) -> torch.Tensor:
     """The penalized DRO objective ``mean_i lam * psi*((l_i - scale*eta)/lam) + scale*eta`` (a 0-d tensor).
 
     ``losses`` is a 1-D tensor of per-sample losses; ``eta`` a 0-d tensor (or a Python number, which gets
@@ -129,7 +141,8 @@ def dro_loss(losses, eta, lam, divergence="chi2", *, alpha=None, k=None, scale=1
     return _dro_loss_op(losses, eta, lam, spec.name, spec.alpha, spec.k, scale)[0]
 
 
-def dro_weights(losses, eta, lam, divergence="chi2", *, alpha=None, k=None, scale=1.0) -> torch.Tensor:
+def dro_weights(losses: torch.Tensor, eta: torch.Tensor | float, lam: float, divergence: Divergence = "chi2", *,
+                alpha: float | None = None, k: float | None = None, scale: float = 1.0) -> torch.Tensor:
     """The per-sample weights ``w_i = psi*'((l_i - scale*eta)/lam)`` (shape ``(N,)``, dtype of ``losses``).
 
     ``w_i / N`` is the gradient of :func:`dro_loss` with respect to ``l_i``; at the optimal ``eta`` it is
@@ -142,7 +155,8 @@ def dro_weights(losses, eta, lam, divergence="chi2", *, alpha=None, k=None, scal
     return _fallback_terms(losses, eta, lam, spec, scale, 1)
 
 
-def psi_star(t, divergence="chi2", *, alpha=None, k=None) -> torch.Tensor:
+def psi_star(t: torch.Tensor, divergence: Divergence = "chi2", *, alpha: float | None = None,
+             k: float | None = None) -> torch.Tensor:
     """The conjugate ``psi*(t)`` of the divergence, elementwise over a floating tensor of any shape."""
     spec = check_divergence(divergence, alpha, k)
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
