@@ -10,8 +10,7 @@ Two cases (float32 on the CPU; bfloat16 and a large language model's head on CUD
              F.cross_entropy(reduction="none") + dro_loss, that under torch.compile, and F.linear + mean
              cross-entropy. Gradients with respect to hidden, weight and eta. Also `fused grouped`: the same op over
              GROUPS_IN_BATCH groups of sequences (groups=, num_groups=), whose second chunked pass recomputes the
-             logits; at the default chunk size and at half of it (`fused grouped chunk=C`: then its chunk of logits
-             and chunk of their gradient take the memory of the ungrouped op's one chunk).
+             logits, at the same (default) chunk size.
 
 Times are medians over interleaved rounds (each round times every implementation once, so a slow spell of a shared
 machine hits all of them). Peak extra memory is what one forward+backward needs above its inputs, gradients
@@ -109,8 +108,6 @@ def make_case(kind, sizes, device, chunk_sizes=()):
             return lambda x, w, y, e: dro_ext.dro_linear_cross_entropy(x, w, y, e, LAM, DIVERGENCE, groups=groups,
                                                                        num_groups=GROUPS_IN_BATCH, chunk_size=chunk)
         fns["fused grouped"] = grouped_at(None)
-        if default > 1:
-            fns[f"fused grouped chunk={default // 2}"] = grouped_at(default // 2)
 
     def runner(impl):
         fn = fns[impl]
@@ -239,8 +236,7 @@ def table(rows):
             "(after F.linear for the linear case), `compiled` that under torch.compile(fullgraph=True), `mean_ce` "
             "plain mean cross-entropy (no DRO, no eta), `fused chunk=C` the fused linear op at chunk_size C (`fused`: "
             f"its default), `fused grouped` the fused linear op over {GROUPS_IN_BATCH} groups of sequences "
-            f"(groups=, num_groups=; sequences of {SEQUENCE_LENGTH} rows) at the default chunk size, `fused grouped "
-            "chunk=C` at half of it (the ungrouped op's memory: a chunk of logits and one of their gradient). "
+            f"(groups=, num_groups=; sequences of {SEQUENCE_LENGTH} rows) at the default chunk size. "
             "`time / fused` is that row's time over the fused op's; "
             "`peak extra` is the memory one forward+backward needs above its inputs, gradients included (CPU: "
             "resident-set high-water mark in a fresh process per implementation; CUDA: max_memory_allocated).")

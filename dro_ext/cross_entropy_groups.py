@@ -152,6 +152,12 @@ def _linear_row_losses_fake(hidden, weight, bias, targets, ignore_index, label_s
     return hidden.new_empty((rows,), dtype=acc), hidden.new_empty((rows,), dtype=acc)
 
 
+# Logit bytes of the pieces the backward's gradient writer works on within a chunk (see its chunk loop), per device
+# type: small on the CPU (a piece costs an op call of microseconds), larger on CUDA, where each piece is a kernel
+# launch and a piece of 64 MiB adds an eighth to the default chunk's 512 MiB.
+PIECE_LOGIT_BYTES = {"cpu": 1 << 20, "cuda": 64 << 20}
+
+
 @torch.library.custom_op("dro_ext::linear_cross_entropy_row_losses_backward", mutates_args=())
 def _linear_row_losses_backward_op(
         row_weight: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -159,8 +165,9 @@ def _linear_row_losses_backward_op(
         native: bool, grad_hidden_needed: bool, grad_weight_needed: bool, grad_bias_needed: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_hidden, grad_weight, grad_bias) for the per-row loss gradients ``row_weight``: each chunk's logits are
-    recomputed, turned into row_weight_i (softmax_i - q_i) by the per-row gradient writer, and folded in by matmuls
-    in chunk order (deterministic). A gradient that is not needed comes back empty (shape (0,))."""
+    recomputed, turned into row_weight_i (softmax_i - q_i) by the per-row gradient writer (in place, a piece of rows
+    at a time), and folded in by matmuls in chunk order (deterministic). A gradient that is not needed comes back
+    empty (shape (0,))."""
     rows = hidden.shape[0]
     acc = accumulate_dtype(hidden.dtype)
     hidden, weight = hidden.contiguous(), weight.contiguous()
@@ -173,13 +180,20 @@ def _linear_row_losses_backward_op(
     grad_bias = torch.zeros((weight.shape[0],), dtype=acc, device=hidden.device) if grad_bias_needed \
         else hidden.new_empty((0,))
     row_weight = row_weight.to(acc)
+    vocab = weight.shape[0]
+    piece_bytes = PIECE_LOGIT_BYTES.get(hidden.device.type, PIECE_LOGIT_BYTES["cpu"])
+    piece = max(1, piece_bytes // (vocab * hidden.element_size()))
     for start in range(0, rows, chunk_size):
         end = min(rows, start + chunk_size)
         h = hidden[start:end]
-        logits = F.linear(h, weight, bias)
-        grad = _logits_gradient(logits, targets[start:end], lse[start:end], row_weight[start:end], ignore_index,
-                                label_smoothing, native)
-        del logits
+        grad = F.linear(h, weight, bias)  # the chunk's logits, overwritten piece by piece by their gradient
+        # A piece's gradient needs only the piece's own rows of logits: written into a piece-sized buffer, then
+        # over those rows, so that the chunk holds one chunk of logits (the ungrouped op's memory) and not two.
+        for p_start in range(0, end - start, piece):
+            rows_of = slice(p_start, min(end - start, p_start + piece))
+            of_batch = slice(start + rows_of.start, start + rows_of.stop)
+            grad[rows_of] = _logits_gradient(grad[rows_of], targets[of_batch], lse[of_batch], row_weight[of_batch],
+                                             ignore_index, label_smoothing, native)
         if grad_hidden_needed:
             torch.mm(grad, weight, out=grad_hidden[start:end])
         if grad_weight_needed:

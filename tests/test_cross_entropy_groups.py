@@ -131,6 +131,27 @@ def test_grouped_linear_cross_entropy_matches_float64_reference(backend, dtype, 
                 to_scale=True)
 
 
+@pytest.mark.parametrize("piece_rows", [1, 3])
+def test_linear_backward_pieces_do_not_change_the_result(backend, monkeypatch, piece_rows):
+    # The backward writes a chunk's gradient over its logits a piece of rows at a time: any piece size (here 1 and 3
+    # rows, in 5-row chunks, against one piece per chunk) gives the same gradients, bitwise.
+    _, targets, groups, eta = make_tokens(3, 7, 13, torch.float32, 3, per_sequence=True, seed=9)
+    generator = torch.Generator().manual_seed(9)
+    inputs = [torch.randn(3, 7, 6, generator=generator).requires_grad_(),
+              torch.randn(13, 6, generator=generator).requires_grad_(), torch.randn(13, generator=generator)]
+    inputs[2].requires_grad_()
+
+    def grads():
+        value = dro_ext.dro_linear_cross_entropy(inputs[0], inputs[1], targets, eta, LAM, "kl", bias=inputs[2],
+                                                 groups=groups, num_groups=3, chunk_size=5, label_smoothing=0.1)
+        return torch.autograd.grad(value, (*inputs, eta))
+
+    whole = grads()
+    monkeypatch.setitem(ceg.PIECE_LOGIT_BYTES, "cpu", piece_rows * 13 * 4)
+    for got, want in zip(grads(), whole):
+        assert torch.equal(got, want)
+
+
 def test_value_is_group_dro_loss_of_the_kept_tokens(backend):
     logits, targets, groups, eta = make_tokens(4, 9, 6, torch.float64, 5, per_sequence=False, seed=3)
     groups[targets == IGNORE] = 99  # the ids of ignored tokens are not read
@@ -340,7 +361,7 @@ def test_modules_take_groups(backend):
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_grouped_linear_never_allocates_the_logits_of_the_batch(backend):
+def test_grouped_linear_never_allocates_the_logits_of_the_batch(backend, monkeypatch):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class LargestAllocation(TorchDispatchMode):
@@ -361,6 +382,8 @@ def test_grouped_linear_never_allocates_the_logits_of_the_batch(backend):
     targets, groups = torch.randint(0, vocab, (rows,)), torch.randint(0, 3, (rows,))
     eta = torch.tensor(1.0, dtype=torch.float64, requires_grad=True)
     native = _backend.use_native()
+    piece = 3
+    monkeypatch.setitem(ceg.PIECE_LOGIT_BYTES, "cpu", piece * vocab * 8)  # 3-row pieces of the 4-row chunks
     with LargestAllocation():
         value = dro_ext.dro_linear_cross_entropy(hidden, weight, targets, eta, LAM, "chi2", bias=bias,
                                                  groups=groups, num_groups=3, chunk_size=chunk)
@@ -372,6 +395,13 @@ def test_grouped_linear_never_allocates_the_logits_of_the_batch(backend):
                                                     weight.detach(), bias.detach(), targets, lse, IGNORE, 0.0, chunk,
                                                     native, True, True, True)
     assert LargestAllocation.largest <= max(rows * hidden_size, vocab * hidden_size, chunk * vocab)
+    # The backward's gradient pieces: besides a chunk of logits, no second chunk-sized tensor.
+    LargestAllocation.largest = 0
+    with LargestAllocation():
+        ceg._linear_row_losses_backward_op._init_fn(torch.rand(rows, dtype=torch.float64), hidden.detach(),
+                                                    weight.detach(), bias.detach(), targets, lse, IGNORE, 0.0, chunk,
+                                                    native, False, False, False)
+    assert LargestAllocation.largest == chunk * vocab  # the chunk's logits; each piece's gradient is 3 x V
 
 
 # ---------------------------------------------------------------------------------------------------
