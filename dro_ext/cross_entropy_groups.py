@@ -14,8 +14,8 @@ replaced by its group's. So the objective is composed of two parts, each reusing
   q_i), from the saved per-row logsumexp): :func:`cross_entropy_losses` from logits, and
   :func:`linear_cross_entropy_losses` from the hidden states and the head, which never holds more than a chunk of
   logits: its forward is one chunked pass for the losses and logsumexps (no gradients), its backward a second pass
-  that recomputes each chunk's logits (the extra matmul) and folds their gradient into those of hidden, weight and
-  bias;
+  that recomputes each chunk's logits (the extra matmul), overwrites them with their gradient and folds it into those
+  of hidden, weight and bias;
 - the O(N) + O(G) objective over the group sums, in PyTorch ops through dro_ext/groups.py (its per-group reduction
   and its formula), differentiated by autograd.
 
@@ -152,10 +152,12 @@ def _linear_row_losses_fake(hidden, weight, bias, targets, ignore_index, label_s
     return hidden.new_empty((rows,), dtype=acc), hidden.new_empty((rows,), dtype=acc)
 
 
-# Logit bytes of the pieces the backward's gradient writer works on within a chunk (see its chunk loop), per device
-# type: small on the CPU (a piece costs an op call of microseconds), larger on CUDA, where each piece is a kernel
-# launch and a piece of 64 MiB adds an eighth to the default chunk's 512 MiB.
-PIECE_LOGIT_BYTES = {"cpu": 1 << 20, "cuda": 64 << 20}
+# Logit bytes (at least) of the pieces the backward's gradient writer works on within a chunk (see its chunk loop),
+# per device type. On the CPU 8 MiB, the size from which csrc/cpu/output_buffer.h keeps a freed output for the next
+# request of its size: smaller pieces were fresh allocations whose first-touch page faults, with the loss of
+# parallelism over a few rows, made 1 MiB pieces cost 2x the ungrouped op's time. On CUDA 64 MiB, an eighth of the
+# default chunk's 512 MiB (each piece is a kernel launch).
+PIECE_LOGIT_BYTES = {"cpu": 8 << 20, "cuda": 64 << 20}
 
 
 @torch.library.custom_op("dro_ext::linear_cross_entropy_row_losses_backward", mutates_args=())
@@ -182,7 +184,7 @@ def _linear_row_losses_backward_op(
     row_weight = row_weight.to(acc)
     vocab = weight.shape[0]
     piece_bytes = PIECE_LOGIT_BYTES.get(hidden.device.type, PIECE_LOGIT_BYTES["cpu"])
-    piece = max(1, piece_bytes // (vocab * hidden.element_size()))
+    piece = max(1, -(-piece_bytes // (vocab * hidden.element_size())))
     for start in range(0, rows, chunk_size):
         end = min(rows, start + chunk_size)
         h = hidden[start:end]
@@ -287,7 +289,8 @@ def linear_cross_entropy_losses(hidden, weight, targets, *, bias=None, ignore_in
     saves the per-row logsumexp. The backward, given any gradient of the losses, is a second chunked pass: it
     recomputes each chunk's logits (one more matmul per chunk than :func:`dro_ext.dro_linear_cross_entropy`, which
     forms its gradients in its single pass), writes their gradient and folds it into the gradients of hidden, weight
-    and bias. Peak extra memory: a chunk of logits and a chunk of their gradient, plus the gradients themselves."""
+    and bias. Peak extra memory: a chunk of logits (overwritten by their gradient a piece of rows at a time) plus
+    the gradients themselves."""
     from dro_ext.cross_entropy import _check_label_smoothing, _check_ignore_index
 
     ignore_index, label_smoothing = _check_ignore_index(ignore_index), _check_label_smoothing(label_smoothing)
