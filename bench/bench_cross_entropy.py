@@ -8,7 +8,9 @@ Two cases (float32 on the CPU; bfloat16 and a large language model's head on CUD
              mean cross-entropy (the non-robust cost). Gradients with respect to logits and eta.
   - linear:  dro_linear_cross_entropy(hidden (N, H), weight (V, H), targets, eta) against F.linear +
              F.cross_entropy(reduction="none") + dro_loss, that under torch.compile, and F.linear + mean
-             cross-entropy. Gradients with respect to hidden, weight and eta.
+             cross-entropy. Gradients with respect to hidden, weight and eta. Also `fused grouped`: the same op over
+             GROUPS_IN_BATCH groups of sequences (groups=, num_groups=), whose second chunked pass recomputes the
+             logits, at the same (default) chunk size.
 
 Times are medians over interleaved rounds (each round times every implementation once, so a slow spell of a shared
 machine hits all of them). Peak extra memory is what one forward+backward needs above its inputs, gradients
@@ -48,6 +50,9 @@ QUICK = {"logits": dict(n=512, c=4096), "linear": dict(n=256, h=128, v=4096)}
 # sizes), so that the one GPU run shows where the default stands: each chunk reads and writes the whole weight
 # gradient in its addmm, whose arithmetic intensity grows with the chunk.
 CUDA_CHUNK_SIZES = (512, 1024, 2048, 4096)
+# The grouped rows of the linear case: the batch's rows as sequences of SEQUENCE_LENGTH tokens, sequence s in group
+# s % GROUPS_IN_BATCH (a per-token id tensor, as a data loader of domain-tagged sequences gives).
+GROUPS_IN_BATCH, SEQUENCE_LENGTH = 4, 256
 
 
 def eager_logits_loss(logits, targets, eta):
@@ -97,6 +102,12 @@ def make_case(kind, sizes, device, chunk_sizes=()):
             return lambda x, w, y, e: dro_ext.dro_linear_cross_entropy(x, w, y, e, LAM, DIVERGENCE, chunk_size=chunk)
         default = default_chunk_size(n, h, v, hidden.element_size(), hidden.device.type)
         fns.update({f"fused chunk={c}": fused_at(c) for c in chunk_sizes if c != default})
+        groups = (torch.arange(n, device=device) // SEQUENCE_LENGTH) % GROUPS_IN_BATCH
+
+        def grouped_at(chunk):
+            return lambda x, w, y, e: dro_ext.dro_linear_cross_entropy(x, w, y, e, LAM, DIVERGENCE, groups=groups,
+                                                                       num_groups=GROUPS_IN_BATCH, chunk_size=chunk)
+        fns["fused grouped"] = grouped_at(None)
 
     def runner(impl):
         fn = fns[impl]
@@ -224,7 +235,9 @@ def table(rows):
             "and to eta), divergence chi2, lam 0.5. `eager` is F.cross_entropy(reduction=\"none\") + dro_ext.dro_loss "
             "(after F.linear for the linear case), `compiled` that under torch.compile(fullgraph=True), `mean_ce` "
             "plain mean cross-entropy (no DRO, no eta), `fused chunk=C` the fused linear op at chunk_size C (`fused`: "
-            "its default). `time / fused` is that row's time over the fused op's; "
+            f"its default), `fused grouped` the fused linear op over {GROUPS_IN_BATCH} groups of sequences "
+            f"(groups=, num_groups=; sequences of {SEQUENCE_LENGTH} rows) at the default chunk size. "
+            "`time / fused` is that row's time over the fused op's; "
             "`peak extra` is the memory one forward+backward needs above its inputs, gradients included (CPU: "
             "resident-set high-water mark in a fresh process per implementation; CUDA: max_memory_allocated).")
 

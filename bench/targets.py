@@ -10,7 +10,9 @@
   fused=True), which does strictly less work (no norm), per call and replayed from a CUDA graph.
 - robust objective (bench_robust): at N = 128, 4096 and 65536 at least 20x faster than fast-dro's RobustLoss on
   the same device; solved to the rounding of its dtype at 2^22.
-- cross-entropy (bench_cross_entropy): time and memory against the eager and compiled logits paths.
+- cross-entropy (bench_cross_entropy): time and memory against the eager and compiled logits paths; the linear op over
+  groups of sequences within 1.35x of the ungrouped op's time at the same chunk size, hence about the same memory
+  (its second pass recomputes the logits: one more matmul of the three).
 - group sums (bench_groups): group_sums forward + backward at least 2x faster than the fastest composition (one-hot
   matmul, index_add_) at every N >= 4096 and G; its peak extra memory O(N + G), at most GROUP_SUMS_BYTES_PER_ITEM
   bytes per sample or group at every (N, G).
@@ -273,6 +275,10 @@ TARGETS = (
     _cross_entropy("cuda", "linear", CE_GPU_LINEAR, "<= 10% of eager's peak memory", "fused", _memory_over_eager,
                    at_most=0.10, unit="x eager's"),
     *GROUP_SUMS_TARGETS,
+    *(_cross_entropy(device, "linear", sizes, "over 4 groups of sequences, at the same chunk size (its memory "
+                     "plus a piece): within 1.35x of the ungrouped op's time", "fused grouped", _time_over_fused, at_most=1.35,
+                     unit="x ungrouped")
+      for device, sizes in (("cpu", CE_CPU_LINEAR), ("cuda", CE_GPU_LINEAR))),
 )
 
 

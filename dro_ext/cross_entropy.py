@@ -207,7 +207,7 @@ def _fallback_dro_cross_entropy(logits, targets, eta, lam, spec, scale, ignore_i
 
 
 def dro_cross_entropy(logits, targets, eta, lam, divergence="chi2", *, alpha=None, k=None, scale=1.0,
-                      ignore_index=-100, label_smoothing=0.0) -> torch.Tensor:
+                      ignore_index=-100, label_smoothing=0.0, groups=None, num_groups=None) -> torch.Tensor:
     """The DRO objective over per-sample cross-entropies, fused from the logits (a 0-d tensor).
 
     ``logits`` has shape (..., C) and ``targets`` (int64) shape (...); l_i is exactly
@@ -216,6 +216,14 @@ def dro_cross_entropy(logits, targets, eta, lam, divergence="chi2", *, alpha=Non
     ``mean_i lam*psi*((l_i - scale*eta)/lam) + scale*eta`` (0 when n == 0, with zero gradients). Gradients
     flow to ``logits`` and ``eta``; the native op keeps only the per-row logsumexp and weight (2N floats)
     for backward. Sums accumulate in float32 (float64 for float64 logits); the result has the logits' dtype.
+
+    ``groups`` with ``num_groups`` (both or neither): the objective over groups of tokens instead of tokens.
+    ``groups`` (int64 or int32 ids in ``[0, num_groups)``) has the shape of ``targets`` (one id per token) or
+    ``targets.shape[:-1]`` (one per sequence). A group's loss is the mean of its kept tokens' l_i (a group without
+    kept tokens is absent) and the value is exactly :func:`dro_ext.group_dro_loss` of the kept tokens' losses with
+    batch weighting, ``scale*eta + sum_g (n_g/n) lam psi*((m_g - scale*eta)/lam)`` (0 when n == 0); the ids of
+    ignored tokens are not read. Its backward forms the logits' gradient in one pass from the per-row logsumexp
+    (dro_ext/cross_entropy_groups.py).
     """
     spec, lam, scale, ignore_index, label_smoothing = _checked_scalars(
         lam, divergence, alpha, k, scale, ignore_index, label_smoothing)
@@ -226,6 +234,12 @@ def dro_cross_entropy(logits, targets, eta, lam, divergence="chi2", *, alpha=Non
     if num_classes == 0:  # before the reshape, which cannot infer -1 beside a 0
         raise ValueError(f"dro_ext: logits must have at least one class, got shape {tuple(logits.shape)}")
     x, y = logits.reshape(-1, num_classes), targets.reshape(-1)
+    token_groups, num_groups = _check_token_groups(groups, num_groups, targets)
+    if token_groups is not None:
+        from dro_ext.cross_entropy_groups import grouped_dro_cross_entropy
+
+        return grouped_dro_cross_entropy(x, y, token_groups, num_groups, eta, lam, spec, scale, ignore_index,
+                                         label_smoothing)
     if _backend.native_for(x.device.type):
         return torch.ops.dro_ext.dro_cross_entropy(x, y, eta, lam, spec.name, spec.alpha, spec.k, scale,
                                                    ignore_index, label_smoothing)[0]
@@ -424,20 +438,8 @@ def _linear_backward(ctx, grad_value, *unused):
 _linear_cross_entropy_with_grads.register_autograd(_linear_backward, setup_context=_linear_setup_context)
 
 
-def dro_linear_cross_entropy(hidden, weight, targets, eta, lam, divergence="chi2", *, bias=None, alpha=None, k=None,
-                             scale=1.0, ignore_index=-100, label_smoothing=0.0, chunk_size=None) -> torch.Tensor:
-    """:func:`dro_cross_entropy` of ``logits = hidden @ weight.T (+ bias)``, never holding more than a chunk of them.
-
-    ``hidden`` (..., H), ``weight`` (V, H), ``bias`` (V,) or None, ``targets`` (...) int64. Rows are processed
-    ``chunk_size`` at a time (default: :func:`default_chunk_size`): each chunk's logits come from a matmul, are
-    turned in place into their loss and gradient, and matmuls fold that gradient into the gradients of hidden,
-    weight and bias, computed in the forward when any of hidden, weight, bias or eta requires grad (none
-    otherwise) and scaled by the upstream gradient in backward (in place, unless the graph is retained). Peak
-    extra memory: one chunk of logits plus the gradients themselves, each held once. half/bfloat16 inputs give logits in their dtype with float32 loss accumulation;
-    the weight gradient is accumulated in the weight's dtype over chunks. First-order gradients only.
-    """
-    spec, lam, scale, ignore_index, label_smoothing = _checked_scalars(
-        lam, divergence, alpha, k, scale, ignore_index, label_smoothing)
+def _check_linear_args(hidden, weight, targets, bias, chunk_size):
+    """The tensor checks of dro_linear_cross_entropy: (hidden as (N, H), targets as (N,), the chunk size)."""
     _check_float_tensor("hidden", hidden)
     _check_float_tensor("weight", weight, min_dim=2)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -454,13 +456,48 @@ def dro_linear_cross_entropy(hidden, weight, targets, eta, lam, divergence="chi2
             raise ValueError(f"dro_ext: bias must have shape ({weight.shape[0]},) and hidden's dtype and device, "
                              f"got shape {tuple(bias.shape)}, {bias.dtype}, {bias.device}")
     _check_targets(targets, hidden.shape[:-1], f"hidden of shape {tuple(hidden.shape)}", hidden.device)
-    eta = as_eta(eta, hidden)
     h, y = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    rows = h.shape[0]
     if chunk_size is None:
-        chunk_size = default_chunk_size(rows, h.shape[1], weight.shape[0], h.element_size(), h.device.type)
+        chunk_size = default_chunk_size(h.shape[0], h.shape[1], weight.shape[0], h.element_size(), h.device.type)
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"dro_ext: chunk_size must be a positive int or None, got chunk_size={chunk_size!r}")
+    return h, y, max(1, min(chunk_size, max(h.shape[0], 1)))
+
+
+def _check_token_groups(groups, num_groups, targets):
+    from dro_ext.cross_entropy_groups import check_token_groups
+
+    return check_token_groups(groups, num_groups, targets)
+
+
+def dro_linear_cross_entropy(hidden, weight, targets, eta, lam, divergence="chi2", *, bias=None, alpha=None, k=None,
+                             scale=1.0, ignore_index=-100, label_smoothing=0.0, chunk_size=None, groups=None,
+                             num_groups=None) -> torch.Tensor:
+    """:func:`dro_cross_entropy` of ``logits = hidden @ weight.T (+ bias)``, never holding more than a chunk of them.
+
+    ``hidden`` (..., H), ``weight`` (V, H), ``bias`` (V,) or None, ``targets`` (...) int64. Rows are processed
+    ``chunk_size`` at a time (default: :func:`default_chunk_size`): each chunk's logits come from a matmul, are
+    turned in place into their loss and gradient, and matmuls fold that gradient into the gradients of hidden,
+    weight and bias, computed in the forward when any of hidden, weight, bias or eta requires grad (none
+    otherwise) and scaled by the upstream gradient in backward (in place, unless the graph is retained). Peak
+    extra memory: one chunk of logits plus the gradients themselves, each held once. half/bfloat16 inputs give logits in their dtype with float32 loss accumulation;
+    the weight gradient is accumulated in the weight's dtype over chunks. First-order gradients only.
+
+    ``groups``/``num_groups``: the objective over groups of tokens, as in :func:`dro_cross_entropy`. The weight of a
+    token then depends on its whole group's mean loss, known only after every chunk: the forward is one chunked pass
+    for the per-token losses (no gradients, the value), and the backward a second one that recomputes each chunk's
+    logits and writes their gradient (one more matmul per chunk; see :func:`dro_ext.linear_cross_entropy_losses`).
+    """
+    spec, lam, scale, ignore_index, label_smoothing = _checked_scalars(
+        lam, divergence, alpha, k, scale, ignore_index, label_smoothing)
+    h, y, chunk_size = _check_linear_args(hidden, weight, targets, bias, chunk_size)
+    eta = as_eta(eta, hidden)
+    token_groups, num_groups = _check_token_groups(groups, num_groups, targets)
+    if token_groups is not None:
+        from dro_ext.cross_entropy_groups import grouped_dro_linear_cross_entropy
+
+        return grouped_dro_linear_cross_entropy(h, weight, bias, y, token_groups, num_groups, eta, lam, spec, scale,
+                                                ignore_index, label_smoothing, chunk_size)
     native = _backend.native_for(h.device.type)
     if not native:
         _check_target_range(y, weight.shape[0], ignore_index)
@@ -468,7 +505,7 @@ def dro_linear_cross_entropy(hidden, weight, targets, eta, lam, divergence="chi2
     needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     value, *_ = _linear_cross_entropy_with_grads(
         h, weight, bias, y, eta, lam, spec.name, spec.alpha, spec.k, scale, ignore_index, label_smoothing,
-        max(1, min(chunk_size, max(rows, 1))), native, *needs)
+        chunk_size, native, *needs)
     return value
 
 
@@ -478,8 +515,13 @@ def dro_linear_cross_entropy(hidden, weight, targets, eta, lam, divergence="chi2
 
 
 class _DROCrossEntropyBase(nn.Module):
-    def __init__(self, divergence, lam, alpha, k, scale, eta_init, ignore_index, label_smoothing):
+    def __init__(self, divergence, lam, alpha, k, scale, eta_init, ignore_index, label_smoothing, num_groups):
         super().__init__()
+        if num_groups is not None:
+            from dro_ext.groups import check_num_groups
+
+            num_groups = check_num_groups(num_groups)
+        self.num_groups = num_groups
         self.divergence, self.alpha, self.k = check_divergence(divergence, alpha, k)
         self.lam = check_positive("lam", lam)
         self.scale = check_positive("scale", scale)
@@ -489,35 +531,41 @@ class _DROCrossEntropyBase(nn.Module):
 
     def _kwargs(self):
         return dict(alpha=self.alpha, k=self.k, scale=self.scale, ignore_index=self.ignore_index,
-                    label_smoothing=self.label_smoothing)
+                    label_smoothing=self.label_smoothing, num_groups=self.num_groups)
 
     def extra_repr(self) -> str:
         params = "".join(f", {n}={v}" for n, v in (("alpha", self.alpha), ("k", self.k)) if v is not None)
         return (f"divergence={self.divergence!r}, lam={self.lam}{params}, scale={self.scale}, "
-                f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}")
+                f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}"
+                + (f", num_groups={self.num_groups}" if self.num_groups is not None else ""))
 
 
 class DROCrossEntropyLoss(_DROCrossEntropyBase):
     """``forward(logits, targets)`` = :func:`dro_cross_entropy` with the module's own dual variable ``eta``
-    (a 0-d ``nn.Parameter``: optimize it beside the model's parameters, as with :class:`dro_ext.DROLoss`)."""
+    (a 0-d ``nn.Parameter``: optimize it beside the model's parameters, as with :class:`dro_ext.DROLoss`).
+
+    With ``num_groups=G``: ``forward(logits, targets, groups)``, the objective over groups of tokens (``groups`` one
+    id per token or per sequence), as :class:`dro_ext.DROLoss` takes ``groups`` with ``num_groups``."""
 
     def __init__(self, divergence="chi2", lam=0.1, *, alpha=None, k=None, scale=1.0, eta_init=0.0,
-                 ignore_index=-100, label_smoothing=0.0):
-        super().__init__(divergence, lam, alpha, k, scale, eta_init, ignore_index, label_smoothing)
+                 ignore_index=-100, label_smoothing=0.0, num_groups=None):
+        super().__init__(divergence, lam, alpha, k, scale, eta_init, ignore_index, label_smoothing, num_groups)
 
-    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return dro_cross_entropy(logits, targets, self.eta, self.lam, self.divergence, **self._kwargs())
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
+        return dro_cross_entropy(logits, targets, self.eta, self.lam, self.divergence, groups=groups,
+                                 **self._kwargs())
 
 
 class DROLinearCrossEntropyLoss(_DROCrossEntropyBase):
     """``forward(hidden, weight, targets, bias=None)`` = :func:`dro_linear_cross_entropy` with the module's own
-    ``eta``: the LM head's loss without materializing the logits."""
+    ``eta``: the LM head's loss without materializing the logits. With ``num_groups=G``: ``forward(hidden, weight,
+    targets, bias=None, groups=...)``, the objective over groups of tokens."""
 
     def __init__(self, divergence="chi2", lam=0.1, *, alpha=None, k=None, scale=1.0, eta_init=0.0,
-                 ignore_index=-100, label_smoothing=0.0, chunk_size=None):
-        super().__init__(divergence, lam, alpha, k, scale, eta_init, ignore_index, label_smoothing)
+                 ignore_index=-100, label_smoothing=0.0, chunk_size=None, num_groups=None):
+        super().__init__(divergence, lam, alpha, k, scale, eta_init, ignore_index, label_smoothing, num_groups)
         self.chunk_size = chunk_size
 
-    def forward(self, hidden, weight, targets, bias=None) -> torch.Tensor:
+    def forward(self, hidden, weight, targets, bias=None, groups=None) -> torch.Tensor:
         return dro_linear_cross_entropy(hidden, weight, targets, self.eta, self.lam, self.divergence, bias=bias,
-                                        chunk_size=self.chunk_size, **self._kwargs())
+                                        chunk_size=self.chunk_size, groups=groups, **self._kwargs())

@@ -35,21 +35,54 @@ from dro_ext.group_reduction import check_groups, check_num_groups, group_sums
 __all__ = ["GroupDROLoss", "group_dro_loss"]
 
 
-def _group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int):
+def _group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sums, counts) per group through :func:`dro_ext.group_sums`, without a host sync on a device: there the ids
     are checked by an asynchronous device-side assertion (a bad id fails at the next sync, as a RuntimeError) and
     the op runs with validate=False; on the CPU, where reading the ids costs no sync, group_sums checks them
-    (IndexError naming groups). The only place this module reduces the losses."""
+    (IndexError naming groups). With _masked_group_sums, the only places this module reduces the losses."""
     if groups.device.type == "cpu" and not torch.compiler.is_compiling():
         return group_sums(losses, groups, num_groups)
-    torch._assert_async(((groups >= 0) & (groups < num_groups)).all(),
-                        f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={num_groups}")
+    _check_group_ids(groups, num_groups)
     return group_sums(losses, groups, num_groups, validate=False)
+
+
+def _masked_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int,
+                       mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """_group_sums over the samples where ``mask`` is True (all of them for ``mask=None``): the others count in
+    neither sum nor count and their ids are not read (a padding token's id may be anything). They get the id -1,
+    which group_sums(validate=False) drops (no boolean indexing: no data-dependent shape, no host sync), so their
+    losses get a zero gradient; the kept ids are checked as _group_sums checks them."""
+    if mask is None:
+        return _group_sums(losses, groups, num_groups)
+    _check_group_ids(torch.where(mask, groups, 0), num_groups)
+    return group_sums(losses, torch.where(mask, groups, -1), num_groups, validate=False)
+
+
+def _check_group_ids(groups: torch.Tensor, num_groups: int) -> None:
+    """Ids in [0, num_groups): IndexError naming groups on the CPU (a host read of a CPU tensor costs no sync), an
+    asynchronous device-side assertion elsewhere and while compiling (no host sync; it fails at the next sync)."""
+    message = f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={num_groups}"
+    if groups.device.type == "cpu" and not torch.compiler.is_compiling():
+        if groups.numel() and (int(groups.min()) < 0 or int(groups.max()) >= num_groups):
+            raise IndexError(message)
+    else:
+        torch._assert_async(((groups >= 0) & (groups < num_groups)).all(), message)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Argument checks
 # ---------------------------------------------------------------------------------------------------
+
+
+def check_mask(mask, losses: torch.Tensor) -> None:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"dro_ext: mask must be a torch.Tensor of bools, got {type(mask).__name__}")
+    check_dense("mask", mask)
+    if mask.dtype != torch.bool:
+        raise TypeError(f"dro_ext: mask must be a bool tensor (True for the samples that count), got {mask.dtype}")
+    if mask.shape != losses.shape or mask.device != losses.device:
+        raise ValueError(f"dro_ext: mask must have the shape and device of losses, {tuple(losses.shape)} on "
+                         f"{losses.device}, got {tuple(mask.shape)} on {mask.device}")
 
 
 def check_group_vector(name: str, value, num_groups: int, *, positive: bool) -> torch.Tensor:
@@ -139,13 +172,13 @@ class _GlobalValueLocalGradient(torch.autograd.Function):
         return None, grad * ctx.factor, None
 
 
-def _reduced_group_sums(losses, groups, num_groups: int, process_group, where: str):
+def _reduced_group_sums(losses, groups, num_groups: int, process_group, where: str, mask=None):
     """(sums, counts) of the batch, or, with a process group, of the concatenated batch of its ranks.
 
     Over ranks, (sums, counts) are all-reduced together (one collective of 2G numbers) so every rank holds the
     same values; the sums' gradient goes to the local samples times the world size, which DDP's averaging of the
     gradients over the ranks divides out again: the averaged gradient is the one of the concatenated batch."""
-    sums, counts = _group_sums(losses, groups, num_groups)
+    sums, counts = _masked_group_sums(losses, groups, num_groups, mask)
     if process_group is None:
         return sums, counts
     import torch.distributed as dist
@@ -203,16 +236,23 @@ def group_dro_loss(losses, groups, num_groups, eta, lam, divergence="chi2", *, w
     sums, counts = _reduced_group_sums(losses, groups, num_groups, group, "group_dro_loss")
     acc = fallback_dtype(losses.dtype, losses.device)
     m, present = _group_means(sums, counts, acc)
-    g_eta = scale * eta.to(acc)
+    p = counts.to(acc) if weights is None else torch.where(present, weights.to(acc), 0.0)
+    weighted_sum, total = _penalized_group_sums(m, present, p, scale * eta.to(acc), lam, spec)
+    return (weighted_sum / total).to(losses.dtype)
+
+
+def _penalized_group_sums(m, present, p, g_eta, lam: float, spec):
+    """(sum_g p_g (lam psi*(t_g) + G eta), sum_g p_g) over the groups present, t_g = (m_g - G eta)/lam: the value of
+    the objective over groups is their ratio (the one place it is formed, for group_dro_loss and the grouped
+    cross-entropy of dro_ext/cross_entropy_groups.py)."""
     # An absent group is evaluated at m = scale*eta (t = 0, finite whatever eta), then weighted by exactly 0: its
     # term adds nothing to the value and a zero gradient.
     x = torch.where(present, m, g_eta)
     terms = penalized_value(x, (x - g_eta) / lam, lam, g_eta, spec)
-    p = counts.to(acc) if weights is None else torch.where(present, weights.to(acc), 0.0)
+    p = torch.where(present, p, 0.0)
     # Sums in group order, as dro_loss sums in sample order: with one sample per group (ids in sample order) the
     # two are the same sums, term for term.
-    value = fixed_order_sum(p * terms) / fixed_order_sum(p)
-    return value.to(losses.dtype)
+    return fixed_order_sum(p * terms), fixed_order_sum(p)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -275,9 +315,14 @@ class GroupDROLoss(nn.Module):
     ``q_init`` (``num_groups`` numbers >= 0, normalized; uniform by default): the initial ``q``. A group of initial
     weight 0 is disabled: its ``q`` stays exactly 0 in both modes.
 
-    ``forward(losses, groups, update=True)``: with ``update=True`` the state is first updated from the batch and
-    the returned loss uses the updated ``q`` (as the references do); ``update=False`` returns the loss under the
-    current ``q`` and leaves the state alone (e.g. the micro-batches of an accumulated step, all but one).
+    ``mask`` (a bool tensor of the shape of ``losses``, optional): only the samples where it is True count, in
+    neither the sums nor the counts otherwise, and their group ids are not read; e.g. the tokens whose target is
+    not ``ignore_index``, with the per-token losses of :func:`dro_ext.cross_entropy_losses` or
+    :func:`dro_ext.linear_cross_entropy_losses` (the latter never holds the N x V logits).
+
+    ``forward(losses, groups, update=True, *, mask=None)``: with ``update=True`` the state is first updated from the
+    batch and the returned loss uses the updated ``q`` (as the references do); ``update=False`` returns the loss
+    under the current ``q`` and leaves the state alone (e.g. the micro-batches of an accumulated step, all but one).
     ``q`` carries no gradient. The state lives in buffers, so ``state_dict()`` saves it and ``load_state_dict``
     resumes the run bitwise: ``log_q``, ``ema_loss``, ``last_loss`` (each group's last mean loss) and ``seen``
     (which groups have appeared). They are of the default dtype at construction; a step computes in the wider
@@ -364,12 +409,15 @@ class GroupDROLoss(nn.Module):
         """The current distribution over the groups (a new tensor; 0 for disabled groups)."""
         return self.log_q.exp()
 
-    def forward(self, losses: torch.Tensor, groups: torch.Tensor, update: bool = True) -> torch.Tensor:
+    def forward(self, losses: torch.Tensor, groups: torch.Tensor, update: bool = True, *,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         check_losses(losses, allow_empty=True)
         check_groups(groups, losses)
         if not isinstance(update, bool):
             raise TypeError(f"dro_ext: update must be a bool, got {update!r}")
-        sums, counts = _reduced_group_sums(losses, groups, self.num_groups, self.group, "GroupDROLoss")
+        if mask is not None:
+            check_mask(mask, losses)
+        sums, counts = _reduced_group_sums(losses, groups, self.num_groups, self.group, "GroupDROLoss", mask)
         dtype = torch.promote_types(accumulate_dtype(losses.dtype), self.log_q.dtype)
         m, present = _group_means(sums, counts, dtype)
         if update:

@@ -166,6 +166,24 @@ def _public_forwards(dev):
             hidden.detach(), weight.detach(), bias.detach(), targets.reshape(-1), eta.detach(), 0.5, "cvar", 0.3,
             None, 1.0, 3, 0.1, 8, True, True, True, True)),
     ]
+    from dro_ext import cross_entropy_groups
+
+    groups = torch.randint(0, 4, (3,), device=dev)
+    calls += [
+        ("dro_cross_entropy(groups=)", lambda: dro_ext.dro_cross_entropy(
+            logits, targets, eta, 0.5, "kl", ignore_index=3, groups=groups, num_groups=4)),
+        ("dro_linear_cross_entropy(groups=)", lambda: dro_ext.dro_linear_cross_entropy(
+            hidden, weight, targets.reshape(-1), eta, 0.5, bias=bias, chunk_size=8,
+            groups=groups[:, None].expand(3, 7).reshape(-1), num_groups=4)),
+        # The two chunk loops themselves (the ops above run their fake kernels under FakeTensorMode).
+        ("grouped linear cross-entropy passes", lambda: cross_entropy_groups._linear_row_losses_backward_op._init_fn(
+            torch.rand(21, device=dev), hidden.detach(), weight.detach(), bias.detach(), targets.reshape(-1),
+            cross_entropy_groups._linear_row_losses._init_fn(hidden.detach(), weight.detach(), bias.detach(),
+                                                             targets.reshape(-1), 3, 0.1, 8, True)[1],
+            3, 0.1, 8, True, True, True, True)),
+        ("GroupDROLoss(mask=)", lambda: dro_ext.GroupDROLoss(4).to(dev)(
+            torch.rand(21, device=dev), targets.reshape(-1) % 4, mask=targets.reshape(-1) != 3)),
+    ]
 
     params = [torch.nn.Parameter(torch.randn(s, device=dev, dtype=d))
               for s, d in (((33, 5), torch.float32), ((7,), torch.bfloat16), ((4,), torch.float16))]
@@ -206,7 +224,7 @@ class _Ctx:
 def _python_backwards(dev):
     """(name, thunk) running setup_context on a forward's inputs and output, then backward, for each op whose
     autograd formula is written in Python (the autograd engine itself cannot run on fake CUDA tensors)."""
-    from dro_ext import cross_entropy, robust
+    from dro_ext import cross_entropy, cross_entropy_groups, robust
 
     eta = torch.zeros((), device=dev)
     logits = torch.randn(21, 50, device=dev, dtype=torch.bfloat16)
@@ -222,6 +240,12 @@ def _python_backwards(dev):
          cross_entropy._linear_cross_entropy_with_grads,
          (hidden, weight, bias, targets, eta, 0.5, "chi2", None, None, 1.0, -100, 0.0, 8, True, True, True, True),
          (True, True, True, False, True), grad),
+        ("cross_entropy_row_losses backward", cross_entropy_groups._row_losses_setup_context,
+         cross_entropy_groups._row_losses_backward, torch.ops.dro_ext.cross_entropy_row_losses,
+         (logits, targets, 3, 0.1, True), (True,), torch.rand(21, device=dev)),
+        ("linear_cross_entropy_row_losses backward", cross_entropy_groups._linear_row_losses_setup_context,
+         cross_entropy_groups._linear_row_losses_backward, torch.ops.dro_ext.linear_cross_entropy_row_losses,
+         (hidden, weight, bias, targets, -100, 0.0, 8, True), (True, True, True), torch.rand(21, device=dev)),
         ("robust_objective backward", robust._robust_objective_setup_context, robust._robust_objective_backward,
          torch.ops.dro_ext.robust_objective, (losses, 0.5, "cressie_read", None, 1.5), (True,), grad),
     ]

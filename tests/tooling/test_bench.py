@@ -322,7 +322,9 @@ def test_quick_cross_entropy_json_has_both_cases_and_every_implementation(quick_
     out, _ = quick_run
     rows = _rows(out, "cross_entropy")
     from bench.bench_cross_entropy import IMPLS
-    assert [(r["case"], r["impl"]) for r in rows] == [(case, impl) for case in ("logits", "linear") for impl in IMPLS]
+    # The linear case also runs the op over groups of sequences.
+    assert [(r["case"], r["impl"]) for r in rows] == (
+        [(case, impl) for case in ("logits", "linear") for impl in IMPLS] + [("linear", "fused grouped")])
     for r in rows:
         assert r["median_ms"] > 0 and r["peak_extra_MiB"] > 0 and r["memory_vs_eager"] > 0
     assert all(r["time_vs_fused"] == 1.0 for r in rows if r["impl"] == "fused")
@@ -340,7 +342,7 @@ def test_the_linear_case_runs_other_chunk_sizes_beside_the_default(tmp_path):
         data = json.load(f)
     assert data["meta"]["settings"]["chunk_sizes"] == [64, 256]
     rows = {r["impl"]: r for r in data["rows"]}
-    assert list(rows) == [*bench_cross_entropy.IMPLS, "fused chunk=64"]
+    assert list(rows) == [*bench_cross_entropy.IMPLS, "fused chunk=64", "fused grouped"]
     assert rows["fused chunk=64"]["median_ms"] > 0 and rows["fused chunk=64"]["peak_extra_MiB"] > 0
     # a quarter of the chunk: less memory than the default's chunk of logits
     assert rows["fused chunk=64"]["peak_extra_MiB"] < rows["fused"]["peak_extra_MiB"]

@@ -222,12 +222,24 @@ def test_the_gpu_cross_entropy_target_takes_its_own_sizes_only(tmp_path):
     assert verdicts(tmp_path, "10% of eager's peak memory")["cross_entropy_h100.json"][1] == "MISSED in 1 of 1"
 
 
+def test_the_grouped_linear_target_reads_the_grouped_row(tmp_path):
+    def rows(grouped, other_chunk):
+        common = {"device": "cuda:0", "case": "linear", "sizes": targets.CE_GPU_LINEAR, "memory_vs_eager": 0.1}
+        return [dict(common, impl="fused", time_vs_fused=1.0),
+                dict(common, impl="fused chunk=512", time_vs_fused=other_chunk),
+                dict(common, impl="fused grouped", time_vs_fused=grouped)]
+    write(tmp_path, "cross_entropy_h100", rows(1.3, 2.0))
+    assert verdicts(tmp_path, "over 4 groups")["cross_entropy_h100.json"] == ("1.3x ungrouped", "met")
+    write(tmp_path, "cross_entropy_h100", rows(1.4, 1.0))
+    assert verdicts(tmp_path, "over 4 groups")["cross_entropy_h100.json"] == ("1.4x ungrouped", "MISSED in 1 of 1")
+
+
 def test_the_committed_cpu_results_match_the_readers_schema():
     # Every CPU target finds its rows in the committed CPU results (a renamed field, a changed size label or a
     # benchmark that stopped measuring a case would leave them 'not measured'); the verdicts themselves are the
     # results'.
     cpu = [t for t in targets.TARGETS if t.device == "cpu"]
-    assert len(cpu) == 13
+    assert len(cpu) == 14
     for target in cpu:
         files = targets.result_files([str(ROOT / "bench" / "results")], target.bench, "cpu")
         assert [os.path.basename(path) for path, _ in files] == [f"{target.bench}.json"], target.text

@@ -1,0 +1,372 @@
+"""Per-token cross-entropies with a memory-light backward, and the DRO objective over groups of tokens (sequences,
+domains) that dro_cross_entropy and dro_linear_cross_entropy take with ``groups=`` and ``num_groups=``.
+
+A group's loss is the mean of the cross-entropies of its kept tokens (target not ``ignore_index``), and the value is
+:func:`dro_ext.group_dro_loss` over the kept tokens with batch weighting:
+
+    L = G eta + sum_g (n_g / n) lam psi*((m_g - G eta)/lam)        n_g kept tokens of group g, n = sum_g n_g
+
+Its gradient with respect to a token's loss is psi*'(t_{g_i}) / n: the sample-level weight with the row's own t
+replaced by its group's. So the objective is composed of two parts, each reusing what exists:
+
+- the per-token losses, as custom ops whose backward takes any per-token gradient and forms the gradient of the
+  logits with the native per-row gradient writer (dro_cross_entropy_backward: grad * row_weight_i * (softmax_i -
+  q_i), from the saved per-row logsumexp): :func:`cross_entropy_losses` from logits, and
+  :func:`linear_cross_entropy_losses` from the hidden states and the head, which never holds more than a chunk of
+  logits: its forward is one chunked pass for the losses and logsumexps (no gradients), its backward a second pass
+  that recomputes each chunk's logits (the extra matmul), overwrites them with their gradient and folds it into those
+  of hidden, weight and bias;
+- the O(N) + O(G) objective over the group sums, in PyTorch ops through dro_ext/groups.py (its per-group reduction
+  and its formula), differentiated by autograd.
+
+The same per-token losses feed :class:`dro_ext.GroupDROLoss` (``mask=targets != ignore_index``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from dro_ext import _backend
+from dro_ext import groups as _groups
+from dro_ext._divergences import accumulate_dtype, fallback_dtype
+
+__all__ = ["cross_entropy_losses", "linear_cross_entropy_losses"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The per-row pieces, native or in PyTorch
+# ---------------------------------------------------------------------------------------------------
+
+
+def _row_lse(x, targets, ignore_index: int, native: bool):
+    """logsumexp of each row of the (N, C) logits in the accumulate dtype, 0 on ignored rows. Native: the forward
+    kernel of dro_cross_entropy (one pass, nothing N x C allocated; its DRO sums, O(N), are not used)."""
+    acc = accumulate_dtype(x.dtype)
+    if native:
+        zero = torch.zeros((), dtype=acc, device=x.device)
+        return torch.ops.dro_ext.dro_cross_entropy(x, targets, zero, 1.0, "chi2", None, None, 1.0, ignore_index,
+                                                   0.0)[2]
+    return torch.where(targets != ignore_index, torch.logsumexp(x.to(acc), dim=1), 0.0)
+
+
+def _losses_from_lse(x, targets, lse, ignore_index: int, label_smoothing: float):
+    """F.cross_entropy's per-row loss (1-eps)(lse - x_y) + eps(lse - mean_c x_c) from the row's logsumexp, in lse's
+    dtype; 0 on ignored rows. Reads N target logits, and (eps > 0) the logits once more for their row means."""
+    keep = targets != ignore_index
+    target_logit = x.gather(1, torch.where(keep, targets, 0)[:, None]).squeeze(1).to(lse.dtype)
+    losses = lse - (1.0 - label_smoothing) * target_logit
+    if label_smoothing:
+        losses = losses - label_smoothing * x.mean(dim=1, dtype=lse.dtype)
+    return torch.where(keep, losses, 0.0)
+
+
+def _logits_gradient(x, targets, lse, row_weight, ignore_index: int, label_smoothing: float, native: bool):
+    """row_weight_i (softmax_i - q_i) in the logits' dtype (0 on ignored rows); a new tensor of x's shape."""
+    if native:
+        one = torch.ones((), dtype=x.dtype, device=x.device)
+        return torch.ops.dro_ext.dro_cross_entropy_backward(one, x, targets, lse, row_weight.contiguous(),
+                                                            ignore_index, label_smoothing)
+    from dro_ext.cross_entropy import _weighted_residual
+
+    acc = fallback_dtype(x.dtype, x.device)
+    keep = targets != ignore_index
+    xa = x.to(acc)
+    q = torch.full_like(xa, label_smoothing / x.shape[1])
+    q.scatter_add_(1, torch.where(keep, targets, 0)[:, None], torch.full_like(xa[:, :1], 1.0 - label_smoothing))
+    residual = torch.where(keep[:, None], torch.exp(xa - lse.to(acc)[:, None]) - q, 0.0)
+    return _weighted_residual(row_weight.to(acc)[:, None], residual).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-token losses from the logits
+# ---------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dro_ext::cross_entropy_row_losses", mutates_args=())
+def _cross_entropy_row_losses(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                              label_smoothing: float, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(losses, lse) of the (N, C) logits, both (N,) in the accumulate dtype, 0 on ignored rows."""
+    lse = _row_lse(logits, targets, ignore_index, native)
+    return _losses_from_lse(logits, targets, lse, ignore_index, label_smoothing), lse
+
+
+@_cross_entropy_row_losses.register_fake
+def _cross_entropy_row_losses_fake(logits, targets, ignore_index, label_smoothing, native):
+    acc = accumulate_dtype(logits.dtype)
+    rows = logits.shape[0]
+    return logits.new_empty((rows,), dtype=acc), logits.new_empty((rows,), dtype=acc)
+
+
+def _row_losses_setup_context(ctx, inputs, output):
+    logits, targets, ignore_index, label_smoothing, native = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(logits, targets, output[1])
+    ctx.args = (ignore_index, label_smoothing, native)
+
+
+def _row_losses_backward(ctx, grad_losses, unused):
+    logits, targets, lse = ctx.saved_tensors
+    ignore_index, label_smoothing, native = ctx.args
+    if grad_losses is None or not ctx.needs_input_grad[0]:
+        return None, None, None, None, None
+    grad_logits = _logits_gradient(logits, targets, lse, grad_losses.to(lse.dtype), ignore_index, label_smoothing,
+                                   native)
+    return grad_logits, None, None, None, None
+
+
+# First order only, as dro_cross_entropy: the gradient writer has no derivative of its own.
+_cross_entropy_row_losses.register_autograd(_row_losses_backward, setup_context=_row_losses_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-token losses from the hidden states and the head: two chunked passes
+# ---------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dro_ext::linear_cross_entropy_row_losses", mutates_args=())
+def _linear_row_losses(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                       targets: torch.Tensor, ignore_index: int, label_smoothing: float, chunk_size: int,
+                       native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(losses, lse), (N,) each in the accumulate dtype, of logits = hidden @ weight.T + bias, a chunk of rows at a
+    time: each chunk's logits are freed before the next are formed."""
+    rows = hidden.shape[0]
+    acc = accumulate_dtype(hidden.dtype)
+    losses = torch.empty((rows,), dtype=acc, device=hidden.device)
+    lse = torch.empty((rows,), dtype=acc, device=hidden.device)
+    for start in range(0, rows, chunk_size):
+        end = min(rows, start + chunk_size)
+        logits = F.linear(hidden[start:end], weight, bias)
+        y = targets[start:end]
+        lse[start:end] = _row_lse(logits, y, ignore_index, native)
+        losses[start:end] = _losses_from_lse(logits, y, lse[start:end], ignore_index, label_smoothing)
+        del logits
+    return losses, lse
+
+
+@_linear_row_losses.register_fake
+def _linear_row_losses_fake(hidden, weight, bias, targets, ignore_index, label_smoothing, chunk_size, native):
+    acc = accumulate_dtype(hidden.dtype)
+    rows = hidden.shape[0]
+    return hidden.new_empty((rows,), dtype=acc), hidden.new_empty((rows,), dtype=acc)
+
+
+# Logit bytes (at least) of the pieces the backward's gradient writer works on within a chunk (see its chunk loop),
+# per device type. On the CPU 8 MiB, the size from which csrc/cpu/output_buffer.h keeps a freed output for the next
+# request of its size: smaller pieces were fresh allocations whose first-touch page faults, with the loss of
+# parallelism over a few rows, made 1 MiB pieces cost 2x the ungrouped op's time. On CUDA 64 MiB, an eighth of the
+# default chunk's 512 MiB (each piece is a kernel launch).
+PIECE_LOGIT_BYTES = {"cpu": 8 << 20, "cuda": 64 << 20}
+
+
+@torch.library.custom_op("dro_ext::linear_cross_entropy_row_losses_backward", mutates_args=())
+def _linear_row_losses_backward_op(
+        row_weight: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+        targets: torch.Tensor, lse: torch.Tensor, ignore_index: int, label_smoothing: float, chunk_size: int,
+        native: bool, grad_hidden_needed: bool, grad_weight_needed: bool, grad_bias_needed: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_hidden, grad_weight, grad_bias) for the per-row loss gradients ``row_weight``: each chunk's logits are
+    recomputed, turned into row_weight_i (softmax_i - q_i) by the per-row gradient writer (in place, a piece of rows
+    at a time), and folded in by matmuls in chunk order (deterministic). A gradient that is not needed comes back
+    empty (shape (0,))."""
+    rows = hidden.shape[0]
+    acc = accumulate_dtype(hidden.dtype)
+    hidden, weight = hidden.contiguous(), weight.contiguous()
+    grad_hidden = torch.empty_like(hidden) if grad_hidden_needed else hidden.new_empty((0,))
+    # In the weight's dtype, as dro_linear_cross_entropy's: every chunk's matmul accumulates in float32 and rounds
+    # once into it; the first chunk writes it and the others add into it.
+    grad_weight = torch.empty_like(weight) if grad_weight_needed else hidden.new_empty((0,))
+    if grad_weight_needed and rows == 0:
+        grad_weight.zero_()
+    grad_bias = torch.zeros((weight.shape[0],), dtype=acc, device=hidden.device) if grad_bias_needed \
+        else hidden.new_empty((0,))
+    row_weight = row_weight.to(acc)
+    vocab = weight.shape[0]
+    piece_bytes = PIECE_LOGIT_BYTES.get(hidden.device.type, PIECE_LOGIT_BYTES["cpu"])
+    piece = max(1, -(-piece_bytes // (vocab * hidden.element_size())))
+    for start in range(0, rows, chunk_size):
+        end = min(rows, start + chunk_size)
+        h = hidden[start:end]
+        grad = F.linear(h, weight, bias)  # the chunk's logits, overwritten piece by piece by their gradient
+        # A piece's gradient needs only the piece's own rows of logits: written into a piece-sized buffer, then
+        # over those rows, so that the chunk holds one chunk of logits (the ungrouped op's memory) and not two.
+        for p_start in range(0, end - start, piece):
+            rows_of = slice(p_start, min(end - start, p_start + piece))
+            of_batch = slice(start + rows_of.start, start + rows_of.stop)
+            grad[rows_of] = _logits_gradient(grad[rows_of], targets[of_batch], lse[of_batch], row_weight[of_batch],
+                                             ignore_index, label_smoothing, native)
+        if grad_hidden_needed:
+            torch.mm(grad, weight, out=grad_hidden[start:end])
+        if grad_weight_needed:
+            if start == 0:
+                torch.mm(grad.t(), h, out=grad_weight)
+            else:
+                grad_weight.addmm_(grad.t(), h)
+        if grad_bias_needed:
+            grad_bias += grad.sum(0, dtype=acc)
+        del grad
+    if grad_bias_needed:
+        grad_bias = grad_bias.to(bias.dtype)
+    return grad_hidden, grad_weight, grad_bias
+
+
+@_linear_row_losses_backward_op.register_fake
+def _linear_row_losses_backward_fake(row_weight, hidden, weight, bias, targets, lse, ignore_index, label_smoothing,
+                                     chunk_size, native, grad_hidden_needed, grad_weight_needed, grad_bias_needed):
+    return (torch.empty_like(hidden, memory_format=torch.contiguous_format) if grad_hidden_needed
+            else hidden.new_empty((0,)),
+            torch.empty_like(weight, memory_format=torch.contiguous_format) if grad_weight_needed
+            else hidden.new_empty((0,)),
+            bias.new_empty(bias.shape) if grad_bias_needed else hidden.new_empty((0,)))
+
+
+def _linear_row_losses_setup_context(ctx, inputs, output):
+    hidden, weight, bias, targets, ignore_index, label_smoothing, chunk_size, native = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(hidden, weight, bias, targets, output[1])
+    ctx.args = (ignore_index, label_smoothing, chunk_size, native)
+
+
+def _linear_row_losses_backward(ctx, grad_losses, unused):
+    hidden, weight, bias, targets, lse = ctx.saved_tensors
+    needs = ctx.needs_input_grad[:3]
+    if grad_losses is None or not any(needs):
+        return (None,) * 8
+    grads = torch.ops.dro_ext.linear_cross_entropy_row_losses_backward(
+        grad_losses, hidden, weight, bias, targets, lse, *ctx.args, *needs)
+    return tuple(g if need else None for g, need in zip(grads, needs)) + (None,) * 5
+
+
+_linear_row_losses.register_autograd(_linear_row_losses_backward, setup_context=_linear_row_losses_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public per-token losses
+# ---------------------------------------------------------------------------------------------------
+
+
+def cross_entropy_losses(logits, targets, *, ignore_index=-100, label_smoothing=0.0) -> torch.Tensor:
+    """``F.cross_entropy(logits, targets, reduction="none", ignore_index=..., label_smoothing=...)`` with the classes
+    in the LAST dimension: logits (..., C), targets (...) int64, the result of the targets' shape, 0 where the target
+    is ``ignore_index``, in the accumulate dtype (float32 for half/bfloat16 logits, as the sums that consume it).
+
+    Native: one pass for the losses, and a backward that forms ``grad_i (softmax_i - q_i)`` in one pass from the
+    logits and the per-row logsumexp it saved (N floats; nothing N x C is kept but the logits themselves)."""
+    from dro_ext.cross_entropy import _check_label_smoothing, _check_ignore_index
+
+    ignore_index, label_smoothing = _check_ignore_index(ignore_index), _check_label_smoothing(label_smoothing)
+    x, y = _flat_logits(logits, targets)
+    return _cross_entropy_row_losses_checked(x, y, ignore_index, label_smoothing).reshape(targets.shape)
+
+
+def _flat_logits(logits, targets):
+    from dro_ext.cross_entropy import _check_float_tensor, _check_targets
+
+    _check_float_tensor("logits", logits)
+    _check_targets(targets, logits.shape[:-1], f"logits of shape {tuple(logits.shape)}", logits.device)
+    num_classes = logits.shape[-1]
+    if num_classes == 0:
+        raise ValueError(f"dro_ext: logits must have at least one class, got shape {tuple(logits.shape)}")
+    return logits.reshape(-1, num_classes), targets.reshape(-1)
+
+
+def _cross_entropy_row_losses_checked(x, y, ignore_index, label_smoothing):
+    from dro_ext.cross_entropy import _check_target_range
+
+    native = _backend.native_for(x.device.type)
+    if not native:
+        _check_target_range(y, x.shape[1], ignore_index)
+    return _cross_entropy_row_losses(x, y, ignore_index, label_smoothing, native)[0]
+
+
+def linear_cross_entropy_losses(hidden, weight, targets, *, bias=None, ignore_index=-100, label_smoothing=0.0,
+                                chunk_size=None) -> torch.Tensor:
+    """:func:`cross_entropy_losses` of ``logits = hidden @ weight.T (+ bias)``, never holding more than a chunk of
+    them (``chunk_size`` rows; default :func:`dro_ext.cross_entropy.default_chunk_size`).
+
+    The forward is one chunked pass (a matmul per chunk, then the per-row logsumexp and loss; no gradients); it
+    saves the per-row logsumexp. The backward, given any gradient of the losses, is a second chunked pass: it
+    recomputes each chunk's logits (one more matmul per chunk than :func:`dro_ext.dro_linear_cross_entropy`, which
+    forms its gradients in its single pass), writes their gradient and folds it into the gradients of hidden, weight
+    and bias. Peak extra memory: a chunk of logits (overwritten by their gradient a piece of rows at a time) plus
+    the gradients themselves."""
+    from dro_ext.cross_entropy import _check_label_smoothing, _check_ignore_index
+
+    ignore_index, label_smoothing = _check_ignore_index(ignore_index), _check_label_smoothing(label_smoothing)
+    h, y, chunk_size = _flat_hidden(hidden, weight, targets, bias, chunk_size)
+    return _linear_row_losses_checked(h, weight, bias, y, ignore_index, label_smoothing, chunk_size
+                                      ).reshape(targets.shape)
+
+
+def _flat_hidden(hidden, weight, targets, bias, chunk_size):
+    """The argument checks of dro_linear_cross_entropy (its own, called with the DRO scalars it does not need)."""
+    from dro_ext.cross_entropy import _check_linear_args
+
+    return _check_linear_args(hidden, weight, targets, bias, chunk_size)
+
+
+def _linear_row_losses_checked(h, weight, bias, y, ignore_index, label_smoothing, chunk_size):
+    from dro_ext.cross_entropy import _check_target_range
+
+    native = _backend.native_for(h.device.type)
+    if not native:
+        _check_target_range(y, weight.shape[0], ignore_index)
+    return _linear_row_losses(h, weight, bias, y, ignore_index, label_smoothing, chunk_size, native)[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The objective over groups of tokens
+# ---------------------------------------------------------------------------------------------------
+
+
+def check_token_groups(groups, num_groups, targets: torch.Tensor) -> tuple[torch.Tensor, int] | tuple[None, None]:
+    """(groups as one id per flattened token, num_groups), or (None, None) when neither is given. ``groups`` has the
+    targets' shape (one id per token) or targets.shape[:-1] (one per sequence, broadcast over its tokens)."""
+    if groups is None and num_groups is None:
+        return None, None
+    if groups is None:
+        raise ValueError(f"dro_ext: num_groups={num_groups!r} was given without groups; pass groups (a group id per "
+                         "token or per sequence) or leave num_groups=None")
+    if num_groups is None:
+        raise ValueError("dro_ext: groups was given without num_groups; pass num_groups (the number of groups)")
+    num_groups = _groups.check_num_groups(num_groups)
+    if not isinstance(groups, torch.Tensor):
+        raise TypeError(f"dro_ext: groups must be a torch.Tensor of group ids, got {type(groups).__name__}")
+    _groups.check_dense("groups", groups)
+    if groups.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"dro_ext: groups must be an int64 or int32 tensor of group ids, got {groups.dtype}")
+    if groups.device != targets.device:
+        raise ValueError(f"dro_ext: groups is on {groups.device} but targets is on {targets.device}; move them to "
+                         "the same device")
+    per_token, per_sequence = tuple(targets.shape), tuple(targets.shape[:-1])
+    if tuple(groups.shape) == per_token:
+        return groups.reshape(-1), num_groups
+    if targets.dim() >= 1 and tuple(groups.shape) == per_sequence:
+        return groups.unsqueeze(-1).expand(targets.shape).reshape(-1), num_groups
+    raise ValueError(f"dro_ext: groups must have the shape of targets, {per_token} (one id per token), or "
+                     f"{per_sequence} (one per sequence), got {tuple(groups.shape)}")
+
+
+def grouped_objective(losses, keep, token_groups, num_groups: int, eta, lam: float, spec, scale: float,
+                      dtype) -> torch.Tensor:
+    """group_dro_loss (batch weighting) of the kept rows' losses, in ``dtype``: 0 with zero gradients when no row is
+    kept (as dro_cross_entropy)."""
+    sums, counts = _groups._masked_group_sums(losses, token_groups, num_groups, keep)
+    acc = fallback_dtype(losses.dtype, losses.device)
+    m, present = _groups._group_means(sums, counts, acc)
+    weighted_sum, total = _groups._penalized_group_sums(m, present, counts.to(acc), scale * eta.to(acc), lam, spec)
+    # With no kept row every p_g is 0: the weighted sum is exactly 0, and a denominator of 1 keeps it (and its
+    # gradients) at 0 instead of 0/0.
+    return (weighted_sum / torch.where(total > 0, total, 1.0)).to(dtype)
+
+
+def grouped_dro_cross_entropy(x, y, token_groups, num_groups, eta, lam, spec, scale, ignore_index, label_smoothing):
+    losses = _cross_entropy_row_losses_checked(x, y, ignore_index, label_smoothing)
+    return grouped_objective(losses, y != ignore_index, token_groups, num_groups, eta, lam, spec, scale, x.dtype)
+
+
+def grouped_dro_linear_cross_entropy(h, weight, bias, y, token_groups, num_groups, eta, lam, spec, scale,
+                                     ignore_index, label_smoothing, chunk_size):
+    losses = _linear_row_losses_checked(h, weight, bias, y, ignore_index, label_smoothing, chunk_size)
+    return grouped_objective(losses, y != ignore_index, token_groups, num_groups, eta, lam, spec, scale, h.dtype)
