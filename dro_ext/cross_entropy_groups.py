@@ -207,7 +207,7 @@ def _linear_row_losses_backward_op(
             grad_bias += grad.sum(0, dtype=acc)
         del grad
     if grad_bias_needed:
-        grad_bias = grad_bias.to(bias.dtype)
+        grad_bias = grad_bias.to(weight.dtype)  # bias has the dtype of weight and hidden (checked)
     return grad_hidden, grad_weight, grad_bias
 
 

@@ -149,7 +149,7 @@ def group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, *,
     """
     if (type(num_groups) is int and num_groups >= 1 and type(validate) is bool and isinstance(losses, torch.Tensor)
             and isinstance(groups, torch.Tensor) and losses.layout == groups.layout == torch.strided
-            and losses.device == groups.device and _backend.native_for(losses.device.type)):  # loaded, selected, built for the device
+            and losses.device == groups.device and _backend.native_for(losses.device.type)):
         # The op checks the tensors' dtypes and shapes itself, with the same errors; at a few thousand samples
         # checking them here too would be a visible share of the call. (Devices are compared here: a meta tensor
         # beside a CPU one would dispatch to the fake kernel, which checks nothing.)

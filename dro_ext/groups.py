@@ -14,6 +14,8 @@ PyTorch ops on either backend.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,6 +33,11 @@ from dro_ext._divergences import (
     real_number,
 )
 from dro_ext.group_reduction import check_groups, check_num_groups, group_sums
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from dro_ext._divergences import Divergence, Spec
 
 __all__ = ["GroupDROLoss", "group_dro_loss"]
 
@@ -74,7 +81,7 @@ def _check_group_ids(groups: torch.Tensor, num_groups: int) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def check_mask(mask, losses: torch.Tensor) -> None:
+def check_mask(mask: object, losses: torch.Tensor) -> None:
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"dro_ext: mask must be a torch.Tensor of bools, got {type(mask).__name__}")
     check_dense("mask", mask)
@@ -85,7 +92,7 @@ def check_mask(mask, losses: torch.Tensor) -> None:
                          f"{losses.device}, got {tuple(mask.shape)} on {mask.device}")
 
 
-def check_group_vector(name: str, value, num_groups: int, *, positive: bool) -> torch.Tensor:
+def check_group_vector(name: str, value: Any, num_groups: int, *, positive: bool) -> torch.Tensor:
     """A (num_groups,) tensor of finite numbers, > 0 (positive) or >= 0 with a positive sum, as float64.
 
     Its values are read on the host (a check at construction; for a device tensor, one sync)."""
@@ -116,7 +123,8 @@ def check_group_vector(name: str, value, num_groups: int, *, positive: bool) -> 
 _WEIGHTINGS = ("batch", "population")
 
 
-def _group_weights(weighting, group_counts, num_groups: int, device) -> torch.Tensor | None:
+def _group_weights(weighting: str | torch.Tensor | Sequence[float], group_counts: Any, num_groups: int,
+                   device: torch.device | str) -> torch.Tensor | None:
     """The unnormalized group weights: None for "batch" (the counts n_g), else a float64 (G,) tensor on device."""
     if isinstance(weighting, torch.Tensor):
         if group_counts is not None:
@@ -139,7 +147,7 @@ def _group_weights(weighting, group_counts, num_groups: int, device) -> torch.Te
     return weights.to(device)
 
 
-def _weight_tensor(name, value, num_groups: int) -> torch.Tensor:
+def _weight_tensor(name: str, value: Any, num_groups: int) -> torch.Tensor:
     # Per call: a CPU tensor or a sequence is checked in full (no device sync); a device tensor by dtype and shape
     # only, its values being the caller's (a negative weight then gives a meaningless value, a zero sum NaN).
     if isinstance(value, torch.Tensor) and value.device.type != "cpu":
@@ -160,19 +168,21 @@ class _GlobalValueLocalGradient(torch.autograd.Function):
     """Forward: ``global_value``; backward: ``factor`` times the gradient, to ``local`` (a tensor of its shape)."""
 
     @staticmethod
-    def forward(global_value, local, factor):
+    def forward(global_value: torch.Tensor, local: torch.Tensor, factor: float) -> torch.Tensor:
         return global_value.clone()
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
         ctx.factor = inputs[2]
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None]:
         return None, grad * ctx.factor, None
 
 
-def _reduced_group_sums(losses, groups, num_groups: int, process_group, where: str, mask=None):
+def _reduced_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int,
+                        process_group: ProcessGroup | None, where: str,
+                        mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sums, counts) of the batch, or, with a process group, of the concatenated batch of its ranks.
 
     Over ranks, (sums, counts) are all-reduced together (one collective of 2G numbers) so every rank holds the
@@ -194,7 +204,7 @@ def _reduced_group_sums(losses, groups, num_groups: int, process_group, where: s
     return _GlobalValueLocalGradient.apply(both[:num_groups], sums, world), both[num_groups:]
 
 
-def _group_means(sums, counts, dtype):
+def _group_means(sums: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(m, present): the mean loss of each group in dtype (0 for an absent group) and which groups are present."""
     present = counts > 0
     return sums.to(dtype) / torch.clamp(counts, min=1.0).to(dtype), present
@@ -205,8 +215,10 @@ def _group_means(sums, counts, dtype):
 # ---------------------------------------------------------------------------------------------------
 
 
-def group_dro_loss(losses, groups, num_groups, eta, lam, divergence="chi2", *, weighting="batch",
-                   group_counts=None, alpha=None, k=None, scale=1.0, group=None) -> torch.Tensor:
+def group_dro_loss(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, eta: torch.Tensor | float,
+                   lam: float, divergence: Divergence = "chi2", *,
+                   weighting: str | torch.Tensor | Sequence[float] = "batch", group_counts: Any = None, alpha: float | None = None, k: float | None = None, scale: float = 1.0,
+                   group: ProcessGroup | None = None) -> torch.Tensor:
     """The penalized DRO objective over groups (a 0-d tensor of the dtype of ``losses``):
 
         scale*eta + sum_g p_g lam psi*((m_g - scale*eta)/lam),   m_g = mean of the losses of group g
@@ -241,7 +253,8 @@ def group_dro_loss(losses, groups, num_groups, eta, lam, divergence="chi2", *, w
     return (weighted_sum / total).to(losses.dtype)
 
 
-def _penalized_group_sums(m, present, p, g_eta, lam: float, spec):
+def _penalized_group_sums(m: torch.Tensor, present: torch.Tensor, p: torch.Tensor, g_eta: torch.Tensor, lam: float,
+                          spec: Spec) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum_g p_g (lam psi*(t_g) + G eta), sum_g p_g) over the groups present, t_g = (m_g - G eta)/lam: the value of
     the objective over groups is their ratio (the one place it is formed, for group_dro_loss and the grouped
     cross-entropy of dro_ext/cross_entropy_groups.py)."""
@@ -263,7 +276,7 @@ _MODES = ("eg", "greedy_cvar")
 _MISSING = ("zero", "stale")
 
 
-def _fraction(name: str, value, *, low_open: bool) -> float:
+def _fraction(name: str, value: object, *, low_open: bool) -> float:
     value = real_number(name, value)
     inside = (0.0 < value <= 1.0) if low_open else (0.0 <= value <= 1.0)
     if not inside:
@@ -338,8 +351,22 @@ class GroupDROLoss(nn.Module):
     stand-in of the group reduction, ids out of range fail through a device-side assertion).
     """
 
-    def __init__(self, num_groups, step_size=0.01, *, adjustment=None, group_counts=None, normalize_loss=False,
-                 missing="zero", q_init=None, mode="eg", alpha=None, ema_gamma=0.1, min_var_weight=0.0, group=None):
+    # The state and configuration buffers (registered in __init__), declared for the type checker: nn.Module's
+    # __getattr__ would type them Tensor | Module.
+    alpha: float | None
+    log_q: torch.Tensor
+    ema_loss: torch.Tensor
+    last_loss: torch.Tensor
+    seen: torch.Tensor
+    active: torch.Tensor
+    adjustment_term: torch.Tensor
+    population_shares: torch.Tensor
+
+
+    def __init__(self, num_groups: int, step_size: float = 0.01, *, adjustment: float | torch.Tensor | None = None,
+                 group_counts: Any = None, normalize_loss: bool = False, missing: str = "zero", q_init: Any = None,
+                 mode: str = "eg", alpha: float | None = None, ema_gamma: float = 0.1, min_var_weight: float = 0.0,
+                 group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.num_groups = check_num_groups(num_groups)
         if mode not in _MODES:
@@ -452,6 +479,7 @@ class GroupDROLoss(nn.Module):
                 total = shares.sum()
                 usable = total > 0
                 shares = shares / torch.where(usable, total, 1.0)
+            assert self.alpha is not None  # greedy_cvar mode always has one (checked in __init__)
             weights = _greedy_cvar_weights(ema + adjust, shares, self.alpha)
             weights = (1.0 - self.min_var_weight) * weights + self.min_var_weight * shares
             log_q = torch.where(usable, torch.log(weights), log_q)
@@ -466,7 +494,7 @@ class GroupDROLoss(nn.Module):
                 f"normalize_loss={self.normalize_loss}, ema_gamma={self.ema_gamma}")
 
 
-def _finite_vector(name: str, value, num_groups: int) -> torch.Tensor:
+def _finite_vector(name: str, value: Any, num_groups: int) -> torch.Tensor:
     tensor = torch.as_tensor(value if isinstance(value, torch.Tensor) else [real_number(name, v) for v in value])
     tensor = tensor.detach().to("cpu", torch.float64)
     if tensor.shape != (num_groups,):
