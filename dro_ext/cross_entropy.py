@@ -25,7 +25,8 @@ from torch import nn
 
 from dro_ext import _backend
 from dro_ext._divergences import (
-    Spec, accumulate_dtype, as_eta, check_dense, check_divergence, check_positive, fallback_dtype, real_number,
+    Divergence, Spec, accumulate_dtype, as_eta, check_dense, check_divergence, check_positive, fallback_dtype,
+    real_number,
 )
 from dro_ext._divergences import penalized_value as _penalized_value_torch
 from dro_ext._divergences import psi_star as _psi_star_torch
@@ -206,8 +207,10 @@ def _fallback_dro_cross_entropy(logits, targets, eta, lam, spec, scale, ignore_i
     return _FallbackCrossEntropy.apply(logits, targets, eta, lam, spec, scale, ignore_index, label_smoothing)
 
 
-def dro_cross_entropy(logits, targets, eta, lam, divergence="chi2", *, alpha=None, k=None, scale=1.0,
-                      ignore_index=-100, label_smoothing=0.0, groups=None, num_groups=None) -> torch.Tensor:
+def dro_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, eta: torch.Tensor | float, lam: float,
+                      divergence: Divergence = "chi2", *, alpha: float | None = None, k: float | None = None,
+                      scale: float = 1.0, ignore_index: int = -100, label_smoothing: float = 0.0,
+                      groups: torch.Tensor | None = None, num_groups: int | None = None) -> torch.Tensor:
     """The DRO objective over per-sample cross-entropies, fused from the logits (a 0-d tensor).
 
     ``logits`` has shape (..., C) and ``targets`` (int64) shape (...); l_i is exactly
@@ -470,9 +473,12 @@ def _check_token_groups(groups, num_groups, targets):
     return check_token_groups(groups, num_groups, targets)
 
 
-def dro_linear_cross_entropy(hidden, weight, targets, eta, lam, divergence="chi2", *, bias=None, alpha=None, k=None,
-                             scale=1.0, ignore_index=-100, label_smoothing=0.0, chunk_size=None, groups=None,
-                             num_groups=None) -> torch.Tensor:
+def dro_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                             eta: torch.Tensor | float, lam: float, divergence: Divergence = "chi2", *,
+                             bias: torch.Tensor | None = None, alpha: float | None = None, k: float | None = None,
+                             scale: float = 1.0, ignore_index: int = -100, label_smoothing: float = 0.0,
+                             chunk_size: int | None = None, groups: torch.Tensor | None = None,
+                             num_groups: int | None = None) -> torch.Tensor:
     """:func:`dro_cross_entropy` of ``logits = hidden @ weight.T (+ bias)``, never holding more than a chunk of them.
 
     ``hidden`` (..., H), ``weight`` (V, H), ``bias`` (V,) or None, ``targets`` (...) int64. Rows are processed
@@ -547,8 +553,9 @@ class DROCrossEntropyLoss(_DROCrossEntropyBase):
     With ``num_groups=G``: ``forward(logits, targets, groups)``, the objective over groups of tokens (``groups`` one
     id per token or per sequence), as :class:`dro_ext.DROLoss` takes ``groups`` with ``num_groups``."""
 
-    def __init__(self, divergence="chi2", lam=0.1, *, alpha=None, k=None, scale=1.0, eta_init=0.0,
-                 ignore_index=-100, label_smoothing=0.0, num_groups=None):
+    def __init__(self, divergence: Divergence = "chi2", lam: float = 0.1, *, alpha: float | None = None,
+                 k: float | None = None, scale: float = 1.0, eta_init: float = 0.0, ignore_index: int = -100,
+                 label_smoothing: float = 0.0, num_groups: int | None = None) -> None:
         super().__init__(divergence, lam, alpha, k, scale, eta_init, ignore_index, label_smoothing, num_groups)
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
@@ -561,11 +568,13 @@ class DROLinearCrossEntropyLoss(_DROCrossEntropyBase):
     ``eta``: the LM head's loss without materializing the logits. With ``num_groups=G``: ``forward(hidden, weight,
     targets, bias=None, groups=...)``, the objective over groups of tokens."""
 
-    def __init__(self, divergence="chi2", lam=0.1, *, alpha=None, k=None, scale=1.0, eta_init=0.0,
-                 ignore_index=-100, label_smoothing=0.0, chunk_size=None, num_groups=None):
+    def __init__(self, divergence: Divergence = "chi2", lam: float = 0.1, *, alpha: float | None = None,
+                 k: float | None = None, scale: float = 1.0, eta_init: float = 0.0, ignore_index: int = -100,
+                 label_smoothing: float = 0.0, chunk_size: int | None = None, num_groups: int | None = None) -> None:
         super().__init__(divergence, lam, alpha, k, scale, eta_init, ignore_index, label_smoothing, num_groups)
         self.chunk_size = chunk_size
 
-    def forward(self, hidden, weight, targets, bias=None, groups=None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                bias: torch.Tensor | None = None, groups: torch.Tensor | None = None) -> torch.Tensor:
         return dro_linear_cross_entropy(hidden, weight, targets, self.eta, self.lam, self.divergence, bias=bias,
                                         chunk_size=self.chunk_size, groups=groups, **self._kwargs())

@@ -246,7 +246,8 @@ _linear_row_losses.register_autograd(_linear_row_losses_backward, setup_context=
 # ---------------------------------------------------------------------------------------------------
 
 
-def cross_entropy_losses(logits, targets, *, ignore_index=-100, label_smoothing=0.0) -> torch.Tensor:
+def cross_entropy_losses(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
+                         label_smoothing: float = 0.0) -> torch.Tensor:
     """``F.cross_entropy(logits, targets, reduction="none", ignore_index=..., label_smoothing=...)`` with the classes
     in the LAST dimension: logits (..., C), targets (...) int64, the result of the targets' shape, 0 where the target
     is ``ignore_index``, in the accumulate dtype (float32 for half/bfloat16 logits, as the sums that consume it).
@@ -280,8 +281,9 @@ def _cross_entropy_row_losses_checked(x, y, ignore_index, label_smoothing):
     return _cross_entropy_row_losses(x, y, ignore_index, label_smoothing, native)[0]
 
 
-def linear_cross_entropy_losses(hidden, weight, targets, *, bias=None, ignore_index=-100, label_smoothing=0.0,
-                                chunk_size=None) -> torch.Tensor:
+def linear_cross_entropy_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                                bias: torch.Tensor | None = None, ignore_index: int = -100,
+                                label_smoothing: float = 0.0, chunk_size: int | None = None) -> torch.Tensor:
     """:func:`cross_entropy_losses` of ``logits = hidden @ weight.T (+ bias)``, never holding more than a chunk of
     them (``chunk_size`` rows; default :func:`dro_ext.cross_entropy.default_chunk_size`).
 
