@@ -30,7 +30,8 @@ def largest_cpu_allocation(fn) -> int:
     return max((event.self_cpu_memory_usage for event in prof.events()), default=0)
 
 
-def test_hf_trainer_recipe_trains_eta_and_never_forms_the_logits(tmp_path):
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["tokens", "sequences"])
+def test_hf_trainer_recipe_trains_eta_and_never_forms_the_logits(tmp_path, per_sequence):
     pytest.importorskip("transformers", reason="the examples extra: pip install 'dro_ext[examples]'")
     recipe = load_example("hf_trainer")
     # The batch's logits (256 x 2048 floats, 2 MiB) outsize every weight and gradient (at most 2048 x 64: 0.5 MiB).
@@ -49,7 +50,8 @@ def test_hf_trainer_recipe_trains_eta_and_never_forms_the_logits(tmp_path):
 
     def run():
         result["trainer"], result["losses"] = recipe.train(steps=12, chunk_size=chunk, output_dir=str(tmp_path),
-                                                           batch_size=batch, length=length, vocab=vocab)
+                                                           batch_size=batch, length=length, vocab=vocab,
+                                                           per_sequence=per_sequence)
 
     largest = largest_cpu_allocation(run)
     trainer, losses = result["trainer"], result["losses"]
@@ -58,6 +60,7 @@ def test_hf_trainer_recipe_trains_eta_and_never_forms_the_logits(tmp_path):
     eta = trainer.model.dro_loss.eta
     assert any(p is eta for p in trainer.model.parameters()) and eta.item() != 0.0  # trained with the model
     assert "dro_loss.eta" in trainer.model.state_dict()
+    assert trainer.model.dro_loss.num_groups == (batch if per_sequence else None)
     assert head_calls == []  # the LM head module never ran: its weight went to the fused loss
     # One chunk of float32 logits is chunk x vocab; the whole batch's would be tokens x vocab.
     assert chunk * vocab * 4 <= largest < tokens * vocab * 4, largest
