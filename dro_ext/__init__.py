@@ -8,6 +8,7 @@ from dro_ext._backend import backend
 from dro_ext.cross_entropy import (
     DROCrossEntropyLoss, DROLinearCrossEntropyLoss, dro_cross_entropy, dro_linear_cross_entropy,
 )
+from dro_ext.group_evaluation import GroupEvaluation
 from dro_ext.groups import GroupDROLoss, group_dro_loss
 from dro_ext.loss import DROLoss
 from dro_ext.ops import DIVERGENCES, dro_loss, dro_weights, psi_star
@@ -15,7 +16,7 @@ from dro_ext.optim import NormalizedSGD
 from dro_ext.robust import evaluate, robust_objective, weight_stats, worst_case_weights
 
 __all__ = [
-    "DIVERGENCES", "DROCrossEntropyLoss", "DROLinearCrossEntropyLoss", "DROLoss", "GroupDROLoss", "NormalizedSGD",
+    "DIVERGENCES", "DROCrossEntropyLoss", "DROLinearCrossEntropyLoss", "DROLoss", "GroupDROLoss", "GroupEvaluation", "NormalizedSGD",
     "backend", "dro_cross_entropy", "dro_linear_cross_entropy", "dro_loss", "dro_weights", "evaluate",
     "group_dro_loss", "psi_star", "robust_objective", "weight_stats", "worst_case_weights",
 ]

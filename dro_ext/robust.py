@@ -25,6 +25,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from dro_ext import _backend, _solver
+from dro_ext import group_evaluation as _group_evaluation
 from dro_ext._divergences import (
     Spec,
     accumulate_dtype,
@@ -33,6 +34,7 @@ from dro_ext._divergences import (
     check_positive,
     fixed_order_sum,
 )
+from dro_ext.groups import check_groups, check_num_groups
 from dro_ext.ops import dro_weights
 
 __all__ = ["WeightStats", "evaluate", "robust_objective", "weight_stats", "worst_case_weights"]
@@ -109,7 +111,8 @@ class _RobustObjective(torch.autograd.Function):
 
 
 def robust_objective(
-    losses, lam, divergence="chi2", *, alpha=None, k=None, group=None
+    losses, lam, divergence="chi2", *, alpha=None, k=None, group=None, groups=None, num_groups=None,
+    weighting="batch", group_counts=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The robust objective ``Psi = min_eta mean_i lam*psi*((l_i - eta)/lam) + eta`` and its minimizer.
 
@@ -125,30 +128,47 @@ def robust_objective(
 
     ``group`` (a torch.distributed process group): ``losses`` is this rank's share, and every rank gets
     the answer on the losses of all the ranks concatenated, from all-reduces (dro_ext.distributed).
+
+    ``groups`` (int64 or int32 ids in ``[0, num_groups)``, the shape of ``losses``) with ``num_groups``: ``Psi``
+    over the group means instead, ``min_eta eta + lam sum_g p_g psi*((m_g - eta)/lam)`` over the groups present,
+    the minimum of :func:`dro_ext.group_dro_loss` (``weighting`` and ``group_counts`` as it takes them; only
+    ``"batch"`` is implemented); the gradient of ``l_i`` is ``q_{g_i} / n_{g_i}`` (dro_ext.group_evaluation).
     """
-    if group is not None:
+    if group is not None and groups is None and num_groups is None:
         return _distributed().robust_objective(losses, lam, divergence, alpha=alpha, k=k, group=group)
     spec = check_divergence(divergence, alpha, k)
     check_losses(losses)
     lam = check_positive("lam", lam)
+    num_groups = _group_evaluation.check_group_arguments(
+        losses, groups, num_groups, weighting, group_counts, group, "robust_objective")
+    if num_groups is not None:
+        return _group_evaluation.robust_objective(losses, groups, num_groups, lam, spec)
     if _backend.native_for(losses.device.type):
         return torch.ops.dro_ext.robust_objective(losses, lam, spec.name, spec.alpha, spec.k)
     return _RobustObjective.apply(losses, lam, spec)
 
 
-def worst_case_weights(losses, lam, divergence="chi2", *, alpha=None, k=None, group=None) -> torch.Tensor:
+def worst_case_weights(losses, lam, divergence="chi2", *, alpha=None, k=None, group=None, groups=None,
+                       num_groups=None, weighting="batch", group_counts=None) -> torch.Tensor:
     """The worst-case distribution ``q_i = psi*'((l_i - eta*)/lam) / N`` over the samples (sums to one).
 
     For ``cvar`` the samples above ``eta*`` get ``1/(alpha N)`` each and the samples equal to ``eta*``
     share the remaining mass equally (fractional when ``alpha*N`` is not an integer). Shape ``(N,)``,
     dtype of ``losses``; no gradient flows through it. With ``group``, this rank's share of the
     distribution over the losses of every rank (the shares sum to one over the ranks).
+
+    With ``groups`` and ``num_groups`` (as :func:`robust_objective` takes them): the worst-case distribution over
+    the groups instead, ``q_g = p_g psi*'((m_g - eta*)/lam)``, shape ``(num_groups,)``, 0 for an absent group.
     """
-    if group is not None:
+    if group is not None and groups is None and num_groups is None:
         return _distributed().worst_case_weights(losses, lam, divergence, alpha=alpha, k=k, group=group)
     spec = check_divergence(divergence, alpha, k)
     check_losses(losses)
     lam = check_positive("lam", lam)
+    num_groups = _group_evaluation.check_group_arguments(
+        losses, groups, num_groups, weighting, group_counts, group, "worst_case_weights")
+    if num_groups is not None:
+        return _group_evaluation.worst_case_weights(losses, groups, num_groups, lam, spec)
     losses = losses.detach()
     _, eta = robust_objective(losses, lam, spec.name, alpha=spec.alpha, k=spec.k)
     if _backend.native_for(losses.device.type):
@@ -184,6 +204,7 @@ def weight_stats(
     groups=None,
     num_groups=None,
     group=None,
+    over="samples",
 ) -> WeightStats:
     """Effective sample size, max weight, zero fraction and per-group mass of a sample weighting.
 
@@ -195,7 +216,26 @@ def weight_stats(
     with ``groups`` waits for the device once (and once more for ``groups.max()`` without ``num_groups``). One
     pass over the weights in the native op (four small reductions in the fallback); never differentiable.
     ``group`` (a process group): the statistics of the weights (or losses) of every rank together.
+
+    ``over="groups"`` (with ``losses``, ``lam``, ``groups`` and ``num_groups``): the weighting is the one over the
+    group means that :func:`robust_objective` with ``groups`` solves (the worst case, or ``dro_weights`` of the
+    group means at ``eta``), spread over the samples as ``q_{g_i} / n_{g_i}``: the statistics stay those of a
+    distribution over the N samples, and ``group_mass`` is the group distribution ``q`` itself.
     """
+    if over not in ("samples", "groups"):
+        raise ValueError(f"dro_ext: over must be 'samples' or 'groups', got over={over!r}")
+    if over == "groups":
+        if weights is not None or losses is None or lam is None or groups is None or num_groups is None:
+            raise ValueError("dro_ext: weight_stats with over='groups' needs losses, lam, groups and num_groups "
+                             "(and no weights)")
+        spec = check_divergence(divergence, alpha, k)
+        check_losses(losses)
+        lam = check_positive("lam", lam)
+        num_groups = _group_evaluation.check_group_arguments(losses, groups, num_groups, "batch", None, group,
+                                                             "weight_stats")
+        with torch.no_grad():
+            weights = _group_evaluation.sample_weights(losses, groups, num_groups, lam, spec, eta, scale)
+        losses = eta = None
     with torch.no_grad():
         if weights is not None:
             if losses is not None or eta is not None:
@@ -303,7 +343,9 @@ def evaluate(
     device=None,
     progress=True,
     group=None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    groups_fn: Callable[[object], torch.Tensor] | None = None,
+    num_groups=None,
+) -> tuple[torch.Tensor, torch.Tensor] | _group_evaluation.GroupEvaluation:
     """``Psi`` over a whole dataset: ``robust_objective`` of the per-sample losses of every batch.
 
     ``per_sample_loss_fn(model, batch)`` returns the 1-D tensor of per-sample losses of one batch (e.g.
@@ -313,9 +355,28 @@ def evaluate(
     ``(value, eta_star)`` as :func:`robust_objective` does. With ``group``, each rank evaluates its own
     loader (e.g. with a ``DistributedSampler``, which pads with repeated samples unless the dataset
     divides evenly) and every rank gets ``Psi`` over the losses of all the ranks.
+
+    Over groups: ``groups_fn(batch)`` returns the group id of each sample of the (moved) batch, an int64 or int32
+    tensor shaped as the losses (e.g. ``lambda b: b[2]`` for a loader of ``(x, y, group)``), with ``num_groups``.
+    The group ids come from the data, so the per-sample loss function stays the one of the sample-level call.
+    Then ``Psi`` is :func:`robust_objective` over the group means (batch weighting) and the result is a
+    :class:`dro_ext.GroupEvaluation`: ``(value, eta_star, group_loss, group_count, worst_group,
+    worst_group_loss)``, each group's mean loss (NaN where a group has no sample) and the worst group's.
     """
     spec = check_divergence(divergence, alpha, k)
     lam = check_positive("lam", lam)
+    if (groups_fn is None) != (num_groups is None):
+        given, missing = ("groups_fn", "num_groups") if num_groups is None else ("num_groups", "groups_fn")
+        raise ValueError(f"dro_ext.evaluate: {given} was given without {missing}; over groups pass both")
+    if num_groups is not None:
+        if not callable(groups_fn):
+            raise TypeError(f"dro_ext.evaluate: groups_fn must be callable (batch -> group ids), got "
+                            f"{type(groups_fn).__name__}")
+        if group is not None:
+            raise NotImplementedError("dro_ext.evaluate: groups_fn with group= (a process group) is not "
+                                      "implemented; evaluate over groups on one process, or pass group=None")
+        num_groups = check_num_groups(num_groups)
+    group_chunks = []
     modes = [(module, module.training) for module in model.modules()]
     chunks = []
     try:
@@ -331,6 +392,9 @@ def evaluate(
                         f"dro_ext: per_sample_loss_fn must return a 1-D tensor of per-sample losses, got {shape}"
                     )
                 chunks.append(losses.detach())
+                if groups_fn is not None:
+                    group_chunks.append(groups_fn(batch))
+                    check_groups(group_chunks[-1], losses)
     finally:
         for module, training in modes:
             module.training = training
@@ -338,4 +402,6 @@ def evaluate(
         if group is None:
             raise ValueError("dro_ext: evaluate got an empty loader (no losses to evaluate)")
         chunks.append(torch.empty(0, device=device))  # this rank holds none; the others may
+    if groups_fn is not None:
+        return _group_evaluation.report(torch.cat(chunks), torch.cat(group_chunks), num_groups, lam, spec)
     return robust_objective(torch.cat(chunks), lam, spec.name, alpha=spec.alpha, k=spec.k, group=group)

@@ -1,0 +1,125 @@
+"""The exact robust objective over groups: what :func:`dro_ext.robust_objective`, :func:`dro_ext.worst_case_weights`,
+:func:`dro_ext.weight_stats` and :func:`dro_ext.evaluate` compute when given ``groups`` and ``num_groups``
+(docs/design.md section 1.9).
+
+With ``m_g`` the mean loss of group g and ``p_g`` its weight over the groups present in the batch (renormalized),
+
+    Psi = min over eta of  eta + lam sum_g p_g psi*((m_g - eta)/lam),
+
+the minimum of :func:`dro_ext.group_dro_loss`'s objective (scale 1), and the worst-case group distribution is
+``q_g = p_g psi*'((m_g - eta*)/lam)`` (0 for an absent group).
+
+For ``weighting="batch"`` (``p_g = n_g / N``) the sum over the groups is a sum over the samples,
+``sum_g (n_g/N) f(m_g) = (1/N) sum_i f(m_{g_i})``: the group objective is the sample-level objective of the
+N-vector ``m[groups]`` (each sample's group mean), exactly, so the sample-level solver of either backend serves
+unchanged and the group distribution is the sample-level one summed within each group (``q_g = n_g q_i``, i in g;
+for cvar the boundary mass is shared in proportion to ``n_g``, as ``p_g`` shares it). The value is differentiable to
+the losses through the group means: the gradient of ``l_i`` is ``q_{g_i} / n_{g_i}`` (Danskin).
+
+"population" and tensor weightings need a solver over weighted points, which this module does not have yet: they
+raise NotImplementedError. So does ``group=`` (a process group).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from dro_ext._divergences import accumulate_dtype, check_losses
+from dro_ext.groups import _group_sums, _group_weights, check_groups, check_num_groups
+
+__all__ = ["GroupEvaluation"]
+
+
+class GroupEvaluation(NamedTuple):
+    """What :func:`dro_ext.evaluate` returns when given ``num_groups`` (the report Group DRO papers give)."""
+
+    value: torch.Tensor             # Psi over the group means (0-d, dtype of the losses)
+    eta_star: torch.Tensor          # its minimizer (0-d, accumulate dtype)
+    group_loss: torch.Tensor        # (num_groups,) mean loss of each group; NaN for a group without samples
+    group_count: torch.Tensor       # (num_groups,) int64 number of samples of each group
+    worst_group: torch.Tensor       # 0-d int64: the group of the largest mean loss (the lowest id among ties)
+    worst_group_loss: torch.Tensor  # 0-d: that group's mean loss, max over the groups present
+
+
+def check_group_arguments(losses, groups, num_groups, weighting, group_counts, group, where: str) -> int | None:
+    """None when neither groups nor num_groups is given (the sample-level call); else the checked num_groups.
+
+    Raises for one of the pair without the other, for a weighting this module cannot solve yet and for group=."""
+    if groups is None and num_groups is None:
+        if not (isinstance(weighting, str) and weighting == "batch") or group_counts is not None:
+            raise ValueError(f"dro_ext.{where}: weighting and group_counts apply over groups; pass groups and "
+                             f"num_groups with them")
+        return None
+    if groups is None:
+        raise ValueError(f"dro_ext.{where}: num_groups={num_groups!r} was given without groups; pass groups (the "
+                         f"group id of each loss) too")
+    if num_groups is None:
+        raise ValueError(f"dro_ext.{where}: groups was given without num_groups; pass num_groups (the number of "
+                         f"groups, ids in [0, num_groups))")
+    num_groups = check_num_groups(num_groups)
+    check_groups(groups, losses)
+    weights = _group_weights(weighting, group_counts, num_groups, losses.device)  # validates weighting
+    if weights is not None:
+        raise NotImplementedError(f"dro_ext.{where}: over groups only weighting='batch' is implemented (the "
+                                  f"exact solve over weighted group means is not), got weighting="
+                                  f"{'a tensor' if isinstance(weighting, torch.Tensor) else repr(weighting)}")
+    if group is not None:
+        raise NotImplementedError(f"dro_ext.{where}: groups with group= (a process group) is not implemented; "
+                                  f"evaluate over groups on one process, or pass group=None")
+    return num_groups
+
+
+def sample_group_means(losses: torch.Tensor, groups: torch.Tensor, num_groups: int):
+    """(x, sums, counts): x = m[groups], each sample's group mean, in the accumulate dtype (float32 for half
+    losses, so the means are not rounded to half before the solve); differentiable to the losses."""
+    sums, counts = _group_sums(losses, groups, num_groups)
+    means = sums / torch.clamp(counts, min=1.0)
+    return means[groups.long()], sums, counts
+
+
+def robust_objective(losses, groups, num_groups, lam, spec):
+    """(Psi, eta*) over the group means; Psi in the dtype of losses, eta* in its accumulate dtype."""
+    from dro_ext import robust
+
+    check_losses(losses)
+    x, _, _ = sample_group_means(losses, groups, num_groups)
+    value, eta = robust.robust_objective(x, lam, spec.name, alpha=spec.alpha, k=spec.k)
+    return value.to(losses.dtype), eta
+
+
+def worst_case_weights(losses, groups, num_groups, lam, spec) -> torch.Tensor:
+    """q over the num_groups groups (0 for an absent group, sums to one), in the dtype of losses; no gradient."""
+    check_losses(losses)
+    q_samples = sample_weights(losses.detach(), groups, num_groups, lam, spec)
+    q, _ = _group_sums(q_samples, groups, num_groups)
+    return q.to(losses.dtype)
+
+
+def sample_weights(losses, groups, num_groups, lam, spec, eta=None, scale=1.0) -> torch.Tensor:
+    """The distribution over the samples that the group distribution induces, q_{g_i} / n_{g_i} (accumulate
+    dtype): the worst case when eta is None, else the dro_weights of the group means at eta."""
+    from dro_ext import robust
+    from dro_ext.ops import dro_weights
+
+    x, _, _ = sample_group_means(losses.detach(), groups, num_groups)
+    if eta is None:
+        return robust.worst_case_weights(x, lam, spec.name, alpha=spec.alpha, k=spec.k)
+    return dro_weights(x, eta, lam, spec.name, alpha=spec.alpha, k=spec.k, scale=scale)
+
+
+def report(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam, spec) -> GroupEvaluation:
+    """Psi over the group means with each group's mean loss and the worst group's, for dro_ext.evaluate."""
+    check_losses(losses)
+    x, sums, counts = sample_group_means(losses, groups, num_groups)
+    from dro_ext import robust
+
+    value, eta = robust.robust_objective(x, lam, spec.name, alpha=spec.alpha, k=spec.k)
+    present = counts > 0
+    means = sums / torch.clamp(counts, min=1.0)
+    # argmax over the present groups: an absent group ranks below every present one, NaN means included.
+    ranked = torch.where(present, means, -torch.inf)
+    worst = torch.argmax(torch.where(torch.isnan(ranked), torch.inf, ranked))
+    dtype = losses.dtype
+    group_loss = torch.where(present, means, torch.nan).to(dtype)
+    return GroupEvaluation(value.to(dtype), eta, group_loss, counts.to(torch.int64), worst, group_loss[worst])
