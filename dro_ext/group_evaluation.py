@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from dro_ext._divergences import accumulate_dtype, check_losses
+from dro_ext._divergences import check_losses, fixed_order_sum
 from dro_ext.groups import _group_sums, _group_weights, check_groups, check_num_groups
 
 __all__ = ["GroupEvaluation"]
@@ -93,7 +93,8 @@ def worst_case_weights(losses, groups, num_groups, lam, spec) -> torch.Tensor:
     check_losses(losses)
     q_samples = sample_weights(losses.detach(), groups, num_groups, lam, spec)
     q, _ = _group_sums(q_samples, groups, num_groups)
-    return q.to(losses.dtype)
+    # Renormalized over the G groups: exactly one for a single group, whatever the roundings of N terms.
+    return (q / fixed_order_sum(q)).to(losses.dtype)
 
 
 def sample_weights(losses, groups, num_groups, lam, spec, eta=None, scale=1.0) -> torch.Tensor:
