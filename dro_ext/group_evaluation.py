@@ -16,15 +16,18 @@ unchanged and the group distribution is the sample-level one summed within each 
 for cvar the boundary mass is shared in proportion to ``n_g``, as ``p_g`` shares it). The value is differentiable to
 the losses through the group means: the gradient of ``l_i`` is ``q_{g_i} / n_{g_i}`` (Danskin).
 
-"population" and tensor weightings need a solver over weighted points, which this module does not have yet: they
-raise NotImplementedError. So does ``group=`` (a process group).
+"population" and tensor weightings solve over the G group means with the weights ``p_g`` (dro_ext._solver's
+per-point weights), in float64 on either backend (the native solver takes no weights), the value still
+differentiable through the group means. ``group=`` (a process group) raises NotImplementedError.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
+from dro_ext import _solver
 from dro_ext._divergences import check_losses, fixed_order_sum
 from dro_ext.groups import _group_sums, _group_weights, check_groups, check_num_groups
 
@@ -42,15 +45,16 @@ class GroupEvaluation(NamedTuple):
     worst_group_loss: torch.Tensor  # 0-d: that group's mean loss, max over the groups present
 
 
-def check_group_arguments(losses, groups, num_groups, weighting, group_counts, group, where: str) -> int | None:
-    """None when neither groups nor num_groups is given (the sample-level call); else the checked num_groups.
+def check_group_arguments(losses, groups, num_groups, weighting, group_counts, group, where: str):
+    """(None, None) when neither groups nor num_groups is given (the sample-level call); else the checked
+    num_groups and the unnormalized group weights (None for "batch", else float64 (G,) on the losses' device).
 
-    Raises for one of the pair without the other, for a weighting this module cannot solve yet and for group=."""
+    Raises for one of the pair without the other, for a bad weighting and for group=."""
     if groups is None and num_groups is None:
         if not (isinstance(weighting, str) and weighting == "batch") or group_counts is not None:
             raise ValueError(f"dro_ext.{where}: weighting and group_counts apply over groups; pass groups and "
                              f"num_groups with them")
-        return None
+        return None, None
     if groups is None:
         raise ValueError(f"dro_ext.{where}: num_groups={num_groups!r} was given without groups; pass groups (the "
                          f"group id of each loss) too")
@@ -59,15 +63,11 @@ def check_group_arguments(losses, groups, num_groups, weighting, group_counts, g
                          f"groups, ids in [0, num_groups))")
     num_groups = check_num_groups(num_groups)
     check_groups(groups, losses)
-    weights = _group_weights(weighting, group_counts, num_groups, losses.device)  # validates weighting
-    if weights is not None:
-        raise NotImplementedError(f"dro_ext.{where}: over groups only weighting='batch' is implemented (the "
-                                  f"exact solve over weighted group means is not), got weighting="
-                                  f"{'a tensor' if isinstance(weighting, torch.Tensor) else repr(weighting)}")
+    weights = _group_weights(weighting, group_counts, num_groups, losses.device)
     if group is not None:
         raise NotImplementedError(f"dro_ext.{where}: groups with group= (a process group) is not implemented; "
                                   f"evaluate over groups on one process, or pass group=None")
-    return num_groups
+    return num_groups, weights
 
 
 def sample_group_means(losses: torch.Tensor, groups: torch.Tensor, num_groups: int):
@@ -78,19 +78,55 @@ def sample_group_means(losses: torch.Tensor, groups: torch.Tensor, num_groups: i
     return means[groups.long()], sums, counts
 
 
-def robust_objective(losses, groups, num_groups, lam, spec):
+class _WeightedGroupObjective(torch.autograd.Function):
+    """(Psi, eta*) of the group means m (G,) under the group weights p (G,), over the groups present."""
+
+    @staticmethod
+    def forward(ctx, means, present, p, lam, spec):
+        x, w = means.detach().to(torch.float64)[present], p.to(torch.float64)[present]
+        acc = means.dtype
+        if x.numel() == 0 or not bool(w.sum() > 0):
+            # No weight on any present group: p renormalized over them is 0/0, as group_dro_loss gives it.
+            solution, q = _solver.Solution(math.nan, math.nan, 0), torch.full_like(x, math.nan)
+        else:
+            solution = _solver.solve(x, lam, spec, w=w)
+            eta = torch.tensor(solution.eta, dtype=torch.float64, device=x.device)
+            q = _solver.weights(x, eta, solution.n, lam, spec, w=w)
+        q_groups = torch.zeros(means.shape, dtype=torch.float64, device=means.device).masked_scatter(present, q)
+        ctx.save_for_backward(q_groups)
+        ctx.mark_non_differentiable(q_groups)
+        value = torch.tensor(solution.value, dtype=acc, device=means.device)
+        return value, torch.tensor(solution.eta, dtype=acc, device=means.device), q_groups
+
+    @staticmethod
+    def backward(ctx, grad_value, _grad_eta, _grad_q):
+        (q_groups,) = ctx.saved_tensors
+        return (q_groups * grad_value.to(torch.float64)).to(grad_value.dtype), None, None, None, None
+
+
+def _weighted(losses, groups, num_groups, lam, spec, weights):
+    sums, counts = _group_sums(losses, groups, num_groups)
+    return _WeightedGroupObjective.apply(sums / torch.clamp(counts, min=1.0), counts > 0, weights, lam, spec)
+
+
+def robust_objective(losses, groups, num_groups, lam, spec, weights=None):
     """(Psi, eta*) over the group means; Psi in the dtype of losses, eta* in its accumulate dtype."""
     from dro_ext import robust
 
     check_losses(losses)
+    if weights is not None:
+        value, eta, _ = _weighted(losses, groups, num_groups, lam, spec, weights)
+        return value.to(losses.dtype), eta
     x, _, _ = sample_group_means(losses, groups, num_groups)
     value, eta = robust.robust_objective(x, lam, spec.name, alpha=spec.alpha, k=spec.k)
     return value.to(losses.dtype), eta
 
 
-def worst_case_weights(losses, groups, num_groups, lam, spec) -> torch.Tensor:
+def worst_case_weights(losses, groups, num_groups, lam, spec, weights=None) -> torch.Tensor:
     """q over the num_groups groups (0 for an absent group, sums to one), in the dtype of losses; no gradient."""
     check_losses(losses)
+    if weights is not None:
+        return _weighted(losses.detach(), groups, num_groups, lam, spec, weights)[2].to(losses.dtype)
     q_samples = sample_weights(losses.detach(), groups, num_groups, lam, spec)
     q, _ = _group_sums(q_samples, groups, num_groups)
     # Renormalized over the G groups: exactly one for a single group, whatever the roundings of N terms.

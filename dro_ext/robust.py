@@ -131,18 +131,18 @@ def robust_objective(
 
     ``groups`` (int64 or int32 ids in ``[0, num_groups)``, the shape of ``losses``) with ``num_groups``: ``Psi``
     over the group means instead, ``min_eta eta + lam sum_g p_g psi*((m_g - eta)/lam)`` over the groups present,
-    the minimum of :func:`dro_ext.group_dro_loss` (``weighting`` and ``group_counts`` as it takes them; only
-    ``"batch"`` is implemented); the gradient of ``l_i`` is ``q_{g_i} / n_{g_i}`` (dro_ext.group_evaluation).
+    the minimum of :func:`dro_ext.group_dro_loss` (``weighting`` and ``group_counts`` as it takes them:
+    ``"batch"`` by the backend's solver, the others by the PyTorch solver in float64); the gradient of ``l_i`` is ``q_{g_i} / n_{g_i}`` (dro_ext.group_evaluation).
     """
     if group is not None and groups is None and num_groups is None:
         return _distributed().robust_objective(losses, lam, divergence, alpha=alpha, k=k, group=group)
     spec = check_divergence(divergence, alpha, k)
     check_losses(losses)
     lam = check_positive("lam", lam)
-    num_groups = _group_evaluation.check_group_arguments(
+    num_groups, group_weights = _group_evaluation.check_group_arguments(
         losses, groups, num_groups, weighting, group_counts, group, "robust_objective")
     if num_groups is not None:
-        return _group_evaluation.robust_objective(losses, groups, num_groups, lam, spec)
+        return _group_evaluation.robust_objective(losses, groups, num_groups, lam, spec, group_weights)
     if _backend.native_for(losses.device.type):
         return torch.ops.dro_ext.robust_objective(losses, lam, spec.name, spec.alpha, spec.k)
     return _RobustObjective.apply(losses, lam, spec)
@@ -165,10 +165,10 @@ def worst_case_weights(losses, lam, divergence="chi2", *, alpha=None, k=None, gr
     spec = check_divergence(divergence, alpha, k)
     check_losses(losses)
     lam = check_positive("lam", lam)
-    num_groups = _group_evaluation.check_group_arguments(
+    num_groups, group_weights = _group_evaluation.check_group_arguments(
         losses, groups, num_groups, weighting, group_counts, group, "worst_case_weights")
     if num_groups is not None:
-        return _group_evaluation.worst_case_weights(losses, groups, num_groups, lam, spec)
+        return _group_evaluation.worst_case_weights(losses, groups, num_groups, lam, spec, group_weights)
     losses = losses.detach()
     _, eta = robust_objective(losses, lam, spec.name, alpha=spec.alpha, k=spec.k)
     if _backend.native_for(losses.device.type):
@@ -231,8 +231,8 @@ def weight_stats(
         spec = check_divergence(divergence, alpha, k)
         check_losses(losses)
         lam = check_positive("lam", lam)
-        num_groups = _group_evaluation.check_group_arguments(losses, groups, num_groups, "batch", None, group,
-                                                             "weight_stats")
+        num_groups, _ = _group_evaluation.check_group_arguments(losses, groups, num_groups, "batch", None, group,
+                                                                "weight_stats")
         with torch.no_grad():
             weights = _group_evaluation.sample_weights(losses, groups, num_groups, lam, spec, eta, scale)
         losses = eta = None

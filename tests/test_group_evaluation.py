@@ -34,13 +34,17 @@ def random_batch(n, num_groups, dtype=torch.float64, absent=()):
 # ---------------------------------------------------------------------------------------------------
 
 
-def ref_means(losses, groups, num_groups):
-    """(m, p) over the present groups only: their mean losses and weights n_g / N, float64 numpy."""
+def ref_means(losses, groups, num_groups, weights=None):
+    """(m, p, present) over the present groups only: their mean losses and weights (n_g, or the given weights,
+    renormalized over them), float64 numpy."""
     l, g = losses.detach().double().cpu().numpy(), groups.cpu().numpy()
     present = [h for h in range(num_groups) if np.any(g == h)]
     m = np.array([l[g == h].mean() for h in present])
-    p = np.array([np.sum(g == h) for h in present], dtype=np.float64) / len(l)
-    return m, p, present
+    if weights is None:
+        p = np.array([np.sum(g == h) for h in present], dtype=np.float64)
+    else:
+        p = np.asarray(weights, dtype=np.float64)[present]
+    return m, p / p.sum(), present
 
 
 def ref_dual(m, p, lam, name, alpha=None, k=None):
@@ -50,9 +54,9 @@ def ref_dual(m, p, lam, name, alpha=None, k=None):
     return f
 
 
-def ref_psi(losses, groups, num_groups, lam, name, alpha=None, k=None):
+def ref_psi(losses, groups, num_groups, lam, name, alpha=None, k=None, weights=None):
     """min over eta in [min m, max m] of the group dual, by a bounded scalar minimization in float64."""
-    m, p, _ = ref_means(losses, groups, num_groups)
+    m, p, _ = ref_means(losses, groups, num_groups, weights)
     f = ref_dual(m, p, lam, name, alpha, k)
     lo, hi = float(m.min()), float(m.max())
     if lo == hi:
@@ -63,9 +67,9 @@ def ref_psi(losses, groups, num_groups, lam, name, alpha=None, k=None):
     return min([res.fun, f(lo), f(hi)] + [f(x) for x in m])
 
 
-def ref_group_weights(losses, groups, num_groups, eta, lam, name, alpha=None, k=None):
+def ref_group_weights(losses, groups, num_groups, eta, lam, name, alpha=None, k=None, weights=None):
     """q_g = p_g psi*'((m_g - eta)/lam) over all num_groups groups (0 for an absent one), float64."""
-    m, p, present = ref_means(losses, groups, num_groups)
+    m, p, present = ref_means(losses, groups, num_groups, weights)
     t = torch.from_numpy((m - eta) / lam).requires_grad_()
     (slope,) = torch.autograd.grad(ref.psi_star(t, name, alpha, k).sum(), t)
     q = np.zeros(num_groups)
@@ -142,6 +146,120 @@ def test_dtypes(backend, name, params, dtype):
     q = dro_ext.worst_case_weights(losses, lam, name, groups=groups, num_groups=7, **kw)
     assert q.dtype == dtype and q.shape == (7,) and q[3] == 0
     torch.testing.assert_close(q.double().sum(), torch.tensor(1.0, dtype=torch.float64), **ref.tolerances(dtype))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Population and tensor weightings: the solver over weighted group means
+# ---------------------------------------------------------------------------------------------------
+
+WEIGHTINGS = {
+    # population counts unlike the batch's; a tensor with a zero weight on a present group and one on an absent one
+    "population": lambda g: dict(weighting="population", group_counts=[3.0, 1.0, 7.0, 2.0, 5.0, 0.5][:g]),
+    "tensor": lambda g: dict(weighting=torch.tensor([0.0, 2.0, 1.0, 0.25, 4.0, 1.5][:g], dtype=torch.float64)),
+}
+
+
+def weighting_vector(options):
+    return options["group_counts"] if options["weighting"] == "population" else options["weighting"].tolist()
+
+
+@pytest.mark.parametrize("weighting", list(WEIGHTINGS))
+@pytest.mark.parametrize("n", [1, 9, 80])
+@pytest.mark.parametrize("lam", [0.1, 1.0])
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_weighted_matches_scalar_minimization(backend, name, params, lam, n, weighting):
+    kw = case_kwargs(params)
+    options = WEIGHTINGS[weighting](6)
+    losses, groups = random_batch(n, 6, absent=(5,))
+    if n == 1:
+        groups[:] = 1  # a present group of positive weight
+    value, eta = dro_ext.robust_objective(losses, lam, name, groups=groups, num_groups=6, **options, **kw)
+    assert value.dtype == torch.float64 and eta.dtype == torch.float64
+    weights = weighting_vector(options)
+    expected = ref_psi(losses, groups, 6, lam, name, **kw, weights=weights)
+    assert abs(value.item() - expected) <= 1e-10 * (1.0 + abs(expected)), (value.item(), expected)
+    m, p, present = ref_means(losses, groups, 6, weights)
+    assert abs(ref_dual(m, p, lam, name, **kw)(eta.item()) - expected) <= 1e-10 * (1.0 + abs(expected))
+    # group_dro_loss's objective at eta* is the minimum
+    at_eta = dro_ext.group_dro_loss(losses, groups, 6, eta, lam, name, **options, **kw)
+    assert abs(at_eta.item() - value.item()) <= 1e-10 * (1.0 + abs(expected))
+    q = dro_ext.worst_case_weights(losses, lam, name, groups=groups, num_groups=6, **options, **kw)
+    assert q.shape == (6,) and q[5] == 0 and bool((q >= 0).all()) and abs(q.sum().item() - 1.0) <= 1e-12
+    if name != "cvar" and n > 1:
+        expected_q = ref_group_weights(losses, groups, 6, eta.item(), lam, name, **kw, weights=weights)
+        np.testing.assert_allclose(q.numpy(), expected_q / expected_q.sum(), rtol=1e-8, atol=1e-12)
+    if name == "cvar":
+        # q_g <= p_g / alpha, and the mass above eta* is taken whole
+        cap = np.zeros(6)
+        cap[present] = p / kw["alpha"]
+        assert bool(np.all(q.numpy() <= cap * (1 + 1e-12) + 1e-15))
+        for mean, g in zip(m, present):
+            if mean > eta.item() * (1 + 1e-14):
+                assert abs(q[g].item() - cap[g]) <= 1e-12
+
+
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_population_at_the_batch_counts_is_the_batch_weighting(backend, name, params):
+    kw = case_kwargs(params)
+    losses, groups = random_batch(70, 5)
+    counts = torch.bincount(groups, minlength=5).double()
+    batch = dro_ext.robust_objective(losses, 0.3, name, groups=groups, num_groups=5, **kw)
+    population = dro_ext.robust_objective(losses, 0.3, name, groups=groups, num_groups=5, weighting="population",
+                                          group_counts=counts, **kw)
+    torch.testing.assert_close(population[0], batch[0], rtol=1e-12, atol=1e-13)
+    if name != "cvar":  # cvar's minimizers form an interval: each solver may return another point of it
+        torch.testing.assert_close(population[1], batch[1], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_weighted_solver_equals_repeated_points(name, params):
+    # Integer weights are repeated points: the solver with w equals the unweighted solver on the repetitions.
+    from dro_ext import _solver
+    from dro_ext._divergences import check_divergence
+
+    spec = check_divergence(name, **case_kwargs(params))
+    x = (torch.randn(9, dtype=torch.float64) * 0.8).exp()
+    w = torch.tensor([1.0, 3.0, 2.0, 1.0, 5.0, 1.0, 2.0, 4.0, 1.0], dtype=torch.float64)
+    got = _solver.solve(x, 0.3, spec, w=w)
+    expected = _solver.solve(x.repeat_interleave(w.long()), 0.3, spec)
+    assert got.n == 20.0 and abs(got.value - expected.value) <= 1e-13 * abs(expected.value)
+    q = _solver.weights(x, torch.tensor(got.eta, dtype=torch.float64), got.n, 0.3, spec, w=w)
+    q_repeated = _solver.weights(x.repeat_interleave(w.long()), torch.tensor(expected.eta, dtype=torch.float64),
+                                 expected.n, 0.3, spec)
+    sums = torch.zeros(9, dtype=torch.float64).index_add(0, torch.arange(9).repeat_interleave(w.long()), q_repeated)
+    torch.testing.assert_close(q, sums, rtol=1e-9, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_weighted_dtypes(backend, name, params, dtype):
+    kw = case_kwargs(params)
+    options = WEIGHTINGS["population"](6)
+    losses, groups = random_batch(64, 6, dtype)
+    value, eta = dro_ext.robust_objective(losses, 0.5, name, groups=groups, num_groups=6, **options, **kw)
+    assert value.dtype == dtype and eta.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    expected = ref_psi(losses.double(), groups, 6, 0.5, name, **kw, weights=options["group_counts"])
+    torch.testing.assert_close(value.double(), torch.tensor(expected, dtype=torch.float64), **ref.tolerances(dtype))
+
+
+@pytest.mark.parametrize("weighting", list(WEIGHTINGS))
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_weighted_gradcheck(backend, name, params, weighting):
+    kw = case_kwargs(params)
+    options = WEIGHTINGS[weighting](4)
+    losses, groups = random_batch(12, 4)
+    losses.requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda l: dro_ext.robust_objective(l, 0.7, name, groups=groups, num_groups=4, **options, **kw)[0],
+        (losses,), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_weighted_without_weight_on_the_present_groups_is_nan(backend):
+    # p renormalized over the present groups is 0/0, as group_dro_loss has it
+    losses, groups = torch.rand(4, dtype=torch.float64), torch.tensor([0, 0, 2, 2])
+    value, eta = dro_ext.robust_objective(losses, 0.3, "kl", groups=groups, num_groups=3,
+                                          weighting=torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64))
+    assert math.isnan(value.item()) and math.isnan(eta.item())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -347,9 +465,10 @@ _G = torch.tensor([0, 1, 1, 2, 0, 2])
     (dict(groups=_G, num_groups=0), ValueError, "num_groups"),
     (dict(groups=_G, num_groups=3.0), TypeError, "num_groups"),
     (dict(groups=[0, 1, 1, 2, 0, 2], num_groups=3), TypeError, "groups"),
-    (dict(groups=_G, num_groups=3, weighting="population", group_counts=[1, 2, 3]), NotImplementedError,
-     "weighting"),
-    (dict(groups=_G, num_groups=3, weighting=torch.ones(3)), NotImplementedError, "weighting"),
+    (dict(groups=_G, num_groups=3, weighting="population"), ValueError, "group_counts"),
+    (dict(groups=_G, num_groups=3, weighting="population", group_counts=[1, 0, 3]), ValueError, "group_counts"),
+    (dict(groups=_G, num_groups=3, weighting=torch.ones(4)), ValueError, "weighting"),
+    (dict(groups=_G, num_groups=3, group_counts=[1, 2, 3]), ValueError, "group_counts"),
     (dict(groups=_G, num_groups=3, weighting="uniform"), ValueError, "weighting"),
     (dict(weighting="population"), ValueError, "groups"),
     (dict(groups=_G, num_groups=3, group=object()), NotImplementedError, "group="),
