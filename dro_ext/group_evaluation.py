@@ -145,13 +145,11 @@ def sample_weights(losses, groups, num_groups, lam, spec, eta=None, scale=1.0) -
     return dro_weights(x, eta, lam, spec.name, alpha=spec.alpha, k=spec.k, scale=scale)
 
 
-def report(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam, spec) -> GroupEvaluation:
+def report(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam, spec,
+           weights=None) -> GroupEvaluation:
     """Psi over the group means with each group's mean loss and the worst group's, for dro_ext.evaluate."""
-    check_losses(losses)
-    x, sums, counts = sample_group_means(losses, groups, num_groups)
-    from dro_ext import robust
-
-    value, eta = robust.robust_objective(x, lam, spec.name, alpha=spec.alpha, k=spec.k)
+    value, eta = robust_objective(losses, groups, num_groups, lam, spec, weights)
+    sums, counts = _group_sums(losses, groups, num_groups)
     present = counts > 0
     means = sums / torch.clamp(counts, min=1.0)
     # argmax over the present groups: an absent group ranks below every present one, NaN means included.
@@ -159,4 +157,4 @@ def report(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam, spe
     worst = torch.argmax(torch.where(torch.isnan(ranked), torch.inf, ranked))
     dtype = losses.dtype
     group_loss = torch.where(present, means, torch.nan).to(dtype)
-    return GroupEvaluation(value.to(dtype), eta, group_loss, counts.to(torch.int64), worst, group_loss[worst])
+    return GroupEvaluation(value, eta, group_loss, counts.to(torch.int64), worst, group_loss[worst])

@@ -132,7 +132,8 @@ def robust_objective(
     ``groups`` (int64 or int32 ids in ``[0, num_groups)``, the shape of ``losses``) with ``num_groups``: ``Psi``
     over the group means instead, ``min_eta eta + lam sum_g p_g psi*((m_g - eta)/lam)`` over the groups present,
     the minimum of :func:`dro_ext.group_dro_loss` (``weighting`` and ``group_counts`` as it takes them:
-    ``"batch"`` by the backend's solver, the others by the PyTorch solver in float64); the gradient of ``l_i`` is ``q_{g_i} / n_{g_i}`` (dro_ext.group_evaluation).
+    ``"batch"`` by the backend's solver, the others by the PyTorch solver in float64); the gradient of ``l_i``
+    is ``q_{g_i} / n_{g_i}`` (dro_ext.group_evaluation). ``group=`` with groups raises NotImplementedError.
     """
     if group is not None and groups is None and num_groups is None:
         return _distributed().robust_objective(losses, lam, divergence, alpha=alpha, k=k, group=group)
@@ -345,6 +346,8 @@ def evaluate(
     group=None,
     groups_fn: Callable[[object], torch.Tensor] | None = None,
     num_groups=None,
+    weighting="batch",
+    group_counts=None,
 ) -> tuple[torch.Tensor, torch.Tensor] | _group_evaluation.GroupEvaluation:
     """``Psi`` over a whole dataset: ``robust_objective`` of the per-sample losses of every batch.
 
@@ -359,7 +362,8 @@ def evaluate(
     Over groups: ``groups_fn(batch)`` returns the group id of each sample of the (moved) batch, an int64 or int32
     tensor shaped as the losses (e.g. ``lambda b: b[2]`` for a loader of ``(x, y, group)``), with ``num_groups``.
     The group ids come from the data, so the per-sample loss function stays the one of the sample-level call.
-    Then ``Psi`` is :func:`robust_objective` over the group means (batch weighting) and the result is a
+    Then ``Psi`` is :func:`robust_objective` over the group means (``weighting``, ``group_counts`` as it takes
+    them) and the result is a
     :class:`dro_ext.GroupEvaluation`: ``(value, eta_star, group_loss, group_count, worst_group,
     worst_group_loss)``, each group's mean loss (NaN where a group has no sample) and the worst group's.
     """
@@ -376,6 +380,9 @@ def evaluate(
             raise NotImplementedError("dro_ext.evaluate: groups_fn with group= (a process group) is not "
                                       "implemented; evaluate over groups on one process, or pass group=None")
         num_groups = check_num_groups(num_groups)
+    elif not (isinstance(weighting, str) and weighting == "batch") or group_counts is not None:
+        raise ValueError("dro_ext.evaluate: weighting and group_counts apply over groups; pass groups_fn and "
+                         "num_groups with them")
     group_chunks = []
     modes = [(module, module.training) for module in model.modules()]
     chunks = []
@@ -403,5 +410,8 @@ def evaluate(
             raise ValueError("dro_ext: evaluate got an empty loader (no losses to evaluate)")
         chunks.append(torch.empty(0, device=device))  # this rank holds none; the others may
     if groups_fn is not None:
-        return _group_evaluation.report(torch.cat(chunks), torch.cat(group_chunks), num_groups, lam, spec)
+        losses, groups = torch.cat(chunks), torch.cat(group_chunks)
+        _, weights = _group_evaluation.check_group_arguments(losses, groups, num_groups, weighting, group_counts,
+                                                             group, "evaluate")
+        return _group_evaluation.report(losses, groups, num_groups, lam, spec, weights)
     return robust_objective(torch.cat(chunks), lam, spec.name, alpha=spec.alpha, k=spec.k, group=group)

@@ -506,3 +506,19 @@ def test_evaluate_bad_inputs():
         dro_ext.evaluate(model, loader, loss, 0.3, groups_fn=lambda b: b[1][:3], num_groups=2, progress=False)
     with pytest.raises(IndexError, match="groups"):
         dro_ext.evaluate(model, loader, loss, 0.3, groups_fn=lambda b: b[1], num_groups=1, progress=False)
+
+
+def test_evaluate_population_weighting():
+    model = torch.nn.Identity()
+    losses, groups = random_batch(30, 4)
+    loader = [(losses[:16], groups[:16]), (losses[16:], groups[16:])]
+    options = dict(weighting="population", group_counts=[5.0, 1.0, 2.0, 9.0])
+    result = dro_ext.evaluate(model, loader, lambda m, b: m(b[0]), 0.3, "kl", groups_fn=lambda b: b[1],
+                              num_groups=4, progress=False, **options)
+    value, eta = dro_ext.robust_objective(losses, 0.3, "kl", groups=groups, num_groups=4, **options)
+    assert result.value.item() == value.item() and result.eta_star.item() == eta.item()
+    with pytest.raises(ValueError, match="group_counts"):
+        dro_ext.evaluate(model, loader, lambda m, b: m(b[0]), 0.3, groups_fn=lambda b: b[1], num_groups=4,
+                         weighting="population", progress=False)
+    with pytest.raises(ValueError, match="weighting"):
+        dro_ext.evaluate(model, loader, lambda m, b: m(b[0]), 0.3, weighting="population", progress=False)
