@@ -18,7 +18,13 @@ the losses through the group means: the gradient of ``l_i`` is ``q_{g_i} / n_{g_
 
 "population" and tensor weightings solve over the G group means with the weights ``p_g`` (dro_ext._solver's
 per-point weights), in float64 on either backend (the native solver takes no weights), the value still
-differentiable through the group means. ``group=`` (a process group) raises NotImplementedError.
+differentiable through the group means.
+
+``group=`` (a process group): the per-group sums and counts of the ranks' losses are all-reduced once (2G numbers,
+``dro_ext.groups``' reduction over ranks), and every rank solves the same weighted problem over the G global means
+(weights n_g for "batch": the same Psi as over the concatenated losses), with no further collective; so every rank
+gets the same value, eta* and q. As :func:`dro_ext.robust_objective` with ``group=`` and no groups, the gradient of
+each local loss is its own Danskin partial ``q_{g_i} / n_{g_i}``, not scaled for DDP's averaging.
 """
 from __future__ import annotations
 
@@ -28,8 +34,15 @@ from typing import NamedTuple
 import torch
 
 from dro_ext import _solver
-from dro_ext._divergences import check_losses, fixed_order_sum
-from dro_ext.groups import _group_sums, _group_weights, check_groups, check_num_groups
+from dro_ext._divergences import accumulate_dtype, check_losses, fixed_order_sum
+from dro_ext.groups import (
+    _GlobalValueLocalGradient,
+    _group_sums,
+    _group_weights,
+    _reduced_group_sums,
+    check_groups,
+    check_num_groups,
+)
 
 __all__ = ["GroupEvaluation"]
 
@@ -49,7 +62,7 @@ def check_group_arguments(losses, groups, num_groups, weighting, group_counts, g
     """(None, None) when neither groups nor num_groups is given (the sample-level call); else the checked
     num_groups and the unnormalized group weights (None for "batch", else float64 (G,) on the losses' device).
 
-    Raises for one of the pair without the other, for a bad weighting and for group=."""
+    Raises for one of the pair without the other and for a bad weighting."""
     if groups is None and num_groups is None:
         if not (isinstance(weighting, str) and weighting == "batch") or group_counts is not None:
             raise ValueError(f"dro_ext.{where}: weighting and group_counts apply over groups; pass groups and "
@@ -63,11 +76,7 @@ def check_group_arguments(losses, groups, num_groups, weighting, group_counts, g
                          f"groups, ids in [0, num_groups))")
     num_groups = check_num_groups(num_groups)
     check_groups(groups, losses)
-    weights = _group_weights(weighting, group_counts, num_groups, losses.device)
-    if group is not None:
-        raise NotImplementedError(f"dro_ext.{where}: groups with group= (a process group) is not implemented; "
-                                  f"evaluate over groups on one process, or pass group=None")
-    return num_groups, weights
+    return num_groups, _group_weights(weighting, group_counts, num_groups, losses.device)
 
 
 def sample_group_means(losses: torch.Tensor, groups: torch.Tensor, num_groups: int):
@@ -104,29 +113,44 @@ class _WeightedGroupObjective(torch.autograd.Function):
         return (q_groups * grad_value.to(torch.float64)).to(grad_value.dtype), None, None, None, None
 
 
-def _weighted(losses, groups, num_groups, lam, spec, weights):
-    sums, counts = _group_sums(losses, groups, num_groups)
-    return _WeightedGroupObjective.apply(sums / torch.clamp(counts, min=1.0), counts > 0, weights, lam, spec)
+def _weighted(losses, groups, num_groups, lam, spec, weights, group=None, where=""):
+    """(Psi, eta*, q) of the weighted problem over the G group means (weights None: the counts n_g); with a process
+    group, the means of the ranks' losses together, each local loss getting its own partial derivative."""
+    eta_dtype = accumulate_dtype(losses.dtype)
+    if group is not None:
+        # One dtype on every rank for the all-reduce, whatever each rank's losses (an empty rank has no dtype of
+        # its own to follow); the solve is in float64 anyway.
+        losses = losses.to(torch.float64)
+    sums, counts = _reduced_group_sums(losses, groups, num_groups, group, where)
+    value, eta, q = _WeightedGroupObjective.apply(sums / torch.clamp(counts, min=1.0), counts > 0,
+                                                  counts if weights is None else weights, lam, spec)
+    if group is not None:
+        # _reduced_group_sums scales the local gradient by the world size for DDP's averaging; undo it here, so
+        # that the gradient is the Danskin partial, as robust_objective(group=) gives it without groups.
+        world = float(torch.distributed.get_world_size(group))
+        value = _GlobalValueLocalGradient.apply(value.detach(), value, 1.0 / world)
+    return value, eta.to(eta_dtype), q
 
 
-def robust_objective(losses, groups, num_groups, lam, spec, weights=None):
+def robust_objective(losses, groups, num_groups, lam, spec, weights=None, group=None):
     """(Psi, eta*) over the group means; Psi in the dtype of losses, eta* in its accumulate dtype."""
     from dro_ext import robust
 
-    check_losses(losses)
-    if weights is not None:
-        value, eta, _ = _weighted(losses, groups, num_groups, lam, spec, weights)
+    check_losses(losses, allow_empty=group is not None)
+    if weights is not None or group is not None:
+        value, eta, _ = _weighted(losses, groups, num_groups, lam, spec, weights, group, "robust_objective")
         return value.to(losses.dtype), eta
     x, _, _ = sample_group_means(losses, groups, num_groups)
     value, eta = robust.robust_objective(x, lam, spec.name, alpha=spec.alpha, k=spec.k)
     return value.to(losses.dtype), eta
 
 
-def worst_case_weights(losses, groups, num_groups, lam, spec, weights=None) -> torch.Tensor:
+def worst_case_weights(losses, groups, num_groups, lam, spec, weights=None, group=None) -> torch.Tensor:
     """q over the num_groups groups (0 for an absent group, sums to one), in the dtype of losses; no gradient."""
-    check_losses(losses)
-    if weights is not None:
-        return _weighted(losses.detach(), groups, num_groups, lam, spec, weights)[2].to(losses.dtype)
+    check_losses(losses, allow_empty=group is not None)
+    if weights is not None or group is not None:
+        q = _weighted(losses.detach(), groups, num_groups, lam, spec, weights, group, "worst_case_weights")[2]
+        return q.to(losses.dtype)
     q_samples = sample_weights(losses.detach(), groups, num_groups, lam, spec)
     q, _ = _group_sums(q_samples, groups, num_groups)
     # Renormalized over the G groups: exactly one for a single group, whatever the roundings of N terms.
@@ -146,10 +170,11 @@ def sample_weights(losses, groups, num_groups, lam, spec, eta=None, scale=1.0) -
 
 
 def report(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam, spec,
-           weights=None) -> GroupEvaluation:
+           weights=None, group=None) -> GroupEvaluation:
     """Psi over the group means with each group's mean loss and the worst group's, for dro_ext.evaluate."""
-    value, eta = robust_objective(losses, groups, num_groups, lam, spec, weights)
-    sums, counts = _group_sums(losses, groups, num_groups)
+    value, eta = robust_objective(losses, groups, num_groups, lam, spec, weights, group)
+    sums, counts = _reduced_group_sums(losses if group is None else losses.to(torch.float64), groups, num_groups,
+                                       group, "evaluate")
     present = counts > 0
     means = sums / torch.clamp(counts, min=1.0)
     # argmax over the present groups: an absent group ranks below every present one, NaN means included.

@@ -133,17 +133,17 @@ def robust_objective(
     over the group means instead, ``min_eta eta + lam sum_g p_g psi*((m_g - eta)/lam)`` over the groups present,
     the minimum of :func:`dro_ext.group_dro_loss` (``weighting`` and ``group_counts`` as it takes them:
     ``"batch"`` by the backend's solver, the others by the PyTorch solver in float64); the gradient of ``l_i``
-    is ``q_{g_i} / n_{g_i}`` (dro_ext.group_evaluation). ``group=`` with groups raises NotImplementedError.
+    is ``q_{g_i} / n_{g_i}`` (dro_ext.group_evaluation). With ``group=``, over the groups of every rank's losses.
     """
     if group is not None and groups is None and num_groups is None:
         return _distributed().robust_objective(losses, lam, divergence, alpha=alpha, k=k, group=group)
     spec = check_divergence(divergence, alpha, k)
-    check_losses(losses)
+    check_losses(losses, allow_empty=group is not None)
     lam = check_positive("lam", lam)
     num_groups, group_weights = _group_evaluation.check_group_arguments(
         losses, groups, num_groups, weighting, group_counts, group, "robust_objective")
     if num_groups is not None:
-        return _group_evaluation.robust_objective(losses, groups, num_groups, lam, spec, group_weights)
+        return _group_evaluation.robust_objective(losses, groups, num_groups, lam, spec, group_weights, group)
     if _backend.native_for(losses.device.type):
         return torch.ops.dro_ext.robust_objective(losses, lam, spec.name, spec.alpha, spec.k)
     return _RobustObjective.apply(losses, lam, spec)
@@ -164,12 +164,12 @@ def worst_case_weights(losses, lam, divergence="chi2", *, alpha=None, k=None, gr
     if group is not None and groups is None and num_groups is None:
         return _distributed().worst_case_weights(losses, lam, divergence, alpha=alpha, k=k, group=group)
     spec = check_divergence(divergence, alpha, k)
-    check_losses(losses)
+    check_losses(losses, allow_empty=group is not None)
     lam = check_positive("lam", lam)
     num_groups, group_weights = _group_evaluation.check_group_arguments(
         losses, groups, num_groups, weighting, group_counts, group, "worst_case_weights")
     if num_groups is not None:
-        return _group_evaluation.worst_case_weights(losses, groups, num_groups, lam, spec, group_weights)
+        return _group_evaluation.worst_case_weights(losses, groups, num_groups, lam, spec, group_weights, group)
     losses = losses.detach()
     _, eta = robust_objective(losses, lam, spec.name, alpha=spec.alpha, k=spec.k)
     if _backend.native_for(losses.device.type):
@@ -229,6 +229,9 @@ def weight_stats(
         if weights is not None or losses is None or lam is None or groups is None or num_groups is None:
             raise ValueError("dro_ext: weight_stats with over='groups' needs losses, lam, groups and num_groups "
                              "(and no weights)")
+        if group is not None:
+            raise NotImplementedError("dro_ext: weight_stats with over='groups' and group= (a process group) is not "
+                                      "implemented; pass group=None")
         spec = check_divergence(divergence, alpha, k)
         check_losses(losses)
         lam = check_positive("lam", lam)
@@ -365,7 +368,8 @@ def evaluate(
     Then ``Psi`` is :func:`robust_objective` over the group means (``weighting``, ``group_counts`` as it takes
     them) and the result is a
     :class:`dro_ext.GroupEvaluation`: ``(value, eta_star, group_loss, group_count, worst_group,
-    worst_group_loss)``, each group's mean loss (NaN where a group has no sample) and the worst group's.
+    worst_group_loss)``, each group's mean loss (NaN where a group has no sample) and the worst group's; with
+    ``group``, over the samples of every rank.
     """
     spec = check_divergence(divergence, alpha, k)
     lam = check_positive("lam", lam)
@@ -376,9 +380,6 @@ def evaluate(
         if not callable(groups_fn):
             raise TypeError(f"dro_ext.evaluate: groups_fn must be callable (batch -> group ids), got "
                             f"{type(groups_fn).__name__}")
-        if group is not None:
-            raise NotImplementedError("dro_ext.evaluate: groups_fn with group= (a process group) is not "
-                                      "implemented; evaluate over groups on one process, or pass group=None")
         num_groups = check_num_groups(num_groups)
     elif not (isinstance(weighting, str) and weighting == "batch") or group_counts is not None:
         raise ValueError("dro_ext.evaluate: weighting and group_counts apply over groups; pass groups_fn and "
@@ -409,9 +410,10 @@ def evaluate(
         if group is None:
             raise ValueError("dro_ext: evaluate got an empty loader (no losses to evaluate)")
         chunks.append(torch.empty(0, device=device))  # this rank holds none; the others may
+        group_chunks.append(torch.empty(0, dtype=torch.int64, device=device))
     if groups_fn is not None:
         losses, groups = torch.cat(chunks), torch.cat(group_chunks)
         _, weights = _group_evaluation.check_group_arguments(losses, groups, num_groups, weighting, group_counts,
                                                              group, "evaluate")
-        return _group_evaluation.report(losses, groups, num_groups, lam, spec, weights)
+        return _group_evaluation.report(losses, groups, num_groups, lam, spec, weights, group)
     return robust_objective(torch.cat(chunks), lam, spec.name, alpha=spec.alpha, k=spec.k, group=group)

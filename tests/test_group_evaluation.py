@@ -471,7 +471,7 @@ _G = torch.tensor([0, 1, 1, 2, 0, 2])
     (dict(groups=_G, num_groups=3, group_counts=[1, 2, 3]), ValueError, "group_counts"),
     (dict(groups=_G, num_groups=3, weighting="uniform"), ValueError, "weighting"),
     (dict(weighting="population"), ValueError, "groups"),
-    (dict(groups=_G, num_groups=3, group=object()), NotImplementedError, "group="),
+    (dict(groups=_G, num_groups=3, group=object()), RuntimeError, "torch.distributed"),
 ])
 @pytest.mark.parametrize("fn", ["robust_objective", "worst_case_weights"])
 def test_bad_inputs(backend, fn, kwargs, exc, word):
@@ -484,6 +484,7 @@ def test_bad_inputs(backend, fn, kwargs, exc, word):
     (dict(losses=_L, lam=0.3, groups=_G, over="groups"), ValueError, "num_groups"),
     (dict(weights=_L, groups=_G, num_groups=3, over="groups"), ValueError, "losses"),
     (dict(losses=_L, lam=0.3, over="group"), ValueError, "over"),
+    (dict(losses=_L, lam=0.3, groups=_G, num_groups=3, over="groups", group=object()), NotImplementedError, "group="),
 ])
 def test_weight_stats_bad_inputs(kwargs, exc, word):
     with pytest.raises(exc, match=word):
