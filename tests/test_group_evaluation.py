@@ -314,13 +314,35 @@ def test_batch_weighting_is_the_sample_level_objective_of_the_group_means(backen
         torch.testing.assert_close(got, expected, rtol=1e-13, atol=1e-13)
 
 
+@pytest.mark.parametrize("weighting", ["batch", "population"])
+def test_non_contiguous_inputs(backend, weighting):
+    # strided views of the losses and the ids give the answer of their contiguous copies
+    base, base_groups = random_batch(2 * 57, 5)
+    losses, groups = base[::2], base_groups[1::2]
+    assert not losses.is_contiguous() and not groups.is_contiguous()
+    options = {} if weighting == "batch" else dict(weighting="population", group_counts=[1.0, 2.0, 3.0, 4.0, 5.0])
+    for name, params in ref.CASES:
+        kw = case_kwargs(params)
+        got = dro_ext.robust_objective(losses, 0.3, name, groups=groups, num_groups=5, **options, **kw)
+        expected = dro_ext.robust_objective(losses.contiguous(), 0.3, name, groups=groups.contiguous(),
+                                            num_groups=5, **options, **kw)
+        assert got[0].item() == expected[0].item() and got[1].item() == expected[1].item()
+        q = dro_ext.worst_case_weights(losses, 0.3, name, groups=groups, num_groups=5, **options, **kw)
+        assert torch.equal(q, dro_ext.worst_case_weights(losses.contiguous(), 0.3, name, groups=groups.contiguous(),
+                                                         num_groups=5, **options, **kw))
+
+
+@pytest.mark.parametrize("weighting", ["batch", "population"])
 @pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
-def test_nan_propagates(backend, name, params):
+def test_nan_propagates(backend, name, params, weighting):
     kw = case_kwargs(params)
+    options = {} if weighting == "batch" else dict(weighting="population", group_counts=[1.0, 2.0, 3.0, 4.0])
     losses, groups = random_batch(30, 4)
     losses[11] = math.nan
-    value, _ = dro_ext.robust_objective(losses, 0.3, name, groups=groups, num_groups=4, **kw)
-    assert math.isnan(value.item())
+    value, eta = dro_ext.robust_objective(losses, 0.3, name, groups=groups, num_groups=4, **options, **kw)
+    assert math.isnan(value.item()) and math.isnan(eta.item())
+    q = dro_ext.worst_case_weights(losses, 0.3, name, groups=groups, num_groups=4, **options, **kw)
+    assert bool(torch.isnan(q).any())
 
 
 # ---------------------------------------------------------------------------------------------------
