@@ -58,7 +58,7 @@ class GroupEvaluation(NamedTuple):
     worst_group_loss: torch.Tensor  # 0-d: that group's mean loss, max over the groups present
 
 
-def check_group_arguments(losses, groups, num_groups, weighting, group_counts, group, where: str):
+def check_group_arguments(losses, groups, num_groups, weighting, group_counts, where: str):
     """(None, None) when neither groups nor num_groups is given (the sample-level call); else the checked
     num_groups and the unnormalized group weights (None for "batch", else float64 (G,) on the losses' device).
 
@@ -77,6 +77,11 @@ def check_group_arguments(losses, groups, num_groups, weighting, group_counts, g
     num_groups = check_num_groups(num_groups)
     check_groups(groups, losses)
     return num_groups, _group_weights(weighting, group_counts, num_groups, losses.device)
+
+
+def check_weighting(weighting, group_counts, num_groups: int):
+    """The group weights of check_group_arguments before any loss exists (evaluate checks them before its loop)."""
+    return _group_weights(weighting, group_counts, num_groups, torch.device("cpu"))
 
 
 def sample_group_means(losses: torch.Tensor, groups: torch.Tensor, num_groups: int):

@@ -141,7 +141,7 @@ def robust_objective(
     check_losses(losses, allow_empty=group is not None)
     lam = check_positive("lam", lam)
     num_groups, group_weights = _group_evaluation.check_group_arguments(
-        losses, groups, num_groups, weighting, group_counts, group, "robust_objective")
+        losses, groups, num_groups, weighting, group_counts, "robust_objective")
     if num_groups is not None:
         return _group_evaluation.robust_objective(losses, groups, num_groups, lam, spec, group_weights, group)
     if _backend.native_for(losses.device.type):
@@ -167,7 +167,7 @@ def worst_case_weights(losses, lam, divergence="chi2", *, alpha=None, k=None, gr
     check_losses(losses, allow_empty=group is not None)
     lam = check_positive("lam", lam)
     num_groups, group_weights = _group_evaluation.check_group_arguments(
-        losses, groups, num_groups, weighting, group_counts, group, "worst_case_weights")
+        losses, groups, num_groups, weighting, group_counts, "worst_case_weights")
     if num_groups is not None:
         return _group_evaluation.worst_case_weights(losses, groups, num_groups, lam, spec, group_weights, group)
     losses = losses.detach()
@@ -235,7 +235,7 @@ def weight_stats(
         spec = check_divergence(divergence, alpha, k)
         check_losses(losses)
         lam = check_positive("lam", lam)
-        num_groups, _ = _group_evaluation.check_group_arguments(losses, groups, num_groups, "batch", None, group,
+        num_groups, _ = _group_evaluation.check_group_arguments(losses, groups, num_groups, "batch", None,
                                                                 "weight_stats")
         with torch.no_grad():
             weights = _group_evaluation.sample_weights(losses, groups, num_groups, lam, spec, eta, scale)
@@ -381,6 +381,7 @@ def evaluate(
             raise TypeError(f"dro_ext.evaluate: groups_fn must be callable (batch -> group ids), got "
                             f"{type(groups_fn).__name__}")
         num_groups = check_num_groups(num_groups)
+        group_weights = _group_evaluation.check_weighting(weighting, group_counts, num_groups)  # before the loop
     elif not (isinstance(weighting, str) and weighting == "batch") or group_counts is not None:
         raise ValueError("dro_ext.evaluate: weighting and group_counts apply over groups; pass groups_fn and "
                          "num_groups with them")
@@ -413,7 +414,6 @@ def evaluate(
         group_chunks.append(torch.empty(0, dtype=torch.int64, device=device))
     if groups_fn is not None:
         losses, groups = torch.cat(chunks), torch.cat(group_chunks)
-        _, weights = _group_evaluation.check_group_arguments(losses, groups, num_groups, weighting, group_counts,
-                                                             group, "evaluate")
+        weights = group_weights.to(losses.device) if group_weights is not None else None
         return _group_evaluation.report(losses, groups, num_groups, lam, spec, weights, group)
     return robust_objective(torch.cat(chunks), lam, spec.name, alpha=spec.alpha, k=spec.k, group=group)
