@@ -10,6 +10,7 @@ from dro_ext.cross_entropy import (
     DROCrossEntropyLoss, DROLinearCrossEntropyLoss, dro_cross_entropy, dro_linear_cross_entropy,
 )
 from dro_ext.cross_entropy_groups import cross_entropy_losses, linear_cross_entropy_losses
+from dro_ext.group_evaluation import GroupEvaluation
 from dro_ext.group_reduction import group_sums
 from dro_ext.groups import GroupDROLoss, group_dro_loss
 from dro_ext.loss import DROLoss
@@ -19,8 +20,8 @@ from dro_ext.robust import evaluate, robust_objective, weight_stats, worst_case_
 
 __all__ = [
     "DIVERGENCES", "DROCrossEntropyLoss", "DROLinearCrossEntropyLoss", "DROLoss", "Divergence", "GroupDROLoss",
-    "NormalizedSGD", "backend", "cross_entropy_losses", "dro_cross_entropy", "dro_linear_cross_entropy", "dro_loss",
-    "dro_weights", "evaluate", "group_dro_loss", "group_sums", "linear_cross_entropy_losses", "psi_star",
-    "robust_objective", "weight_stats", "worst_case_weights",
+    "GroupEvaluation", "NormalizedSGD", "backend", "cross_entropy_losses", "dro_cross_entropy",
+    "dro_linear_cross_entropy", "dro_loss", "dro_weights", "evaluate", "group_dro_loss", "group_sums",
+    "linear_cross_entropy_losses", "psi_star", "robust_objective", "weight_stats", "worst_case_weights",
 ]
 __version__ = "0.1.0"

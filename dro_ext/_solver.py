@@ -95,17 +95,17 @@ def totals(reducer: Reducer, *parts: torch.Tensor | float) -> list[float]:
 class Solution(NamedTuple):
     value: float
     eta: float
-    n: int  # the number of losses over every process
+    n: float  # the number of losses over every process (with per-point weights: their total weight)
 
 
-def tail_size(alpha: float, n: int) -> float:
+def tail_size(alpha: float, n: float) -> float:
     """alpha * N, snapped to an integer when it is one up to rounding (0.3 * 10 == 3.0000000000000004)."""
     k = alpha * n
     r = round(k)
     return float(r) if abs(k - r) <= 8.0 * sys.float_info.epsilon * k else k
 
 
-def find_eta(newton_sums: Callable[[float], list[float]], segment_sums: Callable[[float], list[float]], n: int,
+def find_eta(newton_sums: Callable[[float], list[float]], segment_sums: Callable[[float], list[float]], n: float,
              lo: float, hi: float, lam: float, spec: Spec) -> float:
     """eta* of the iterative divergences: safeguarded Newton/bisection on mean psi*'((l - eta)/lam) = 1 in [lo, hi].
 
@@ -188,8 +188,30 @@ def find_eta(newton_sums: Callable[[float], list[float]], segment_sums: Callable
     return eta
 
 
-def solve(x: torch.Tensor, lam: float, spec: Spec, reducer: Reducer = LOCAL) -> Solution:
-    """(Psi, eta*) of the losses of every process; x holds this process's losses in float64 (possibly none)."""
+def weighted_tail_split(x: torch.Tensor, w: torch.Tensor, tail: float) -> tuple[float, float, float]:
+    """The weighted tail_split of one process: the loss where the weight of the losses from the largest down first
+    reaches ``tail``, and the float64 weighted sum and the weight of the losses above it."""
+    order = torch.sort(x, descending=True, stable=True).indices
+    reached = torch.cumsum(w[order], 0) >= tail
+    # The last point of positive weight when the rounded cumulative weight stays just below tail (tail = W).
+    j = int(reached.to(torch.int8).argmax()) if bool(reached.any()) else int(torch.nonzero(w[order] > 0).max())
+    eta = x[order[j]].item()
+    above = x > eta
+    return eta, (w * x)[above].sum().item(), w[above].sum().item()
+
+
+def solve(x: torch.Tensor, lam: float, spec: Spec, reducer: Reducer = LOCAL,
+          w: torch.Tensor | None = None) -> Solution:
+    """(Psi, eta*) of the losses of every process; x holds this process's losses in float64 (possibly none).
+
+    ``w`` (float64, >= 0, the shape of x; one process only): per-point weights, the mean over the losses becoming
+    the w-weighted mean (``dro_ext.group_evaluation``'s weighted group means); without it every weight is one."""
+    if w is not None and reducer is not LOCAL:
+        raise NotImplementedError("dro_ext: per-point weights are solved on one process only")
+
+    def weighted(v: torch.Tensor) -> torch.Tensor:
+        return v if w is None else w * v
+
     n_local = x.numel()
     nan_local: torch.Tensor | bool
     lo_local: torch.Tensor | float
@@ -204,9 +226,12 @@ def solve(x: torch.Tensor, lam: float, spec: Spec, reducer: Reducer = LOCAL) -> 
     # Maxima, not a NaN-propagating reduction: the MAX all-reduces of gloo and NCCL need not propagate NaN.
     neg_lo, hi = reducer.max(torch.stack([torch.as_tensor(-lo_local, dtype=torch.float64, device=x.device),
                                           torch.as_tensor(hi_local, dtype=torch.float64, device=x.device)])).tolist()
+    n: float  # the count of losses, or with per-point weights their total weight
     n, lo = int(n_f), -neg_lo
     if n == 0:
         raise ValueError(f"dro_ext.{reducer.where}: the losses of every rank together are empty")
+    if w is not None:
+        n = w.sum().item()  # the total weight takes the count's place in every mean below
     if nan_count > 0 or lo == -math.inf:  # -inf has no dual optimum
         return Solution(math.nan, math.nan, n)
     if hi == math.inf:
@@ -215,41 +240,51 @@ def solve(x: torch.Tensor, lam: float, spec: Spec, reducer: Reducer = LOCAL) -> 
         return Solution(lo, lo, n)
     if spec.name == "kl":
         t = (x - hi) / lam
-        sum_exp, sum_expm1 = totals(reducer, torch.exp(t).sum(), torch.expm1(t).sum())
+        sum_exp, sum_expm1 = totals(reducer, weighted(torch.exp(t)).sum(), weighted(torch.expm1(t)).sum())
         # Near 1, log loses the digits of mean exp - 1 that lam multiplies; log1p of the mean expm1 keeps them.
         eta = hi + lam * (math.log1p(sum_expm1 / n) if sum_exp / n > 0.5 else math.log(sum_exp / n))
         return Solution(eta, eta, n)
     if spec.name == "cvar":
         tail = tail_size(required(spec.alpha), n)
-        eta, sum_above, n_above = reducer.tail_split(x, min(n, max(1, math.ceil(tail))), lo, hi)
+        if w is None:
+            eta, sum_above, n_above = reducer.tail_split(x, int(min(n, max(1, math.ceil(tail)))), lo, hi)
+        else:
+            eta, sum_above, n_above = weighted_tail_split(x, w, tail)
         return Solution((sum_above + (tail - n_above) * eta) / tail, eta, n)
 
     def newton_sums(eta: float) -> list[float]:
         t = (x - eta) / lam
         second = _psi_star(t, spec, 2)
-        return totals(reducer, _excess_first(t, spec).sum(), second.sum(), (second * (x - eta).abs()).sum())
+        return totals(reducer, weighted(_excess_first(t, spec)).sum(), weighted(second).sum(),
+                      weighted(second * (x - eta).abs()).sum())
 
     def segment_sums(cut: float) -> list[float]:
         active = x > cut
-        return totals(reducer, x[active].sum(), active.sum())
+        return totals(reducer, weighted(x)[active].sum(), active.sum() if w is None else w[active].sum())
 
     eta = find_eta(newton_sums, segment_sums, n, lo, hi, lam, spec)
     g_eta = torch.tensor(eta, dtype=x.dtype, device=x.device)
-    (sum_value,) = totals(reducer, _penalized_value(x, (x - g_eta) / lam, lam, g_eta, spec).sum())
+    (sum_value,) = totals(reducer, weighted(_penalized_value(x, (x - g_eta) / lam, lam, g_eta, spec)).sum())
     # Psi <= L(max l) <= max l: where lam is below float64's resolution of the losses, L at the rounded eta* is not.
     return Solution(min(sum_value / n, hi), eta, n)
 
 
-def weights(x: torch.Tensor, eta: torch.Tensor, n: int, lam: float, spec: Spec,
-            reducer: Reducer = LOCAL) -> torch.Tensor:
+def weights(x: torch.Tensor, eta: torch.Tensor, n: float, lam: float, spec: Spec, reducer: Reducer = LOCAL,
+            w: torch.Tensor | None = None) -> torch.Tensor:
     """This process's share of the worst-case distribution at eta (a 0-d float64 tensor) over the n losses of every
-    process, for float64 losses x: float64, summing to one over every process. No host read."""
+    process, for float64 losses x: float64, summing to one over every process. No host read.
+
+    With per-point weights ``w`` (as :func:`solve` takes them; n is then Solution.n, their total): point i gets
+    ``w_i psi*'(t_i)`` normalized, and for cvar the boundary's mass is shared in proportion to w."""
+    one = torch.ones_like(x) if w is None else w
     if spec.name == "cvar":
         tail = tail_size(required(spec.alpha), n)
         above, at = x > eta, x == eta
-        n_above, n_at = reducer.sum(torch.stack([above.sum(), at.sum()]).to(torch.float64)).unbind()
-        boundary = torch.where(n_at > 0, torch.clamp(1.0 - n_above / tail, min=0.0) / n_at.clamp(min=1.0), 0.0)
+        n_above, n_at = reducer.sum(torch.stack([(one * above).sum(), (one * at).sum()])).unbind()
+        # (the weight at eta*: a count without w, a sum of weights that may be below one with it)
+        share_at = torch.clamp(1.0 - n_above / tail, min=0.0) / torch.where(n_at > 0, n_at, 1.0)
+        boundary = torch.where(n_at > 0, share_at, 0.0)
         # The last branch is reached only when x or eta is NaN, and x + eta is NaN then.
-        return torch.where(above, 1.0 / tail, torch.where(at, boundary, torch.where(x < eta, 0.0, x + eta)))
-    w = _psi_star((x - eta) / lam, spec, 1)
-    return w / reducer.sum(w.sum().reshape(1))[0]
+        return one * torch.where(above, 1.0 / tail, torch.where(at, boundary, torch.where(x < eta, 0.0, x + eta)))
+    q = _psi_star((x - eta) / lam, spec, 1) if w is None else w * _psi_star((x - eta) / lam, spec, 1)
+    return q / reducer.sum(q.sum().reshape(1))[0]

@@ -20,13 +20,14 @@ the PyTorch fallback is dro_ext._solver, in float64 with a Python loop (its docs
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, TypeVar, overload
 
 import torch
 
 from dro_ext import _backend, _solver
+from dro_ext import group_evaluation as _group_evaluation
 from dro_ext._divergences import (
     Divergence,
     Spec,
@@ -36,6 +37,7 @@ from dro_ext._divergences import (
     check_positive,
     fixed_order_sum,
 )
+from dro_ext.group_reduction import check_groups, check_num_groups
 from dro_ext.ops import dro_weights
 
 if TYPE_CHECKING:
@@ -123,6 +125,8 @@ class _RobustObjective(torch.autograd.Function):
 def robust_objective(
     losses: torch.Tensor, lam: float, divergence: Divergence = "chi2", *, alpha: float | None = None,
     k: float | None = None, group: ProcessGroup | None = None,
+    groups: torch.Tensor | None = None, num_groups: int | None = None,
+    weighting: str | torch.Tensor | Sequence[float] = "batch", group_counts: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The robust objective ``Psi = min_eta mean_i lam*psi*((l_i - eta)/lam) + eta`` and its minimizer.
 
@@ -138,32 +142,53 @@ def robust_objective(
 
     ``group`` (a torch.distributed process group): ``losses`` is this rank's share, and every rank gets
     the answer on the losses of all the ranks concatenated, from all-reduces (dro_ext.distributed).
+
+    ``groups`` (int64 or int32 ids in ``[0, num_groups)``, the shape of ``losses``) with ``num_groups``: ``Psi``
+    over the group means instead, ``min_eta eta + lam sum_g p_g psi*((m_g - eta)/lam)`` over the groups present,
+    the minimum of :func:`dro_ext.group_dro_loss` (``weighting`` and ``group_counts`` as it takes them:
+    ``"batch"`` by the backend's solver, the others by the PyTorch solver in float64); the gradient of ``l_i``
+    is ``q_{g_i} / n_{g_i}`` (dro_ext.group_evaluation). With ``group=``, over the groups of every rank's losses.
     """
-    if group is not None:
+    if group is not None and groups is None and num_groups is None:
         return _distributed().robust_objective(losses, lam, divergence, alpha=alpha, k=k, group=group)
     spec = check_divergence(divergence, alpha, k)
-    check_losses(losses)
+    check_losses(losses, allow_empty=group is not None)
     lam = check_positive("lam", lam)
+    num_groups, group_weights = _group_evaluation.check_group_arguments(
+        losses, groups, num_groups, weighting, group_counts, "robust_objective")
+    if num_groups is not None:
+        assert groups is not None  # given with num_groups (check_group_arguments)
+        return _group_evaluation.robust_objective(losses, groups, num_groups, lam, spec, group_weights, group)
     if _backend.native_for(losses.device.type):
         return torch.ops.dro_ext.robust_objective(losses, lam, spec.name, spec.alpha, spec.k)
     return _RobustObjective.apply(losses, lam, spec)
 
 
 def worst_case_weights(losses: torch.Tensor, lam: float, divergence: Divergence = "chi2", *,
-                       alpha: float | None = None, k: float | None = None,
-                       group: ProcessGroup | None = None) -> torch.Tensor:
+                       alpha: float | None = None, k: float | None = None, group: ProcessGroup | None = None,
+                       groups: torch.Tensor | None = None, num_groups: int | None = None,
+                       weighting: str | torch.Tensor | Sequence[float] = "batch",
+                       group_counts: Any = None) -> torch.Tensor:
     """The worst-case distribution ``q_i = psi*'((l_i - eta*)/lam) / N`` over the samples (sums to one).
 
     For ``cvar`` the samples above ``eta*`` get ``1/(alpha N)`` each and the samples equal to ``eta*``
     share the remaining mass equally (fractional when ``alpha*N`` is not an integer). Shape ``(N,)``,
     dtype of ``losses``; no gradient flows through it. With ``group``, this rank's share of the
     distribution over the losses of every rank (the shares sum to one over the ranks).
+
+    With ``groups`` and ``num_groups`` (as :func:`robust_objective` takes them): the worst-case distribution over
+    the groups instead, ``q_g = p_g psi*'((m_g - eta*)/lam)``, shape ``(num_groups,)``, 0 for an absent group.
     """
-    if group is not None:
+    if group is not None and groups is None and num_groups is None:
         return _distributed().worst_case_weights(losses, lam, divergence, alpha=alpha, k=k, group=group)
     spec = check_divergence(divergence, alpha, k)
-    check_losses(losses)
+    check_losses(losses, allow_empty=group is not None)
     lam = check_positive("lam", lam)
+    num_groups, group_weights = _group_evaluation.check_group_arguments(
+        losses, groups, num_groups, weighting, group_counts, "worst_case_weights")
+    if num_groups is not None:
+        assert groups is not None  # given with num_groups (check_group_arguments)
+        return _group_evaluation.worst_case_weights(losses, groups, num_groups, lam, spec, group_weights, group)
     losses = losses.detach()
     _, eta = robust_objective(losses, lam, spec.name, alpha=spec.alpha, k=spec.k)
     if _backend.native_for(losses.device.type):
@@ -199,6 +224,7 @@ def weight_stats(
     groups: torch.Tensor | None = None,
     num_groups: int | None = None,
     group: ProcessGroup | None = None,
+    over: str = "samples",
 ) -> WeightStats:
     """Effective sample size, max weight, zero fraction and per-group mass of a sample weighting.
 
@@ -210,7 +236,30 @@ def weight_stats(
     with ``groups`` waits for the device once (and once more for ``groups.max()`` without ``num_groups``). One
     pass over the weights in the native op (four small reductions in the fallback); never differentiable.
     ``group`` (a process group): the statistics of the weights (or losses) of every rank together.
+
+    ``over="groups"`` (with ``losses``, ``lam``, ``groups`` and ``num_groups``): the weighting is the one over the
+    group means that :func:`robust_objective` with ``groups`` solves (the worst case, or ``dro_weights`` of the
+    group means at ``eta``), spread over the samples as ``q_{g_i} / n_{g_i}``: the statistics stay those of a
+    distribution over the N samples, and ``group_mass`` is the group distribution ``q`` itself.
     """
+    if over not in ("samples", "groups"):
+        raise ValueError(f"dro_ext: over must be 'samples' or 'groups', got over={over!r}")
+    if over == "groups":
+        if weights is not None or losses is None or lam is None or groups is None or num_groups is None:
+            raise ValueError("dro_ext: weight_stats with over='groups' needs losses, lam, groups and num_groups "
+                             "(and no weights)")
+        if group is not None:
+            raise NotImplementedError("dro_ext: weight_stats with over='groups' and group= (a process group) is not "
+                                      "implemented; pass group=None")
+        spec = check_divergence(divergence, alpha, k)
+        check_losses(losses)
+        lam = check_positive("lam", lam)
+        checked_num_groups, _ = _group_evaluation.check_group_arguments(losses, groups, num_groups, "batch", None,
+                                                                        "weight_stats")
+        assert checked_num_groups is not None  # num_groups was given (checked above)
+        with torch.no_grad():
+            weights = _group_evaluation.sample_weights(losses, groups, checked_num_groups, lam, spec, eta, scale)
+        losses = eta = None
     with torch.no_grad():
         if weights is not None:
             if losses is not None or eta is not None:
@@ -311,6 +360,8 @@ def _progress(iterable: Iterable[_Item], enabled: bool) -> Iterator[_Item]:
     sys.stderr.write("\n")
 
 
+# The return type follows num_groups: a (value, eta_star) pair without groups, a GroupEvaluation with them.
+@overload
 def evaluate(
     model: torch.nn.Module,
     loader: Iterable[Any],
@@ -323,7 +374,50 @@ def evaluate(
     device: torch.device | str | int | None = None,
     progress: bool = True,
     group: ProcessGroup | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    groups_fn: None = None,
+    num_groups: None = None,
+    weighting: str | torch.Tensor | Sequence[float] = "batch",
+    group_counts: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def evaluate(
+    model: torch.nn.Module,
+    loader: Iterable[Any],
+    per_sample_loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    lam: float,
+    divergence: Divergence = "chi2",
+    *,
+    alpha: float | None = None,
+    k: float | None = None,
+    device: torch.device | str | int | None = None,
+    progress: bool = True,
+    group: ProcessGroup | None = None,
+    groups_fn: Callable[[Any], torch.Tensor],
+    num_groups: int,
+    weighting: str | torch.Tensor | Sequence[float] = "batch",
+    group_counts: Any = None,
+) -> _group_evaluation.GroupEvaluation: ...
+
+
+def evaluate(
+    model: torch.nn.Module,
+    loader: Iterable[Any],
+    per_sample_loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    lam: float,
+    divergence: Divergence = "chi2",
+    *,
+    alpha: float | None = None,
+    k: float | None = None,
+    device: torch.device | str | int | None = None,
+    progress: bool = True,
+    group: ProcessGroup | None = None,
+    groups_fn: Callable[[Any], torch.Tensor] | None = None,
+    num_groups: int | None = None,
+    weighting: str | torch.Tensor | Sequence[float] = "batch",
+    group_counts: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor] | _group_evaluation.GroupEvaluation:
     """``Psi`` over a whole dataset: ``robust_objective`` of the per-sample losses of every batch.
 
     ``per_sample_loss_fn(model, batch)`` returns the 1-D tensor of per-sample losses of one batch (e.g.
@@ -333,9 +427,31 @@ def evaluate(
     ``(value, eta_star)`` as :func:`robust_objective` does. With ``group``, each rank evaluates its own
     loader (e.g. with a ``DistributedSampler``, which pads with repeated samples unless the dataset
     divides evenly) and every rank gets ``Psi`` over the losses of all the ranks.
+
+    Over groups: ``groups_fn(batch)`` returns the group id of each sample of the (moved) batch, an int64 or int32
+    tensor shaped as the losses (e.g. ``lambda b: b[2]`` for a loader of ``(x, y, group)``), with ``num_groups``.
+    The group ids come from the data, so the per-sample loss function stays the one of the sample-level call.
+    Then ``Psi`` is :func:`robust_objective` over the group means (``weighting``, ``group_counts`` as it takes
+    them) and the result is a
+    :class:`dro_ext.GroupEvaluation`: ``(value, eta_star, group_loss, group_count, worst_group,
+    worst_group_loss)``, each group's mean loss (NaN where a group has no sample) and the worst group's; with
+    ``group``, over the samples of every rank.
     """
     spec = check_divergence(divergence, alpha, k)
     lam = check_positive("lam", lam)
+    if (groups_fn is None) != (num_groups is None):
+        given, missing = ("groups_fn", "num_groups") if num_groups is None else ("num_groups", "groups_fn")
+        raise ValueError(f"dro_ext.evaluate: {given} was given without {missing}; over groups pass both")
+    if num_groups is not None:
+        if not callable(groups_fn):
+            raise TypeError(f"dro_ext.evaluate: groups_fn must be callable (batch -> group ids), got "
+                            f"{type(groups_fn).__name__}")
+        num_groups = check_num_groups(num_groups)
+        group_weights = _group_evaluation.check_weighting(weighting, group_counts, num_groups)  # before the loop
+    elif not (isinstance(weighting, str) and weighting == "batch") or group_counts is not None:
+        raise ValueError("dro_ext.evaluate: weighting and group_counts apply over groups; pass groups_fn and "
+                         "num_groups with them")
+    group_chunks = []
     modes = [(module, module.training) for module in model.modules()]
     chunks = []
     try:
@@ -351,6 +467,9 @@ def evaluate(
                         f"dro_ext: per_sample_loss_fn must return a 1-D tensor of per-sample losses, got {shape}"
                     )
                 chunks.append(losses.detach())
+                if groups_fn is not None:
+                    group_chunks.append(groups_fn(batch))
+                    check_groups(group_chunks[-1], losses)
     finally:
         for module, training in modes:
             module.training = training
@@ -358,4 +477,10 @@ def evaluate(
         if group is None:
             raise ValueError("dro_ext: evaluate got an empty loader (no losses to evaluate)")
         chunks.append(torch.empty(0, device=device))  # this rank holds none; the others may
+        group_chunks.append(torch.empty(0, dtype=torch.int64, device=device))
+    if groups_fn is not None:
+        losses, groups = torch.cat(chunks), torch.cat(group_chunks)
+        weights = group_weights.to(losses.device) if group_weights is not None else None
+        assert num_groups is not None  # given with groups_fn (checked above)
+        return _group_evaluation.report(losses, groups, num_groups, lam, spec, weights, group)
     return robust_objective(torch.cat(chunks), lam, spec.name, alpha=spec.alpha, k=spec.k, group=group)

@@ -444,6 +444,61 @@ def job_robust(rank, world):
 # ---------------------------------------------------------------------------------------------------
 
 
+def job_group_robust(rank, world):
+    """robust_objective, worst_case_weights and evaluate over groups with group=: every rank gets the single-process
+    answer on the concatenated losses and group ids (value, eta*, q, report), and each rank's losses their share of
+    its gradient, for every divergence, batch and population weighting, unequal shards and an empty one."""
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(5)
+    all_losses = torch.randn(41, generator=gen, dtype=torch.float64).exp()
+    all_ids = torch.randint(0, 5, (41,), generator=gen)  # group 5 of 6 absent
+    weightings = {"batch": {}, "population": dict(weighting="population", group_counts=[4.0, 1.0, 3.0, 2.0, 6.0, 1.0])}
+    for divergence in dro_ext.DIVERGENCES:
+        params = PARAMS.get(divergence, {})
+        for sizes in ((30, 11), (41, 0)):
+            for wname, options in weightings.items():
+                for dtype in (torch.float64, torch.float32):
+                    tol = dict(rtol=1e-11, atol=1e-13) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-7)
+                    x_all = all_losses.to(dtype)
+                    x = split(x_all, sizes, rank).clone().requires_grad_(True)
+                    ids = split(all_ids, sizes, rank)
+                    kw = dict(groups=ids, num_groups=6, **options, **params)
+                    value, eta = dro_ext.robust_objective(x, 0.4, divergence, group=group, **kw)
+                    (grad,) = torch.autograd.grad(value * 3.0, x)
+                    q = dro_ext.worst_case_weights(x, 0.4, divergence, group=group, **kw)
+                    for backend in BACKENDS:
+                        what = f"{backend} {divergence} {sizes} {wname} {dtype}"
+                        with _backend.forced_backend(backend):
+                            x_ref = x_all.clone().requires_grad_(True)
+                            kw_ref = dict(groups=all_ids, num_groups=6, **options, **params)
+                            ref_value, ref_eta = dro_ext.robust_objective(x_ref, 0.4, divergence, **kw_ref)
+                            (ref_grad,) = torch.autograd.grad(ref_value * 3.0, x_ref)
+                            ref_q = dro_ext.worst_case_weights(x_ref, 0.4, divergence, **kw_ref)
+                        assert value.dtype == ref_value.dtype and eta.dtype == ref_eta.dtype, what
+                        close(value, ref_value, f"{what}: value", **tol)
+                        if divergence != "cvar":  # cvar's minimizers may form an interval
+                            close(eta, ref_eta, f"{what}: eta*", rtol=tol["rtol"] * 100, atol=tol["atol"] * 100)
+                        close(grad, split(ref_grad, sizes, rank), f"{what}: grad", **tol)
+                        close(q, ref_q, f"{what}: worst_case_weights", **tol)
+
+    # evaluate over groups: each rank its own loader (rank 1's empty in the second round)
+    torch.manual_seed(3)
+    model = nn.Linear(3, 1).double()
+    gen = torch.Generator().manual_seed(3)
+    data = [(torch.randn(n, 3, generator=gen, dtype=torch.float64), torch.randn(n, generator=gen, dtype=torch.float64),
+             torch.randint(0, 3, (n,), generator=gen)) for n in (4, 7, 5)]
+    loss_fn = lambda m, b: (m(b[0]).squeeze(1) - b[1]) ** 2  # noqa: E731
+    for mine in ((data[:1], data[1:]), (data, [])):
+        got = dro_ext.evaluate(model, mine[rank], loss_fn, 0.5, "chi2", groups_fn=lambda b: b[2], num_groups=4,
+                               progress=False, group=group)
+        ref = dro_ext.evaluate(model, data, loss_fn, 0.5, "chi2", groups_fn=lambda b: b[2], num_groups=4,
+                               progress=False)
+        tol = dict(rtol=1e-12, atol=0) if got.value.dtype == torch.float64 else dict(rtol=1e-6, atol=0)
+        for field in ("value", "eta_star", "group_loss", "worst_group_loss"):
+            close(getattr(got, field), getattr(ref, field), f"evaluate {field}", **tol)
+        assert got.group_count.tolist() == ref.group_count.tolist() and got.worst_group == ref.worst_group
+
+
 def job_dies(rank, world):
     losses = torch.rand(10, dtype=torch.float64)
     dro_ext.robust_objective(losses, 0.5, "chi2", group=dist.group.WORLD)  # a healthy first call
@@ -460,7 +515,8 @@ def job_dies(rank, world):
     raise AssertionError("rank 0 finished robust_objective although rank 1 is dead")
 
 
-JOBS = {"ddp": job_ddp, "loss_compile": job_loss_compile, "fsdp": job_fsdp, "robust": job_robust, "dies": job_dies}
+JOBS = {"ddp": job_ddp, "loss_compile": job_loss_compile, "fsdp": job_fsdp, "robust": job_robust, "dies": job_dies,
+        "group_robust": job_group_robust}
 
 
 def main():

@@ -142,6 +142,21 @@ def test_distributed_robust_objective_equals_single_process(suite):
     _check(suite, "robust")
 
 
+def test_distributed_robust_objective_over_groups(tmp_path):
+    """robust_objective, worst_case_weights and evaluate over groups with group= equal the single-process answers
+    on the concatenated losses and ids (every divergence, batch and population weighting, an empty shard)."""
+    directory = tmp_path / "group_robust"
+    directory.mkdir()
+    results = directory / "results.jsonl"
+    outcome = _run(_ranks("group_robust", directory, results), directory, SHORT_TIMEOUT)
+    records = {}
+    if results.exists():
+        for line in results.read_text().splitlines():
+            record = json.loads(line)
+            records.setdefault(record["job"], {})[record["rank"]] = record
+    _check((records, outcome), "group_robust")
+
+
 def test_dead_rank_gives_clear_error_not_hang(tmp_path):
     start = time.monotonic()
     (rc0, log0), (rc1, log1) = _run(_ranks("dies", tmp_path), tmp_path, SHORT_TIMEOUT)

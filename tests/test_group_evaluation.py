@@ -1,0 +1,547 @@
+"""The exact robust objective over groups: robust_objective, worst_case_weights, weight_stats and evaluate with
+groups= and num_groups= (dro_ext/group_evaluation.py, docs/design.md section 1.9).
+
+The reference is written from the formula, in float64: Psi = min over eta of eta + lam sum_g p_g psi*((m_g - eta)/lam)
+over the groups present, p_g = n_g / N, minimized by scipy's bounded scalar minimizer; q_g = p_g psi*'((m_g - eta)/lam).
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.optimize import minimize_scalar
+
+import dro_ext
+import reference as ref
+from dro_ext import _backend
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def case_kwargs(params):
+    return dict(alpha=params.get("alpha"), k=params.get("k"))
+
+
+def random_batch(n, num_groups, dtype=torch.float64, absent=()):
+    """n positive losses and their group ids in [0, num_groups), none of them in `absent`."""
+    allowed = torch.tensor([g for g in range(num_groups) if g not in absent])
+    groups = allowed[torch.randint(len(allowed), (n,))]
+    return (torch.randn(n, dtype=torch.float64) * 0.8).exp().to(dtype), groups
+
+
+# ---------------------------------------------------------------------------------------------------
+# float64 references, from the formulas
+# ---------------------------------------------------------------------------------------------------
+
+
+def ref_means(losses, groups, num_groups, weights=None):
+    """(m, p, present) over the present groups only: their mean losses and weights (n_g, or the given weights,
+    renormalized over them), float64 numpy."""
+    l, g = losses.detach().double().cpu().numpy(), groups.cpu().numpy()
+    present = [h for h in range(num_groups) if np.any(g == h)]
+    m = np.array([l[g == h].mean() for h in present])
+    if weights is None:
+        p = np.array([np.sum(g == h) for h in present], dtype=np.float64)
+    else:
+        p = np.asarray(weights, dtype=np.float64)[present]
+    return m, p / p.sum(), present
+
+
+def ref_dual(m, p, lam, name, alpha=None, k=None):
+    def f(eta):
+        t = torch.from_numpy((m - eta) / lam)
+        return eta + lam * float(np.dot(p, ref.psi_star(t, name, alpha, k).numpy()))
+    return f
+
+
+def ref_psi(losses, groups, num_groups, lam, name, alpha=None, k=None, weights=None):
+    """min over eta in [min m, max m] of the group dual, by a bounded scalar minimization in float64."""
+    m, p, _ = ref_means(losses, groups, num_groups, weights)
+    f = ref_dual(m, p, lam, name, alpha, k)
+    lo, hi = float(m.min()), float(m.max())
+    if lo == hi:
+        return f(lo)
+    res = minimize_scalar(f, bounds=(lo, hi), method="bounded",
+                          options={"xatol": 1e-12 * max(1.0, abs(hi)), "maxiter": 2000})
+    # The dual is piecewise smooth with kinks at the group means (cvar: piecewise linear): try them too.
+    return min([res.fun, f(lo), f(hi)] + [f(x) for x in m])
+
+
+def ref_group_weights(losses, groups, num_groups, eta, lam, name, alpha=None, k=None, weights=None):
+    """q_g = p_g psi*'((m_g - eta)/lam) over all num_groups groups (0 for an absent one), float64."""
+    m, p, present = ref_means(losses, groups, num_groups, weights)
+    t = torch.from_numpy((m - eta) / lam).requires_grad_()
+    (slope,) = torch.autograd.grad(ref.psi_star(t, name, alpha, k).sum(), t)
+    q = np.zeros(num_groups)
+    q[present] = p * slope.numpy()
+    return q
+
+
+# ---------------------------------------------------------------------------------------------------
+# Value, eta* and q against the references
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,num_groups", [(1, 1), (7, 3), (60, 5), (333, 12), (5, 17)])
+@pytest.mark.parametrize("lam", [0.1, 1.0])
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_matches_scalar_minimization(backend, name, params, lam, n, num_groups):
+    kw = case_kwargs(params)
+    losses, groups = random_batch(n, num_groups)
+    value, eta = dro_ext.robust_objective(losses, lam, name, groups=groups, num_groups=num_groups, **kw)
+    assert value.shape == () and value.dtype == torch.float64 and eta.dtype == torch.float64
+    expected = ref_psi(losses, groups, num_groups, lam, name, **kw)
+    assert abs(value.item() - expected) <= 1e-10 * (1.0 + abs(expected)), (value.item(), expected)
+    m, p, _ = ref_means(losses, groups, num_groups)
+    assert m.min() <= eta.item() <= m.max()
+    assert abs(ref_dual(m, p, lam, name, **kw)(eta.item()) - expected) <= 1e-10 * (1.0 + abs(expected))
+    # The minimum of group_dro_loss's objective (scale 1): equal at eta*, above it elsewhere.
+    at_eta = dro_ext.group_dro_loss(losses, groups, num_groups, eta, lam, name, **kw)
+    assert abs(at_eta.item() - value.item()) <= 1e-10 * (1.0 + abs(expected))
+    for shift in (-0.1, 0.05):
+        assert dro_ext.group_dro_loss(losses, groups, num_groups, eta + shift, lam, name, **kw) >= value - 1e-12
+
+
+@pytest.mark.parametrize("n,num_groups", [(7, 3), (60, 5), (333, 12), (5, 17)])
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_worst_case_group_distribution(backend, name, params, n, num_groups):
+    kw = case_kwargs(params)
+    lam = 0.3
+    losses, groups = random_batch(n, num_groups, absent=(1,))
+    _, eta = dro_ext.robust_objective(losses, lam, name, groups=groups, num_groups=num_groups, **kw)
+    q = dro_ext.worst_case_weights(losses, lam, name, groups=groups, num_groups=num_groups, **kw)
+    assert q.shape == (num_groups,) and q.dtype == torch.float64 and not q.requires_grad
+    assert q[1] == 0.0 and bool((q >= 0).all())
+    assert abs(q.sum().item() - 1.0) <= 1e-12
+    expected = ref_group_weights(losses, groups, num_groups, eta.item(), lam, name, **kw)
+    m, p, present = ref_means(losses, groups, num_groups)
+    if name == "cvar":
+        # psi*' jumps at t = 0: above eta* a group weighs p_g/alpha, below 0, at eta* what makes the sum one.
+        alpha = kw["alpha"]
+        # (the reference means and ours may differ in the last bit: within a few roundings of eta* is the boundary)
+        band = 1e-14 * abs(eta.item())
+        for mean, share, g in zip(m, p, present):
+            if mean > eta.item() + band:
+                assert abs(q[g].item() - share / alpha) <= 1e-12
+            elif mean < eta.item() - band:
+                assert q[g].item() == 0.0
+            else:
+                assert -1e-12 <= q[g].item() <= share / alpha + 1e-12
+    else:
+        # the reference weights at eta* sum to one up to eta*'s rounding; compare them normalized
+        np.testing.assert_allclose(q.numpy(), expected / expected.sum(), rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_dtypes(backend, name, params, dtype):
+    kw = case_kwargs(params)
+    lam = 0.5
+    losses, groups = random_batch(101, 7, dtype, absent=(3,))
+    value, eta = dro_ext.robust_objective(losses, lam, name, groups=groups.to(torch.int32), num_groups=7, **kw)
+    assert value.dtype == dtype and eta.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    # The reference on the rounded inputs, in float64.
+    expected = ref_psi(losses.double(), groups, 7, lam, name, **kw)
+    torch.testing.assert_close(value.double(), torch.tensor(expected, dtype=torch.float64), **ref.tolerances(dtype))
+    q = dro_ext.worst_case_weights(losses, lam, name, groups=groups, num_groups=7, **kw)
+    assert q.dtype == dtype and q.shape == (7,) and q[3] == 0
+    torch.testing.assert_close(q.double().sum(), torch.tensor(1.0, dtype=torch.float64), **ref.tolerances(dtype))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Population and tensor weightings: the solver over weighted group means
+# ---------------------------------------------------------------------------------------------------
+
+WEIGHTINGS = {
+    # population counts unlike the batch's; a tensor with a zero weight on a present group and one on an absent one
+    "population": lambda g: dict(weighting="population", group_counts=[3.0, 1.0, 7.0, 2.0, 5.0, 0.5][:g]),
+    "tensor": lambda g: dict(weighting=torch.tensor([0.0, 2.0, 1.0, 0.25, 4.0, 1.5][:g], dtype=torch.float64)),
+}
+
+
+def weighting_vector(options):
+    return options["group_counts"] if options["weighting"] == "population" else options["weighting"].tolist()
+
+
+@pytest.mark.parametrize("weighting", list(WEIGHTINGS))
+@pytest.mark.parametrize("n", [1, 9, 80])
+@pytest.mark.parametrize("lam", [0.1, 1.0])
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_weighted_matches_scalar_minimization(backend, name, params, lam, n, weighting):
+    kw = case_kwargs(params)
+    options = WEIGHTINGS[weighting](6)
+    losses, groups = random_batch(n, 6, absent=(5,))
+    if n == 1:
+        groups[:] = 1  # a present group of positive weight
+    value, eta = dro_ext.robust_objective(losses, lam, name, groups=groups, num_groups=6, **options, **kw)
+    assert value.dtype == torch.float64 and eta.dtype == torch.float64
+    weights = weighting_vector(options)
+    expected = ref_psi(losses, groups, 6, lam, name, **kw, weights=weights)
+    assert abs(value.item() - expected) <= 1e-10 * (1.0 + abs(expected)), (value.item(), expected)
+    m, p, present = ref_means(losses, groups, 6, weights)
+    assert abs(ref_dual(m, p, lam, name, **kw)(eta.item()) - expected) <= 1e-10 * (1.0 + abs(expected))
+    # group_dro_loss's objective at eta* is the minimum
+    at_eta = dro_ext.group_dro_loss(losses, groups, 6, eta, lam, name, **options, **kw)
+    assert abs(at_eta.item() - value.item()) <= 1e-10 * (1.0 + abs(expected))
+    q = dro_ext.worst_case_weights(losses, lam, name, groups=groups, num_groups=6, **options, **kw)
+    assert q.shape == (6,) and q[5] == 0 and bool((q >= 0).all()) and abs(q.sum().item() - 1.0) <= 1e-12
+    if name != "cvar" and n > 1:
+        expected_q = ref_group_weights(losses, groups, 6, eta.item(), lam, name, **kw, weights=weights)
+        np.testing.assert_allclose(q.numpy(), expected_q / expected_q.sum(), rtol=1e-8, atol=1e-12)
+    if name == "cvar":
+        # q_g <= p_g / alpha, and the mass above eta* is taken whole
+        cap = np.zeros(6)
+        cap[present] = p / kw["alpha"]
+        assert bool(np.all(q.numpy() <= cap * (1 + 1e-12) + 1e-15))
+        for mean, g in zip(m, present):
+            if mean > eta.item() * (1 + 1e-14):
+                assert abs(q[g].item() - cap[g]) <= 1e-12
+
+
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_population_at_the_batch_counts_is_the_batch_weighting(backend, name, params):
+    kw = case_kwargs(params)
+    losses, groups = random_batch(70, 5)
+    counts = torch.bincount(groups, minlength=5).double()
+    batch = dro_ext.robust_objective(losses, 0.3, name, groups=groups, num_groups=5, **kw)
+    population = dro_ext.robust_objective(losses, 0.3, name, groups=groups, num_groups=5, weighting="population",
+                                          group_counts=counts, **kw)
+    torch.testing.assert_close(population[0], batch[0], rtol=1e-12, atol=1e-13)
+    if name != "cvar":  # cvar's minimizers form an interval: each solver may return another point of it
+        torch.testing.assert_close(population[1], batch[1], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_weighted_solver_equals_repeated_points(name, params):
+    # Integer weights are repeated points: the solver with w equals the unweighted solver on the repetitions.
+    from dro_ext import _solver
+    from dro_ext._divergences import check_divergence
+
+    spec = check_divergence(name, **case_kwargs(params))
+    x = (torch.randn(9, dtype=torch.float64) * 0.8).exp()
+    w = torch.tensor([1.0, 3.0, 2.0, 1.0, 5.0, 1.0, 2.0, 4.0, 1.0], dtype=torch.float64)
+    got = _solver.solve(x, 0.3, spec, w=w)
+    expected = _solver.solve(x.repeat_interleave(w.long()), 0.3, spec)
+    assert got.n == 20.0 and abs(got.value - expected.value) <= 1e-13 * abs(expected.value)
+    q = _solver.weights(x, torch.tensor(got.eta, dtype=torch.float64), got.n, 0.3, spec, w=w)
+    q_repeated = _solver.weights(x.repeat_interleave(w.long()), torch.tensor(expected.eta, dtype=torch.float64),
+                                 expected.n, 0.3, spec)
+    sums = torch.zeros(9, dtype=torch.float64).index_add(0, torch.arange(9).repeat_interleave(w.long()), q_repeated)
+    torch.testing.assert_close(q, sums, rtol=1e-9, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_weighted_dtypes(backend, name, params, dtype):
+    kw = case_kwargs(params)
+    options = WEIGHTINGS["population"](6)
+    losses, groups = random_batch(64, 6, dtype)
+    value, eta = dro_ext.robust_objective(losses, 0.5, name, groups=groups, num_groups=6, **options, **kw)
+    assert value.dtype == dtype and eta.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    expected = ref_psi(losses.double(), groups, 6, 0.5, name, **kw, weights=options["group_counts"])
+    torch.testing.assert_close(value.double(), torch.tensor(expected, dtype=torch.float64), **ref.tolerances(dtype))
+
+
+@pytest.mark.parametrize("weighting", list(WEIGHTINGS))
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_weighted_gradcheck(backend, name, params, weighting):
+    kw = case_kwargs(params)
+    options = WEIGHTINGS[weighting](4)
+    losses, groups = random_batch(12, 4)
+    losses.requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda l: dro_ext.robust_objective(l, 0.7, name, groups=groups, num_groups=4, **options, **kw)[0],
+        (losses,), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_weighted_without_weight_on_the_present_groups_is_nan(backend):
+    # p renormalized over the present groups is 0/0, as group_dro_loss has it
+    losses, groups = torch.rand(4, dtype=torch.float64), torch.tensor([0, 0, 2, 2])
+    value, eta = dro_ext.robust_objective(losses, 0.3, "kl", groups=groups, num_groups=3,
+                                          weighting=torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64))
+    assert math.isnan(value.item()) and math.isnan(eta.item())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Special structures
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_single_group_is_its_mean(backend, name, params):
+    # One group present (of four): the dual at eta is eta + lam psi*((m - eta)/lam), minimized at eta = m
+    # (psi*'(0) = 1) with psi*(0) = 0: Psi = m, and q puts all the mass on that group.
+    kw = case_kwargs(params)
+    losses = torch.rand(13, dtype=torch.float64) + 0.5
+    groups = torch.full((13,), 2)
+    value, eta = dro_ext.robust_objective(losses, 0.2, name, groups=groups, num_groups=4, **kw)
+    mean = losses.sum() / 13
+    torch.testing.assert_close(value, mean, rtol=1e-15, atol=0)
+    torch.testing.assert_close(eta, mean, rtol=1e-15, atol=0)
+    q = dro_ext.worst_case_weights(losses, 0.2, name, groups=groups, num_groups=4, **kw)
+    assert q.tolist() == [0.0, 0.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_one_sample_per_group_is_the_sample_level_objective(backend, name, params, dtype):
+    # Each group holds one sample: the group means are the losses, so Psi is robust_objective's, bit for bit
+    # (the group ids in any order: the group objective is the sample-level one of m[groups], which is the losses).
+    kw = case_kwargs(params)
+    n = 37
+    losses, _ = random_batch(n, 1, dtype)
+    groups = torch.randperm(n)
+    got = dro_ext.robust_objective(losses, 0.4, name, groups=groups, num_groups=n + 3, **kw)
+    expected = dro_ext.robust_objective(losses, 0.4, name, **kw)
+    assert got[0].item() == expected[0].item() and got[1].item() == expected[1].item()
+    q = dro_ext.worst_case_weights(losses, 0.4, name, groups=groups, num_groups=n + 3, **kw)
+    q_samples = dro_ext.worst_case_weights(losses, 0.4, name, **kw)
+    # the same weights, renormalized over the groups (a few roundings)
+    torch.testing.assert_close(q[groups], q_samples, rtol=8 * torch.finfo(dtype).eps, atol=0)
+    assert bool((q[n:] == 0).all())
+
+
+def test_batch_weighting_is_the_sample_level_objective_of_the_group_means(backend):
+    # The identity the implementation rests on, for groups of several samples: robust_objective over groups equals
+    # the sample-level robust_objective of each sample's group mean.
+    losses, groups = random_batch(200, 9, absent=(0, 5))
+    means = torch.stack([losses[groups == g].mean() if (groups == g).any() else losses.new_zeros(())
+                         for g in range(9)])
+    for name, params in ref.CASES:
+        kw = case_kwargs(params)
+        got, _ = dro_ext.robust_objective(losses, 0.3, name, groups=groups, num_groups=9, **kw)
+        expected, _ = dro_ext.robust_objective(means[groups], 0.3, name, **kw)
+        torch.testing.assert_close(got, expected, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("weighting", ["batch", "population"])
+def test_non_contiguous_inputs(backend, weighting):
+    # strided views of the losses and the ids give the answer of their contiguous copies
+    base, base_groups = random_batch(2 * 57, 5)
+    losses, groups = base[::2], base_groups[1::2]
+    assert not losses.is_contiguous() and not groups.is_contiguous()
+    options = {} if weighting == "batch" else dict(weighting="population", group_counts=[1.0, 2.0, 3.0, 4.0, 5.0])
+    for name, params in ref.CASES:
+        kw = case_kwargs(params)
+        got = dro_ext.robust_objective(losses, 0.3, name, groups=groups, num_groups=5, **options, **kw)
+        expected = dro_ext.robust_objective(losses.contiguous(), 0.3, name, groups=groups.contiguous(),
+                                            num_groups=5, **options, **kw)
+        assert got[0].item() == expected[0].item() and got[1].item() == expected[1].item()
+        q = dro_ext.worst_case_weights(losses, 0.3, name, groups=groups, num_groups=5, **options, **kw)
+        assert torch.equal(q, dro_ext.worst_case_weights(losses.contiguous(), 0.3, name, groups=groups.contiguous(),
+                                                         num_groups=5, **options, **kw))
+
+
+@pytest.mark.parametrize("weighting", ["batch", "population"])
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_nan_propagates(backend, name, params, weighting):
+    kw = case_kwargs(params)
+    options = {} if weighting == "batch" else dict(weighting="population", group_counts=[1.0, 2.0, 3.0, 4.0])
+    losses, groups = random_batch(30, 4)
+    losses[11] = math.nan
+    value, eta = dro_ext.robust_objective(losses, 0.3, name, groups=groups, num_groups=4, **options, **kw)
+    assert math.isnan(value.item()) and math.isnan(eta.item())
+    q = dro_ext.worst_case_weights(losses, 0.3, name, groups=groups, num_groups=4, **options, **kw)
+    assert bool(torch.isnan(q).any())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Gradients and compilation
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_gradient_is_the_group_distribution_over_the_counts(backend, name, params):
+    kw = case_kwargs(params)
+    num_groups = 6
+    losses, groups = random_batch(40, num_groups, absent=(4,))
+    losses.requires_grad_()
+    value, _ = dro_ext.robust_objective(losses, 0.3, name, groups=groups, num_groups=num_groups, **kw)
+    (grad,) = torch.autograd.grad(2.0 * value, losses)
+    q = dro_ext.worst_case_weights(losses, 0.3, name, groups=groups, num_groups=num_groups, **kw)
+    counts = torch.bincount(groups, minlength=num_groups).double()
+    torch.testing.assert_close(grad, 2.0 * (q / counts.clamp(min=1))[groups], rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_gradcheck(backend, name, params):
+    kw = case_kwargs(params)
+    losses, groups = random_batch(12, 4)
+    losses.requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda l: dro_ext.robust_objective(l, 0.7, name, groups=groups, num_groups=4, **kw)[0], (losses,),
+        eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_compile_fullgraph():
+    if _backend._force_python:
+        pytest.skip("DRO_EXT_FORCE_PYTHON=1: this run covers the fallback only")
+    assert _backend.native_available(), f"native extension not loaded: {_backend.load_error()}"
+    losses, groups = random_batch(100, 6)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def f(l, g):
+        return dro_ext.robust_objective(l, 0.3, "smoothed_cvar", alpha=0.2, groups=g, num_groups=6)
+
+    torch.testing.assert_close(
+        f(losses, groups),
+        dro_ext.robust_objective(losses, 0.3, "smoothed_cvar", alpha=0.2, groups=groups, num_groups=6))
+
+
+# ---------------------------------------------------------------------------------------------------
+# weight_stats over groups
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_weight_stats_over_groups(backend):
+    num_groups = 5
+    losses, groups = random_batch(50, num_groups, absent=(2,))
+    stats = dro_ext.weight_stats(losses=losses, lam=0.3, divergence="kl", groups=groups, num_groups=num_groups,
+                                 over="groups")
+    q = dro_ext.worst_case_weights(losses, 0.3, "kl", groups=groups, num_groups=num_groups)
+    torch.testing.assert_close(stats.group_mass, q, rtol=1e-12, atol=1e-15)
+    # The statistics of the distribution over the samples that q induces: q_{g_i} / n_{g_i}.
+    counts = torch.bincount(groups, minlength=num_groups).double()
+    w = (q / counts.clamp(min=1))[groups]
+    torch.testing.assert_close(stats.ess, 1.0 / (w * w).sum(), rtol=1e-10, atol=0)
+    torch.testing.assert_close(stats.max_weight, w.max(), rtol=1e-12, atol=0)
+    assert stats.zero_fraction.item() == 0.0
+    # At a given eta: the weights of the group means at eta, normalized.
+    at_eta = dro_ext.weight_stats(losses=losses, lam=0.3, eta=0.9, divergence="cvar", alpha=0.4, groups=groups,
+                                  num_groups=num_groups, over="groups")
+    m = torch.stack([losses[groups == g].mean() if (groups == g).any() else losses.new_zeros(())
+                     for g in range(num_groups)])
+    mass = torch.where(counts > 0, counts * (m > 0.9).double(), 0.0)
+    torch.testing.assert_close(at_eta.group_mass, mass / mass.sum(), rtol=1e-12, atol=0)
+    # The default stays the sample-level weighting, grouped.
+    samples = dro_ext.weight_stats(losses=losses, lam=0.3, divergence="kl", groups=groups, num_groups=num_groups)
+    q_samples = dro_ext.worst_case_weights(losses, 0.3, "kl")
+    torch.testing.assert_close(samples.group_mass, torch.zeros(num_groups, dtype=torch.float64)
+                               .index_add(0, groups, q_samples), rtol=1e-12, atol=1e-15)
+
+
+# ---------------------------------------------------------------------------------------------------
+# evaluate's group report
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_evaluate_group_report(backend):
+    torch.manual_seed(0)
+    num_groups = 5
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    x, y = torch.randn(47, 3, dtype=torch.float64), torch.randn(47, dtype=torch.float64)
+    g = torch.randint(0, num_groups - 1, (47,))  # group 4 never appears
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y, g), batch_size=8)
+
+    def per_sample_loss(m, batch):
+        return (m(batch[0]).squeeze(-1) - batch[1]) ** 2
+
+    result = dro_ext.evaluate(model, loader, per_sample_loss, 0.5, "chi2", groups_fn=lambda b: b[2],
+                              num_groups=num_groups, progress=False)
+    assert isinstance(result, dro_ext.GroupEvaluation)
+    with torch.no_grad():
+        losses = (model(x).squeeze(-1) - y) ** 2
+    value, eta = dro_ext.robust_objective(losses, 0.5, "chi2", groups=g, num_groups=num_groups)
+    torch.testing.assert_close(result.value, value, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(result.eta_star, eta, rtol=1e-12, atol=1e-12)
+    expected_means = [losses[g == h].mean().item() for h in range(num_groups - 1)]
+    np.testing.assert_allclose(result.group_loss[:-1].numpy(), expected_means, rtol=1e-12)
+    assert math.isnan(result.group_loss[-1].item())
+    assert result.group_count.tolist() == [int((g == h).sum()) for h in range(num_groups)]
+    worst = int(np.argmax(expected_means))
+    assert result.worst_group.item() == worst
+    assert result.worst_group_loss.item() == result.group_loss[worst].item()
+    assert not result.value.requires_grad
+    # The call without groups keeps its (value, eta_star) result.
+    plain = dro_ext.evaluate(model, loader, per_sample_loss, 0.5, "chi2", progress=False)
+    assert isinstance(plain, tuple) and len(plain) == 2
+    torch.testing.assert_close(plain[0], dro_ext.robust_objective(losses, 0.5, "chi2")[0], rtol=1e-12, atol=1e-12)
+
+
+def test_evaluate_worst_group_with_a_nan_group():
+    model = torch.nn.Identity()
+    loader = [(torch.tensor([1.0, math.nan, 3.0, 0.5]), torch.tensor([0, 1, 2, 2]))]
+    result = dro_ext.evaluate(model, loader, lambda m, b: m(b[0]), 0.5, groups_fn=lambda b: b[1], num_groups=3,
+                              progress=False)
+    # A NaN group is the worst (its loss is unknown, not small), and Psi is NaN.
+    assert result.worst_group.item() == 1 and math.isnan(result.worst_group_loss.item())
+    assert math.isnan(result.value.item())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad inputs
+# ---------------------------------------------------------------------------------------------------
+
+_L = torch.rand(6, dtype=torch.float64)
+_G = torch.tensor([0, 1, 1, 2, 0, 2])
+
+
+@pytest.mark.parametrize("kwargs,exc,word", [
+    (dict(groups=_G.double(), num_groups=3), TypeError, "groups"),
+    (dict(groups=_G[:5], num_groups=3), ValueError, "groups"),
+    (dict(groups=_G.reshape(2, 3), num_groups=3), ValueError, "groups"),
+    (dict(groups=_G, num_groups=2), IndexError, "groups"),
+    (dict(groups=_G - 1, num_groups=3), IndexError, "groups"),
+    (dict(groups=_G), ValueError, "num_groups"),
+    (dict(num_groups=3), ValueError, "groups"),
+    (dict(groups=_G, num_groups=0), ValueError, "num_groups"),
+    (dict(groups=_G, num_groups=3.0), TypeError, "num_groups"),
+    (dict(groups=[0, 1, 1, 2, 0, 2], num_groups=3), TypeError, "groups"),
+    (dict(groups=_G, num_groups=3, weighting="population"), ValueError, "group_counts"),
+    (dict(groups=_G, num_groups=3, weighting="population", group_counts=[1, 0, 3]), ValueError, "group_counts"),
+    (dict(groups=_G, num_groups=3, weighting=torch.ones(4)), ValueError, "weighting"),
+    (dict(groups=_G, num_groups=3, group_counts=[1, 2, 3]), ValueError, "group_counts"),
+    (dict(groups=_G, num_groups=3, weighting="uniform"), ValueError, "weighting"),
+    (dict(weighting="population"), ValueError, "groups"),
+    (dict(groups=_G, num_groups=3, group=object()), RuntimeError, "torch.distributed"),
+])
+@pytest.mark.parametrize("fn", ["robust_objective", "worst_case_weights"])
+def test_bad_inputs(backend, fn, kwargs, exc, word):
+    with pytest.raises(exc, match=word):
+        getattr(dro_ext, fn)(_L, 0.3, "chi2", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,exc,word", [
+    (dict(losses=_L, lam=0.3, groups=_G.float(), num_groups=3, over="groups"), TypeError, "groups"),
+    (dict(losses=_L, lam=0.3, groups=_G, over="groups"), ValueError, "num_groups"),
+    (dict(weights=_L, groups=_G, num_groups=3, over="groups"), ValueError, "losses"),
+    (dict(losses=_L, lam=0.3, over="group"), ValueError, "over"),
+    (dict(losses=_L, lam=0.3, groups=_G, num_groups=3, over="groups", group=object()), NotImplementedError, "group="),
+])
+def test_weight_stats_bad_inputs(kwargs, exc, word):
+    with pytest.raises(exc, match=word):
+        dro_ext.weight_stats(**kwargs)
+
+
+def test_evaluate_bad_inputs():
+    model = torch.nn.Identity()
+    loader = [(torch.rand(4), torch.tensor([0, 1, 1, 0]))]
+    loss = lambda m, b: m(b[0])  # noqa: E731
+    with pytest.raises(ValueError, match="num_groups"):
+        dro_ext.evaluate(model, loader, loss, 0.3, groups_fn=lambda b: b[1], progress=False)
+    with pytest.raises(ValueError, match="groups_fn"):
+        dro_ext.evaluate(model, loader, loss, 0.3, num_groups=2, progress=False)
+    with pytest.raises(TypeError, match="groups_fn"):
+        dro_ext.evaluate(model, loader, loss, 0.3, groups_fn=3, num_groups=2, progress=False)
+    with pytest.raises(TypeError, match="groups"):
+        dro_ext.evaluate(model, loader, loss, 0.3, groups_fn=lambda b: b[1].float(), num_groups=2, progress=False)
+    with pytest.raises(ValueError, match="groups"):
+        dro_ext.evaluate(model, loader, loss, 0.3, groups_fn=lambda b: b[1][:3], num_groups=2, progress=False)
+    with pytest.raises(IndexError, match="groups"):
+        dro_ext.evaluate(model, loader, loss, 0.3, groups_fn=lambda b: b[1], num_groups=1, progress=False)
+
+
+def test_evaluate_population_weighting():
+    model = torch.nn.Identity()
+    losses, groups = random_batch(30, 4)
+    loader = [(losses[:16], groups[:16]), (losses[16:], groups[16:])]
+    options = dict(weighting="population", group_counts=[5.0, 1.0, 2.0, 9.0])
+    result = dro_ext.evaluate(model, loader, lambda m, b: m(b[0]), 0.3, "kl", groups_fn=lambda b: b[1],
+                              num_groups=4, progress=False, **options)
+    value, eta = dro_ext.robust_objective(losses, 0.3, "kl", groups=groups, num_groups=4, **options)
+    assert result.value.item() == value.item() and result.eta_star.item() == eta.item()
+    with pytest.raises(ValueError, match="group_counts"):
+        dro_ext.evaluate(model, loader, lambda m, b: m(b[0]), 0.3, groups_fn=lambda b: b[1], num_groups=4,
+                         weighting="population", progress=False)
+    with pytest.raises(ValueError, match="weighting"):
+        dro_ext.evaluate(model, loader, lambda m, b: m(b[0]), 0.3, weighting="population", progress=False)
