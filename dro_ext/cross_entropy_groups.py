@@ -337,7 +337,7 @@ def check_token_groups(groups, num_groups, targets: torch.Tensor) -> tuple[torch
         raise TypeError(f"dro_ext: groups must be a torch.Tensor of group ids, got {type(groups).__name__}")
     _groups.check_dense("groups", groups)
     if groups.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"dro_ext: groups must be an int64 or int32 tensor of group ids, got {groups.dtype}")
+        raise TypeError(f"dro_ext: groups must be an int32 or int64 tensor of group ids, got {groups.dtype}")
     if groups.device != targets.device:
         raise ValueError(f"dro_ext: groups is on {groups.device} but targets is on {targets.device}; move them to "
                          "the same device")

@@ -279,7 +279,7 @@ def weight_stats(
         width = 0  # the number of groups, where groups are given
         if groups is not None:
             if not isinstance(groups, torch.Tensor) or groups.dtype not in (torch.int64, torch.int32):
-                raise TypeError("dro_ext: groups must be an int64 or int32 tensor of group ids")
+                raise TypeError("dro_ext: groups must be an int32 or int64 tensor of group ids")
             if groups.shape != w.shape:
                 raise ValueError(f"dro_ext: groups must have shape {tuple(w.shape)}, got {tuple(groups.shape)}")
             if groups.device != w.device:

@@ -500,7 +500,7 @@ def test_bad_groups_name_the_argument(backend, linear):
             return dro_ext.dro_cross_entropy(logits, targets, 0.0, LAM, "chi2", **kwargs)
 
     good = torch.tensor([0, 1])
-    with pytest.raises(TypeError, match="groups must be an int64 or int32"):
+    with pytest.raises(TypeError, match="groups must be an int32 or int64"):
         call(groups=good.float(), num_groups=2)
     with pytest.raises(TypeError, match="groups must be a torch.Tensor"):
         call(groups=[0, 1], num_groups=2)

@@ -223,7 +223,7 @@ def test_group_dro_loss_compiles_fullgraph(backend):
 
 
 GROUP_LOSS_BAD_INPUTS = [
-    (dict(groups=torch.tensor([0.0, 1.0, 0.0, 1.0])), TypeError, "groups must be an int64 or int32"),
+    (dict(groups=torch.tensor([0.0, 1.0, 0.0, 1.0])), TypeError, "groups must be an int32 or int64"),
     (dict(groups=torch.tensor([0, 1, 0])), ValueError, "groups must have the shape"),
     (dict(groups=torch.tensor([[0, 1, 0, 1]])), ValueError, "groups must have the shape"),
     (dict(groups=[0, 1, 0, 1]), TypeError, "groups must be a torch.Tensor"),
@@ -605,7 +605,7 @@ def test_group_dro_bad_construction_names_the_argument(override, exc, match):
 
 
 @pytest.mark.parametrize("losses,groups,exc,match", [
-    (torch.ones(3), torch.tensor([0.0, 1.0, 2.0]), TypeError, "groups must be an int64 or int32"),
+    (torch.ones(3), torch.tensor([0.0, 1.0, 2.0]), TypeError, "groups must be an int32 or int64"),
     (torch.ones(3), torch.tensor([0, 1]), ValueError, "groups must have the shape"),
     (torch.ones(3), torch.tensor([0, 1, 3]), IndexError, "groups holds an id outside"),
     (torch.ones(3), torch.tensor([0, -1, 2]), IndexError, "groups holds an id outside"),
