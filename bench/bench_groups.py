@@ -1,6 +1,8 @@
 """Per-group sums (dro_ext.group_sums), forward + backward, side by side with the two compositions Group DRO code
 writes: a G x N one-hot matrix times the losses (as kohpangwei/group_DRO's loss does), and index_add_ over zeros
-(the scatter composition), at every (N, G).
+(the scatter composition), at every (N, G); and a whole online Group DRO step (dro_ext.GroupDROLoss: the group means,
+the exponentiated-gradient update of q, the loss sum_g q_g m_g, and its backward) against the same step composed on
+each of the two compositions.
 
     python -m bench.bench_groups [--sizes 128 4096 1048576] [--groups 4 64 1024] [--device cpu|cuda]
     python -m bench.bench_groups --quick      # N = 4096 and 2^14, G = 4 and 64, 2 short rounds: seconds
@@ -14,12 +16,14 @@ net allocation at its start (or its net free at its end), so the group_sums op's
 ATen tensors its aten::empty children allocate). The one-hot composition is left out (a row
 that says so) where its G x N matrix would pass ONE_HOT_MAX_ELEMENTS.
 
-Each implementation is a function (losses, groups, G) -> tensor whose gradient is taken: a later fused Group DRO
-loss is one more entry in IMPLS (a function returning its scalar loss).
+Each implementation is a function (losses, groups, G) -> tensor whose gradient is taken, in one of two FAMILIES
+(the sums, the Group DRO step), each with its fused implementation and its compositions: a row's ratios are to its
+own family's. The Group DRO steps keep their q between calls (one state per G and device), as a training run does.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 
@@ -40,23 +44,75 @@ def fused(losses, groups, num_groups):
     return dro_ext.group_sums(losses, groups, num_groups)[0]
 
 
-def one_hot(losses, groups, num_groups):
+def one_hot_sums(losses, groups, num_groups):
     """The G x N one-hot composition: the group map times the losses; the counts are its row sums."""
     group_map = (groups == torch.arange(num_groups, device=groups.device).unsqueeze(1)).to(losses.dtype)
-    counts = group_map.sum(1)  # noqa: F841 (computed as the composition computes it; the bench times it)
-    return group_map @ losses
+    return group_map @ losses, group_map.sum(1)
+
+
+def index_add_sums(losses, groups, num_groups):
+    """The scatter composition: index_add_ of the losses, and of ones for the counts, over zeros."""
+    sums = losses.new_zeros(num_groups).index_add(0, groups, losses)
+    counts = losses.new_zeros(num_groups).index_add_(0, groups, torch.ones_like(losses))
+    return sums, counts
+
+
+def one_hot(losses, groups, num_groups):
+    return one_hot_sums(losses, groups, num_groups)[0]
 
 
 def index_add(losses, groups, num_groups):
-    """The scatter composition: index_add_ of the losses, and of ones for the counts, over zeros."""
-    sums = losses.new_zeros(num_groups).index_add(0, groups, losses)
-    counts = losses.new_zeros(num_groups).index_add_(0, groups, torch.ones_like(losses))  # noqa: F841
-    return sums
+    return index_add_sums(losses, groups, num_groups)[0]
 
 
-IMPLS = {"group_sums": fused, "one-hot matmul": one_hot, "index_add": index_add}
+# The online Group DRO step, fused and composed. One q (or module) per (G, device), kept between calls.
+STEP_SIZE = 0.01
+
+
+@functools.lru_cache(maxsize=None)
+def _group_dro_module(num_groups, device):
+    return dro_ext.GroupDROLoss(num_groups, STEP_SIZE).to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _composed_q(name, num_groups, device):
+    return torch.full((num_groups,), 1.0 / num_groups, device=device)
+
+
+def group_dro_fused(losses, groups, num_groups):
+    return _group_dro_module(num_groups, str(losses.device))(losses, groups)
+
+
+def _composed_group_dro(name, reduce):
+    """The step as Group DRO code writes it on a reduction: group means, q <- q exp(step m) / sum (q detached), the
+    loss sum_g q_g m_g."""
+    def step(losses, groups, num_groups):
+        sums, counts = reduce(losses, groups, num_groups)
+        means = sums / counts.clamp_min(1)
+        q = _composed_q(name, num_groups, str(losses.device))
+        with torch.no_grad():
+            q.mul_(torch.exp(STEP_SIZE * means))
+            q.div_(q.sum())
+        return (q * means).sum()
+    return step
+
+
+IMPLS = {"group_sums": fused, "one-hot matmul": one_hot, "index_add": index_add,
+         "GroupDROLoss": group_dro_fused,
+         "Group DRO, one-hot": _composed_group_dro("one-hot", one_hot_sums),
+         "Group DRO, index_add": _composed_group_dro("index_add", index_add_sums)}
+# family (its fused implementation) -> its compositions
+FAMILIES = {"group_sums": ("one-hot matmul", "index_add"),
+            "GroupDROLoss": ("Group DRO, one-hot", "Group DRO, index_add")}
 FUSED = "group_sums"
-COMPOSITIONS = ("one-hot matmul", "index_add")
+COMPOSITIONS = FAMILIES[FUSED]
+ONE_HOT_IMPLS = ("one-hot matmul", "Group DRO, one-hot")
+
+
+def family_of(name):
+    """The fused implementation of name's family."""
+    return next(fused_name for fused_name, compositions in FAMILIES.items()
+                if name == fused_name or name in compositions)
 
 
 def forward_backward(fn, losses, groups, num_groups, grad_out):
@@ -102,18 +158,22 @@ def make_inputs(n, num_groups, device, seed=0):
 def bench_case(n, num_groups, device, timer, impls, *, rounds, min_seconds) -> list[dict]:
     losses, groups, grad_out = make_inputs(n, num_groups, device)
     skipped = {}
-    if n * num_groups > ONE_HOT_MAX_ELEMENTS and "one-hot matmul" in impls:
-        skipped["one-hot matmul"] = (f"not run: its G x N matrix would take {5 * n * num_groups / 2**30:.1f} GiB "
-                                     "(float32 and bool)")
+    for name in ONE_HOT_IMPLS:
+        if n * num_groups > ONE_HOT_MAX_ELEMENTS and name in impls:
+            skipped[name] = (f"not run: its G x N matrix would take {5 * n * num_groups / 2**30:.1f} GiB "
+                             "(float32 and bool)")
     runs = {name: forward_backward(fn, losses, groups, num_groups, grad_out)
             for name, fn in impls.items() if name not in skipped}
     stats = interleaved_rounds(runs, timer, rounds=rounds, min_seconds=min_seconds,
                                min_reps=3 if n >= 1 << 20 else 10)
-    measured_compositions = [c for c in COMPOSITIONS if c in stats]
-    best = min(measured_compositions, key=lambda c: stats[c]["median_s"]) if measured_compositions else None
-    fused_s = stats[FUSED]["median_s"] if FUSED in stats else None
+    best, fused_s = {}, {}
+    for family, compositions in FAMILIES.items():
+        measured = [c for c in compositions if c in stats]
+        best[family] = min(measured, key=lambda c: stats[c]["median_s"]) if measured else None
+        fused_s[family] = stats[family]["median_s"] if family in stats else None
     rows = []
     for name in impls:
+        family = family_of(name)
         row = {"device": str(device), "case": f"N={n} G={num_groups}", "n": n, "groups": num_groups,
                "dtype": "float32", "ids": "int64", "impl": name}
         if name in skipped:
@@ -121,12 +181,14 @@ def bench_case(n, num_groups, device, timer, impls, *, rounds, min_seconds) -> l
             continue
         t = stats[name]
         peak = peak_bytes(runs[name], device)
+        best_name = best[family]
         row.update({
+            "family": family,
             "median_ms": 1e3 * t["median_s"], "p25_ms": 1e3 * t["p25_s"], "p75_ms": 1e3 * t["p75_s"],
             "reps": t["reps"], "ns_per_sample": 1e9 * t["median_s"] / n,
-            "time_vs_fused": t["median_s"] / fused_s if fused_s else None,
-            "best_composition": best,
-            "speedup_vs_best_composition": stats[best]["median_s"] / t["median_s"] if best else None,
+            "time_vs_fused": t["median_s"] / fused_s[family] if fused_s[family] else None,
+            "best_composition": best_name,
+            "speedup_vs_best_composition": stats[best_name]["median_s"] / t["median_s"] if best_name else None,
             "peak_extra_bytes": peak, "peak_bytes_per_n_plus_g": peak / (n + num_groups),
         })
         rows.append(row)
@@ -149,8 +211,7 @@ def bench(device, sizes, group_counts, *, rounds, min_seconds, impls=None, on_ca
     return rows
 
 
-HEADER = ["N", "G", "impl", "median ms", "ns/sample", "x group_sums", "group_sums speedup", "peak extra KiB",
-          "B per (N+G)"]
+HEADER = ["N", "G", "impl", "median ms", "ns/sample", "x fused", "fused speedup", "peak extra KiB", "B per (N+G)"]
 
 
 def table_rows(rows):
@@ -159,15 +220,18 @@ def table_rows(rows):
         if "skipped" in r:
             out.append([r["n"], r["groups"], r["impl"], r["skipped"], None, None, None, None, None])
             continue
-        speedup = r["speedup_vs_best_composition"] if r["impl"] == FUSED else None
+        speedup = r["speedup_vs_best_composition"] if r["impl"] in FAMILIES else None
         out.append([r["n"], r["groups"], r["impl"], r["median_ms"], r["ns_per_sample"], r["time_vs_fused"], speedup,
                     r["peak_extra_bytes"] / 1024, r["peak_bytes_per_n_plus_g"]])
     return out
 
 
 NOTE = ("Forward (sums and counts) + backward (the losses' gradient for a fixed upstream gradient of the sums), "
-        "float32 losses, int64 ids drawn uniformly from [0, G). `x group_sums` is that row's time over group_sums'; "
-        "`group_sums speedup` is the fastest composition's time over group_sums'. `peak extra KiB` is the peak "
+        "float32 losses, int64 ids drawn uniformly from [0, G). The GroupDROLoss rows are a whole online Group DRO "
+        f"step (step_size {STEP_SIZE}): the group means, the update of q, the loss sum_g q_g m_g and its backward; "
+        "its compositions are the same step on the one-hot matrix and on index_add_. `x fused` is that row's time "
+        "over its family's fused implementation (group_sums or GroupDROLoss); `fused speedup` is the family's "
+        "fastest composition's time over the fused one's. `peak extra KiB` is the peak "
         "memory one forward + backward allocates above its inputs (CPU: PyTorch's allocator events under "
         "torch.profiler, group_sums' per-part partials included; CUDA: max_memory_allocated); `B per (N+G)` is that "
         "peak over N + G, bounded for an O(N + G) implementation and growing with G for the one-hot matrix.")

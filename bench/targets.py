@@ -15,7 +15,8 @@
   (its second pass recomputes the logits: one more matmul of the three).
 - group sums (bench_groups): group_sums forward + backward at least 2x faster than the fastest composition (one-hot
   matmul, index_add_) at every N >= 4096 and G; its peak extra memory O(N + G), at most GROUP_SUMS_BYTES_PER_ITEM
-  bytes per sample or group at every (N, G).
+  bytes per sample or group at every (N, G); a whole GroupDROLoss step at least 2x faster than the same step composed
+  on the fastest of the two, at every N >= 4096 and G.
 
     python -m bench.targets [DIR ...]       # default: bench/results
 
@@ -216,11 +217,11 @@ GROUP_SUMS_SIZES = (128, 4096, 1 << 20)
 GROUP_SUMS_GROUPS = (4, 64, 1024)
 
 
-def _group_sums_target(device: str, text: str, value, min_n: int, **bound) -> Target:
-    """A group_sums target, read from the group_sums rows of every G at N >= min_n."""
+def _group_sums_target(device: str, text: str, value, min_n: int, impl: str = "group_sums", **bound) -> Target:
+    """A bench_groups target, read from the rows of impl (group_sums, or GroupDROLoss) of every G at N >= min_n."""
     cases = tuple(f"N={n} G={g}" for n in GROUP_SUMS_SIZES if n >= min_n for g in GROUP_SUMS_GROUPS)
     return Target("group sums", "groups", device, text,
-                  lambda rows: _by_case(rows, _case, value, impl="group_sums", n=lambda n: n >= min_n),
+                  lambda rows: _by_case(rows, _case, value, impl=impl, n=lambda n: n >= min_n),
                   cases=cases, **bound)
 
 
@@ -237,7 +238,10 @@ GROUP_SUMS_TARGETS = tuple(target for device in ("cpu", "cuda") for target in (
                        "(one-hot matmul, index_add_), every G", _group_sums_speedup, 4096, at_least=2.0),
     _group_sums_target(device, f"group_sums peak extra memory O(N + G): <= {GROUP_SUMS_BYTES_PER_ITEM} B per "
                        "(N + G), every (N, G)", _group_sums_memory, 0, at_most=GROUP_SUMS_BYTES_PER_ITEM,
-                       unit=" B/(N+G)")))
+                       unit=" B/(N+G)"),
+    _group_sums_target(device, "GroupDROLoss step fwd+bwd at N >= 4096: speedup >= 2x over the same step composed on "
+                       "the one-hot matmul or index_add_, every G", _group_sums_speedup, 4096, impl="GroupDROLoss",
+                       at_least=2.0)))
 
 CE_CPU_LOGITS = "N=4096, C=32000, float32"
 CE_CPU_LINEAR = "N=2048, H=1024, V=32000, float32"
