@@ -108,9 +108,11 @@ def cmdclass():
     return {"build_ext": BuildExtensionInBuildTemp.with_options(use_ninja=shutil.which("ninja") is not None)}
 
 
-# The metadata (name, version, dependencies, extras) is pyproject.toml's [project]; this builds dro_ext._C.
-setup(
-    ext_modules=extensions(),
-    cmdclass=cmdclass(),
-    options={"bdist_wheel": {"py_limited_api": "cp310"}},
-)
+# The metadata (name, version, dependencies, extras) is pyproject.toml's [project]; this builds dro_ext._C. Guarded
+# so that the tests can import find_cuda_home (setuptools' build backend runs this file as __main__ too).
+if __name__ == "__main__":
+    setup(
+        ext_modules=extensions(),
+        cmdclass=cmdclass(),
+        options={"bdist_wheel": {"py_limited_api": "cp310"}},
+    )

@@ -16,6 +16,7 @@ nothing and the wheel only links. The test therefore needs that build: without o
 elsewhere) it is skipped, saying so, except on CI, where it fails; and CI also fails when ninja compiled anything.
 """
 import email.parser
+import importlib.util
 import os
 import re
 import subprocess
@@ -43,10 +44,13 @@ SDIST_FILES = ["setup.py", "pyproject.toml", "CMakeLists.txt", "README.md", "LIC
 
 
 def _cuda_expected() -> bool:
-    """setup.py compiles the CUDA kernels when a toolkit is there (CUDA_HOME, as `make` and CI set it) and torch is
-    a CUDA build, unless DRO_EXT_CUDA=0."""
+    """setup.py's own rule (want_cuda, without its side effects): the CUDA kernels are compiled when it finds a
+    toolkit (CUDA_HOME, CUDA_PATH, /usr/local/cuda or nvcc's) and torch is a CUDA build, unless DRO_EXT_CUDA=0."""
+    spec = importlib.util.spec_from_file_location("dro_ext_setup_script", REPO / "setup.py")
+    setup_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup_script)  # defines its functions; setup() runs only as __main__
     return (os.environ.get("DRO_EXT_CUDA", "auto") != "0" and torch.version.cuda is not None
-            and bool(os.environ.get("CUDA_HOME")))
+            and setup_script.find_cuda_home() is not None)
 
 
 def _build(kind: str, out: Path) -> tuple[Path, str]:
