@@ -347,8 +347,8 @@ class GroupDROLoss(nn.Module):
     same loss, that of the concatenated batch; the gradients of the local losses are scaled so that DDP's average
     over the ranks is the gradient of that loss.
 
-    Per step on CUDA nothing is read on the host: no ``.item()``, no data-dependent shapes (with the PyTorch
-    stand-in of the group reduction, ids out of range fail through a device-side assertion).
+    Per step on CUDA nothing is read on the host: no ``.item()``, no data-dependent shapes (ids out of range fail
+    through a device-side assertion; :func:`dro_ext.group_sums` runs with ``validate=False``).
     """
 
     # The state and configuration buffers (registered in __init__), declared for the type checker: nn.Module's
