@@ -41,9 +41,12 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
   rm -rf "$VENV"
   "$PYTHON" -m venv "$VENV"
   "$VENV/bin/pip" install -q --no-deps "torch==$VERSION"
-  "$VENV/bin/pip" install -q filelock typing-extensions "setuptools<82" sympy networkx jinja2 fsspec numpy ninja \
+  "$VENV/bin/pip" install -q filelock typing-extensions sympy networkx jinja2 fsspec numpy ninja \
     pytest expecttest hypothesis scipy
 fi
+# pyproject.toml's license is an SPDX expression with license-files (PEP 639), which setuptools reads from 77 on; a
+# new venv starts with the setuptools its Python bundles (65 for 3.11), which "setuptools<82" alone leaves in place.
+"$VENV/bin/pip" install -q "setuptools>=77,<82"
 TORCH_BUILT="$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
 echo "building against $TORCH_BUILT"
 
