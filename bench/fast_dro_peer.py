@@ -37,8 +37,25 @@ def commit_of(path: str) -> str:
         return "unknown"
 
 
+def _one_openblas_thread() -> None:
+    """fast-dro's ``utils`` imports scipy, whose OpenBLAS (beside numpy's) keeps a pool of threads of its own. On a
+    machine with few cores that pool contends with torch's OpenMP threads, and every step in the process slows, not
+    only the peer's: on 2 cores the CPU training step's per-sample rows (dro_ext's and fast-dro's alike) took 1.8x
+    ERM's with the pools at 2 threads and 0.96-1.0x with OpenBLAS at 1. The peers do no BLAS work of their own that
+    the benchmarks time (their losses are torch's), so OpenBLAS gets one thread (threadpoolctl, the benchmarks'
+    dependency); torch's own threads are left as they are."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        print("[fast-dro] threadpoolctl is not installed: OpenBLAS keeps its threads, which may slow every torch "
+              "step beside it on a machine with few cores (pip install threadpoolctl)", file=sys.stderr)
+        return
+    threadpool_limits(limits={"openblas": 1})
+
+
 def load_robust_loss(path: str):
-    """The ``RobustLoss`` class of the fast-dro checkout at ``path``."""
+    """The ``RobustLoss`` class of the fast-dro checkout at ``path`` (OpenBLAS then runs one thread: see
+    _one_openblas_thread)."""
     if not os.path.isfile(os.path.join(path, "robust_losses.py")):
         raise FileNotFoundError(f"{path} is not a fast-dro checkout: robust_losses.py is missing")
     saved = {name: sys.modules.get(name) for name in ("datasets", "utils", "robust_losses")}
@@ -49,7 +66,9 @@ def load_robust_loss(path: str):
     try:
         for name in ("utils", "robust_losses"):
             sys.modules.pop(name, None)
-        return importlib.import_module("robust_losses").RobustLoss
+        robust_loss = importlib.import_module("robust_losses").RobustLoss
+        _one_openblas_thread()
+        return robust_loss
     finally:
         sys.path.remove(path)
         for name, module in saved.items():
