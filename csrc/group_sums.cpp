@@ -24,6 +24,7 @@
 #include "checks.h"
 #include "cpu/chunks.h"
 #include "cpu/output_buffer.h"
+#include "group_sums.h"
 #include "group_sums_checks.h"
 
 namespace dro_ext {
@@ -175,6 +176,8 @@ c10::TypedOperatorHandle<Signature> find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> call_group_sums(const at::Tensor& losses, const at::Tensor& groups,
                                                    int64_t num_groups, bool validate) {
   static auto op = find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t, bool)>(
@@ -187,6 +190,8 @@ at::Tensor call_group_sums_backward(const at::Tensor& grad_sums, const at::Tenso
       "dro_ext::group_sums_backward");
   return op.call(grad_sums, groups, dtype);
 }
+
+namespace {
 
 // Hand-written Nodes, as dro_loss's (csrc/autograd.cpp): at a few thousand samples a generic Function's bookkeeping
 // would be a visible share of the call. Each backward goes through the dispatcher, with autograd when grad mode is

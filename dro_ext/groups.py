@@ -8,8 +8,11 @@ objectives built on them (docs/design.md, section 1.9):
   updated by exponentiated gradient ascent on the group losses (or by a greedy CVaR over their running averages),
   the loss being ``sum_g q_g m_g``.
 
-The O(N) work is the reduction of the losses to per-group sums and counts; the rest is O(G) and composed of
-PyTorch ops on either backend.
+The O(N) work is the reduction of the losses to per-group sums and counts (:func:`dro_ext.group_sums`); the rest is
+O(G). GroupDROLoss's exponentiated-gradient step is one native op over the sums where the extension is built
+(``dro_ext::group_dro_step_``, csrc/group_dro.cpp: at a few thousand samples some twenty PyTorch ops on (G,) tensors
+would cost more than the pass over the losses); its greedy CVaR mode, the penalized objective and the fallback are
+composed of PyTorch ops.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from dro_ext import _backend
 from dro_ext._divergences import (
     accumulate_dtype,
     as_eta,
@@ -40,6 +44,28 @@ if TYPE_CHECKING:
     from dro_ext._divergences import Divergence, Spec
 
 __all__ = ["GroupDROLoss", "group_dro_loss"]
+
+
+if _backend.native_available():
+
+    @torch.library.register_fake("dro_ext::group_dro_step_")
+    def _group_dro_step_fake(sums: torch.Tensor, counts: torch.Tensor, log_q: torch.Tensor, ema_loss: torch.Tensor,
+                             last_loss: torch.Tensor, seen: torch.Tensor, active: torch.Tensor,
+                             adjustment: torch.Tensor, step_size: float, ema_gamma: float, stale: bool,
+                             normalize_loss: bool, update: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = torch.promote_types(sums.dtype, log_q.dtype)
+        return sums.new_empty((), dtype=dtype), sums.new_empty(sums.shape, dtype=dtype)
+
+    @torch.library.register_fake("dro_ext::group_dro_loss_")
+    def _group_dro_loss_fake(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, log_q: torch.Tensor,
+                             ema_loss: torch.Tensor, last_loss: torch.Tensor, seen: torch.Tensor,
+                             active: torch.Tensor, adjustment: torch.Tensor, step_size: float, ema_gamma: float,
+                             stale: bool, normalize_loss: bool, update: bool, validate: bool) -> torch.Tensor:
+        return losses.new_empty(())
+
+    # Looked up once: resolving an overload costs a few hundred ns per call.
+    _group_dro_step_op = torch.ops.dro_ext.group_dro_step_.default
+    _group_dro_loss_op = torch.ops.dro_ext.group_dro_loss_.default
 
 
 def _group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -444,7 +470,24 @@ class GroupDROLoss(nn.Module):
             raise TypeError(f"dro_ext: update must be a bool, got {update!r}")
         if mask is not None:
             check_mask(mask, losses)
+        fused = self.mode == "eg" and _backend.native_for(losses.device.type)
+        # The state, read from the buffer dict (nn.Module's __getattr__ would cost a visible share of a small step).
+        buffers = self._buffers
+        state = (buffers["log_q"], buffers["ema_loss"], buffers["last_loss"], buffers["seen"], buffers["active"],
+                 buffers["adjustment_term"], self.step_size, self.ema_gamma, self.missing == "stale",
+                 self.normalize_loss, update)
+        if fused and mask is None and self.group is None:
+            # group_sums and the step in one native call (csrc/group_dro.cpp); the ids are checked as _group_sums
+            # checks them.
+            validate = groups.device.type == "cpu" and not torch.compiler.is_compiling()
+            if not validate:
+                _check_group_ids(groups, self.num_groups)
+            return _group_dro_loss_op(losses, groups, self.num_groups, *state, validate)
         sums, counts = _reduced_group_sums(losses, groups, self.num_groups, self.group, "GroupDROLoss", mask)
+        if fused:
+            # The same step as the composition below, over the (masked, all-reduced) sums.
+            loss, _ = _group_dro_step_op(sums, counts, *state)
+            return loss.to(losses.dtype)
         dtype = torch.promote_types(accumulate_dtype(losses.dtype), self.log_q.dtype)
         m, present = _group_means(sums, counts, dtype)
         if update:

@@ -14,8 +14,8 @@
 #define DRO_EXT_KERNEL_TABLES(build)                                                                     \
   namespace dro_ext::cpu {                                                                               \
   const KernelTable& kernels_##build() {                                                                 \
-    static const KernelTable table{reduce_impl, map_derivative_impl, min_max_impl, sum_above_impl,        \
-                                   DRO_EXT_STRINGIFY(build)};                                            \
+    static const KernelTable table{reduce_impl,    map_derivative_impl, min_max_impl,                     \
+                                   sum_above_impl, exp_shifted_impl,    DRO_EXT_STRINGIFY(build)};        \
     return table;                                                                                        \
   }                                                                                                      \
   const CrossEntropyKernelTable& cross_entropy_kernels_##build() {                                       \

@@ -16,6 +16,7 @@
 #include "cpu/kernels.h"
 #include "cpu/vector_io.h"
 #include "cpu/vectorized_math.h"
+#include "group_dro_step.h"  // exp_or_zero
 
 namespace dro_ext::cpu {
 namespace {
@@ -493,6 +494,17 @@ std::array<double, 2> sum_above_typed(const at::Tensor& x, double cut_d) {
 
 std::array<double, 2> sum_above_impl(const at::Tensor& x, double cut) {
   return dispatch_floating(x, [&](auto tag) { return sum_above_typed<decltype(tag)>(x, cut); });
+}
+
+void exp_shifted_impl(const double* x, double shift, double below, double* out, int64_t n) {
+  using V = Vectorized<double>;
+  const V shift_v(shift), below_v(below), zero(0.0);
+  int64_t i = 0;
+  for (; i + V::size() <= n; i += V::size()) {
+    const V d = V::loadu(x + i) - shift_v;
+    V::blendv(Math<V>::exp(d), zero, d < below_v).store(out + i);  // a NaN d compares false: NaN out
+  }
+  for (; i < n; ++i) out[i] = exp_or_zero(x[i] - shift, below);
 }
 
 }  // namespace

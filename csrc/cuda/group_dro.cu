@@ -1,0 +1,120 @@
+// CUDA kernel of group_dro_step_ (schema, CPU kernel and autograd in csrc/group_dro.cpp; the per-group rules in
+// csrc/group_dro_step.h): one block of kThreads threads strides over the groups, thread j taking groups j,
+// j + kThreads, ...; the sums over the groups (the scores' total, the log-sum-exp, the loss) are per-thread sums in
+// that order and then CUB's block tree, a fixed order: deterministic. Every pass reads the state as it was; the last
+// writes each group's new state from the thread that read it, so no group is read after it is written. As on the
+// CPU, the loss of an updating step uses q_g = e_g / sum_h e_h, e_g = exp(x_g - shift), and log q_g = x_g minus the
+// log-sum-exp.
+//
+// O(G) work in one launch, no host sync (CUDA-graph capturable), on the operands in place at any stride. G is the
+// number of groups, at most a few thousand in the uses this serves, where one block is enough.
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "cuda/common.cuh"
+#include "group_dro_step.h"
+
+namespace dro_ext::cuda {
+
+namespace {
+
+struct Max {
+  __device__ __forceinline__ double operator()(double x, double y) const { return x > y ? x : y; }
+};
+
+// The block-wide maximum in every thread.
+__device__ __forceinline__ double block_max_to_all(double v) {
+  __shared__ double result;
+  const double max = block_reduce(v, Max());
+  if (threadIdx.x == 0) result = max;
+  __syncthreads();
+  const double out = result;
+  __syncthreads();
+  return out;
+}
+
+template <typename sums_t, typename state_t, typename out_t>
+__global__ void __launch_bounds__(kThreads) group_dro_step_kernel(GroupDROStepOperands<sums_t, state_t> op,
+                                                                  int64_t num_groups, GroupDROStepArgs args,
+                                                                  out_t* __restrict__ loss,
+                                                                  out_t* __restrict__ weights) {
+  double part = 0.0;  // this thread's share of the loss sum_g q_g m_g
+  if (args.update) {
+    double score_total = 0.0;
+    if (args.normalize_loss) {
+      double score_part = 0.0;
+      for (int64_t g = threadIdx.x; g < num_groups; g += kThreads) {
+        const GroupInputs in = op.inputs(g);
+        score_part += in.score(in.mean(), args.stale);
+      }
+      score_total = block_sum_to_all(score_part);
+    }
+    const auto log_weight = [&](const GroupInputs& in) {
+      return in.log_weight(in.score(in.mean(), args.stale), score_total, args);
+    };
+    double max_x = -INFINITY;
+    for (int64_t g = threadIdx.x; g < num_groups; g += kThreads) max_x = Max()(log_weight(op.inputs(g)), max_x);
+    const double shift = logsumexp_shift(block_max_to_all(max_x));
+    double exp_part = 0.0;
+    for (int64_t g = threadIdx.x; g < num_groups; g += kThreads) {
+      exp_part += exp_or_zero(log_weight(op.inputs(g)) - shift, negligible_log_q<out_t>());
+    }
+    const double exp_total = block_sum_to_all(exp_part);
+    const double log_total = ::log(exp_total) + shift;
+    for (int64_t g = threadIdx.x; g < num_groups; g += kThreads) {
+      const GroupInputs in = op.inputs(g);
+      const double m = in.mean(), x = log_weight(in);
+      const double q = exp_or_zero(x - shift, negligible_log_q<out_t>()) / exp_total;
+      op.write(g, in, m, x - log_total, args.ema_gamma);
+      part += q * m;
+      weights[g] = static_cast<out_t>(q * in.inverse_count());
+    }
+  } else {
+    // The loss and its gradient weights under the current q.
+    for (int64_t g = threadIdx.x; g < num_groups; g += kThreads) {
+      const GroupInputs in = op.inputs(g);
+      const double q = exp_or_zero(in.log_q, negligible_log_q<out_t>());
+      part += q * in.mean();
+      weights[g] = static_cast<out_t>(q * in.inverse_count());
+    }
+  }
+  const double total = block_reduce(part, Sum());
+  if (threadIdx.x == 0) *loss = static_cast<out_t>(total);
+}
+
+std::tuple<at::Tensor, at::Tensor> group_dro_step_cuda(const at::Tensor& sums, const at::Tensor& counts,
+                                                       at::Tensor& log_q, at::Tensor& ema_loss, at::Tensor& last_loss,
+                                                       at::Tensor& seen, const at::Tensor& active,
+                                                       const at::Tensor& adjustment, double step_size,
+                                                       double ema_gamma, bool stale, bool normalize_loss,
+                                                       bool update) {
+  check_group_dro_step_args(sums, counts, log_q, ema_loss, last_loss, seen, active, adjustment);
+  const c10::cuda::CUDAGuard guard(sums.device());
+  const auto out_dtype = c10::promoteTypes(sums.scalar_type(), log_q.scalar_type());
+  at::Tensor loss = at::empty({}, sums.options().dtype(out_dtype));
+  at::Tensor weights = at::empty(sums.sizes(), sums.options().dtype(out_dtype));
+  const at::Tensor adjust = as_dtype(adjustment, at::kDouble);  // a float64 buffer unless the module was cast
+  const GroupDROStepArgs args{step_size, ema_gamma, stale, normalize_loss, update};
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES(sums.scalar_type(), "dro_ext_cuda_group_dro_step", [&] {
+    using sums_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, log_q.scalar_type(), "dro_ext_cuda_group_dro_state", [&] {
+      using out_t = step_out_t<sums_t, scalar_t>;
+      group_dro_step_kernel<<<1, kThreads, 0, stream>>>(
+          group_dro_step_operands<sums_t, scalar_t>(sums, counts, log_q, ema_loss, last_loss, seen, active, adjust),
+          sums.numel(), args, loss.mutable_data_ptr<out_t>(), weights.mutable_data_ptr<out_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return {loss, weights};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dro_ext, CUDA, m) {
+  m.impl("group_dro_step_", &group_dro_step_cuda);
+}
+
+}  // namespace dro_ext::cuda

@@ -1,0 +1,171 @@
+// The O(G) part of one online Group DRO step (exponentiated gradient; docs/design.md section 1.9, "Online Group
+// DRO"): the only copy of its per-group rules in C++, shared by the CPU kernel (csrc/group_dro.cpp) and the CUDA
+// kernel (csrc/cuda/group_dro.cu). dro_ext/groups.py's GroupDROLoss._update is the same rules in PyTorch ops (the
+// fallback, and the greedy CVaR mode, which has no native kernel).
+//
+// Per group g, from its batch sum s_g and count n_g (of every rank with a process group) and its state:
+//   m_g     = s_g / max(n_g, 1)                 (0 for a group absent from the batch; s_g times the reciprocal)
+//   ema_g  <- (1 - gamma) ema_g + gamma m_g      once seen before, m_g at its first batch; kept while absent
+//   last_g <- m_g                                kept while absent
+//   a_g     = (stale ? last_g : m_g) + C_g / sqrt(N_g)      divided by sum_h a_h when normalize_loss (and it is != 0)
+//   x_g     = log q_g + step_size a_g            (-inf for a disabled group)
+//   log q_g <- x_g - logsumexp(x)
+// and the loss sum_g q_g m_g with its gradient d loss / d s_g = q_g / max(n_g, 1) (q detached).
+//
+// Everything is computed in double from the inputs' values and rounded once where it is stored; the sums over the
+// groups are in a fixed order (group order on the CPU, a fixed block tree on CUDA), so a step is bitwise
+// repeatable.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/macros/Macros.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <type_traits>
+
+namespace dro_ext {
+
+struct GroupDROStepArgs {
+  double step_size;
+  double ema_gamma;
+  bool stale;           // missing="stale": an absent group scores its last mean loss (else 0)
+  bool normalize_loss;  // the scores divided by their sum
+  bool update;          // false: the loss under the current q, the state left alone
+};
+
+// The dtype of the loss and its gradient weights: what c10::promoteTypes gives for the sums (float or double) and
+// the state (any floating type).
+template <typename sums_t, typename state_t>
+using step_out_t = std::conditional_t<std::is_same_v<sums_t, double> || std::is_same_v<state_t, double>, double, float>;
+
+// One group's inputs, read in double.
+struct GroupInputs {
+  double sum, count, log_q, ema, last, adjustment;
+  bool seen, active;
+
+  C10_HOST_DEVICE bool present() const { return count > 0.0; }
+  C10_HOST_DEVICE double inverse_count() const { return 1.0 / (count > 1.0 ? count : 1.0); }
+  C10_HOST_DEVICE double mean() const { return sum * inverse_count(); }
+  C10_HOST_DEVICE double new_last(double m) const { return present() ? m : last; }
+  C10_HOST_DEVICE double new_ema(double m, double gamma) const {
+    if (!present()) return ema;
+    return seen ? (1.0 - gamma) * ema + gamma * m : m;
+  }
+  // a_g before normalize_loss.
+  C10_HOST_DEVICE double score(double m, bool stale) const { return (stale ? new_last(m) : m) + adjustment; }
+  // x_g, given the sum of the scores (used with normalize_loss only; a zero sum leaves the scores as they are, a
+  // NaN one makes them NaN, as the division would).
+  C10_HOST_DEVICE double log_weight(double a, double score_total, const GroupDROStepArgs& args) const {
+    if (!active) return -INFINITY;  // a disabled group stays at q = 0 exactly, whatever its score
+    const double scaled = args.normalize_loss && score_total != 0.0 ? a / score_total : a;
+    return log_q + args.step_size * scaled;
+  }
+};
+
+template <typename T>
+struct StridedVector {  // a 1-D tensor's elements, any stride
+  T* data;
+  int64_t stride;
+  C10_HOST_DEVICE T& operator[](int64_t g) const { return data[g * stride]; }
+};
+
+template <typename T>
+StridedVector<T> strided_vector(const at::Tensor& t) {
+  if constexpr (std::is_const_v<T>) {
+    return {t.const_data_ptr<std::remove_const_t<T>>(), t.stride(0)};
+  } else {
+    return {t.mutable_data_ptr<T>(), t.stride(0)};
+  }
+}
+
+// The operands of one step, on the host or the device: the inputs of each group, and its state to write.
+template <typename sums_t, typename state_t>
+struct GroupDROStepOperands {
+  StridedVector<const sums_t> sums, counts;
+  StridedVector<state_t> log_q, ema, last;
+  StridedVector<bool> seen;
+  StridedVector<const bool> active;
+  StridedVector<const double> adjustment;
+
+  C10_HOST_DEVICE C10_ALWAYS_INLINE GroupInputs inputs(int64_t g) const {
+    return GroupInputs{static_cast<double>(sums[g]), static_cast<double>(counts[g]), static_cast<double>(log_q[g]),
+                       static_cast<double>(ema[g]),  static_cast<double>(last[g]),  adjustment[g],
+                       seen[g],                      active[g]};
+  }
+  // Group g's new state, from its inputs (read before) and its new log q.
+  C10_HOST_DEVICE C10_ALWAYS_INLINE void write(int64_t g, const GroupInputs& in, double m, double new_log_q,
+                                               double ema_gamma) const {
+    ema[g] = static_cast<state_t>(in.new_ema(m, ema_gamma));
+    last[g] = static_cast<state_t>(in.new_last(m));
+    seen[g] = in.seen || in.present();
+    log_q[g] = static_cast<state_t>(new_log_q);
+  }
+};
+
+// adjustment must be float64 (the op converts it).
+template <typename sums_t, typename state_t>
+GroupDROStepOperands<sums_t, state_t> group_dro_step_operands(const at::Tensor& sums, const at::Tensor& counts,
+                                                              at::Tensor& log_q, at::Tensor& ema_loss,
+                                                              at::Tensor& last_loss, at::Tensor& seen,
+                                                              const at::Tensor& active, const at::Tensor& adjustment) {
+  return {strided_vector<const sums_t>(sums),     strided_vector<const sums_t>(counts),
+          strided_vector<state_t>(log_q),         strided_vector<state_t>(ema_loss),
+          strided_vector<state_t>(last_loss),     strided_vector<bool>(seen),
+          strided_vector<const bool>(active),     strided_vector<const double>(adjustment)};
+}
+
+// The shift of a log-sum-exp: the largest x_g, or 0 where that is infinite (as torch.logsumexp: an infinite x_g then
+// makes the sum infinite, and log q NaN for that group; a NaN x_g makes the sum NaN).
+C10_HOST_DEVICE inline double logsumexp_shift(double max_x) {
+  return max_x == INFINITY || max_x == -INFINITY ? 0.0 : max_x;
+}
+
+// q_g is taken as 0 in the loss and its gradient weights (never in log q, which keeps every group's value) where
+// log q_g (or x_g - shift, before the division by sum_h e_h <= G) lies below negligible_log_q<out_t>(): every q_g,
+// q_g / n_g and q_g m_g then stays a normal number of out_t for n_g, G < 2^31 (which take off at most e^-43).
+// Subnormal operands cost a hundred cycles apiece on x86 (glibc's exp itself takes a slow path for every result it
+// underflows), and a run where q concentrates on a few of many groups meets them for most groups at every step.
+// What is dropped weighs below e^-44 (float32) or e^-660 (float64) against the largest q_g.
+template <typename out_t>
+C10_HOST_DEVICE constexpr double negligible_log_q() {
+  return std::is_same_v<out_t, double> ? -660.0 : -44.0;  // log of the smallest normal (-708.4, -87.3) + 43
+}
+C10_HOST_DEVICE inline double exp_or_zero(double x, double below) { return x < below ? 0.0 : ::exp(x); }
+
+// t in dtype: t itself when it has it. (A kernel beneath autograd must not call at::Tensor::to for nothing: that
+// returns its input, which the custom-op contract forbids an op below autograd to do.)
+inline at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {
+  return t.scalar_type() == dtype ? t : t.to(dtype);
+}
+
+// The operands: (G,) sums and counts of one floating dtype (float32 or float64); the state, on their device: log_q,
+// ema_loss and last_loss of one floating dtype, seen and active bool, adjustment floating.
+inline void check_group_dro_step_args(const at::Tensor& sums, const at::Tensor& counts, const at::Tensor& log_q,
+                                      const at::Tensor& ema_loss, const at::Tensor& last_loss, const at::Tensor& seen,
+                                      const at::Tensor& active, const at::Tensor& adjustment) {
+  TORCH_CHECK_VALUE(sums.dim() == 1 && sums.numel() >= 1,
+                    "dro_ext: sums must be a 1-D tensor of num_groups >= 1 group sums, got shape ", sums.sizes());
+  TORCH_CHECK_TYPE(sums.scalar_type() == at::kFloat || sums.scalar_type() == at::kDouble,
+                   "dro_ext: sums must be float32 or float64 (group_sums' output), got ", sums.scalar_type());
+  TORCH_CHECK_TYPE(counts.scalar_type() == sums.scalar_type(), "dro_ext: counts must have the dtype of sums, ",
+                   sums.scalar_type(), ", got ", counts.scalar_type());
+  TORCH_CHECK_TYPE(at::isFloatingType(log_q.scalar_type()) && ema_loss.scalar_type() == log_q.scalar_type() &&
+                       last_loss.scalar_type() == log_q.scalar_type(),
+                   "dro_ext: log_q, ema_loss and last_loss must share one floating dtype, got ", log_q.scalar_type(),
+                   ", ", ema_loss.scalar_type(), " and ", last_loss.scalar_type());
+  TORCH_CHECK_TYPE(seen.scalar_type() == at::kBool && active.scalar_type() == at::kBool,
+                   "dro_ext: seen and active must be bool tensors, got ", seen.scalar_type(), " and ",
+                   active.scalar_type());
+  TORCH_CHECK_TYPE(at::isFloatingType(adjustment.scalar_type()), "dro_ext: adjustment must be floating, got ",
+                   adjustment.scalar_type());
+  for (const at::Tensor* t : {&counts, &log_q, &ema_loss, &last_loss, &seen, &active, &adjustment}) {
+    TORCH_CHECK_VALUE(t->sizes() == sums.sizes(), "dro_ext: every operand of group_dro_step_ must have the shape of "
+                      "sums, ", sums.sizes(), " (one entry per group), got ", t->sizes());
+    TORCH_CHECK_VALUE(t->device() == sums.device(), "dro_ext: GroupDROLoss's state is on ", t->device(),
+                      " but the group sums are on ", sums.device(), "; move the module to the losses' device "
+                      "(module.to(device))");
+  }
+}
+
+}  // namespace dro_ext

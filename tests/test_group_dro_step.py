@@ -1,0 +1,278 @@
+"""The native online Group DRO step (dro_ext::group_dro_step_ over group sums, dro_ext::group_dro_loss_ from the
+losses; csrc/group_dro.cpp): against the PyTorch composition GroupDROLoss runs on the fallback, over state dtypes,
+strides, masks, NaN and infinite losses and q far below its normals; the custom-op contract (opcheck), double
+backward, the in-place update seen by autograd, and bad operands."""
+import math
+
+import pytest
+import torch
+
+import dro_ext
+from dro_ext import _backend
+from dro_ext import groups as groups_module
+
+if not _backend.native_available() and not _backend._force_python:
+    raise RuntimeError(f"dro_ext native extension failed to load: {_backend.load_error()}")
+native_only = pytest.mark.skipif(not _backend.native_available(), reason="native extension not built")
+
+CONFIGS = {
+    "plain": dict(step_size=0.5),
+    "stale": dict(step_size=0.5, missing="stale"),
+    "adjusted-normalized": dict(step_size=2.0, normalize_loss=True, adjustment=torch.tensor([1.0, 0.5, 2.0, 0.0, 1.5]),
+                                group_counts=torch.tensor([10.0, 40.0, 5.0, 100.0, 20.0])),
+    "disabled": dict(step_size=0.5, q_init=torch.tensor([0.0, 1.0, 2.0, 0.0, 1.0]), ema_gamma=0.4),
+}
+STATE_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+# How closely the native step (float64 arithmetic, rounded once into the state) follows the composition (in the
+# wider of the state's and the losses' accumulate dtype): a few roundings of that dtype.
+TOLERANCES = {torch.float16: (2e-2, 2e-3), torch.bfloat16: (6e-2, 1e-2), torch.float32: (1e-5, 1e-6),
+              torch.float64: (1e-12, 1e-14)}
+
+
+def batches(num_steps, n, num_groups, seed=0):
+    """Batches with groups missing from some steps."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for step in range(num_steps):
+        allowed = torch.tensor([g for g in range(num_groups) if (g + step) % 3 != 0 or step % 2])
+        groups = allowed[torch.randint(len(allowed), (n,), generator=gen)]
+        out.append((1.0 + torch.randn(n, generator=gen, dtype=torch.float64), groups))
+    return out
+
+
+def module_pair(num_groups, state_dtype, **kwargs):
+    native, composed = dro_ext.GroupDROLoss(num_groups, **kwargs), dro_ext.GroupDROLoss(num_groups, **kwargs)
+    return native.to(state_dtype), composed.to(state_dtype)
+
+
+def run_step(module, losses, groups, backend, update=True, **kwargs):
+    losses = losses.detach().clone().requires_grad_()
+    with _backend.forced_backend(backend):
+        value = module(losses, groups, update=update, **kwargs)
+    (grad,) = torch.autograd.grad(value, losses)
+    return value, grad
+
+
+def assert_same_state(native, composed, rtol, atol):
+    torch.testing.assert_close(native.q, composed.q, rtol=rtol, atol=atol)
+    torch.testing.assert_close(native.ema_loss, composed.ema_loss, rtol=rtol, atol=atol)
+    torch.testing.assert_close(native.last_loss, composed.last_loss, rtol=rtol, atol=atol)
+    assert torch.equal(native.seen, composed.seen)
+
+
+@native_only
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES, ids=str)
+@pytest.mark.parametrize("losses_dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+def test_native_step_follows_the_composition(config, losses_dtype, state_dtype):
+    """q, the running means, the last means, seen, the value and the gradient over steps with missing groups and
+    update=False steps, native against the fallback's composition, for every state dtype."""
+    native, composed = module_pair(5, state_dtype, **CONFIGS[config])
+    rtol, atol = TOLERANCES[state_dtype if state_dtype != torch.float64 else losses_dtype]
+    for step, (losses, groups) in enumerate(batches(6, 13, 5)):
+        losses = losses.to(losses_dtype)
+        update = step % 3 != 2
+        got, got_grad = run_step(native, losses, groups, "native", update)
+        want, want_grad = run_step(composed, losses, groups, "python", update)
+        assert got.dtype == want.dtype == losses_dtype
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+        torch.testing.assert_close(got_grad, want_grad, rtol=rtol, atol=atol)
+        assert_same_state(native, composed, rtol, atol)
+    if "q_init" in CONFIGS[config]:
+        assert torch.equal(native.q[CONFIGS[config]["q_init"] == 0], torch.zeros(2, dtype=state_dtype))
+
+
+@native_only
+def test_masked_step_and_strided_state_follow_the_composition():
+    """With a mask (group_dro_step_ over the masked sums), and with the state in strided buffers (written in place
+    through their strides)."""
+    native, composed = module_pair(5, torch.float64, step_size=0.7, missing="stale")
+    for name in ("log_q", "ema_loss", "last_loss", "seen"):
+        buffer = native._buffers[name]
+        strided = torch.empty(2 * buffer.numel(), dtype=buffer.dtype)[::2]
+        native._buffers[name] = strided.copy_(buffer)
+    gen = torch.Generator().manual_seed(3)
+    for losses, groups in batches(5, 17, 5, seed=1):
+        mask = torch.rand(17, generator=gen) < 0.7
+        got, got_grad = run_step(native, losses, groups, "native", mask=mask)
+        want, want_grad = run_step(composed, losses, groups, "python", mask=mask)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-14)
+        assert torch.equal(got_grad[~mask], torch.zeros_like(got_grad[~mask]))
+        assert_same_state(native, composed, 1e-12, 1e-14)
+    assert native._buffers["log_q"].stride() == (2,)
+
+
+@native_only
+def test_the_native_path_runs_the_fused_ops(monkeypatch):
+    """GroupDROLoss calls group_dro_loss_ (one call a step) without a mask, group_dro_step_ with one, neither in
+    greedy_cvar mode or on the fallback: the comparisons above compare two implementations."""
+    calls = []
+    for name in ("_group_dro_loss_op", "_group_dro_step_op"):
+        op = getattr(groups_module, name)
+        monkeypatch.setattr(groups_module, name, lambda *a, _op=op, _name=name: calls.append(_name) or _op(*a))
+    losses, groups = torch.rand(10), torch.randint(3, (10,))
+    with _backend.forced_backend("native"):
+        dro_ext.GroupDROLoss(3)(losses, groups)
+        dro_ext.GroupDROLoss(3)(losses, groups, mask=losses > 0.5)
+        dro_ext.GroupDROLoss(3, mode="greedy_cvar", alpha=0.5)(losses, groups)
+    with _backend.forced_backend("python"):
+        dro_ext.GroupDROLoss(3)(losses, groups)
+    assert calls == ["_group_dro_loss_op", "_group_dro_step_op"]
+
+
+@native_only
+@pytest.mark.parametrize("backend_name", ["native", "python"])
+def test_nan_and_inf_losses_spread_as_in_the_composition(backend_name):
+    """A NaN loss makes every q NaN (the log-sum-exp is NaN); an infinite one makes its group's q NaN and every
+    other 0 (inf - inf), on both backends alike."""
+    with _backend.forced_backend(backend_name):
+        module = dro_ext.GroupDROLoss(3, 0.5)
+        assert torch.isnan(module(torch.tensor([1.0, math.nan, 2.0]), torch.tensor([0, 1, 2])))
+        assert torch.isnan(module.q).all()
+        module = dro_ext.GroupDROLoss(3, 0.5)
+        module(torch.tensor([1.0, math.inf, 2.0]), torch.tensor([0, 1, 2]))
+        q = module.q
+        assert torch.isnan(q[1]) and torch.equal(q[[0, 2]], torch.zeros(2))
+
+
+@native_only
+@pytest.mark.parametrize("dtype,log_q", [(torch.float32, -50.0), (torch.float64, -700.0)], ids=["float32", "float64"])
+def test_negligible_q_weigh_nothing_but_keep_their_log(dtype, log_q):
+    """A group whose q lies below the dtype's normals (after the division by the counts) gets weight 0 in the loss
+    and gradient (no subnormal arithmetic), while log q keeps its value: the group can come back."""
+    module = dro_ext.GroupDROLoss(3, 1.0).to(dtype)
+    with torch.no_grad():
+        module.log_q.copy_(torch.tensor([log_q, -0.5, -1.0], dtype=dtype))
+        module.log_q.sub_(torch.logsumexp(module.log_q, 0))
+    before = module.log_q.clone()
+    losses = torch.tensor([1.0, 2.0, 3.0, 1.0], dtype=dtype, requires_grad=True)
+    groups = torch.tensor([0, 1, 2, 0])
+    with _backend.forced_backend("native"):
+        value = module(losses, groups, update=False)
+    (grad,) = torch.autograd.grad(value, losses)
+    assert grad[0] == 0 and grad[3] == 0 and (grad[1:3] > 0).all()
+    assert torch.equal(module.log_q, before)
+    q = before.double().exp()
+    torch.testing.assert_close(value.double(), q[1] * 2.0 + q[2] * 3.0, rtol=1e-6, atol=0)
+
+
+@native_only
+def test_the_update_is_seen_by_autograd():
+    """A tensor an earlier graph saved that the step then updates in place fails that graph's backward, as an
+    in-place PyTorch op would make it."""
+    module = dro_ext.GroupDROLoss(3)
+    x = torch.ones(3, requires_grad=True)
+    saved = (x * module.log_q).sum()  # the product saves log_q for x's gradient
+    with _backend.forced_backend("native"):
+        module(torch.rand(6), torch.tensor([0, 1, 2, 0, 1, 2]))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()
+    y = torch.ones(3, requires_grad=True)
+    kept = (y * module.log_q).sum()
+    with _backend.forced_backend("native"):
+        module(torch.rand(6), torch.tensor([0, 1, 2, 0, 1, 2]), update=False)  # no update: nothing changed
+    kept.backward()
+
+
+def _step_operands(num_groups=5, dtype=torch.float64, requires_grad=False):
+    module = dro_ext.GroupDROLoss(num_groups, 0.5, missing="stale").to(dtype)
+    module(torch.rand(11, dtype=dtype), torch.randint(num_groups, (11,)))  # a state away from uniform
+    b = module._buffers
+    sums = (torch.rand(num_groups, dtype=torch.float64) * 4).requires_grad_(requires_grad)
+    counts = torch.tensor([3.0, 0.0, 1.0, 2.0, 5.0], dtype=torch.float64)
+    return module, (sums, counts, b["log_q"], b["ema_loss"], b["last_loss"], b["seen"], b["active"],
+                    b["adjustment_term"], 0.5, 0.1, True, False)
+
+
+@native_only
+@pytest.mark.parametrize("update", [False, True], ids=["no-update", "update"])
+def test_opcheck_group_dro_step(update):
+    _, args = _step_operands(requires_grad=True)
+    torch.library.opcheck(torch.ops.dro_ext.group_dro_step_.default, (*args, update))
+
+
+@native_only
+@pytest.mark.parametrize("update", [False, True], ids=["no-update", "update"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_opcheck_group_dro_loss(update, dtype):
+    module, args = _step_operands()
+    losses = (1 + torch.randn(23, dtype=torch.float64)).to(dtype).requires_grad_(dtype == torch.float64)
+    groups = torch.randint(5, (23,))
+    torch.library.opcheck(torch.ops.dro_ext.group_dro_loss_.default, (losses, groups, 5, *args[2:], update, True))
+
+
+@native_only
+def test_double_backward_of_the_fused_step():
+    """The gradient weights are constants of the step: d loss / d l is linear in the upstream gradient, which the
+    second derivative sees (gradgradcheck, update=False so that each call is the same function)."""
+    module, _ = _step_operands()
+    groups = torch.tensor([0, 1, 2, 3, 4, 0, 2, 2, 3])
+    losses = (1 + torch.rand(9, dtype=torch.float64)).requires_grad_()
+
+    def value(l):
+        with _backend.forced_backend("native"):
+            return module(l, groups, update=False)
+
+    assert torch.autograd.gradcheck(value, (losses,))
+    assert torch.autograd.gradgradcheck(value, (losses,))
+
+
+BAD_OPERANDS = [
+    (dict(sums=torch.ones(5, dtype=torch.float16)), TypeError, "sums must be float32 or float64"),
+    (dict(counts=torch.ones(5, dtype=torch.float32)), TypeError, "counts must have the dtype of sums"),
+    (dict(sums=torch.ones(5, 1, dtype=torch.float64)), ValueError, "sums must be a 1-D tensor"),
+    (dict(counts=torch.ones(4, dtype=torch.float64)), ValueError, "must have the shape of sums"),
+    (dict(ema_loss=torch.zeros(5, dtype=torch.float32)), TypeError, "share one floating dtype"),
+    (dict(seen=torch.zeros(5)), TypeError, "seen and active must be bool"),
+    (dict(adjustment=torch.zeros(5, dtype=torch.int64)), TypeError, "adjustment must be floating"),
+]
+
+
+@native_only
+@pytest.mark.parametrize("override,exc,match", BAD_OPERANDS, ids=[str(i) for i in range(len(BAD_OPERANDS))])
+def test_bad_operands_name_the_argument(override, exc, match):
+    _, args = _step_operands()
+    names = ["sums", "counts", "log_q", "ema_loss", "last_loss", "seen", "active", "adjustment"]
+    operands = dict(zip(names, args))
+    operands.update(override)
+    with pytest.raises(exc, match=match):
+        torch.ops.dro_ext.group_dro_step_(*(operands[n] for n in names), *args[len(names):], True)
+
+
+@native_only
+def test_repeatable_bitwise_whatever_the_thread_count():
+    """Steps of the same batches from the same state give the same bits at 1 and 2 threads."""
+    results = []
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            module = dro_ext.GroupDROLoss(300, 0.3, missing="stale")
+            values = []
+            for losses, groups in batches(4, 50_000, 300, seed=5):
+                with _backend.forced_backend("native"):
+                    values.append(module(losses.float(), groups))
+            results.append((torch.stack(values), module.log_q.clone(), module.ema_loss.clone()))
+    finally:
+        torch.set_num_threads(previous)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@native_only
+def test_masked_step_compiles_fullgraph():
+    """group_dro_step_ (the masked step) under torch.compile(fullgraph=True): the in-place update of the state is
+    functionalized and written back, step by step as in eager."""
+    eager, compiled_module = dro_ext.GroupDROLoss(4, 0.5), dro_ext.GroupDROLoss(4, 0.5)
+    compiled = torch.compile(compiled_module, fullgraph=True)
+    gen = torch.Generator().manual_seed(7)
+    for update in (True, True, False, True):
+        losses = torch.rand(20, generator=gen)
+        groups, mask = torch.randint(4, (20,), generator=gen), torch.rand(20, generator=gen) < 0.8
+        l1, l2 = losses.clone().requires_grad_(), losses.clone().requires_grad_()
+        with _backend.forced_backend("native"):
+            want, got = eager(l1, groups, update, mask=mask), compiled(l2, groups, update, mask=mask)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(torch.autograd.grad(got, l2), torch.autograd.grad(want, l1), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(compiled_module.q, eager.q, rtol=1e-6, atol=1e-7)
