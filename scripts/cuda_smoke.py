@@ -24,6 +24,29 @@ def close(got, want, dtype):
     return torch.allclose(got.cpu().double(), want.double(), rtol=tol, atol=tol, equal_nan=True)
 
 
+def group_dro_step(sums, state_dtype, label):
+    """group_dro_step_ over given group sums, updating and not, against the CPU kernel."""
+    failures = []
+    num_groups = sums[0].numel()
+    operands = []
+    for device in ("cuda", "cpu"):
+        log_q = torch.full((2 * num_groups,), -1.6, dtype=state_dtype, device=device)[::2]
+        state = [log_q, torch.zeros(num_groups, dtype=state_dtype, device=device),
+                 torch.zeros(num_groups, dtype=state_dtype, device=device),
+                 torch.zeros(num_groups, dtype=torch.bool, device=device),
+                 torch.ones(num_groups, dtype=torch.bool, device=device),
+                 torch.zeros(num_groups, dtype=torch.float64, device=device)]
+        operands.append(([t.to(device) for t in sums], state))
+    for update in (True, False):
+        results = [torch.ops.dro_ext.group_dro_step_(*s, *state, 0.5, 0.1, True, True, update)
+                   for s, state in operands]
+        (loss, weights), (loss_cpu, weights_cpu) = results
+        if not (close(loss, loss_cpu, state_dtype) and close(weights, weights_cpu, state_dtype)
+                and close(operands[0][1][0], operands[1][1][0], state_dtype)):
+            failures.append(f"group_dro_step_ update={update} {label}")
+    return failures
+
+
 def optimizer_and_cross_entropy():
     """The NormalizedSGD step (mixed dtypes, both norms, a misaligned view) and the fused cross-entropy ops,
     through the public API, against the same calls on the CPU."""
@@ -123,6 +146,8 @@ def main():
             grad = ops.group_sums_backward(sums[0], ids, dtype)
             if not torch.equal(grad.cpu(), ops.group_sums_backward(sums[0].cpu(), ids.cpu(), dtype)):
                 failures.append(f"group_sums_backward {dtype} n={n} offset={offset}")
+            # The online Group DRO step, its state in this dtype (a strided log q), over the sums above.
+            failures += group_dro_step(sums, dtype, f"{dtype} n={n} offset={offset}")
     failures += optimizer_and_cross_entropy()
     torch.cuda.synchronize()
     for f in failures:

@@ -16,6 +16,8 @@ tests then run the CUDA code:
     --kernel robust         csrc/cuda/robust_objective.cu (tests/test_robust.py, tests/test_precision.py)
     --kernel cross_entropy  csrc/cuda/cross_entropy.cu    (tests/test_cross_entropy.py)
     --kernel groups         csrc/cuda/group_sums.cu       (tests/test_group_sums.py, tests/test_cuda_group_sums.py)
+    --kernel group_dro      csrc/cuda/group_dro.cu        (tests/test_group_dro_step.py, tests/test_groups.py,
+                                                          tests/test_cuda_group_dro.py)
     --kernel all            each of them in turn, with its default tests, and a summary
 
 The native test repeats per CPU SIMD build (ids native-avx2, native-default, native-avx512) only rerun the same
@@ -79,6 +81,9 @@ KERNELS = {
     # One block per group part, 256 std::threads each: the cases with tens of thousands of groups take minutes.
     "groups": Kernel("group_sums.cu", ("common.cuh",), ("tests/test_group_sums.py", "tests/test_cuda_group_sums.py"),
                      large="not G_above_N and not 5000"),
+    # One block of 256 std::threads a step, against the composition and the float64 references of the module.
+    "group_dro": Kernel("group_dro.cu", ("common.cuh",),
+                        ("tests/test_group_dro_step.py", "tests/test_groups.py", "tests/test_cuda_group_dro.py")),
 }
 
 

@@ -1,0 +1,112 @@
+"""The online Group DRO step on CUDA (csrc/cuda/group_dro.cu, composed with group_sums' kernels): against the PyTorch
+composition on the same device and against the CPU kernel, over configurations, state dtypes and numbers of groups
+on both sides of one block's threads; CUDA-graph capture of a whole step; opcheck.
+
+Skipped (with the reason shown) where no CUDA device is visible; scripts/gpu_check.sh runs them on a GPU, and
+tools/cuda_emulation runs them on the CPU against the kernel compiled as C++ (`--kernel group_dro`).
+"""
+import pytest
+import torch
+
+import dro_ext
+from cuda_cases import DEVICE, SKIP_WITHOUT_CUDA, native_backend, needs_cuda  # noqa: F401
+from dro_ext import _backend
+from test_group_dro_step import CONFIGS, STATE_DTYPES, TOLERANCES, assert_same_state
+
+pytestmark = SKIP_WITHOUT_CUDA
+
+
+def step(module, losses, groups, backend, update=True):
+    losses = losses.detach().clone().requires_grad_()
+    with _backend.forced_backend(backend):
+        value = module(losses, groups, update=update)
+    (grad,) = torch.autograd.grad(value, losses)
+    return value, grad
+
+
+def batch(n, num_groups, gen, dtype):
+    groups = torch.randint(num_groups, (n,), generator=gen)
+    groups[groups % 5 == 3] = 0  # some groups absent
+    losses = (1.0 + torch.randn(n, generator=gen, dtype=torch.float64)).to(dtype)
+    return losses.to(DEVICE), groups.to(DEVICE)
+
+
+@needs_cuda
+def test_group_dro_ops_have_cuda_kernels():
+    for op in ("group_dro_step_", "group_dro_loss_"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"dro_ext::{op}", "CUDA"), op
+
+
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES, ids=str)
+@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+def test_matches_the_composition_on_the_device(config, state_dtype):
+    native = dro_ext.GroupDROLoss(5, **CONFIGS[config]).to(DEVICE, state_dtype)
+    composed = dro_ext.GroupDROLoss(5, **CONFIGS[config]).to(DEVICE, state_dtype)
+    rtol, atol = TOLERANCES[state_dtype]
+    gen = torch.Generator().manual_seed(0)
+    for i in range(6):
+        losses, groups = batch(301, 5, gen, torch.float32 if state_dtype != torch.float64 else torch.float64)
+        got, got_grad = step(native, losses, groups, "native", update=i % 3 != 2)
+        want, want_grad = step(composed, losses, groups, "python", update=i % 3 != 2)
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+        torch.testing.assert_close(got_grad, want_grad, rtol=rtol, atol=atol)
+        assert_same_state(native, composed, rtol, atol)
+
+
+@pytest.mark.parametrize("num_groups", [1, 255, 257, 5000])
+def test_any_number_of_groups_matches_the_cpu(num_groups):
+    """One block of 256 threads strides over the groups: fewer, one more, and many more groups, float64, against
+    the CPU kernel (the sums over the groups differ in order only)."""
+    on_device = dro_ext.GroupDROLoss(num_groups, 0.3, missing="stale").to(DEVICE, torch.float64)
+    on_cpu = dro_ext.GroupDROLoss(num_groups, 0.3, missing="stale").to("cpu", torch.float64)
+    gen = torch.Generator().manual_seed(num_groups)
+    for _ in range(4):
+        losses, groups = batch(4 * num_groups + 7, num_groups, gen, torch.float64)
+        got, got_grad = step(on_device, losses, groups, "native")
+        want, want_grad = step(on_cpu, losses.cpu(), groups.cpu(), "native")
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(got_grad.cpu(), want_grad, rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(on_device.log_q.cpu(), on_cpu.log_q, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(on_device.ema_loss.cpu(), on_cpu.ema_loss, rtol=1e-12, atol=1e-15)
+
+
+@needs_cuda
+def test_cuda_graph_capture_of_a_step_matches_eager():
+    """A whole step (group sums without the host read, the update of q in place, the loss) captured once and
+    replayed on new batches follows the same steps run eagerly."""
+    n, num_groups = 4099, 6
+    captured = dro_ext.GroupDROLoss(num_groups, 0.5).to(DEVICE)
+    eager = dro_ext.GroupDROLoss(num_groups, 0.5).to(DEVICE)
+    static_losses = torch.rand(n, device=DEVICE)
+    static_groups = torch.randint(num_groups, (n,), device=DEVICE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        dro_ext.GroupDROLoss(num_groups, 0.5).to(DEVICE)(static_losses, static_groups)  # warm-up, state elsewhere
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        static_value = captured(static_losses, static_groups)
+    # Capture records the step without running it: both modules start from the uniform q.
+    for _ in range(3):
+        static_losses.copy_(torch.rand(n, device=DEVICE))
+        static_groups.copy_(torch.randint(num_groups, (n,), device=DEVICE))
+        graph.replay()
+        with torch.no_grad():
+            want = eager(static_losses, static_groups)
+        torch.testing.assert_close(static_value, want, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(captured.q, eager.q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("update", [False, True], ids=["no-update", "update"])
+def test_opcheck_on_the_device(update):
+    module = dro_ext.GroupDROLoss(4, 0.5).to(DEVICE, torch.float64)
+    b = module._buffers
+    state = (b["log_q"], b["ema_loss"], b["last_loss"], b["seen"], b["active"], b["adjustment_term"], 0.5, 0.1,
+             False, True, update)
+    losses = torch.rand(37, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    groups = torch.randint(4, (37,), device=DEVICE)
+    torch.library.opcheck(torch.ops.dro_ext.group_dro_loss_.default, (losses, groups, 4, *state, False))
+    sums = torch.rand(4, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    counts = torch.tensor([2.0, 0.0, 5.0, 1.0], device=DEVICE, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.dro_ext.group_dro_step_.default, (sums, counts, *state))
