@@ -159,7 +159,7 @@ def plot_groups(rows: list[dict], path: str, title: str = "") -> str:
     axes = fig.subplots(lines, columns, squeeze=False, sharex=True)
     styles = {"group_sums": ("tab:blue", "o"), "one-hot matmul": ("tab:orange", "s"), "index_add": ("tab:green", "^"),
               "GroupDROLoss": ("tab:purple", "D"), "Group DRO, one-hot": ("tab:red", "v"),
-              "Group DRO, index_add": ("tab:olive", "<")}
+              "Group DRO, index_add": ("tab:olive", "<"), "autograd floor": ("tab:gray", ".")}
     for ax, g in zip(axes.flat, group_counts):
         g_rows = [r for r in rows if r["groups"] == g and "median_ms" in r]
         for impl in dict.fromkeys(r["impl"] for r in g_rows):

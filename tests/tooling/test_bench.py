@@ -297,12 +297,21 @@ def test_quick_writes_table_csv_and_png(quick_run, name):
 def test_quick_groups_json_has_every_size_group_count_and_implementation(quick_run):
     out, _ = quick_run
     rows = _rows(out, "groups")
-    from bench.bench_groups import FAMILIES, IMPLS, QUICK_GROUPS, QUICK_SIZES
+    from bench.bench_groups import FAMILIES, FLOOR, IMPLS, QUICK_GROUPS, QUICK_SIZES
     assert {(r["n"], r["groups"], r["impl"]) for r in rows} == {
         (n, g, impl) for n in QUICK_SIZES for g in QUICK_GROUPS for impl in IMPLS}
     for r in rows:
-        assert r["median_ms"] > 0 and r["peak_extra_bytes"] > 0, r
+        assert r["median_ms"] > 0 and r["peak_extra_bytes"] >= 0, r
+        if r["impl"] == FLOOR:
+            assert r["family"] is None and "speedup_vs_best_composition" not in r
+            continue
+        assert r["peak_extra_bytes"] > 0, r
         assert r["best_composition"] in FAMILIES[r["family"]]
+        if r["impl"] in FAMILIES:  # above the floor: both times less the floor's row's
+            times = {(x["n"], x["groups"], x["impl"]): x["median_ms"] for x in rows}
+            best, floor = (times[r["n"], r["groups"], name] for name in (r["best_composition"], FLOOR))
+            if r["median_ms"] > floor:
+                assert r["speedup_above_floor"] == pytest.approx((best - floor) / (r["median_ms"] - floor)), r
     # The one-hot matrix's memory grows with G; group_sums' stays O(N + G).
     fused = {(r["n"], r["groups"]): r["peak_bytes_per_n_plus_g"] for r in rows if r["impl"] == "group_sums"}
     one_hot = {(r["n"], r["groups"]): r["peak_bytes_per_n_plus_g"] for r in rows if r["impl"] == "one-hot matmul"}
