@@ -174,13 +174,30 @@ def worst_case_weights(losses: torch.Tensor, groups: torch.Tensor, num_groups: i
 
 
 def sample_weights(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam: float, spec: Spec,
-                   eta: torch.Tensor | float | None = None, scale: float = 1.0) -> torch.Tensor:
+                   eta: torch.Tensor | float | None = None, scale: float = 1.0,
+                   group: ProcessGroup | None = None) -> torch.Tensor:
     """The distribution over the samples that the group distribution induces, q_{g_i} / n_{g_i} (accumulate
-    dtype): the worst case when eta is None, else the dro_weights of the group means at eta."""
+    dtype; float64 with a process group): the worst case when eta is None, else the dro_weights of the group means
+    at eta (unnormalized, as weight_stats takes them).
+
+    With a process group, of this rank's samples within the ranks' samples together: the group means and counts
+    are those of every rank (one all-reduce of 2G numbers), the worst case is solved over them as
+    robust_objective(group=) solves it (the same q on every rank), and the weights of all ranks' samples sum to
+    what they would over the concatenated batch."""
     from dro_ext import robust
     from dro_ext.ops import dro_weights
 
-    x, _, _ = sample_group_means(losses.detach(), groups, num_groups)
+    losses = losses.detach()
+    if group is None:
+        x, _, _ = sample_group_means(losses, groups, num_groups)
+    else:
+        sums, counts = _reduced_group_sums(losses.to(torch.float64), groups, num_groups, group, "weight_stats")
+        if eta is None:
+            q = _WeightedGroupObjective.apply(sums / torch.clamp(counts, min=1.0), counts > 0, counts, lam, spec)[2]
+            return (q / torch.clamp(counts, min=1.0))[groups.long()]
+        x = (sums / torch.clamp(counts, min=1.0))[groups.long()]
+        if x.numel() == 0:  # a rank without samples: no weights of its own (dro_weights takes no empty batch)
+            return x
     if eta is None:
         return robust.worst_case_weights(x, lam, spec.name, alpha=spec.alpha, k=spec.k)
     return dro_weights(x, eta, lam, spec.name, alpha=spec.alpha, k=spec.k, scale=scale)

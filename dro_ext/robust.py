@@ -248,17 +248,15 @@ def weight_stats(
         if weights is not None or losses is None or lam is None or groups is None or num_groups is None:
             raise ValueError("dro_ext: weight_stats with over='groups' needs losses, lam, groups and num_groups "
                              "(and no weights)")
-        if group is not None:
-            raise NotImplementedError("dro_ext: weight_stats with over='groups' and group= (a process group) is not "
-                                      "implemented; pass group=None")
         spec = check_divergence(divergence, alpha, k)
-        check_losses(losses)
+        check_losses(losses, allow_empty=group is not None)  # a rank may hold no samples
         lam = check_positive("lam", lam)
         checked_num_groups, _ = _group_evaluation.check_group_arguments(losses, groups, num_groups, "batch", None,
                                                                         "weight_stats")
         assert checked_num_groups is not None  # num_groups was given (checked above)
         with torch.no_grad():
-            weights = _group_evaluation.sample_weights(losses, groups, checked_num_groups, lam, spec, eta, scale)
+            weights = _group_evaluation.sample_weights(losses, groups, checked_num_groups, lam, spec, eta, scale,
+                                                       group)
         losses = eta = None
     with torch.no_grad():
         if weights is not None:

@@ -480,6 +480,21 @@ def job_group_robust(rank, world):
                             close(eta, ref_eta, f"{what}: eta*", rtol=tol["rtol"] * 100, atol=tol["atol"] * 100)
                         close(grad, split(ref_grad, sizes, rank), f"{what}: grad", **tol)
                         close(q, ref_q, f"{what}: worst_case_weights", **tol)
+                    if wname != "batch" or dtype != torch.float64:
+                        continue
+                    # weight_stats over groups (batch weighting): the worst case, and the weights at a given eta.
+                    stats = [dro_ext.weight_stats(losses=x, eta=eta_at, lam=0.4, divergence=divergence, groups=ids,
+                                                  num_groups=6, group=group, over="groups", **params)
+                             for eta_at in (None, 1.1)]
+                    for backend in BACKENDS:
+                        with _backend.forced_backend(backend):
+                            ref_stats = [dro_ext.weight_stats(losses=x_all, eta=eta_at, lam=0.4, divergence=divergence,
+                                                              groups=all_ids, num_groups=6, over="groups", **params)
+                                         for eta_at in (None, 1.1)]
+                        for got, want, at in zip(stats, ref_stats, ("worst case", "eta 1.1")):
+                            for field in got._fields:
+                                close(getattr(got, field), getattr(want, field),
+                                      f"{backend} {divergence} {sizes} weight_stats over groups, {at}: {field}", **tol)
 
     # evaluate over groups: each rank its own loader (rank 1's empty in the second round)
     torch.manual_seed(3)
