@@ -331,6 +331,21 @@ def _linear_cross_entropy_with_grads(
                                         grad_weight_needed, grad_bias_needed)
 
 
+def logits_buffer(rows: int, chunk_size: int, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The (chunk, V) buffer every chunk's logits are formed in, allocated once per call: a fresh (chunk, V) tensor
+    per chunk first-touches its pages every time on the CPU (measured: about 8 ms of a 115 ms matmul for 256 x
+    32000 float32 logits), where the caching allocator of a GPU would have handed the same memory back anyway."""
+    return torch.empty((min(rows, chunk_size), weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
+
+
+def chunk_logits(buffer: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """h @ weight.T + bias (F.linear) into the first rows of buffer."""
+    out = buffer[: h.shape[0]]
+    if bias is None:
+        return torch.mm(h, weight.t(), out=out)
+    return torch.addmm(bias, h, weight.t(), out=out)
+
+
 def _linear_cross_entropy_chunks(hidden, weight, bias, targets, eta, lam, divergence, alpha, k, scale, ignore_index,
                                  label_smoothing, chunk_size, native, grad_hidden_needed, grad_weight_needed,
                                  grad_bias_needed):
@@ -353,10 +368,11 @@ def _linear_cross_entropy_chunks(hidden, weight, bias, targets, eta, lam, diverg
         grad_weight.zero_()
     grad_bias = torch.zeros((vocab,), dtype=acc, device=hidden.device) if grad_bias_needed else hidden.new_empty((0,))
     sums = torch.zeros((2,), dtype=acc, device=hidden.device)
+    buffer = logits_buffer(rows, chunk_size, hidden, weight)
     for start in range(0, rows, chunk_size):
         end = min(rows, start + chunk_size)
         h = hidden[start:end]
-        logits = F.linear(h, weight, bias)
+        logits = chunk_logits(buffer, h, weight, bias)
         y = targets[start:end]
         if native:
             sums += torch.ops.dro_ext.dro_cross_entropy_chunk_(

@@ -26,11 +26,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from dro_ext import _backend
 from dro_ext import groups as _groups
 from dro_ext._divergences import accumulate_dtype, fallback_dtype
+from dro_ext.cross_entropy import (_check_float_tensor, _check_ignore_index, _check_label_smoothing,
+                                   _check_linear_args, _check_target_range, _check_targets, _weighted_residual,
+                                   chunk_logits, logits_buffer)
 
 __all__ = ["cross_entropy_losses", "linear_cross_entropy_losses"]
 
@@ -68,8 +70,6 @@ def _logits_gradient(x, targets, lse, row_weight, ignore_index: int, label_smoot
         one = torch.ones((), dtype=x.dtype, device=x.device)
         return torch.ops.dro_ext.dro_cross_entropy_backward(one, x, targets, lse, row_weight.contiguous(),
                                                             ignore_index, label_smoothing)
-    from dro_ext.cross_entropy import _weighted_residual
-
     acc = fallback_dtype(x.dtype, x.device)
     keep = targets != ignore_index
     xa = x.to(acc)
@@ -135,9 +135,10 @@ def _linear_row_losses(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     acc = accumulate_dtype(hidden.dtype)
     losses = torch.empty((rows,), dtype=acc, device=hidden.device)
     lse = torch.empty((rows,), dtype=acc, device=hidden.device)
+    buffer = logits_buffer(rows, chunk_size, hidden, weight)
     for start in range(0, rows, chunk_size):
         end = min(rows, start + chunk_size)
-        logits = F.linear(hidden[start:end], weight, bias)
+        logits = chunk_logits(buffer, hidden[start:end], weight, bias)
         y = targets[start:end]
         lse[start:end] = _row_lse(logits, y, ignore_index, native)
         losses[start:end] = _losses_from_lse(logits, y, lse[start:end], ignore_index, label_smoothing)
@@ -185,10 +186,11 @@ def _linear_row_losses_backward_op(
     vocab = weight.shape[0]
     piece_bytes = PIECE_LOGIT_BYTES.get(hidden.device.type, PIECE_LOGIT_BYTES["cpu"])
     piece = max(1, -(-piece_bytes // (vocab * hidden.element_size())))
+    buffer = logits_buffer(rows, chunk_size, hidden, weight)
     for start in range(0, rows, chunk_size):
         end = min(rows, start + chunk_size)
         h = hidden[start:end]
-        grad = F.linear(h, weight, bias)  # the chunk's logits, overwritten piece by piece by their gradient
+        grad = chunk_logits(buffer, h, weight, bias)  # the chunk's logits, overwritten piece by piece by their gradient
         # A piece's gradient needs only the piece's own rows of logits: written into a piece-sized buffer, then
         # over those rows, so that the chunk holds one chunk of logits (the ungrouped op's memory) and not two.
         for p_start in range(0, end - start, piece):
@@ -254,7 +256,6 @@ def cross_entropy_losses(logits: torch.Tensor, targets: torch.Tensor, *, ignore_
 
     Native: one pass for the losses, and a backward that forms ``grad_i (softmax_i - q_i)`` in one pass from the
     logits and the per-row logsumexp it saved (N floats; nothing N x C is kept but the logits themselves)."""
-    from dro_ext.cross_entropy import _check_label_smoothing, _check_ignore_index
 
     ignore_index, label_smoothing = _check_ignore_index(ignore_index), _check_label_smoothing(label_smoothing)
     x, y = _flat_logits(logits, targets)
@@ -262,8 +263,6 @@ def cross_entropy_losses(logits: torch.Tensor, targets: torch.Tensor, *, ignore_
 
 
 def _flat_logits(logits, targets):
-    from dro_ext.cross_entropy import _check_float_tensor, _check_targets
-
     _check_float_tensor("logits", logits)
     _check_targets(targets, logits.shape[:-1], f"logits of shape {tuple(logits.shape)}", logits.device)
     num_classes = logits.shape[-1]
@@ -273,8 +272,6 @@ def _flat_logits(logits, targets):
 
 
 def _cross_entropy_row_losses_checked(x, y, ignore_index, label_smoothing):
-    from dro_ext.cross_entropy import _check_target_range
-
     native = _backend.native_for(x.device.type)
     if not native:
         _check_target_range(y, x.shape[1], ignore_index)
@@ -293,7 +290,6 @@ def linear_cross_entropy_losses(hidden: torch.Tensor, weight: torch.Tensor, targ
     forms its gradients in its single pass), writes their gradient and folds it into the gradients of hidden, weight
     and bias. Peak extra memory: a chunk of logits (overwritten by their gradient a piece of rows at a time) plus
     the gradients themselves."""
-    from dro_ext.cross_entropy import _check_label_smoothing, _check_ignore_index
 
     ignore_index, label_smoothing = _check_ignore_index(ignore_index), _check_label_smoothing(label_smoothing)
     h, y, chunk_size = _flat_hidden(hidden, weight, targets, bias, chunk_size)
@@ -303,14 +299,10 @@ def linear_cross_entropy_losses(hidden: torch.Tensor, weight: torch.Tensor, targ
 
 def _flat_hidden(hidden, weight, targets, bias, chunk_size):
     """The argument checks of dro_linear_cross_entropy (its own, called with the DRO scalars it does not need)."""
-    from dro_ext.cross_entropy import _check_linear_args
-
     return _check_linear_args(hidden, weight, targets, bias, chunk_size)
 
 
 def _linear_row_losses_checked(h, weight, bias, y, ignore_index, label_smoothing, chunk_size):
-    from dro_ext.cross_entropy import _check_target_range
-
     native = _backend.native_for(h.device.type)
     if not native:
         _check_target_range(y, weight.shape[0], ignore_index)
