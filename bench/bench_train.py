@@ -29,6 +29,10 @@ Modes: `eager`; on CUDA also `graph` (the whole step captured in one CUDA graph 
 capture, fast-dro excluded since its bisection reads the device every iteration) and `compile` (the objective,
 model forward included, under torch.compile; backward and the optimizer step eager).
 
+On the CPU each case runs in a process of its own (`--in-process` keeps them in one, as on CUDA, where a process
+start would cost the lease its CUDA context): measured in one process, an earlier case left it slower for the later
+ones. Within a case the implementations run side by side, in interleaved rounds.
+
 Recorded per row: the step time (median and quartiles of interleaved rounds; on CUDA each timed call runs several
 steps back to back, as a training loop does, and the time is per step), samples or tokens per second, the ratio to
 ERM's step in the same mode, the bytes autograd saves for backward (every device) and the peak memory a step
@@ -433,8 +437,14 @@ def bench_case(problem: Problem, impls: list[Impl], mode: str, device, timer: Ti
 
 
 def bench(device, cases, modes, *, quick: bool, rounds: int, min_seconds: float, fast_dro_class=None,
-          on_case=None) -> list[dict]:
-    """Every (mode, case); on_case(rows, done, total) after each (bench.common.partial_writer)."""
+          on_case=None, isolate_with: list[str] | None = None) -> list[dict]:
+    """Every (mode, case); on_case(rows, done, total) after each (bench.common.partial_writer).
+
+    isolate_with (the command-line arguments every case shares): each (mode, case) runs in a process of its own
+    (`python -m bench.bench_train ... --rows-json FILE`), its implementations still side by side within it. On the
+    CPU an earlier case left the process slower for the later ones: the MLP's DRO rows measured 1.86x ERM's step
+    after resnet18 in one process and 1.02-1.05x alone (the memory allocator's state after resnet18's large
+    activations, in part; not pinned down further)."""
     timer = Timer(device)
     rows = []
     total = len(cases) * len(modes)
@@ -442,12 +452,15 @@ def bench(device, cases, modes, *, quick: bool, rounds: int, min_seconds: float,
     # Mode by mode, so that a run stopped at a time limit (a GPU lease) has every case's eager rows first.
     for mode in modes:
         for case in cases:
-            problem = make_problem(case, device, quick=quick)
-            impls = impls_for(case, fast_dro_class)
-            # One step takes seconds on the CPU at full width: there two per round are enough for a median.
-            min_reps = 2 if torch.device(device).type == "cpu" and not quick else 3
-            case_rows = bench_case(problem, impls, mode, device, timer, rounds=rounds, min_seconds=min_seconds,
-                                   min_reps=min_reps, fast_dro_class=fast_dro_class)
+            if isolate_with is not None:
+                case_rows = _bench_case_in_a_process(case, mode, isolate_with)
+            else:
+                problem = make_problem(case, device, quick=quick)
+                impls = impls_for(case, fast_dro_class)
+                # One step takes seconds on the CPU at full width: there two per round are enough for a median.
+                min_reps = 2 if torch.device(device).type == "cpu" and not quick else 3
+                case_rows = bench_case(problem, impls, mode, device, timer, rounds=rounds, min_seconds=min_seconds,
+                                       min_reps=min_reps, fast_dro_class=fast_dro_class)
             rows += case_rows
             done += 1
             progress(f"[train {done}/{total}] {case} {mode}: " + "  ".join(
@@ -455,6 +468,22 @@ def bench(device, cases, modes, *, quick: bool, rounds: int, min_seconds: float,
             if on_case:
                 on_case(rows, done, total)
     return rows
+
+
+def _bench_case_in_a_process(case: str, mode: str, shared_args: list[str]) -> list[dict]:
+    """The rows of one (mode, case), measured by a fresh `python -m bench.bench_train` (its stderr passed through)."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+    import tempfile
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        rows_json = pathlib.Path(tmp) / "rows.json"
+        subprocess.run([sys.executable, "-m", "bench.bench_train", *shared_args, "--cases", case, "--modes", mode,
+                        "--rows-json", str(rows_json)], cwd=root, check=True)
+        return json.loads(rows_json.read_text())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -513,6 +542,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--fast-dro", default=None, metavar="PATH",
                         help="a checkout of daniellevy/fast-dro to run as a peer (default: $FAST_DRO_PATH)")
     parser.add_argument("--name", default="train")
+    parser.add_argument("--in-process", action="store_true",
+                        help="every case in this process (default on CUDA; on the CPU each case gets its own)")
+    parser.add_argument("--rows-json", default=None, help=argparse.SUPPRESS)  # a case's process: its rows, no report
     args = parser.parse_args(argv)
     device = check_device(args.device)
     cuda = device.type == "cuda"
@@ -536,10 +568,22 @@ def main(argv=None) -> dict:
     sizes = "; ".join(f"{case}: {describe_sizes(case, device, args.quick)}" for case in args.cases)
     steps = steps_per_call(device)
     after = "\n\n" + NOTE.format(steps=STEPS_NOTE.format(steps=steps) if steps > 1 else "") + f"\n\nSizes: {sizes}."
+    if args.rows_json:
+        import json
+        import pathlib
+
+        rows = bench(device, args.cases, modes, quick=args.quick, rounds=rounds, min_seconds=min_seconds,
+                     fast_dro_class=fast_dro_class)
+        pathlib.Path(args.rows_json).write_text(json.dumps(rows))
+        return {}
+    isolate = not (cuda or args.in_process) and len(args.cases) * len(modes) > 1
+    settings["cases_in"] = "a process each" if isolate else "one process"
+    shared = ["--device", args.device, "--rounds", str(rounds), "--min-seconds", repr(min_seconds),
+              *(["--quick"] if args.quick else []), *(["--fast-dro", str(fast_dro_path)] if fast_dro_path else [])]
     on_case = partial_writer(args, name, info, lambda rows: markdown_table(HEADER, table_rows(rows)) + after,
                              load_before=load_before, settings=settings)
     rows = bench(device, args.cases, modes, quick=args.quick, rounds=rounds, min_seconds=min_seconds,
-                 fast_dro_class=fast_dro_class, on_case=on_case)
+                 fast_dro_class=fast_dro_class, on_case=on_case, isolate_with=shared if isolate else None)
     return publish(args, "train", name, rows, HEADER, table_rows(rows), info, load_before=load_before,
                    settings=settings, after=after, plot="plot_train", plot_title="training step per implementation")
 

@@ -277,6 +277,47 @@ def test_quick_train_json_has_every_case_and_implementation(quick_run):
     assert "<= 1.05:" in md and "Sizes: resnet18: batch=16, width=8" in md
 
 
+def test_train_cases_run_in_a_process_each_on_the_cpu(tmp_path, monkeypatch):
+    """On the CPU each (mode, case) is measured by a process of its own (an earlier case left the process slower for
+    the later ones), given the shared settings; --in-process keeps them in this one."""
+    from bench import bench_train
+    calls = []
+
+    def fake_case(case, mode, shared):
+        calls.append((case, mode, shared))
+        return [{"device": "cpu", "case": case, "mode": mode, "impl": bench_train.ERM, "median_ms": 1.0,
+                 "p25_ms": 1.0, "p75_ms": 1.0, "per_s": 1.0, "x_erm": 1.0, "saved_MiB": 1.0, "cuda_peak_MiB": None,
+                 "host_syncs": None, "note": ""}]
+
+    monkeypatch.setattr(bench_train, "_bench_case_in_a_process", fake_case)
+    args = ["--quick", "--out", str(tmp_path), "--no-plot", "--cases", "resnet18", "lm-head", "--rounds", "1",
+            "--min-seconds", "0.25"]
+    bench_train.main(args)
+    assert [(case, mode) for case, mode, _ in calls] == [("resnet18", "eager"), ("lm-head", "eager")]
+    shared = calls[0][2]
+    assert shared[:2] == ["--device", "cpu"] and "--quick" in shared
+    assert shared[shared.index("--rounds") + 1] == "1" and float(shared[shared.index("--min-seconds") + 1]) == 0.25
+    assert "cases_in=a process each" in (tmp_path / "train.md").read_text()
+    calls.clear()
+    monkeypatch.setattr(bench_train, "bench_case", lambda problem, impls, mode, *a, **k: fake_case(
+        problem.case, mode, None))
+    bench_train.main([*args, "--in-process"])
+    assert [(case, shared) for case, _, shared in calls] == [("resnet18", None), ("lm-head", None)]
+
+
+def test_a_train_case_process_writes_its_rows(tmp_path):
+    """The child's side: --rows-json writes the rows of its one case and no report."""
+    import json
+    from bench import bench_train
+    rows_json = tmp_path / "rows.json"
+    assert bench_train.main(["--quick", "--out", str(tmp_path), "--cases", "mlp-large-batch", "--rounds", "1",
+                             "--min-seconds", "0.01", "--rows-json", str(rows_json)]) == {}
+    rows = json.loads(rows_json.read_text())
+    assert {r["case"] for r in rows} == {"mlp-large-batch"} and rows[0]["impl"] == bench_train.ERM
+    assert all(r["median_ms"] > 0 for r in rows if r["impl"] in (bench_train.ERM, bench_train.DRO_SGD))
+    assert not (tmp_path / "train.md").exists()
+
+
 def _names_with_peer(bench_train, case):
     return [impl.name for impl in bench_train.impls_for(case, fast_dro_class=object)]
 
