@@ -91,21 +91,17 @@ std::tuple<at::Tensor, at::Tensor> group_dro_step_cpu(const at::Tensor& sums, co
                                                       const at::Tensor& adjustment, double step_size,
                                                       double ema_gamma, bool stale, bool normalize_loss,
                                                       bool update) {
-  check_group_dro_step_args(sums, counts, log_q, ema_loss, last_loss, seen, active, adjustment);
-  const auto out_dtype = c10::promoteTypes(sums.scalar_type(), log_q.scalar_type());
-  at::Tensor loss = at::empty({}, sums.options().dtype(out_dtype));
-  at::Tensor weights = at::empty(sums.sizes(), sums.options().dtype(out_dtype));
-  const at::Tensor adjust = as_dtype(adjustment, at::kDouble);  // a float64 buffer unless the module was cast
-  const GroupDROStepArgs args{step_size, ema_gamma, stale, normalize_loss, update};
+  GroupDROStepCall call = prepare_group_dro_step(sums, counts, log_q, ema_loss, last_loss, seen, active, adjustment,
+                                                 step_size, ema_gamma, stale, normalize_loss, update);
   AT_DISPATCH_FLOATING_TYPES(sums.scalar_type(), "dro_ext_group_dro_step", [&] {
     using sums_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, log_q.scalar_type(), "dro_ext_group_dro_state", [&] {
       group_dro_step_kernel(group_dro_step_operands<sums_t, scalar_t>(sums, counts, log_q, ema_loss, last_loss, seen,
-                                                                      active, adjust),
-                            sums.numel(), args, loss, weights);
+                                                                      active, call.adjustment),
+                            sums.numel(), call.args, call.loss, call.weights);
     });
   });
-  return {loss, weights};
+  return {call.loss, call.weights};
 }
 
 // ------------------------------------------------------------------------------------------------- autograd

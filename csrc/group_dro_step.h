@@ -18,6 +18,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/macros/Macros.h>
 #include <c10/util/Exception.h>
 
@@ -166,6 +167,26 @@ inline void check_group_dro_step_args(const at::Tensor& sums, const at::Tensor& 
                       " but the group sums are on ", sums.device(), "; move the module to the losses' device "
                       "(module.to(device))");
   }
+}
+
+// What the CPU and CUDA entry points of group_dro_step_ do before their kernel: check the operands, make the
+// outputs (the loss and the gradient weights, in the promoted dtype), take the adjustment in float64 (a float64 buffer
+// unless the module was cast) and gather the scalars.
+struct GroupDROStepCall {
+  at::Tensor loss, weights, adjustment;
+  GroupDROStepArgs args;
+};
+
+inline GroupDROStepCall prepare_group_dro_step(const at::Tensor& sums, const at::Tensor& counts,
+                                               const at::Tensor& log_q, const at::Tensor& ema_loss,
+                                               const at::Tensor& last_loss, const at::Tensor& seen,
+                                               const at::Tensor& active, const at::Tensor& adjustment,
+                                               double step_size, double ema_gamma, bool stale, bool normalize_loss,
+                                               bool update) {
+  check_group_dro_step_args(sums, counts, log_q, ema_loss, last_loss, seen, active, adjustment);
+  const auto options = sums.options().dtype(c10::promoteTypes(sums.scalar_type(), log_q.scalar_type()));
+  return {at::empty({}, options), at::empty(sums.sizes(), options), as_dtype(adjustment, at::kDouble),
+          GroupDROStepArgs{step_size, ema_gamma, stale, normalize_loss, update}};
 }
 
 }  // namespace dro_ext

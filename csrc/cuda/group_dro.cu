@@ -90,25 +90,22 @@ std::tuple<at::Tensor, at::Tensor> group_dro_step_cuda(const at::Tensor& sums, c
                                                        const at::Tensor& adjustment, double step_size,
                                                        double ema_gamma, bool stale, bool normalize_loss,
                                                        bool update) {
-  check_group_dro_step_args(sums, counts, log_q, ema_loss, last_loss, seen, active, adjustment);
   const c10::cuda::CUDAGuard guard(sums.device());
-  const auto out_dtype = c10::promoteTypes(sums.scalar_type(), log_q.scalar_type());
-  at::Tensor loss = at::empty({}, sums.options().dtype(out_dtype));
-  at::Tensor weights = at::empty(sums.sizes(), sums.options().dtype(out_dtype));
-  const at::Tensor adjust = as_dtype(adjustment, at::kDouble);  // a float64 buffer unless the module was cast
-  const GroupDROStepArgs args{step_size, ema_gamma, stale, normalize_loss, update};
+  GroupDROStepCall call = prepare_group_dro_step(sums, counts, log_q, ema_loss, last_loss, seen, active, adjustment,
+                                                 step_size, ema_gamma, stale, normalize_loss, update);
   const auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES(sums.scalar_type(), "dro_ext_cuda_group_dro_step", [&] {
     using sums_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, log_q.scalar_type(), "dro_ext_cuda_group_dro_state", [&] {
       using out_t = step_out_t<sums_t, scalar_t>;
       group_dro_step_kernel<<<1, kThreads, 0, stream>>>(
-          group_dro_step_operands<sums_t, scalar_t>(sums, counts, log_q, ema_loss, last_loss, seen, active, adjust),
-          sums.numel(), args, loss.mutable_data_ptr<out_t>(), weights.mutable_data_ptr<out_t>());
+          group_dro_step_operands<sums_t, scalar_t>(sums, counts, log_q, ema_loss, last_loss, seen, active,
+                                                    call.adjustment),
+          sums.numel(), call.args, call.loss.mutable_data_ptr<out_t>(), call.weights.mutable_data_ptr<out_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
-  return {loss, weights};
+  return {call.loss, call.weights};
 }
 
 }  // namespace
