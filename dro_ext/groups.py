@@ -375,6 +375,13 @@ class GroupDROLoss(nn.Module):
 
     Per step on CUDA nothing is read on the host: no ``.item()``, no data-dependent shapes (ids out of range fail
     through a device-side assertion; :func:`dro_ext.group_sums` runs with ``validate=False``).
+
+    Where the extension is built, an ``"eg"`` step is one native call (the group sums, the update of the state in
+    place, the loss and one autograd node; ``group_dro_step_`` over the sums with a mask or a process group). It
+    computes in float64 and rounds once into the state, and takes a group's ``q`` as 0 in the loss and its
+    gradient (never in ``log_q``) below ``e^-44`` (float32 loss) or ``e^-660`` (float64), where the products would
+    be subnormal numbers; the fallback composes the same rules of PyTorch ops in the wider of the state's and the
+    losses' accumulate dtype. ``greedy_cvar`` is composed of PyTorch ops on either backend.
     """
 
     # The state and configuration buffers (registered in __init__), declared for the type checker: nn.Module's
