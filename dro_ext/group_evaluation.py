@@ -192,10 +192,11 @@ def sample_weights(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
         x, _, _ = sample_group_means(losses, groups, num_groups)
     else:
         sums, counts = _reduced_group_sums(losses.to(torch.float64), groups, num_groups, group, "weight_stats")
+        divisors = torch.clamp(counts, min=1.0)
         if eta is None:
-            q = _WeightedGroupObjective.apply(sums / torch.clamp(counts, min=1.0), counts > 0, counts, lam, spec)[2]
-            return (q / torch.clamp(counts, min=1.0))[groups.long()]
-        x = (sums / torch.clamp(counts, min=1.0))[groups.long()]
+            q = _WeightedGroupObjective.apply(sums / divisors, counts > 0, counts, lam, spec)[2]
+            return (q / divisors)[groups.long()]
+        x = (sums / divisors)[groups.long()]
         if x.numel() == 0:  # a rank without samples: no weights of its own (dro_weights takes no empty batch)
             return x
     if eta is None:

@@ -68,15 +68,21 @@ if _backend.native_available():
     _group_dro_loss_op = torch.ops.dro_ext.group_dro_loss_.default
 
 
-def _group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sums, counts) per group through :func:`dro_ext.group_sums`, without a host sync on a device: there the ids
-    are checked by an asynchronous device-side assertion (a bad id fails at the next sync, as a RuntimeError) and
-    the op runs with validate=False; on the CPU, where reading the ids costs no sync, group_sums checks them
-    (IndexError naming groups). With _masked_group_sums, the only places this module reduces the losses."""
+def _ids_checked_by_the_op(groups: torch.Tensor, num_groups: int) -> bool:
+    """The validate argument of an op that reduces by ``groups``, without a host sync on a device: there the ids are
+    checked here by an asynchronous device-side assertion (a bad id fails at the next sync, as a RuntimeError) and
+    the op runs with validate=False; on the CPU, where reading the ids costs no sync, the op checks them
+    (IndexError naming groups)."""
     if groups.device.type == "cpu" and not torch.compiler.is_compiling():
-        return group_sums(losses, groups, num_groups)
+        return True
     _check_group_ids(groups, num_groups)
-    return group_sums(losses, groups, num_groups, validate=False)
+    return False
+
+
+def _group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sums, counts) per group through :func:`dro_ext.group_sums`, the ids checked as _ids_checked_by_the_op says.
+    With _masked_group_sums and GroupDROLoss's native step, the only places this module reduces the losses."""
+    return group_sums(losses, groups, num_groups, validate=_ids_checked_by_the_op(groups, num_groups))
 
 
 def _masked_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int,
@@ -478,22 +484,14 @@ class GroupDROLoss(nn.Module):
         if mask is not None:
             check_mask(mask, losses)
         fused = self.mode == "eg" and _backend.native_for(losses.device.type)
-        # The state, read from the buffer dict (nn.Module's __getattr__ would cost a visible share of a small step).
-        buffers = self._buffers
-        state = (buffers["log_q"], buffers["ema_loss"], buffers["last_loss"], buffers["seen"], buffers["active"],
-                 buffers["adjustment_term"], self.step_size, self.ema_gamma, self.missing == "stale",
-                 self.normalize_loss, update)
         if fused and mask is None and self.group is None:
-            # group_sums and the step in one native call (csrc/group_dro.cpp); the ids are checked as _group_sums
-            # checks them.
-            validate = groups.device.type == "cpu" and not torch.compiler.is_compiling()
-            if not validate:
-                _check_group_ids(groups, self.num_groups)
-            return _group_dro_loss_op(losses, groups, self.num_groups, *state, validate)
+            # group_sums and the step in one native call (csrc/group_dro.cpp).
+            validate = _ids_checked_by_the_op(groups, self.num_groups)
+            return _group_dro_loss_op(losses, groups, self.num_groups, *self._native_step_state(update), validate)
         sums, counts = _reduced_group_sums(losses, groups, self.num_groups, self.group, "GroupDROLoss", mask)
         if fused:
             # The same step as the composition below, over the (masked, all-reduced) sums.
-            loss, _ = _group_dro_step_op(sums, counts, *state)
+            loss, _ = _group_dro_step_op(sums, counts, *self._native_step_state(update))
             return loss.to(losses.dtype)
         dtype = torch.promote_types(accumulate_dtype(losses.dtype), self.log_q.dtype)
         m, present = _group_means(sums, counts, dtype)
@@ -502,6 +500,14 @@ class GroupDROLoss(nn.Module):
                 self._update(m.detach(), present, counts.to(dtype))
         q = self.log_q.to(dtype).exp()
         return fixed_order_sum(q * m).to(losses.dtype)
+
+    def _native_step_state(self, update: bool) -> tuple[Any, ...]:
+        """The arguments of the native step after the losses or sums: the state, read from the buffer dict (nn.Module's
+        __getattr__ would cost a visible share of a small step), and the configuration."""
+        buffers = self._buffers
+        return (buffers["log_q"], buffers["ema_loss"], buffers["last_loss"], buffers["seen"], buffers["active"],
+                buffers["adjustment_term"], self.step_size, self.ema_gamma, self.missing == "stale",
+                self.normalize_loss, update)
 
     def _update(self, m: torch.Tensor, present: torch.Tensor, counts: torch.Tensor) -> None:
         dtype = m.dtype
