@@ -44,26 +44,46 @@ constexpr int64_t kMaxGroupsForLanes = 256;
 constexpr int64_t kPartsPerTask = 4;
 static_assert(kLanes == 4, "group_sums_kernel adds the lanes of a part as (l0 + l1) + (l2 + l3)");
 
+// Samples are read kBlock at a time, all their ids and values first, then their adds: a load of the accumulators
+// is then not queued behind the stores of the samples before it in the same block. With many groups the
+// accumulators span every offset of a 4 KiB page, and a load whose low address bits match an older pending store's
+// waits for it (it may be the same address): reading ahead measured 20% faster at 1024 groups, and no slower with
+// few. The adds still run in sample order, so the sums are the same, bit for bit.
+constexpr int64_t kBlock = 8;
+static_assert(kBlock % kLanes == 0, "a block's samples go to the lanes in turn, as unblocked ones would");
+
 // The samples [begin, end) of one part into its `lanes` rows of num_groups + 1 accumulators (slot num_groups takes
-// the ids outside [0, num_groups), and is dropped). Returns whether every id was in range.
+// the ids outside [0, num_groups), and is dropped). Sample begin + t goes to lane t % LANES, so each lane's chain
+// of adds to one group is independent of the others'. Returns whether every id was in range.
 template <int64_t LANES, typename scalar_t, typename id_t, typename acc_t>
 bool sum_part(const scalar_t* x, int64_t x_stride, const id_t* ids, int64_t id_stride, int64_t begin, int64_t end,
               int64_t num_groups, acc_t* s, int64_t* c) {
   const int64_t row = num_groups + 1;
   bool in_range = true;
-  auto add = [&](int64_t i, int64_t lane) {
+  auto slot_of = [&](int64_t i, int64_t lane) {
     const int64_t id = static_cast<int64_t>(ids[i * id_stride]);
     const bool ok = static_cast<uint64_t>(id) < static_cast<uint64_t>(num_groups);  // negative ids wrap to huge
     in_range &= ok;
-    const int64_t slot = lane * row + (ok ? id : num_groups);
-    s[slot] += static_cast<acc_t>(x[i * x_stride]);
-    c[slot] += 1;
+    return lane * row + (ok ? id : num_groups);
   };
   int64_t i = begin;
-  for (; i + LANES <= end; i += LANES) {
-    for (int64_t j = 0; j < LANES; ++j) add(i + j, j);  // unrolled: LANES independent chains
+  for (; i + kBlock <= end; i += kBlock) {
+    int64_t slots[kBlock];
+    acc_t values[kBlock];
+    for (int64_t j = 0; j < kBlock; ++j) {
+      slots[j] = slot_of(i + j, j % LANES);
+      values[j] = static_cast<acc_t>(x[(i + j) * x_stride]);
+    }
+    for (int64_t j = 0; j < kBlock; ++j) {
+      s[slots[j]] += values[j];
+      c[slots[j]] += 1;
+    }
   }
-  for (; i < end; ++i) add(i, (i - begin) % LANES);
+  for (; i < end; ++i) {
+    const int64_t slot = slot_of(i, (i - begin) % LANES);
+    s[slot] += static_cast<acc_t>(x[i * x_stride]);
+    c[slot] += 1;
+  }
   return in_range;
 }
 
@@ -158,11 +178,18 @@ at::Tensor group_sums_backward_cpu(const at::Tensor& grad_sums, const at::Tensor
       const index_t* __restrict__ ids = groups.const_data_ptr<index_t>();
       const int64_t id_stride = groups.stride(0);
       const uint64_t bound = static_cast<uint64_t>(num_groups);
+      auto value_of = [&](int64_t i) {
+        const uint64_t id = static_cast<uint64_t>(static_cast<int64_t>(ids[i * id_stride]));  // negative: huge
+        return values[id < bound ? id : bound];
+      };
       at::parallel_for(0, n, kPartsPerTask * cpu::kReductionChunk, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-          const uint64_t id = static_cast<uint64_t>(static_cast<int64_t>(ids[i * id_stride]));  // negative: huge
-          y[i] = values[id < bound ? id : bound];
+        int64_t i = begin;
+        for (; i + kBlock <= end; i += kBlock) {  // a block's loads before its stores, as in sum_part
+          scalar_t block[kBlock];
+          for (int64_t j = 0; j < kBlock; ++j) block[j] = value_of(i + j);
+          for (int64_t j = 0; j < kBlock; ++j) y[i + j] = block[j];
         }
+        for (; i < end; ++i) y[i] = value_of(i);
       });
     });
   });
