@@ -9,16 +9,25 @@
 //   dro_cross_entropy_backward(grad, logits, targets, lse, row_weight) -> grad_logits
 //       grad_logits_i = grad * row_weight_i * (softmax_i - q_i), q_i = (1 - eps) onehot(y_i) + eps / C:
 //       one pass, from the logits and the 2N floats the forward saved; nothing N x C is kept.
+//   dro_cross_entropy_backward_(grad, logits!, targets, lse, row_weight) -> ()
+//       The same gradient written over the logits (contiguous): the second pass of the grouped linear
+//       cross-entropy (dro_ext/cross_entropy_groups.py) recomputes a chunk's logits and turns them into their
+//       gradient where they lie, without a second chunk of memory or a copy.
 //   dro_cross_entropy_chunk_(logits, targets, eta, inv_count, ...) -> sums (2,)
 //       The building block of dro_linear_cross_entropy (dro_ext/cross_entropy.py): for a chunk of rows,
 //       {sum_i value_term_i, sum_i w_i} over its kept rows, and (compute_grad) the logits overwritten in
 //       place by inv_count * w_i * (softmax_i - q_i), the chunk's share of the gradient. The weights need only
 //       the row's own loss and eta, so the gradient is final as soon as the row's loss is known.
+//   logsumexp_columns(matrix (R, C)) -> lse (C,)
+//       lse_c = logsumexp_r matrix_rc in the accumulate dtype: the per-row logsumexp of logits formed transposed,
+//       which the first pass of the grouped linear cross-entropy does on the CPU (dro_ext/cross_entropy_groups.py).
+//       On CUDA, where that pass keeps the row layout, it is ATen's logsumexp.
 //
 // Autograd is registered in Python (dro_ext/cross_entropy.py): each call moves N x C logits, so the
 // microseconds of a Python backward are lost in the noise, unlike for the O(N) dro_loss.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/logsumexp.h>
 #include <torch/library.h>
 
 #include "checks.h"
@@ -81,6 +90,32 @@ at::Tensor dro_cross_entropy_backward_cpu(const at::Tensor& grad, const at::Tens
   return grad_logits;
 }
 
+void dro_cross_entropy_backward_inplace_cpu(const at::Tensor& grad, at::Tensor& logits, const at::Tensor& targets,
+                                            const at::Tensor& lse, const at::Tensor& row_weight, int64_t ignore_index,
+                                            double label_smoothing) {
+  check_cross_entropy_backward_inplace_args(grad, logits, targets, lse, row_weight, label_smoothing);
+  const at::Tensor y = targets.contiguous();
+  count_kept_rows_cpu(y, logits.size(1), ignore_index);
+  // Each row's target logit is read before the row is overwritten (write_row_gradient): in place is exact.
+  cpu::cross_entropy_kernels().backward(logits, y, lse.contiguous(), row_weight.contiguous(), logits, ignore_index,
+                                        label_smoothing, cpu::read_scalar(grad));
+}
+
+at::Tensor logsumexp_columns_cpu(const at::Tensor& matrix) {
+  check_logsumexp_columns_args(matrix);
+  const at::Tensor x = matrix.contiguous();
+  at::Tensor lse = at::empty({x.size(1)}, x.options().dtype(accumulate_type(x.scalar_type())));
+  cpu::cross_entropy_kernels().logsumexp_columns(x, lse);
+  return lse;
+}
+
+#ifdef DRO_EXT_WITH_CUDA
+at::Tensor logsumexp_columns_composite(const at::Tensor& matrix) {
+  check_logsumexp_columns_args(matrix);
+  return at::logsumexp(matrix.to(accumulate_type(matrix.scalar_type())), {0});
+}
+#endif
+
 at::Tensor dro_cross_entropy_chunk_cpu(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& eta,
                                        const at::Tensor& inv_count, double lam, c10::string_view divergence,
                                        std::optional<double> alpha, std::optional<double> k, double scale,
@@ -110,15 +145,27 @@ TORCH_LIBRARY_FRAGMENT(dro_ext, m) {
       "dro_cross_entropy_backward(Tensor grad, Tensor logits, Tensor targets, Tensor lse, Tensor row_weight, "
       "int ignore_index=-100, float label_smoothing=0.0) -> Tensor");
   m.def(
+      "dro_cross_entropy_backward_(Tensor grad, Tensor(a!) logits, Tensor targets, Tensor lse, Tensor row_weight, "
+      "int ignore_index=-100, float label_smoothing=0.0) -> ()");
+  m.def(
       "dro_cross_entropy_chunk_(Tensor(a!) logits, Tensor targets, Tensor eta, Tensor inv_count, float lam, "
       "str divergence, float? alpha=None, float? k=None, float scale=1.0, int ignore_index=-100, "
       "float label_smoothing=0.0, bool compute_grad=True) -> Tensor");
+  m.def("logsumexp_columns(Tensor matrix) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dro_ext, CPU, m) {
   m.impl("dro_cross_entropy", &dro_cross_entropy_cpu);
   m.impl("dro_cross_entropy_backward", &dro_cross_entropy_backward_cpu);
+  m.impl("dro_cross_entropy_backward_", &dro_cross_entropy_backward_inplace_cpu);
   m.impl("dro_cross_entropy_chunk_", &dro_cross_entropy_chunk_cpu);
+  m.impl("logsumexp_columns", &logsumexp_columns_cpu);
 }
+
+#ifdef DRO_EXT_WITH_CUDA
+TORCH_LIBRARY_IMPL(dro_ext, CUDA, m) {
+  m.impl("logsumexp_columns", &logsumexp_columns_composite);
+}
+#endif
 
 }  // namespace dro_ext

@@ -41,6 +41,11 @@ inline void check_row_vector(const char* arg, const at::Tensor& value, const at:
                     " but logits is on ", logits.device(), "; move them to the same device");
 }
 
+// The ops that overwrite the logits with their gradient write them where they are: no contiguous copy to write to.
+inline void check_overwritable_logits(const char* op, const at::Tensor& logits) {
+  TORCH_CHECK_VALUE(logits.is_contiguous(), "dro_ext: ", op, " overwrites logits in place, so they must be contiguous");
+}
+
 inline void check_cross_entropy_inputs(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& eta,
                                        double scale, double label_smoothing) {
   check_cross_entropy_logits_targets(logits, targets);
@@ -66,8 +71,7 @@ inline DivergenceSpec check_cross_entropy_chunk_args(const at::Tensor& logits, c
                                                      std::optional<double> k, double scale, double label_smoothing) {
   check_cross_entropy_inputs(logits, targets, eta, scale, label_smoothing);
   check_scalar_tensor("inv_count", inv_count, logits, "logits");
-  TORCH_CHECK_VALUE(logits.is_contiguous(), "dro_ext: dro_cross_entropy_chunk_ overwrites logits in place, so they "
-                    "must be contiguous");
+  check_overwritable_logits("dro_cross_entropy_chunk_", logits);
   return check_divergence_args(lam, divergence, alpha, k);
 }
 
@@ -79,6 +83,21 @@ inline void check_cross_entropy_backward_args(const at::Tensor& grad, const at::
   check_row_vector("lse", lse, logits);
   check_row_vector("row_weight", row_weight, logits);
   check_label_smoothing(label_smoothing);
+}
+
+inline void check_logsumexp_columns_args(const at::Tensor& matrix) {
+  TORCH_CHECK_VALUE(matrix.dim() == 2, "dro_ext: matrix must be a 2-D tensor (R, C), got shape ", matrix.sizes());
+  TORCH_CHECK_TYPE(at::isFloatingType(matrix.scalar_type()),
+                   "dro_ext: matrix must have a floating dtype (float16, bfloat16, float32, float64), got ",
+                   matrix.scalar_type());
+}
+
+// dro_cross_entropy_backward_: the backward's arguments, with logits that can be overwritten.
+inline void check_cross_entropy_backward_inplace_args(const at::Tensor& grad, const at::Tensor& logits,
+                                                      const at::Tensor& targets, const at::Tensor& lse,
+                                                      const at::Tensor& row_weight, double label_smoothing) {
+  check_cross_entropy_backward_args(grad, logits, targets, lse, row_weight, label_smoothing);
+  check_overwritable_logits("dro_cross_entropy_backward_", logits);
 }
 
 }  // namespace dro_ext

@@ -130,6 +130,16 @@ if _backend.native_available():
                                          label_smoothing=0.0):
         return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("dro_ext::dro_cross_entropy_backward_")
+    def _dro_cross_entropy_backward_inplace_fake(grad, logits, targets, lse, row_weight, ignore_index=-100,
+                                                 label_smoothing=0.0):
+        return None
+
+    @torch.library.register_fake("dro_ext::logsumexp_columns")
+    def _logsumexp_columns_fake(matrix):
+        torch._check(matrix.dim() == 2, lambda: "dro_ext: matrix must be a 2-D tensor (R, C)")
+        return matrix.new_empty((matrix.shape[1],), dtype=accumulate_dtype(matrix.dtype))
+
     @torch.library.register_fake("dro_ext::dro_cross_entropy_chunk_")
     def _dro_cross_entropy_chunk_fake(logits, targets, eta, inv_count, lam, divergence, alpha=None, k=None,
                                       scale=1.0, ignore_index=-100, label_smoothing=0.0, compute_grad=True):
@@ -338,12 +348,20 @@ def logits_buffer(rows: int, chunk_size: int, hidden: torch.Tensor, weight: torc
     return torch.empty((min(rows, chunk_size), weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
 
 
-def chunk_logits(buffer: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """h @ weight.T + bias (F.linear) into the first rows of buffer."""
-    out = buffer[: h.shape[0]]
+def chunk_logits(buffer: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                 column_major: bool = False) -> torch.Tensor:
+    """h @ weight.T + bias (F.linear), (n, V), in buffer: its first rows, or (column_major) the transpose of a
+    contiguous (V, n) matrix formed as weight @ h.T + bias[:, None] in its first n V elements."""
+    if not column_major:
+        out = buffer[: h.shape[0]]
+        if bias is None:
+            return torch.mm(h, weight.t(), out=out)
+        return torch.addmm(bias, h, weight.t(), out=out)
+    vocab = weight.shape[0]
+    out = buffer.view(-1)[: h.shape[0] * vocab].view(vocab, h.shape[0])
     if bias is None:
-        return torch.mm(h, weight.t(), out=out)
-    return torch.addmm(bias, h, weight.t(), out=out)
+        return torch.mm(weight, h.t(), out=out).t()
+    return torch.addmm(bias[:, None], weight, h.t(), out=out).t()
 
 
 def _linear_cross_entropy_chunks(hidden, weight, bias, targets, eta, lam, divergence, alpha, k, scale, ignore_index,

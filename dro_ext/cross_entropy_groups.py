@@ -44,8 +44,11 @@ __all__ = ["cross_entropy_losses", "linear_cross_entropy_losses"]
 
 def _row_lse(x, targets, ignore_index: int, native: bool):
     """logsumexp of each row of the (N, C) logits in the accumulate dtype, 0 on ignored rows. Native: the forward
-    kernel of dro_cross_entropy (one pass, nothing N x C allocated; its DRO sums, O(N), are not used)."""
+    kernel of dro_cross_entropy (one pass, nothing N x C allocated; its DRO sums, O(N), are not used), or, for
+    column-major logits (the transpose of a contiguous (C, N) matrix), the column kernel over that matrix."""
     acc = accumulate_dtype(x.dtype)
+    if native and x.dim() == 2 and x.shape[0] > 1 and x.t().is_contiguous():
+        return torch.where(targets != ignore_index, torch.ops.dro_ext.logsumexp_columns(x.t()), 0.0)
     if native:
         zero = torch.zeros((), dtype=acc, device=x.device)
         return torch.ops.dro_ext.dro_cross_entropy(x, targets, zero, 1.0, "chi2", None, None, 1.0, ignore_index,
@@ -62,6 +65,25 @@ def _losses_from_lse(x, targets, lse, ignore_index: int, label_smoothing: float)
     if label_smoothing:
         losses = losses - label_smoothing * x.mean(dim=1, dtype=lse.dtype)
     return torch.where(keep, losses, 0.0)
+
+
+# Logit bytes (at least) of the pieces of rows the fallback writes a chunk's gradient by (_logits_gradient_), so that
+# its temporaries stay a fraction of the chunk; the native op writes the whole chunk in place.
+FALLBACK_PIECE_LOGIT_BYTES = 8 << 20
+
+
+def _logits_gradient_(x, targets, lse, row_weight, ignore_index: int, label_smoothing: float, native: bool):
+    """x overwritten by row_weight_i (softmax_i - q_i) (0 on ignored rows): no second (N, C) tensor, no copy."""
+    if native:
+        one = torch.ones((), dtype=x.dtype, device=x.device)
+        torch.ops.dro_ext.dro_cross_entropy_backward_(one, x, targets, lse, row_weight.contiguous(), ignore_index,
+                                                      label_smoothing)
+        return
+    piece = max(1, -(-FALLBACK_PIECE_LOGIT_BYTES // (x.shape[1] * x.element_size())))
+    for start in range(0, x.shape[0], piece):
+        rows = slice(start, start + piece)
+        x[rows] = _logits_gradient(x[rows], targets[rows], lse[rows], row_weight[rows], ignore_index, label_smoothing,
+                                   native=False)
 
 
 def _logits_gradient(x, targets, lse, row_weight, ignore_index: int, label_smoothing: float, native: bool):
@@ -135,10 +157,15 @@ def _linear_row_losses(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     acc = accumulate_dtype(hidden.dtype)
     losses = torch.empty((rows,), dtype=acc, device=hidden.device)
     lse = torch.empty((rows,), dtype=acc, device=hidden.device)
+    # On the CPU, with the native kernels, the logits are formed column-major (weight @ h.T): this machine's BLAS
+    # forms them that way about 12% faster than as h @ weight.T (bench/results/cross_entropy_grouped_run.md), and
+    # this pass needs only each row's logsumexp and target logit, which the column kernel reads in that layout.
+    # The backward's pass keeps the row-major logits its per-row gradient writer and matmuls take.
+    column_major = native and hidden.device.type == "cpu"
     buffer = logits_buffer(rows, chunk_size, hidden, weight)
     for start in range(0, rows, chunk_size):
         end = min(rows, start + chunk_size)
-        logits = chunk_logits(buffer, hidden[start:end], weight, bias)
+        logits = chunk_logits(buffer, hidden[start:end], weight, bias, column_major=column_major)
         y = targets[start:end]
         lse[start:end] = _row_lse(logits, y, ignore_index, native)
         losses[start:end] = _losses_from_lse(logits, y, lse[start:end], ignore_index, label_smoothing)
@@ -153,14 +180,6 @@ def _linear_row_losses_fake(hidden, weight, bias, targets, ignore_index, label_s
     return hidden.new_empty((rows,), dtype=acc), hidden.new_empty((rows,), dtype=acc)
 
 
-# Logit bytes (at least) of the pieces the backward's gradient writer works on within a chunk (see its chunk loop),
-# per device type. On the CPU 8 MiB, the size from which csrc/cpu/output_buffer.h keeps a freed output for the next
-# request of its size: smaller pieces were fresh allocations whose first-touch page faults, with the loss of
-# parallelism over a few rows, made 1 MiB pieces cost 2x the ungrouped op's time. On CUDA 64 MiB, an eighth of the
-# default chunk's 512 MiB (each piece is a kernel launch).
-PIECE_LOGIT_BYTES = {"cpu": 8 << 20, "cuda": 64 << 20}
-
-
 @torch.library.custom_op("dro_ext::linear_cross_entropy_row_losses_backward", mutates_args=())
 def _linear_row_losses_backward_op(
         row_weight: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -168,8 +187,7 @@ def _linear_row_losses_backward_op(
         native: bool, grad_hidden_needed: bool, grad_weight_needed: bool, grad_bias_needed: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_hidden, grad_weight, grad_bias) for the per-row loss gradients ``row_weight``: each chunk's logits are
-    recomputed, turned into row_weight_i (softmax_i - q_i) by the per-row gradient writer (in place, a piece of rows
-    at a time), and folded in by matmuls in chunk order (deterministic). A gradient that is not needed comes back
+    recomputed, overwritten by row_weight_i (softmax_i - q_i) (the per-row gradient writer, in place), and folded in by matmuls in chunk order (deterministic). A gradient that is not needed comes back
     empty (shape (0,))."""
     rows = hidden.shape[0]
     acc = accumulate_dtype(hidden.dtype)
@@ -183,21 +201,13 @@ def _linear_row_losses_backward_op(
     grad_bias = torch.zeros((weight.shape[0],), dtype=acc, device=hidden.device) if grad_bias_needed \
         else hidden.new_empty((0,))
     row_weight = row_weight.to(acc)
-    vocab = weight.shape[0]
-    piece_bytes = PIECE_LOGIT_BYTES.get(hidden.device.type, PIECE_LOGIT_BYTES["cpu"])
-    piece = max(1, -(-piece_bytes // (vocab * hidden.element_size())))
     buffer = logits_buffer(rows, chunk_size, hidden, weight)
     for start in range(0, rows, chunk_size):
         end = min(rows, start + chunk_size)
         h = hidden[start:end]
-        grad = chunk_logits(buffer, h, weight, bias)  # the chunk's logits, overwritten piece by piece by their gradient
-        # A piece's gradient needs only the piece's own rows of logits: written into a piece-sized buffer, then
-        # over those rows, so that the chunk holds one chunk of logits (the ungrouped op's memory) and not two.
-        for p_start in range(0, end - start, piece):
-            rows_of = slice(p_start, min(end - start, p_start + piece))
-            of_batch = slice(start + rows_of.start, start + rows_of.stop)
-            grad[rows_of] = _logits_gradient(grad[rows_of], targets[of_batch], lse[of_batch], row_weight[of_batch],
-                                             ignore_index, label_smoothing, native)
+        grad = chunk_logits(buffer, h, weight, bias)  # the chunk's logits, overwritten by their gradient
+        _logits_gradient_(grad, targets[start:end], lse[start:end], row_weight[start:end], ignore_index,
+                          label_smoothing, native)
         if grad_hidden_needed:
             torch.mm(grad, weight, out=grad_hidden[start:end])
         if grad_weight_needed:
@@ -288,8 +298,8 @@ def linear_cross_entropy_losses(hidden: torch.Tensor, weight: torch.Tensor, targ
     saves the per-row logsumexp. The backward, given any gradient of the losses, is a second chunked pass: it
     recomputes each chunk's logits (one more matmul per chunk than :func:`dro_ext.dro_linear_cross_entropy`, which
     forms its gradients in its single pass), writes their gradient and folds it into the gradients of hidden, weight
-    and bias. Peak extra memory: a chunk of logits (overwritten by their gradient a piece of rows at a time) plus
-    the gradients themselves."""
+    and bias. Peak extra memory: a chunk of logits (overwritten by their gradient in place) plus the gradients
+    themselves."""
 
     ignore_index, label_smoothing = _check_ignore_index(ignore_index), _check_label_smoothing(label_smoothing)
     h, y, chunk_size = _flat_hidden(hidden, weight, targets, bias, chunk_size)

@@ -426,6 +426,81 @@ def test_modules_own_eta_and_match_the_functions(backend):
 
 
 @native_only
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 3), (300, 77), (129, 64), (1000, 257)], ids=str)
+def test_logsumexp_columns_matches_float64_logsumexp(dtype, shape):
+    # Fresh inputs of a wide range; odd sizes cover the partial vectors and slabs of the column blocks.
+    matrix = (4 * torch.randn(shape, dtype=torch.float64)).to(dtype)
+    got = torch.ops.dro_ext.logsumexp_columns(matrix)
+    assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    expected = torch.logsumexp(matrix.double(), dim=0)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-12 if dtype == torch.float64 else 2e-6, atol=0)
+    # Non-contiguous input (read through a contiguous copy), and bitwise repeatable across thread counts.
+    strided = torch.ops.dro_ext.logsumexp_columns(matrix.t().contiguous().t())
+    assert torch.equal(strided, got)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(torch.ops.dro_ext.logsumexp_columns(matrix), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@native_only
+def test_logsumexp_columns_infinities_nan_and_empty():
+    matrix = torch.randn(150, 9, dtype=torch.float64)
+    matrix[:, 1] = -math.inf              # every term 0: -inf
+    matrix[70, 2] = math.inf              # inf
+    matrix[3, 3] = math.nan               # NaN is never dropped
+    matrix[:80, 4], matrix[80:, 4] = -1e300, -math.inf  # a finite max after an empty first slab
+    matrix[:, 5] = 1e300                  # huge but finite
+    matrix[100, 6] = math.inf
+    matrix[101, 6] = math.nan             # NaN wins over inf
+    for dtype in (torch.float64, torch.float32):
+        got = torch.ops.dro_ext.logsumexp_columns(matrix.to(dtype))
+        expected = torch.logsumexp(matrix.to(dtype), dim=0)
+        torch.testing.assert_close(got, expected, equal_nan=True)
+    empty = torch.ops.dro_ext.logsumexp_columns(torch.empty(0, 4))
+    assert torch.equal(empty, torch.full((4,), -math.inf))
+
+
+@native_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_opcheck_logsumexp_columns(dtype):
+    torch.library.opcheck(torch.ops.dro_ext.logsumexp_columns.default, (torch.randn(37, 19, dtype=dtype),))
+
+
+@native_only
+def test_logsumexp_columns_checks_its_argument():
+    with pytest.raises(ValueError, match="matrix must be a 2-D tensor"):
+        torch.ops.dro_ext.logsumexp_columns(torch.randn(5))
+    with pytest.raises(TypeError, match="matrix must have a floating dtype"):
+        torch.ops.dro_ext.logsumexp_columns(torch.ones(3, 4, dtype=torch.long))
+
+
+@native_only
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_backward_in_place_writes_the_backward_over_the_logits(dtype, label_smoothing):
+    # dro_cross_entropy_backward_ overwrites the logits with what dro_cross_entropy_backward returns, bit for bit:
+    # each row's target logit is read before the row is written. Odd sizes, ignored rows, a large scale.
+    generator = torch.Generator().manual_seed(5)
+    logits = (3 * torch.randn(17, 37, generator=generator)).to(dtype)
+    targets = torch.randint(0, 37, (17,), generator=generator)
+    targets[[2, 11]] = -100
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    lse = torch.where(targets != -100, torch.logsumexp(logits.to(acc), dim=1), 0.0)
+    row_weight = torch.rand(17, generator=generator, dtype=acc)
+    grad = torch.tensor(1.7, dtype=dtype)
+    expected = torch.ops.dro_ext.dro_cross_entropy_backward(grad, logits, targets, lse, row_weight, -100,
+                                                            label_smoothing)
+    overwritten = logits.clone()
+    torch.ops.dro_ext.dro_cross_entropy_backward_(grad, overwritten, targets, lse, row_weight, -100, label_smoothing)
+    assert torch.equal(overwritten, expected)
+    assert not torch.equal(overwritten, logits)
+
+
+@native_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("name,params", [("chi2", {}), ("kl_cvar", {"alpha": 0.2})], ids=["chi2", "kl_cvar"])
 def test_opcheck_native_ops(name, params, dtype):
@@ -440,6 +515,8 @@ def test_opcheck_native_ops(name, params, dtype):
     grad = torch.tensor(0.7, dtype=dtype)
     torch.library.opcheck(torch.ops.dro_ext.dro_cross_entropy_backward.default,
                           (grad, logits.detach(), targets, lse, row_weight, -100, 0.1))
+    torch.library.opcheck(torch.ops.dro_ext.dro_cross_entropy_backward_.default,
+                          (grad, logits.detach().clone(), targets, lse, row_weight, -100, 0.1))
     inv_count = torch.tensor(1.0 / 12, dtype=eta.dtype)
     torch.library.opcheck(torch.ops.dro_ext.dro_cross_entropy_chunk_.default,
                           (logits.detach().clone(), targets, eta.detach(), inv_count) + extra + (True,))
@@ -591,3 +668,6 @@ def test_native_ops_check_their_arguments():
                                                      torch.zeros(4, dtype=torch.float64), -100, 0.0)
     with pytest.raises(ValueError, match="must be contiguous"):
         torch.ops.dro_ext.dro_cross_entropy_chunk_(torch.randn(5, 4).T, targets, eta, eta, LAM, "chi2")
+    with pytest.raises(ValueError, match="dro_cross_entropy_backward_ overwrites logits in place"):
+        torch.ops.dro_ext.dro_cross_entropy_backward_(torch.tensor(1.0), torch.randn(5, 4).T, targets,
+                                                      torch.zeros(4), torch.zeros(4), -100, 0.0)

@@ -132,9 +132,10 @@ def test_grouped_linear_cross_entropy_matches_float64_reference(backend, dtype, 
 
 
 @pytest.mark.parametrize("piece_rows", [1, 3])
-def test_linear_backward_pieces_do_not_change_the_result(backend, monkeypatch, piece_rows):
-    # The backward writes a chunk's gradient over its logits a piece of rows at a time: any piece size (here 1 and 3
-    # rows, in 5-row chunks, against one piece per chunk) gives the same gradients, bitwise.
+def test_fallback_linear_backward_pieces_do_not_change_the_result(monkeypatch, piece_rows):
+    # The fallback writes a chunk's gradient over its logits a piece of rows at a time (the native op writes the
+    # whole chunk in place): any piece size (here 1 and 3 rows, in 5-row chunks, against one piece per chunk) gives
+    # the same gradients, bitwise.
     _, targets, groups, eta = make_tokens(3, 7, 13, torch.float32, 3, per_sequence=True, seed=9)
     generator = torch.Generator().manual_seed(9)
     inputs = [torch.randn(3, 7, 6, generator=generator).requires_grad_(),
@@ -146,10 +147,11 @@ def test_linear_backward_pieces_do_not_change_the_result(backend, monkeypatch, p
                                                  groups=groups, num_groups=3, chunk_size=5, label_smoothing=0.1)
         return torch.autograd.grad(value, (*inputs, eta))
 
-    whole = grads()
-    monkeypatch.setitem(ceg.PIECE_LOGIT_BYTES, "cpu", piece_rows * 13 * 4)
-    for got, want in zip(grads(), whole):
-        assert torch.equal(got, want)
+    with _backend.forced_backend("python"):
+        whole = grads()
+        monkeypatch.setattr(ceg, "FALLBACK_PIECE_LOGIT_BYTES", piece_rows * 13 * 4)
+        for got, want in zip(grads(), whole):
+            assert torch.equal(got, want)
 
 
 def test_value_is_group_dro_loss_of_the_kept_tokens(backend):
@@ -383,7 +385,8 @@ def test_grouped_linear_never_allocates_the_logits_of_the_batch(backend, monkeyp
     eta = torch.tensor(1.0, dtype=torch.float64, requires_grad=True)
     native = _backend.use_native()
     piece = 3
-    monkeypatch.setitem(ceg.PIECE_LOGIT_BYTES, "cpu", piece * vocab * 8)  # 3-row pieces of the 4-row chunks
+    # The fallback's 3-row pieces of the 4-row chunks (the native op writes a chunk's gradient over it, in place).
+    monkeypatch.setattr(ceg, "FALLBACK_PIECE_LOGIT_BYTES", piece * vocab * 8)
     with LargestAllocation():
         value = dro_ext.dro_linear_cross_entropy(hidden, weight, targets, eta, LAM, "chi2", bias=bias,
                                                  groups=groups, num_groups=3, chunk_size=chunk)
@@ -395,13 +398,45 @@ def test_grouped_linear_never_allocates_the_logits_of_the_batch(backend, monkeyp
                                                     weight.detach(), bias.detach(), targets, lse, IGNORE, 0.0, chunk,
                                                     native, True, True, True)
     assert LargestAllocation.largest <= max(rows * hidden_size, vocab * hidden_size, chunk * vocab)
-    # The backward's gradient pieces: besides a chunk of logits, no second chunk-sized tensor.
+    # The backward's gradient: besides a chunk of logits, no second chunk-sized tensor.
     LargestAllocation.largest = 0
     with LargestAllocation():
         ceg._linear_row_losses_backward_op._init_fn(torch.rand(rows, dtype=torch.float64), hidden.detach(),
                                                     weight.detach(), bias.detach(), targets, lse, IGNORE, 0.0, chunk,
                                                     native, False, False, False)
-    assert LargestAllocation.largest == chunk * vocab  # the chunk's logits; each piece's gradient is 3 x V
+    assert LargestAllocation.largest == chunk * vocab  # the chunk's logits (the fallback's pieces are 3 x V)
+
+
+@native_only
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_linear_first_pass_reads_column_major_logits_on_the_cpu(with_bias):
+    # On the CPU with the native kernels, the forward's chunk loop forms each chunk's logits as weight @ h.T and
+    # takes their logsumexp with the column kernel (the row kernel does not run); the losses and logsumexps are
+    # F.cross_entropy's, ignored rows 0, over odd chunks (5 rows of 23).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Calls.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(23, 6, generator=generator, dtype=torch.float64)
+    weight = torch.randn(11, 6, generator=generator, dtype=torch.float64)
+    bias = torch.randn(11, generator=generator, dtype=torch.float64) if with_bias else None
+    targets = torch.randint(0, 11, (23,), generator=generator)
+    targets[[0, 9, 22]] = IGNORE
+    with Calls():
+        losses, lse = ceg._linear_row_losses._init_fn(hidden, weight, bias, targets, IGNORE, 0.1, 5, True)
+    assert "dro_ext.logsumexp_columns.default" in Calls.names
+    assert "dro_ext.dro_cross_entropy.default" not in Calls.names
+    logits = F.linear(hidden, weight, bias)
+    keep = targets != IGNORE
+    torch.testing.assert_close(losses, F.cross_entropy(logits, targets, reduction="none", ignore_index=IGNORE,
+                                                       label_smoothing=0.1))
+    torch.testing.assert_close(lse, torch.where(keep, torch.logsumexp(logits, dim=1), 0.0))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -109,6 +109,30 @@ def test_cuda_bitwise_repeatable_and_no_host_sync():
     assert torch.isfinite(grad).all()
 
 
+def test_cuda_backward_in_place_matches_the_backward():
+    # The in-place gradient writer of the grouped linear cross-entropy's second pass: bit for bit what the
+    # out-of-place op returns (each block reads its row's target logit before any thread overwrites the row).
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        logits = (3 * torch.randn(37, 1029, device=DEVICE)).to(dtype)
+        targets = torch.randint(0, 1029, (37,), device=DEVICE)
+        targets[5] = -100
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        lse = torch.logsumexp(logits.to(acc), dim=1)
+        row_weight = torch.rand(37, device=DEVICE, dtype=acc)
+        grad = torch.tensor(1.3, device=DEVICE, dtype=dtype)
+        expected = torch.ops.dro_ext.dro_cross_entropy_backward(grad, logits, targets, lse, row_weight, -100, 0.1)
+        overwritten = logits.clone()
+        torch.ops.dro_ext.dro_cross_entropy_backward_(grad, overwritten, targets, lse, row_weight, -100, 0.1)
+        assert torch.equal(overwritten, expected)
+
+
+def test_cuda_logsumexp_columns():
+    matrix = 4 * torch.randn(1031, 67, device=DEVICE)
+    got = torch.ops.dro_ext.logsumexp_columns(matrix)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double().cpu(), torch.logsumexp(matrix.double().cpu(), dim=0), rtol=2e-6, atol=0)
+
+
 @needs_cuda
 def test_cuda_graph_capture():
     logits = torch.randn(64, 1000, device=DEVICE)

@@ -30,6 +30,8 @@ REQUIRED_OPS = [
     "weight_stats",
     "group_sums",
     "group_sums_backward",
+    "dro_cross_entropy_backward_",
+    "logsumexp_columns",
 ]
 
 

@@ -34,6 +34,9 @@ struct CrossEntropyKernelTable {
   void (*backward)(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
                    const at::Tensor& row_weight, at::Tensor& grad, int64_t ignore_index, double label_smoothing,
                    double grad_value);
+  // lse_c = logsumexp over r of matrix_rc, for a contiguous (R, C) matrix; lse (C,) in the accumulate dtype.
+  // Deterministic: each column is summed in row order by one thread.
+  void (*logsumexp_columns)(const at::Tensor& matrix, at::Tensor& lse);
   const char* capability;
 };
 

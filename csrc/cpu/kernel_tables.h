@@ -20,7 +20,7 @@
   }                                                                                                      \
   const CrossEntropyKernelTable& cross_entropy_kernels_##build() {                                       \
     static const CrossEntropyKernelTable table{cross_entropy_forward_impl, cross_entropy_backward_impl, \
-                                               DRO_EXT_STRINGIFY(build)};                                \
+                                               logsumexp_columns_impl, DRO_EXT_STRINGIFY(build)};        \
     return table;                                                                                        \
   }                                                                                                      \
   }

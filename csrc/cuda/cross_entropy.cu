@@ -221,7 +221,9 @@ row_backward_kernel(const scalar_t* logits, const int64_t* targets, int64_t num_
   CUDA_KERNEL_ASSERT(target >= 0 && target < num_classes && "dro_ext: targets must be in [0, C) or ignore_index");
   const scalar_t* row = logits + i * num_classes;
   const acc_t c = static_cast<acc_t>(grad_value.read()) * row_weight[i];
-  write_row_gradient<scalar_t, acc_t>(row, out, num_classes, target, static_cast<acc_t>(row[target]), lse[i], c,
+  const acc_t x_target = static_cast<acc_t>(row[target]);
+  __syncthreads();  // every thread has read the target logit before any overwrites it (out may be the logits)
+  write_row_gradient<scalar_t, acc_t>(row, out, num_classes, target, x_target, lse[i], c,
                                       static_cast<acc_t>(label_smoothing));
 }
 
@@ -295,27 +297,44 @@ at::Tensor dro_cross_entropy_chunk_cuda(const at::Tensor& logits, const at::Tens
   return sums;
 }
 
+// grad_logits_i = grad * row_weight_i * (softmax_i - q_i) into out, which may be logits itself (each row's target
+// logit is read before its row is written).
+void launch_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& targets,
+                     const at::Tensor& lse, const at::Tensor& row_weight, int64_t ignore_index,
+                     double label_smoothing, at::Tensor& out) {
+  const int64_t rows = logits.size(0), num_classes = logits.size(1);
+  if (rows == 0) return;
+  check_row_count(rows);
+  const at::Tensor y = targets.contiguous(), lse_c = lse.contiguous(), weight_c = row_weight.contiguous();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dro_cross_entropy_backward_cuda",
+                                  [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    row_backward_kernel<scalar_t, acc_t><<<rows, kRowThreads, 0, stream>>>(
+        logits.const_data_ptr<scalar_t>(), y.const_data_ptr<int64_t>(), num_classes, lse_c.const_data_ptr<acc_t>(),
+        weight_c.const_data_ptr<acc_t>(), cuda::scalar_ref(grad), ignore_index, label_smoothing,
+        out.mutable_data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
 at::Tensor dro_cross_entropy_backward_cuda(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& targets,
                                            const at::Tensor& lse, const at::Tensor& row_weight, int64_t ignore_index,
                                            double label_smoothing) {
   check_cross_entropy_backward_args(grad, logits, targets, lse, row_weight, label_smoothing);
   const c10::cuda::CUDAGuard guard(logits.device());
-  const at::Tensor x = logits.contiguous(), y = targets.contiguous();
-  const at::Tensor lse_c = lse.contiguous(), weight_c = row_weight.contiguous();
+  const at::Tensor x = logits.contiguous();
   at::Tensor grad_logits = at::empty(x.sizes(), x.options());
-  const int64_t rows = x.size(0), num_classes = x.size(1);
-  if (rows == 0) return grad_logits;
-  check_row_count(rows);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_cross_entropy_backward_cuda", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    row_backward_kernel<scalar_t, acc_t><<<rows, kRowThreads, 0, stream>>>(
-        x.const_data_ptr<scalar_t>(), y.const_data_ptr<int64_t>(), num_classes, lse_c.const_data_ptr<acc_t>(),
-        weight_c.const_data_ptr<acc_t>(), cuda::scalar_ref(grad), ignore_index, label_smoothing,
-        grad_logits.mutable_data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  launch_backward(grad, x, targets, lse, row_weight, ignore_index, label_smoothing, grad_logits);
   return grad_logits;
+}
+
+void dro_cross_entropy_backward_inplace_cuda(const at::Tensor& grad, at::Tensor& logits, const at::Tensor& targets,
+                                             const at::Tensor& lse, const at::Tensor& row_weight, int64_t ignore_index,
+                                             double label_smoothing) {
+  check_cross_entropy_backward_inplace_args(grad, logits, targets, lse, row_weight, label_smoothing);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  launch_backward(grad, logits, targets, lse, row_weight, ignore_index, label_smoothing, logits);
 }
 
 }  // namespace
@@ -323,6 +342,7 @@ at::Tensor dro_cross_entropy_backward_cuda(const at::Tensor& grad, const at::Ten
 TORCH_LIBRARY_IMPL(dro_ext, CUDA, m) {
   m.impl("dro_cross_entropy", &dro_cross_entropy_cuda);
   m.impl("dro_cross_entropy_backward", &dro_cross_entropy_backward_cuda);
+  m.impl("dro_cross_entropy_backward_", &dro_cross_entropy_backward_inplace_cuda);
   m.impl("dro_cross_entropy_chunk_", &dro_cross_entropy_chunk_cuda);
 }
 

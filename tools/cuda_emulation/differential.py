@@ -121,6 +121,12 @@ def cross_entropy_cases():
                                                            torch.rand(x.shape[0], generator=torch.Generator().manual_seed(4),
                                                                       dtype=torch.float64 if x.dtype == torch.float64 else torch.float32),
                                                            -100, s))
+                        yield f"dro_cross_entropy_backward_ {tag}", lambda x=x, t=targets, s=smoothing: (
+                            (lambda y: (ops.dro_cross_entropy_backward_(
+                                torch.tensor(1.5), y, t, torch.logsumexp(x.float() if x.dtype != torch.float64 else x, 1),
+                                torch.rand(x.shape[0], generator=torch.Generator().manual_seed(4),
+                                           dtype=torch.float64 if x.dtype == torch.float64 else torch.float32),
+                                -100, s), y)[1])(x.clone()))
     row = torch.full((2, 300), -math.inf)
     row[1, 5] = 1.0
     yield "dro_cross_entropy a row all -inf", lambda: ops.dro_cross_entropy(row, torch.tensor([3, 5]), torch.tensor(0.5), 0.8, "kl", None, None, 1.0, -100, 0.0)
