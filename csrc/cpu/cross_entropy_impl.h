@@ -215,7 +215,7 @@ void backward_typed(const at::Tensor& logits, const at::Tensor& targets, const a
 }
 
 // The logsumexp of every column of a contiguous (R, C) matrix: the per-row logsumexp of logits formed transposed
-// (a chunk's logits as weight @ hidden.T, which this machine's BLAS forms faster than hidden @ weight.T; see
+// (a chunk's logits as weight @ hidden.T, which the benchmark machine's BLAS forms faster than hidden @ weight.T; see
 // dro_ext/cross_entropy_groups.py). Columns are taken kColumnVectors vectors at a time, so that each row of a slab
 // is read as whole cache lines, and rows kColumnSlab at a time, which stay in L1 between the slab's max and its
 // exponentials: one pass over memory, the online logsumexp at slab granularity, per lane. Each column is summed
