@@ -136,8 +136,7 @@ class PsiStarTermsFunction : public torch::autograd::Function<PsiStarTermsFuncti
     const int64_t order = ctx->saved_data["order"].toInt();
     const at::Tensor& grad = grads[0];
     const auto acc = accumulate_type(losses.scalar_type());
-    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
-    if (!at::GradMode::is_enabled()) below_autograd.emplace();
+    const BelowAutogradUnlessRecording below_autograd;
 
     at::Tensor grad_losses, grad_eta, grad_multiplier;
     if (ctx->needs_input_grad(0) || ctx->needs_input_grad(1)) {

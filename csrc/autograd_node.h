@@ -1,9 +1,12 @@
-// What the hand-written autograd Nodes of the ops share (csrc/autograd.cpp, csrc/group_sums.cpp).
+// What the hand-written autograd of the ops shares (csrc/autograd.cpp, csrc/group_sums.cpp, csrc/group_dro.cpp).
 #pragma once
 
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/function.h>
 
 #include <memory>
+#include <optional>
 #include <type_traits>
 
 namespace dro_ext {
@@ -18,5 +21,17 @@ auto make_node() {
     return std::make_shared<NodeT>();
   }
 }
+
+// Where a Node's backward calls an op through the dispatcher: with autograd when grad mode is on (a double backward
+// records the call), below it otherwise (no second pass through the Autograd kernel). Held for the call's scope.
+class BelowAutogradUnlessRecording {
+ public:
+  BelowAutogradUnlessRecording() {
+    if (!at::GradMode::is_enabled()) guard_.emplace();
+  }
+
+ private:
+  std::optional<at::AutoDispatchBelowADInplaceOrView> guard_;
+};
 
 }  // namespace dro_ext

@@ -236,8 +236,7 @@ struct GroupDROLossBackward final : public torch::autograd::Node {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     torch::autograd::variable_list out(1);
     if (!grads[0].defined() || !should_compute_output(0)) return out;
-    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
-    if (!at::GradMode::is_enabled()) below_autograd.emplace();
+    const BelowAutogradUnlessRecording below_autograd;
     out[0] = call_group_sums_backward(scale_weights(grads[0], grad_weights.unpack()), groups.unpack(), losses_dtype);
     return out;
   }

@@ -233,8 +233,7 @@ struct GroupSumsBackward final : public torch::autograd::Node {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     torch::autograd::variable_list out(1);
     if (!grads[0].defined() || !should_compute_output(0)) return out;
-    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
-    if (!at::GradMode::is_enabled()) below_autograd.emplace();
+    const BelowAutogradUnlessRecording below_autograd;
     out[0] = call_group_sums_backward(grads[0], groups.unpack(), losses_dtype);
     return out;
   }
@@ -253,8 +252,7 @@ struct GroupGatherBackward final : public torch::autograd::Node {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     torch::autograd::variable_list out(1);
     if (!grads[0].defined() || !should_compute_output(0)) return out;
-    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
-    if (!at::GradMode::is_enabled()) below_autograd.emplace();
+    const BelowAutogradUnlessRecording below_autograd;
     out[0] = std::get<0>(call_group_sums(grads[0], groups.unpack(), num_groups, false)).to(grad_sums_dtype);
     return out;
   }
