@@ -408,11 +408,13 @@ def test_grouped_linear_never_allocates_the_logits_of_the_batch(backend, monkeyp
 
 
 @native_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
-def test_linear_first_pass_reads_column_major_logits_on_the_cpu(with_bias):
-    # On the CPU with the native kernels, the forward's chunk loop forms each chunk's logits as weight @ h.T and
-    # takes their logsumexp with the column kernel (the row kernel does not run); the losses and logsumexps are
-    # F.cross_entropy's, ignored rows 0, over odd chunks (5 rows of 23).
+def test_linear_first_pass_reads_float32_logits_column_major_on_the_cpu(dtype, with_bias):
+    # On the CPU with the native kernels, the forward's chunk loop forms float32 logits as weight @ h.T and takes
+    # their logsumexp with the column kernel (the row kernel does not run); other dtypes keep the row layout (the
+    # transposed matmul measured slower for them). Either way the losses and logsumexps are F.cross_entropy's,
+    # ignored rows 0, over odd chunks (5 rows of 23).
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Calls(TorchDispatchMode):
@@ -428,15 +430,18 @@ def test_linear_first_pass_reads_column_major_logits_on_the_cpu(with_bias):
     bias = torch.randn(11, generator=generator, dtype=torch.float64) if with_bias else None
     targets = torch.randint(0, 11, (23,), generator=generator)
     targets[[0, 9, 22]] = IGNORE
+    inputs = [t.to(dtype) if t is not None else None for t in (hidden, weight, bias)]
     with Calls():
-        losses, lse = ceg._linear_row_losses._init_fn(hidden, weight, bias, targets, IGNORE, 0.1, 5, True)
-    assert "dro_ext.logsumexp_columns.default" in Calls.names
-    assert "dro_ext.dro_cross_entropy.default" not in Calls.names
+        losses, lse = ceg._linear_row_losses._init_fn(*inputs, targets, IGNORE, 0.1, 5, True)
+    column_major = dtype == torch.float32
+    assert ("dro_ext.logsumexp_columns.default" in Calls.names) == column_major
+    assert ("dro_ext.dro_cross_entropy.default" in Calls.names) != column_major
     logits = F.linear(hidden, weight, bias)
     keep = targets != IGNORE
-    torch.testing.assert_close(losses, F.cross_entropy(logits, targets, reduction="none", ignore_index=IGNORE,
-                                                       label_smoothing=0.1))
-    torch.testing.assert_close(lse, torch.where(keep, torch.logsumexp(logits, dim=1), 0.0))
+    tolerance = ref.tolerances(dtype)
+    torch.testing.assert_close(losses.double(), F.cross_entropy(logits, targets, reduction="none",
+                                                                ignore_index=IGNORE, label_smoothing=0.1), **tolerance)
+    torch.testing.assert_close(lse.double(), torch.where(keep, torch.logsumexp(logits, dim=1), 0.0), **tolerance)
 
 
 # ---------------------------------------------------------------------------------------------------
