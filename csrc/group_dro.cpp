@@ -93,13 +93,8 @@ std::tuple<at::Tensor, at::Tensor> group_dro_step_cpu(const at::Tensor& sums, co
                                                       bool update) {
   GroupDROStepCall call = prepare_group_dro_step(sums, counts, log_q, ema_loss, last_loss, seen, active, adjustment,
                                                  step_size, ema_gamma, stale, normalize_loss, update);
-  AT_DISPATCH_FLOATING_TYPES(sums.scalar_type(), "dro_ext_group_dro_step", [&] {
-    using sums_t = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, log_q.scalar_type(), "dro_ext_group_dro_state", [&] {
-      group_dro_step_kernel(group_dro_step_operands<sums_t, scalar_t>(sums, counts, log_q, ema_loss, last_loss, seen,
-                                                                      active, call.adjustment),
-                            sums.numel(), call.args, call.loss, call.weights);
-    });
+  with_group_dro_step_operands(sums, counts, log_q, ema_loss, last_loss, seen, active, call, [&](const auto& op) {
+    group_dro_step_kernel(op, sums.numel(), call.args, call.loss, call.weights);
   });
   return {call.loss, call.weights};
 }

@@ -17,6 +17,7 @@
 // repeatable.
 #pragma once
 
+#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/macros/Macros.h>
@@ -83,6 +84,8 @@ StridedVector<T> strided_vector(const at::Tensor& t) {
 // The operands of one step, on the host or the device: the inputs of each group, and its state to write.
 template <typename sums_t, typename state_t>
 struct GroupDROStepOperands {
+  using out_t = step_out_t<sums_t, state_t>;  // the dtype of the loss and the gradient weights
+
   StridedVector<const sums_t> sums, counts;
   StridedVector<state_t> log_q, ema, last;
   StridedVector<bool> seen;
@@ -187,6 +190,21 @@ inline GroupDROStepCall prepare_group_dro_step(const at::Tensor& sums, const at:
   const auto options = sums.options().dtype(c10::promoteTypes(sums.scalar_type(), log_q.scalar_type()));
   return {at::empty({}, options), at::empty(sums.sizes(), options), as_dtype(adjustment, at::kDouble),
           GroupDROStepArgs{step_size, ema_gamma, stale, normalize_loss, update}};
+}
+
+// kernel(operands) with the operands typed by the dtypes the step takes, the one rule of both entry points: sums and
+// counts float32 or float64, the state any floating dtype (a module cast to half keeps half buffers).
+template <typename Kernel>
+void with_group_dro_step_operands(const at::Tensor& sums, const at::Tensor& counts, at::Tensor& log_q,
+                                  at::Tensor& ema_loss, at::Tensor& last_loss, at::Tensor& seen,
+                                  const at::Tensor& active, const GroupDROStepCall& call, const Kernel& kernel) {
+  AT_DISPATCH_FLOATING_TYPES(sums.scalar_type(), "dro_ext_group_dro_step", [&] {
+    using sums_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, log_q.scalar_type(), "dro_ext_group_dro_state", [&] {
+      kernel(group_dro_step_operands<sums_t, scalar_t>(sums, counts, log_q, ema_loss, last_loss, seen, active,
+                                                       call.adjustment));
+    });
+  });
 }
 
 }  // namespace dro_ext

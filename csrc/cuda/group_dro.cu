@@ -94,16 +94,12 @@ std::tuple<at::Tensor, at::Tensor> group_dro_step_cuda(const at::Tensor& sums, c
   GroupDROStepCall call = prepare_group_dro_step(sums, counts, log_q, ema_loss, last_loss, seen, active, adjustment,
                                                  step_size, ema_gamma, stale, normalize_loss, update);
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES(sums.scalar_type(), "dro_ext_cuda_group_dro_step", [&] {
-    using sums_t = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, log_q.scalar_type(), "dro_ext_cuda_group_dro_state", [&] {
-      using out_t = step_out_t<sums_t, scalar_t>;
-      group_dro_step_kernel<<<1, kThreads, 0, stream>>>(
-          group_dro_step_operands<sums_t, scalar_t>(sums, counts, log_q, ema_loss, last_loss, seen, active,
-                                                    call.adjustment),
-          sums.numel(), call.args, call.loss.mutable_data_ptr<out_t>(), call.weights.mutable_data_ptr<out_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
+  with_group_dro_step_operands(sums, counts, log_q, ema_loss, last_loss, seen, active, call, [&](const auto& op) {
+    using out_t = typename std::decay_t<decltype(op)>::out_t;
+    group_dro_step_kernel<<<1, kThreads, 0, stream>>>(op, sums.numel(), call.args,
+                                                      call.loss.mutable_data_ptr<out_t>(),
+                                                      call.weights.mutable_data_ptr<out_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {call.loss, call.weights};
 }
