@@ -194,8 +194,8 @@ def _linear_row_losses_backward_op(
         native: bool, grad_hidden_needed: bool, grad_weight_needed: bool, grad_bias_needed: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_hidden, grad_weight, grad_bias) for the per-row loss gradients ``row_weight``: each chunk's logits are
-    recomputed, overwritten by row_weight_i (softmax_i - q_i) (the per-row gradient writer, in place), and folded in by matmuls in chunk order (deterministic). A gradient that is not needed comes back
-    empty (shape (0,))."""
+    recomputed, overwritten by row_weight_i (softmax_i - q_i) (the per-row gradient writer, in place), and folded in
+    by matmuls in chunk order (deterministic). A gradient that is not needed comes back empty (shape (0,))."""
     rows = hidden.shape[0]
     acc = accumulate_dtype(hidden.dtype)
     hidden, weight = hidden.contiguous(), weight.contiguous()
