@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -290,6 +291,14 @@ def impls_for(case: str, fast_dro_class=None) -> list[Impl]:
             if (case == "lm-head" or name not in LM_HEAD_ONLY) and (impl.peer is None or fast_dro_class is not None)]
 
 
+def with_own_code(fn: Callable) -> Callable:
+    """fn with a code object of its own. Dynamo keeps its compiled graphs, and counts recompilations against its
+    limit (torch._dynamo.config.recompile_limit, 8), per code object: every Run's objective is a closure of the same
+    function, so in one process (CUDA: every case, 6 to 8 implementations each) the ninth compiled would fail under
+    fullgraph=True, and a peer without it would silently run eager."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 class Run:
     """One implementation's training state on a problem: its copy of the model, its criterion, its optimizer, and
     the step it is timed on."""
@@ -317,7 +326,8 @@ class Run:
             return impl.objective(problem, self.model, self.criterion, problem.batch)
 
         # fast-dro's bisection is Python control flow on the device's values: graph breaks, not a full graph.
-        self.objective = torch.compile(objective, fullgraph=impl.peer is None) if compiled else objective
+        self.objective = (torch.compile(with_own_code(objective), fullgraph=impl.peer is None) if compiled
+                          else objective)
 
     def step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -318,6 +318,25 @@ def test_a_train_case_process_writes_its_rows(tmp_path):
     assert not (tmp_path / "train.md").exists()
 
 
+def test_compiled_implementations_in_one_process_stay_under_the_recompile_limit(monkeypatch):
+    """On CUDA every case's implementations are compiled in one process, more of them than Dynamo's recompile limit
+    per code object: each Run's objective has a code object of its own, so none fails under fullgraph=True (or, a
+    peer, silently runs eager). Here with the limit at 2 and four implementations, traced by the eager backend."""
+    import functools
+    import torch._dynamo
+    from bench import bench_train
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    problem = bench_train.make_problem("mlp-large-batch", "cpu", quick=True)
+    impls = [i for i in bench_train.impls_for("mlp-large-batch") if i.peer is None]
+    assert len(impls) == 4
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=2):
+        runs = [bench_train.Run(problem, impl, compiled=True) for impl in impls]
+        for run in runs + runs:  # the second pass: each finds its own compiled graph again
+            run.step()
+    torch._dynamo.reset()
+
+
 def _names_with_peer(bench_train, case):
     return [impl.name for impl in bench_train.impls_for(case, fast_dro_class=object)]
 
