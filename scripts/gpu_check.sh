@@ -8,7 +8,8 @@
 # the order given (default: build+test+suite+sanitize+bench+profile). profile (python -m bench.profile_kernels, ~30 s)
 # splits each op's time into host work, kernel launches and kernel time (CUDA-graph replay), into
 # DIR/bench/profile_<card>.json. train (python -m bench.bench_train) times the whole training step of ERM, dro_ext and
-# fast-dro (FAST_DRO_PATH) in TRAIN_MODES (default: eager graph), train_compile the same under torch.compile; demo
+# fast-dro (FAST_DRO_PATH) in TRAIN_MODES (default: eager graph), train_compile the same under torch.compile (its
+# cases in the order TRAIN_COMPILE_CASES gives, the quick compiles first by default); demo
 # runs the paper's experiments on the card (DIR/demo).
 # Every phase first makes sure the extension in this checkout runs on this card; if not (a fresh machine), it
 # takes the prebuilt library when that was built from exactly these sources, else builds (~2 minutes). `build`
@@ -268,10 +269,15 @@ phase_train() {
     --modes ${TRAIN_MODES:-eager graph}
 }
 
+# TRAIN_COMPILE_CASES orders its cases, by default the quick compiles first: Inductor compiles resnet18's forward and
+# backward once per implementation (six, over 120 s in all on the first H200 run), the MLP's and the head's in seconds,
+# and a run stopped at its limit keeps the cases it finished.
 phase_train_compile() {
   mkdir -p "$OUT_DIR/bench"
+  # shellcheck disable=SC2086  # TRAIN_COMPILE_CASES is a list of words
   step train_compile "$TRAIN_S" env PYTHONUNBUFFERED=1 "$PYTHON" -m bench.bench_train --device cuda \
-    --out "$OUT_DIR/bench" --modes compile --name train_compile
+    --out "$OUT_DIR/bench" --modes compile --name train_compile \
+    --cases ${TRAIN_COMPILE_CASES:-mlp-large-batch lm-head resnet18}
 }
 
 # The paper's experiments on the card, for their time and for their verdicts beside the CPU run's.

@@ -186,8 +186,9 @@ def test_the_train_and_demo_phases_and_a_choice_of_test_files(tree):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert re.findall(r"^(\w+) +ok ", summary, flags=re.M) == ["train", "cuda_tests", "train_compile", "demo"]
     assert re.search(r"-m bench\.bench_train --device cuda --out \S+/out/bench --modes graph\n", calls)
-    assert re.search(r"-m bench\.bench_train --device cuda --out \S+/out/bench --modes compile --name train_compile\n",
-                     calls)
+    # the compiled steps: the cases whose compilation takes seconds first, resnet18's (minutes) last
+    assert re.search(r"-m bench\.bench_train --device cuda --out \S+/out/bench --modes compile --name train_compile "
+                     r"--cases mlp-large-batch lm-head resnet18\n", calls)
     assert re.search(r"-m dro_ext\.demo --device cuda --out \S+/out/demo\n", calls)
     pytest_call = next(line for line in calls.splitlines() if "-m pytest" in line)
     assert pytest_call.endswith("tests/test_cuda_loss.py tests/test_cuda_optim.py")
