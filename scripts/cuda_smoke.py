@@ -48,8 +48,8 @@ def group_dro_step(sums, state_dtype, label):
 
 
 def optimizer_and_cross_entropy():
-    """The NormalizedSGD step (mixed dtypes, both norms, a misaligned view) and the fused cross-entropy ops,
-    through the public API, against the same calls on the CPU."""
+    """The NormalizedSGD step (mixed dtypes, both norms, a misaligned view) and the fused cross-entropy ops (the linear
+    one per sample and over groups), through the public API, against the same calls on the CPU."""
     failures = []
     for norm in ("global", "tensor"):
         shapes = [(7,), (33, 5), (1,), (4099,)]
@@ -94,6 +94,22 @@ def optimizer_and_cross_entropy():
             results.append((value.detach(), h.grad, w.grad, eta.grad))
         if not all(close(a, b.cpu(), a.dtype) for a, b in zip(results[1], results[0])):
             failures.append(f"dro_linear_cross_entropy {dtype}")
+        # Over groups: the second chunked pass writes each chunk's gradient over its logits in place
+        # (dro_cross_entropy_backward_, whose rows read their target logit before any thread writes).
+        targets = torch.arange(11)
+        targets[3] = -100
+        groups = torch.tensor([0, 2, 1, 0, 2, 2, 1, 0, 0, 1, 2])
+        results = []
+        for device in ("cpu", "cuda"):
+            h = hidden.detach().to(device).requires_grad_(True)
+            w = weight.detach().to(device).requires_grad_(True)
+            eta = torch.tensor(0.1, device=device, requires_grad=True)
+            value = dro_ext.dro_linear_cross_entropy(h, w, targets.to(device), eta, 0.5, "chi2", chunk_size=4,
+                                                     label_smoothing=0.1, groups=groups.to(device), num_groups=3)
+            value.backward()
+            results.append((value.detach(), h.grad, w.grad, eta.grad))
+        if not all(close(a, b.cpu(), a.dtype) for a, b in zip(results[1], results[0])):
+            failures.append(f"dro_linear_cross_entropy over groups {dtype}")
     return failures
 
 
