@@ -128,12 +128,12 @@ def test_an_unusable_prebuilt_library_is_built_instead(tree, problem):
 def test_total_s_shrinks_the_steps_and_skips_what_cannot_start(tree):
     prebuild(tree)
     proc, summary, _ = run_check(tree, "bench", BENCHES="loss optim robust", TOTAL_S=40, BENCH_S=100,
-                                 BENCH_SLEEP=12)
+                                 BENCH_SLEEP=7)
     assert proc.returncode == 1  # a skipped step fails the run
     limit = int(re.search(r"bench_loss \(limit (\d+)s\)", proc.stdout).group(1))
     assert 20 <= limit <= 25  # what is left of TOTAL_S less 15 s of margin, not BENCH_S
     assert re.search(r"bench_loss +ok", summary)
-    # 12 s later less than 20 s would be left for each of the others
+    # 7 s later less than 20 s would be left for each of the others (40 - 7 - 15)
     assert re.search(r"bench_optim +SKIPPED", summary) and re.search(r"bench_robust +SKIPPED", summary)
     assert "SOME STEPS FAILED" in summary
 
@@ -205,7 +205,7 @@ def test_a_rerun_into_the_same_folder_runs_only_what_the_first_left(tree):
     # The lease's second call: the first ran out of TOTAL_S after one benchmark; the same command again runs the
     # two it skipped, and neither the tests nor the finished benchmark a second time.
     prebuild(tree)
-    first, summary, _ = run_check(tree, "test+bench", BENCHES="loss optim robust", TOTAL_S=40, BENCH_SLEEP=12)
+    first, summary, _ = run_check(tree, "test+bench", BENCHES="loss optim robust", TOTAL_S=40, BENCH_SLEEP=7)
     assert first.returncode == 1
     assert re.search(r"bench_optim +SKIPPED", summary) and re.search(r"bench_robust +SKIPPED", summary)
     calls_file = tree.parent / "calls.txt"
