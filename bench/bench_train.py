@@ -382,6 +382,11 @@ def prepare(problem: Problem, impls: list[Impl], mode: str, fast_dro_class, devi
     """({impl name: the timed function (one step, or a replay of its graph)}, {impl name: its Run}, {impl name: why it
     is not timed in this mode})."""
     timed, runs, skipped = {}, {}, {}
+    if mode == "compile":
+        # Each case compiles as in a process of its own (as a user's training run does). Otherwise a peer's helpers,
+        # shared by every case, were compiled again for the next case's batch with dynamic shapes, where fast-dro's
+        # CVaR failed inside Dynamo ("'NoneType' object has no attribute 'item'") after resnet18's case.
+        torch._dynamo.reset()
     for impl in impls:
         if mode == "graph" and not impl.capturable:
             skipped[impl.name] = "not capturable: its bisection reads the device every iteration"

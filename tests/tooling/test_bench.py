@@ -337,6 +337,29 @@ def test_compiled_implementations_in_one_process_stay_under_the_recompile_limit(
     torch._dynamo.reset()
 
 
+def test_compile_mode_starts_each_case_from_a_fresh_dynamo(monkeypatch):
+    """In one process (CUDA) each case's compiled implementations start from a reset Dynamo, as in a process of their
+    own: a peer's helpers are not recompiled with dynamic shapes for the next case's batch."""
+    import torch._dynamo
+    from bench import bench_train
+    order = []
+
+    class StandInRun:
+        def __init__(self, problem, impl, fast_dro_class=None, *, compiled=False):
+            order.append(("run", compiled))
+
+        def step(self):
+            pass
+
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: order.append("reset"))
+    monkeypatch.setattr(bench_train, "Run", StandInRun)
+    problem = bench_train.make_problem("mlp-large-batch", "cpu", quick=True)
+    impls = bench_train.impls_for("mlp-large-batch")[:2]
+    bench_train.prepare(problem, impls, "compile", None, "cpu")
+    bench_train.prepare(problem, impls, "eager", None, "cpu")
+    assert order == ["reset", ("run", True), ("run", True), ("run", False), ("run", False)]
+
+
 def _names_with_peer(bench_train, case):
     return [impl.name for impl in bench_train.impls_for(case, fast_dro_class=object)]
 
