@@ -17,7 +17,7 @@ DEFAULT_CUDA_ARCH_LIST = "8.0;9.0"  # A100/H100-class; override with TORCH_CUDA_
 # Where the compiled objects stay between builds, whichever command builds: `setup.py build_ext --inplace`, a wheel
 # (`python -m build --wheel`, `pip wheel`) and `pip install -e .`, which would otherwise compile into a temporary
 # folder and delete it. Ninja then recompiles only what changed (a source, a header it includes, or the flags), so a
-# wheel built after the editable install only links (a full compile is 10+ minutes on 2 cores). It is setuptools'
+# wheel built after the editable install only links (a full compile takes minutes on 2 cores). It is setuptools'
 # own default for the first two.
 BUILD_TEMP = os.path.join(ROOT, "build", f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}")
 
