@@ -9,7 +9,7 @@ The sdist (`python -m build --sdist --no-isolation`, which compiles nothing) mus
 (MANIFEST.in adds the headers, CMakeLists.txt and CHANGELOG.md to what setuptools takes by itself).
 
 Why the wheel build reuses the set-up's build: compiling the extension (CPU kernels three times for the SIMD builds,
-CUDA kernels) takes 10+ minutes on CI's 2 cores. setup.py keeps every build's objects in build/temp.*/ (the editable
+CUDA kernels) takes about 4 minutes on CI's 2 cores. setup.py keeps every build's objects in build/temp.*/ (the editable
 install of `make setup` included, which would otherwise compile into a temporary folder), and a wheel built from the
 checkout itself (not from a copy) runs the same ninja build there with the same sources and flags, so ninja compiles
 nothing and the wheel only links. The test therefore needs that build: without one (an extension copied in or built
