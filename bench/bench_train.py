@@ -294,8 +294,9 @@ def impls_for(case: str, fast_dro_class=None) -> list[Impl]:
 def with_own_code(fn: Callable) -> Callable:
     """fn with a code object of its own. Dynamo keeps its compiled graphs, and counts recompilations against its
     limit (torch._dynamo.config.recompile_limit, 8), per code object: every Run's objective is a closure of the same
-    function, so in one process (CUDA: every case, 6 to 8 implementations each) the ninth compiled would fail under
-    fullgraph=True, and a peer without it would silently run eager."""
+    function, so one count would hold every graph compiled since the last reset (prepare's, once per case; the
+    lm-head case alone compiles 7), and past the limit a Run would fail under fullgraph=True, or a peer without it
+    silently run eager."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
