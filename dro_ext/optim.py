@@ -238,11 +238,11 @@ class _GroupPlan:
         self.group, self.group_params, self.num_params = group, group["params"], len(group["params"])
         self.state, self.settings = optimizer.state, _settings(group)
         self.params = params
-        self.dtensor = bool(params) and _distributed.has_dtensor(params)
-        self.fused = bool(params) and optimizer._use_fused(group, params)
+        self.dtensor = len(params) > 0 and _distributed.has_dtensor(params)
+        self.fused = len(params) > 0 and optimizer._use_fused(group, params)
         if self.fused and not self.dtensor:
             _check_one_device(params)
-        self.reusable = keeping and bool(params) and len(params) == self.num_params
+        self.reusable = keeping and 0 < len(params) == self.num_params
         # The state entries that a kept plan's later steps read. Only for a plan that is kept: while compiling (when
         # none is) dynamo traced this read of the state dict wrongly for a second param group (wrong steps).
         self.states = [optimizer.state[p] for p in params] if self.reusable else None

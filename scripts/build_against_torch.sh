@@ -6,9 +6,9 @@
 #
 # The in-place build (dro_ext/_C.abi3.so) is left alone. `make gpu-prebuilt` (and `make compat`, its name in CI)
 # runs it for the GPU machines' torch (2.11.0+cu130) into build/gpu-prebuilt: CI checks that the sources build
-# against it, not only against the pinned 2.14.1 (the two differ in C++ standard and autograd API), and a short
-# GPU lease carries the library instead of building there (scripts/gpu_check.sh uses it when
-# DIR/sources.sha256 matches the tree).
+# against it, not only against the pinned 2.14.1 (the two differ in C++ standard and autograd API), that the Python
+# layer's torch.compile tests pass under its Dynamo, and a short GPU lease carries the library instead of building
+# there (scripts/gpu_check.sh uses it when DIR/sources.sha256 matches the tree).
 # The library is abi3 (py_limited_api), so a build made with this Python loads in the GPU machines' 3.12.
 # Importing that torch needs its CUDA libraries: they are taken from the installed torch's nvidia packages
 # (same CUDA major version) instead of downloading several GB of them again.
@@ -85,6 +85,13 @@ print("dro_ext", dro_ext.backend(), "on torch", torch.__version__)
 EOF
 DRO_EXT_CUDA=1 "$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider tests/test_cuda_registration.py \
   tests/test_compile_and_opcheck.py "$@" 2>&1 | tee "$OUT_DIR/tests.log"
+# The torch.compile(fullgraph=True) tests of the Python layer (modules, optimizer, group and cross-entropy wrappers):
+# what Dynamo can trace changes between releases (2.11 cannot trace bool() of a list, which 2.14 can), and the GPU
+# machines run this torch.
+DRO_EXT_CUDA=1 "$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider -k compile tests/test_optim.py \
+  tests/test_robust.py tests/test_groups.py tests/test_group_sums.py tests/test_group_dro_step.py \
+  tests/test_group_evaluation.py tests/test_cross_entropy.py tests/test_cross_entropy_groups.py \
+  tests/test_distributed.py 2>&1 | tee -a "$OUT_DIR/tests.log"
 if grep -q " skipped" "$OUT_DIR/tests.log"; then
   echo "the build against torch $VERSION skipped tests (see above): it must load and register everywhere" >&2
   exit 1
