@@ -376,7 +376,15 @@ def steps_per_call(device) -> int:
 
 
 def _failure(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+    """The exception's first line, and its root cause's: Dynamo wraps what failed in a tracing error whose own message
+    ("RuntimeError when making fake tensor call") says nothing about it."""
+    def first_line(e: BaseException) -> str:
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    root = exc
+    while root.__cause__ is not None and root.__cause__ is not root:
+        root = root.__cause__
+    text = first_line(exc) if root is exc else f"{first_line(exc)} (cause: {first_line(root)})"
+    return text[:300]
 
 
 def prepare(problem: Problem, impls: list[Impl], mode: str, fast_dro_class, device) -> tuple[dict, dict, dict]:

@@ -205,3 +205,18 @@ def test_a_failing_implementation_is_reported_in_its_row_and_the_others_run():
     assert [r["impl"] for r in rows] == [bench_train.ERM, "broken"]
     assert rows[0]["median_ms"] > 0 and rows[0]["x_erm"] == 1.0 and rows[0]["host_syncs"] is None
     assert rows[1]["median_ms"] is None and rows[1]["note"] == "failed: RuntimeError: no kernel"
+
+
+def test_a_failure_names_its_root_cause():
+    # Dynamo raises a tracing error "from" the error that happened: the row must say what that was.
+    def wrapped():
+        try:
+            raise RuntimeError("Expected all tensors to be on the same device\nmore detail")
+        except RuntimeError as cause:
+            raise TypeError("RuntimeError when making fake tensor call") from cause
+
+    with pytest.raises(TypeError) as info:
+        wrapped()
+    assert bench_train._failure(info.value) == ("TypeError: RuntimeError when making fake tensor call "
+                                                "(cause: RuntimeError: Expected all tensors to be on the same device)")
+    assert bench_train._failure(RuntimeError("no kernel")) == "RuntimeError: no kernel"
