@@ -4,13 +4,15 @@
 #
 #   scripts/gpu_check.sh DIR [PHASES]        (or: make gpu-check OUT=DIR [PHASES=...])
 #
-# PHASES is a '+'-separated list of build, test, suite, sanitize, bench, profile, train, train_compile, demo, run in
-# the order given (default: build+test+suite+sanitize+bench+profile). profile (python -m bench.profile_kernels, ~30 s)
-# splits each op's time into host work, kernel launches and kernel time (CUDA-graph replay), into
-# DIR/bench/profile_<card>.json. train (python -m bench.bench_train) times the whole training step of ERM, dro_ext and
-# fast-dro (FAST_DRO_PATH) in TRAIN_MODES (default: eager graph), train_compile the same under torch.compile (its
-# cases in the order TRAIN_COMPILE_CASES gives, the quick compiles first by default); demo
-# runs the paper's experiments on the card (DIR/demo).
+# PHASES is a '+'-separated list of build, test, suite, sanitize, bench, profile, probe, train, train_compile, demo,
+# run in the order given (default: build+test+suite+sanitize+bench+profile). profile (python -m bench.profile_kernels,
+# ~30 s) splits each op's time into host work, kernel launches and kernel time (CUDA-graph replay), into
+# DIR/bench/profile_<card>.json; probe (python -m bench.probe_matmul_alignment) times the fused linear
+# cross-entropy's matmuls at an unaligned vocabulary, as laid out today and with a padded row stride. train
+# (python -m bench.bench_train) times the whole training step of ERM, dro_ext and fast-dro (FAST_DRO_PATH) in
+# TRAIN_MODES (default: eager graph), train_compile the same under torch.compile (its cases in the order
+# TRAIN_COMPILE_CASES gives, the quick compiles first by default); demo runs the paper's experiments on the card
+# (DIR/demo).
 # Every phase first makes sure the extension in this checkout runs on this card; if not (a fresh machine), it
 # takes the prebuilt library when that was built from exactly these sources, else builds (~2 minutes). `build`
 # rebuilds in place for the visible card whatever is there. Each step runs under `timeout`; a failed step is
@@ -23,10 +25,10 @@
 # the second call of a lease is the first call's command again, with the time that is left.
 #
 # Step time limits (seconds) can be changed through the environment: BUILD_S, TEST_S, SUITE_S, MEMCHECK_S,
-# RACECHECK_S, BENCH_S (per benchmark), PROFILE_S, TRAIN_S, DEMO_S; CUDA_TEST_WORKERS (default 8) sets the test
-# processes and CUDA_TEST_FILES (space-separated) the test files (default: every tests/test_cuda_*.py); BENCHES picks
-# the benchmarks and their order (default: loss optim robust cross_entropy groups); BENCH_ARGS adds arguments to each
-# benchmark run (e.g. --quick). TOTAL_S (seconds) caps the whole run: each step gets at most what is left, and a
+# RACECHECK_S, BENCH_S (per benchmark), PROFILE_S, PROBE_S, TRAIN_S, DEMO_S; CUDA_TEST_WORKERS (default 8) sets the
+# test processes and CUDA_TEST_FILES (space-separated) the test files (default: every tests/test_cuda_*.py); BENCHES
+# picks the benchmarks and their order (default: loss optim robust cross_entropy groups); BENCH_ARGS adds arguments to
+# each benchmark run (e.g. --quick). TOTAL_S (seconds) caps the whole run: each step gets at most what is left, and a
 # step that would get under 20 s is skipped (and left for a rerun). PACK_TO=FILE.tar.gz packs DIR into one archive
 # after every step, for a runner that returns only a few files and may kill the run at its limit.
 #
@@ -62,6 +64,7 @@ MEMCHECK_S="${MEMCHECK_S:-90}"
 RACECHECK_S="${RACECHECK_S:-90}"
 BENCH_S="${BENCH_S:-135}"
 PROFILE_S="${PROFILE_S:-120}"
+PROBE_S="${PROBE_S:-90}"
 TRAIN_S="${TRAIN_S:-300}"
 DEMO_S="${DEMO_S:-300}"
 BENCHES="${BENCHES:-loss optim robust cross_entropy groups}"
@@ -176,7 +179,7 @@ ready=0
 if has_phase build; then
   step build "$BUILD_S" "${BUILD_CMD[@]}"
 elif has_phase test || has_phase suite || has_phase sanitize || has_phase bench || has_phase profile || \
-  has_phase train || has_phase train_compile || has_phase demo; then
+  has_phase probe || has_phase train || has_phase train_compile || has_phase demo; then
   if runs_here; then
     ready=1
   elif place_prebuilt; then
@@ -290,13 +293,21 @@ phase_profile() {
   step profile "$PROFILE_S" env PYTHONUNBUFFERED=1 "$PYTHON" -m bench.profile_kernels --out "$OUT_DIR/bench"
 }
 
+# Whether a vocabulary that is not a multiple of 8 slows the fused linear cross-entropy's matmuls, and whether a
+# padded row stride of its logits would recover the time (bench/probe_matmul_alignment.py, under a minute).
+phase_probe() {
+  mkdir -p "$OUT_DIR/bench"
+  step probe "$PROBE_S" env PYTHONUNBUFFERED=1 "$PYTHON" -m bench.probe_matmul_alignment --device cuda \
+    --out "$OUT_DIR/bench"
+}
+
 # The phases in the order PHASES names them (build ran above, before anything that needs the library).
 IFS='+' read -r -a phase_list <<<"$PHASES"
 for phase in "${phase_list[@]}"; do
   case "$phase" in
     build) ;;
-    test | suite | sanitize | bench | profile | train | train_compile | demo) "phase_$phase" ;;
-    *) echo "unknown phase '$phase' (build, test, suite, sanitize, bench, profile, train, train_compile, demo)" \
+    test | suite | sanitize | bench | profile | probe | train | train_compile | demo) "phase_$phase" ;;
+    *) echo "unknown phase '$phase' (build, test, suite, sanitize, bench, profile, probe, train, train_compile, demo)" \
          | tee -a "$SUMMARY"
        FAILED=1 ;;
   esac

@@ -503,3 +503,31 @@ def test_robust_reference_root_is_brentqs_to_1e15_with_a_good_or_a_bad_guess():
     calls.clear()
     eta = exact_root(g, lambda x: 0.5 - x, 0.0, 1.0)  # the guess's root, 0.5, is far from g's
     assert abs(eta - 0.3) <= 2e-15 and any(abs(x - 0.3) > 1e-3 for x in calls)
+
+
+# ------------------------------------------------------------------------------- the matmul alignment probe
+
+def test_alignment_probe_rows_cover_every_vocab_and_layout(tmp_path):
+    from bench import probe_matmul_alignment as probe
+
+    probe.main(["--quick", "--out", str(tmp_path), "--no-plot", "--dtype", "float32"])
+    rows = json.loads((tmp_path / "matmul_alignment.json").read_text())["rows"]
+    assert [(r["vocab"], r["variant"]) for r in rows] == [(v, name) for v in (1001, 1024) for name in probe.VARIANTS]
+    assert all(r["median_ms"] > 0 and r["max_rel_error"] < 1e-5 for r in rows)
+    assert {r["x_contiguous"] for r in rows if r["variant"] == "contiguous"} == {1.0}
+
+
+def test_alignment_probe_refuses_a_layout_that_leaves_output_unwritten(monkeypatch):
+    from bench import probe_matmul_alignment as probe
+
+    written = probe.chunk_matmuls
+
+    def strided_logits_skip_the_weight_gradient(hidden, weight, logits, grad_hidden, grad_weight):
+        if logits.stride(0) == logits.shape[1]:  # contiguous and padded vocab: every output written
+            return written(hidden, weight, logits, grad_hidden, grad_weight)
+        torch.mm(hidden, weight.t(), out=logits)
+        torch.mm(logits, weight, out=grad_hidden)
+
+    monkeypatch.setattr(probe, "chunk_matmuls", strided_logits_skip_the_weight_gradient)
+    with pytest.raises(RuntimeError, match="padded stride left part of its output unwritten"):
+        probe.probe(8, 4, 13, torch.float32, torch.device("cpu"), rounds=1, min_seconds=0.0)
