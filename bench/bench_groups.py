@@ -13,8 +13,9 @@ of the sums), taken in interleaved rounds, its ratio to the fastest composition,
 forward + backward allocates above its inputs: on CUDA torch.cuda.max_memory_allocated, on the CPU the running sum
 of the allocations and frees of PyTorch's CPU allocator recorded by torch.profiler (profile_memory=True), each op's
 net allocation at its start (or its net free at its end), so the group_sums op's per-part partials count (they are
-ATen tensors its aten::empty children allocate). The one-hot composition is left out (a row
-that says so) where its G x N matrix would pass ONE_HOT_MAX_ELEMENTS.
+ATen tensors its aten::empty children allocate); on CUDA also the host synchronizations of one forward + backward
+(torch.cuda.set_sync_debug_mode). The one-hot composition is left out (a row that says so) where its G x N matrix
+would pass ONE_HOT_MAX_ELEMENTS.
 
 Each implementation is a function (losses, groups, G) -> tensor whose gradient is taken, in one of two FAMILIES
 (the sums, the Group DRO step), each with its fused implementation and its compositions: a row's ratios are to its
@@ -28,8 +29,8 @@ import functools
 import torch
 
 import dro_ext
-from bench.common import (add_common_arguments, check_device, cuda_peak_bytes, default_min_seconds, device_info,
-                          interleaved_rounds, loadavg, markdown_table, partial_writer, progress, publish,
+from bench.common import (add_common_arguments, check_device, count_host_syncs, cuda_peak_bytes, default_min_seconds,
+                          device_info, interleaved_rounds, loadavg, markdown_table, partial_writer, progress, publish,
                           result_name, Timer)
 
 FULL_SIZES = (128, 4096, 1 << 20)
@@ -162,7 +163,12 @@ def make_inputs(n, num_groups, device, seed=0):
     return losses, groups, grad_out
 
 
-def bench_case(n, num_groups, device, timer, impls, *, rounds, min_seconds) -> list[dict]:
+def host_syncs(run, device) -> int | None:
+    """The host synchronizations of one call on CUDA (None on the CPU, where every call is synchronous)."""
+    return count_host_syncs(run) if torch.device(device).type == "cuda" else None
+
+
+def bench_case(n, num_groups, device, timer, impls, *, rounds, min_seconds, count_syncs=host_syncs) -> list[dict]:
     losses, groups, grad_out = make_inputs(n, num_groups, device)
     skipped = {}
     for name in ONE_HOT_IMPLS:
@@ -193,6 +199,7 @@ def bench_case(n, num_groups, device, timer, impls, *, rounds, min_seconds) -> l
             "median_ms": 1e3 * t["median_s"], "p25_ms": 1e3 * t["p25_s"], "p75_ms": 1e3 * t["p75_s"],
             "reps": t["reps"], "ns_per_sample": 1e9 * t["median_s"] / n,
             "peak_extra_bytes": peak, "peak_bytes_per_n_plus_g": peak / (n + num_groups),
+            "host_syncs": count_syncs(runs[name], device),
         })
         if family is not None:
             best_name = best[family]
@@ -227,20 +234,20 @@ def bench(device, sizes, group_counts, *, rounds, min_seconds, impls=None, on_ca
 
 
 HEADER = ["N", "G", "impl", "median ms", "ns/sample", "x fused", "fused speedup", "above the floor", "peak extra KiB",
-          "B per (N+G)"]
+          "B per (N+G)", "syncs"]
 
 
 def table_rows(rows):
     out = []
     for r in rows:
         if "skipped" in r:
-            out.append([r["n"], r["groups"], r["impl"], r["skipped"], None, None, None, None, None, None])
+            out.append([r["n"], r["groups"], r["impl"], r["skipped"], None, None, None, None, None, None, None])
             continue
         fused_row = r["impl"] in FAMILIES
         out.append([r["n"], r["groups"], r["impl"], r["median_ms"], r["ns_per_sample"], r.get("time_vs_fused"),
                     r["speedup_vs_best_composition"] if fused_row else None,
                     r["speedup_above_floor"] if fused_row else None,
-                    r["peak_extra_bytes"] / 1024, r["peak_bytes_per_n_plus_g"]])
+                    r["peak_extra_bytes"] / 1024, r["peak_bytes_per_n_plus_g"], r["host_syncs"]])
     return out
 
 
@@ -255,7 +262,10 @@ NOTE = ("Forward (sums and counts) + backward (the losses' gradient for a fixed 
         "`peak extra KiB` is the peak "
         "memory one forward + backward allocates above its inputs (CPU: PyTorch's allocator events under "
         "torch.profiler, group_sums' per-part partials included; CUDA: max_memory_allocated); `B per (N+G)` is that "
-        "peak over N + G, bounded for an O(N + G) implementation and growing with G for the one-hot matrix.")
+        "peak over N + G, bounded for an O(N + G) implementation and growing with G for the one-hot matrix. `syncs` "
+        "(CUDA): the host synchronizations of one forward + backward, from torch.cuda.set_sync_debug_mode "
+        "(group_sums' default validate=True reads one flag; GroupDROLoss runs it with validate=False); on the CPU "
+        "not applicable.")
 
 
 def main(argv=None) -> dict:

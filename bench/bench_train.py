@@ -45,7 +45,6 @@ import argparse
 import copy
 import math
 import types
-import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -55,7 +54,7 @@ from torch import nn
 
 import dro_ext
 from bench import fast_dro_peer
-from bench.common import (add_common_arguments, capture_cuda_graph, check_device, cuda_peak_bytes,
+from bench.common import (add_common_arguments, capture_cuda_graph, check_device, count_host_syncs, cuda_peak_bytes,
                           default_min_seconds, device_info, interleaved_rounds, loadavg, markdown_table,
                           partial_writer, progress, publish, result_name, saved_tensor_bytes, Timer)
 
@@ -338,28 +337,6 @@ class Run:
     def saved_bytes(self) -> int:
         """What autograd keeps for backward in one forward, beyond the parameters and the batch."""
         return saved_tensor_bytes(self.objective, exclude=(*self.params, *self.problem.batch))
-
-
-# ---------------------------------------------------------------------------------------------------
-# Host synchronizations
-# ---------------------------------------------------------------------------------------------------
-
-# The start of the warning torch.cuda.set_sync_debug_mode("warn") gives for every synchronizing CUDA call.
-SYNC_WARNING = "called a synchronizing CUDA operation"
-
-
-def count_host_syncs(fn: Callable[[], object], set_sync_debug_mode: Callable | None = None) -> int:
-    """How many times fn() makes the host wait for the device: the synchronizing calls torch reports in its sync
-    debug mode (device-to-host copies such as .item(), stream and device synchronizations), each a warning."""
-    set_mode = set_sync_debug_mode or torch.cuda.set_sync_debug_mode
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        set_mode("warn")
-        try:
-            fn()
-        finally:
-            set_mode("default")
-    return sum(SYNC_WARNING in str(w.message) for w in caught)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from typing import Callable
 
 import torch
@@ -239,6 +240,24 @@ def cuda_peak_bytes(fn: Callable[[], object], device) -> int | None:
     fn()
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - base
+
+
+# The start of the warning torch.cuda.set_sync_debug_mode("warn") gives for every synchronizing CUDA call.
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+def count_host_syncs(fn: Callable[[], object], set_sync_debug_mode: Callable | None = None) -> int:
+    """How many times fn() makes the host wait for the device: the synchronizing calls torch reports in its sync
+    debug mode (device-to-host copies such as .item(), stream and device synchronizations), each a warning."""
+    set_mode = set_sync_debug_mode or torch.cuda.set_sync_debug_mode
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        set_mode("warn")
+        try:
+            fn()
+        finally:
+            set_mode("default")
+    return sum(SYNC_WARNING in str(w.message) for w in caught)
 
 
 # ---------------------------------------------------------------------------------------------------

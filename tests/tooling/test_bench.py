@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -115,6 +116,53 @@ def test_console_table_aligns_columns():
     lines = text.splitlines()
     assert len({len(line) for line in lines}) == 1  # numbers right-aligned to one width
     assert lines[2].startswith("chi2 ") and lines[3].endswith("12.2")
+
+
+# ------------------------------------------------------------------------------------------- host syncs
+
+class StandInSyncDebug:
+    """torch.cuda.set_sync_debug_mode and a synchronizing call, on the CPU: the call warns as torch's does while the
+    mode is "warn"."""
+
+    def __init__(self):
+        self.mode = "default"
+        self.modes = []
+
+    def set_mode(self, mode):
+        self.mode = mode
+        self.modes.append(mode)
+
+    def synchronize(self):
+        if self.mode == "warn":
+            warnings.warn(common.SYNC_WARNING, UserWarning)
+
+
+def test_the_sync_counter_counts_each_synchronizing_call():
+    sync = StandInSyncDebug()
+
+    def step():
+        for _ in range(3):
+            sync.synchronize()
+        warnings.warn("an unrelated warning", UserWarning)
+
+    assert common.count_host_syncs(step, sync.set_mode) == 3
+    assert sync.modes == ["warn", "default"]
+    assert common.count_host_syncs(lambda: None, sync.set_mode) == 0
+    sync.synchronize()  # the mode is back to default: no warning escapes
+    # The same warning twice from one line is counted twice (Python's default filter would show it once).
+    assert common.count_host_syncs(lambda: [sync.synchronize() for _ in range(2)], sync.set_mode) == 2
+
+
+def test_the_sync_counter_restores_the_mode_when_the_step_raises():
+    sync = StandInSyncDebug()
+
+    def failing():
+        sync.synchronize()
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        common.count_host_syncs(failing, sync.set_mode)
+    assert sync.mode == "default"
 
 
 # ------------------------------------------------------------------------------- the --quick run
@@ -395,6 +443,7 @@ def test_quick_groups_json_has_every_size_group_count_and_implementation(quick_r
             best, floor = (times[r["n"], r["groups"], name] for name in (r["best_composition"], FLOOR))
             if r["median_ms"] > floor:
                 assert r["speedup_above_floor"] == pytest.approx((best - floor) / (r["median_ms"] - floor)), r
+    assert all(r["host_syncs"] is None for r in rows)  # counted on CUDA only: every CPU call is synchronous
     # The one-hot matrix's memory grows with G; group_sums' stays O(N + G).
     fused = {(r["n"], r["groups"]): r["peak_bytes_per_n_plus_g"] for r in rows if r["impl"] == "group_sums"}
     one_hot = {(r["n"], r["groups"]): r["peak_bytes_per_n_plus_g"] for r in rows if r["impl"] == "one-hot matmul"}
@@ -408,6 +457,24 @@ def test_groups_bench_leaves_out_a_one_hot_matrix_past_its_limit(monkeypatch):
     by_impl = {r["impl"]: r for r in rows}
     assert "not run" in by_impl["one-hot matmul"]["skipped"] and "median_ms" not in by_impl["one-hot matmul"]
     assert by_impl["group_sums"]["best_composition"] == "index_add"
+
+
+def test_groups_bench_counts_each_implementations_host_syncs():
+    # On the CPU through a stand-in for the sync debug mode: a composition that reads a group's count on the host
+    # (as code with .item() or boolean indexing does) is counted, once per call, and the others are not.
+    from bench import bench_groups
+    sync = StandInSyncDebug()
+
+    def index_add_with_a_host_read(losses, groups, num_groups):
+        sync.synchronize()
+        return bench_groups.index_add(losses, groups, num_groups)
+
+    impls = {"group_sums": bench_groups.fused, "one-hot matmul": bench_groups.one_hot,
+             "index_add": index_add_with_a_host_read}
+    rows = bench_groups.bench_case(64, 4, "cpu", Timer("cpu"), impls, rounds=1, min_seconds=0.0,
+                                   count_syncs=lambda run, device: common.count_host_syncs(run, sync.set_mode))
+    assert {r["impl"]: r["host_syncs"] for r in rows} == {"group_sums": 0, "one-hot matmul": 0, "index_add": 1}
+    assert [row[-1] for row in bench_groups.table_rows(rows)] == [0, 0, 1]
 
 
 def test_quick_cross_entropy_json_has_both_cases_and_every_implementation(quick_run):

@@ -7,7 +7,6 @@ gradients by autograd, and the update rule of torch.optim.SGD or of NormalizedSG
 """
 import copy
 import math
-import warnings
 
 import pytest
 import torch
@@ -144,53 +143,6 @@ def test_targets_bound_dros_rows_only():
     assert [bench_train.target_of(n) for n in (bench_train.DRO_NSGD, bench_train.FUSED_LINEAR_CE)] == [1.05, 1.05]
     assert bench_train.target_of(bench_train.ROBUST) == 1.10
     assert bench_train.target_of(bench_train.ERM) is None and bench_train.target_of(bench_train.FAST_DRO_CHI2) is None
-
-
-# ------------------------------------------------------------------------------------------- host syncs
-
-class StandInSyncDebug:
-    """torch.cuda.set_sync_debug_mode and a synchronizing call, on the CPU: the call warns as torch's does while the
-    mode is "warn"."""
-
-    def __init__(self):
-        self.mode = "default"
-        self.modes = []
-
-    def set_mode(self, mode):
-        self.mode = mode
-        self.modes.append(mode)
-
-    def synchronize(self):
-        if self.mode == "warn":
-            warnings.warn(bench_train.SYNC_WARNING, UserWarning)
-
-
-def test_the_sync_counter_counts_each_synchronizing_call():
-    sync = StandInSyncDebug()
-
-    def step():
-        for _ in range(3):
-            sync.synchronize()
-        warnings.warn("an unrelated warning", UserWarning)
-
-    assert bench_train.count_host_syncs(step, sync.set_mode) == 3
-    assert sync.modes == ["warn", "default"]
-    assert bench_train.count_host_syncs(lambda: None, sync.set_mode) == 0
-    sync.synchronize()  # the mode is back to default: no warning escapes
-    # The same warning twice from one line is counted twice (Python's default filter would show it once).
-    assert bench_train.count_host_syncs(lambda: [sync.synchronize() for _ in range(2)], sync.set_mode) == 2
-
-
-def test_the_sync_counter_restores_the_mode_when_the_step_raises():
-    sync = StandInSyncDebug()
-
-    def failing():
-        sync.synchronize()
-        raise RuntimeError("out of memory")
-
-    with pytest.raises(RuntimeError, match="out of memory"):
-        bench_train.count_host_syncs(failing, sync.set_mode)
-    assert sync.mode == "default"
 
 
 def test_a_failing_implementation_is_reported_in_its_row_and_the_others_run():
