@@ -49,10 +49,11 @@ cmake: $(STAMP)
 # The GPU machines' torch (2.11.0+cu130, Python 3.12) differs from the pinned one in C++ standard and autograd API.
 GPU_TORCH_VERSION ?= 2.11.0
 
-# The sources built, CPU and CUDA kernels, against the GPU machines' torch, registered and passing opcheck there
-# (scripts/build_against_torch.sh; the in-place build is left alone), into build/gpu-prebuilt: before a GPU lease,
-# on the CPU machine, for the lease to carry so that the device's minutes go to tests and benchmarks (gpu-check
-# uses it while it matches the sources). CI runs it as `compat`: one build serves both.
+# The sources built, CPU and CUDA kernels, against the GPU machines' torch, registered and passing opcheck and the
+# Python layer's torch.compile tests there (scripts/build_against_torch.sh; the in-place build is left alone), into
+# build/gpu-prebuilt: before a GPU lease, on the CPU machine, for the lease to carry so that the device's minutes go
+# to tests and benchmarks (gpu-check uses it while it matches the sources). CI runs it as `compat`: one build serves
+# both.
 gpu-prebuilt: $(STAMP)
 	PYTHON=$(PYTHON) bash scripts/build_against_torch.sh $(GPU_TORCH_VERSION) build/gpu-prebuilt
 
