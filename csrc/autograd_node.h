@@ -8,17 +8,18 @@
 #include <memory>
 #include <optional>
 #include <type_traits>
+#include <utility>
 
 namespace dro_ext {
 
 // torch 2.14 holds autograd Nodes in c10::intrusive_ptr, earlier releases in std::shared_ptr (the GPU machines
 // have 2.11): make the node the way this torch's set_history takes it, so one source builds against both.
-template <typename NodeT>
-auto make_node() {
+template <typename NodeT, typename... Args>
+auto make_node(Args&&... args) {
   if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, torch::autograd::Node>) {
-    return c10::make_intrusive<NodeT>();
+    return c10::make_intrusive<NodeT>(std::forward<Args>(args)...);
   } else {
-    return std::make_shared<NodeT>();
+    return std::make_shared<NodeT>(std::forward<Args>(args)...);
   }
 }
 

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["WeightStats", "evaluate", "robust_objective", "weight_stats", "worst_case_weights"]
 
 # ---------------------------------------------------------------------------------------------------
-# Native ops: fake kernels and autograd (Danskin: dPsi/dl_i = q_i). Registered only when loaded.
+# Native ops: fake kernels (their autograd is C++: csrc/autograd.cpp). Registered only when loaded.
 # ---------------------------------------------------------------------------------------------------
 
 if _backend.native_available():
@@ -56,28 +56,6 @@ if _backend.native_available():
                                k: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         torch._check(losses.dim() == 1, lambda: "dro_ext: losses must be a 1-D tensor")
         return losses.new_empty(()), losses.new_empty((), dtype=accumulate_dtype(losses.dtype))
-
-    def _robust_objective_setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]
-                                        ) -> None:
-        losses, lam, divergence, alpha, k = inputs
-        _, eta_star = output
-        ctx.save_for_backward(losses, eta_star)
-        ctx.args = (lam, divergence, alpha, k)
-        ctx.mark_non_differentiable(eta_star)
-
-    def _robust_objective_backward(ctx: Any, grad_value: torch.Tensor, _grad_eta: torch.Tensor | None
-                                   ) -> tuple[torch.Tensor | None, None, None, None, None]:
-        losses, eta_star = ctx.saved_tensors
-        grad_losses = None
-        if ctx.needs_input_grad[0]:
-            # Danskin: the gradient of min_eta L(eta) is dL/dl at eta*, i.e. the worst-case distribution.
-            q = torch.ops.dro_ext.robust_weights(losses, eta_star, *ctx.args)
-            grad_losses = q * grad_value.to(q.dtype)
-        return grad_losses, None, None, None, None
-
-    torch.library.register_autograd(
-        "dro_ext::robust_objective", _robust_objective_backward, setup_context=_robust_objective_setup_context
-    )
 
     @torch.library.register_fake("dro_ext::robust_weights")
     def _robust_weights_fake(losses: torch.Tensor, eta_star: torch.Tensor, lam: float, divergence: str,
@@ -98,6 +76,10 @@ if _backend.native_available():
 # ---------------------------------------------------------------------------------------------------
 
 
+# What a second backward through the robust objective raises (the native op's Node says the same).
+NO_SECOND_DERIVATIVE = "derivative for dro_ext::robust_objective's backward is not implemented"
+
+
 class _RobustObjective(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, losses: torch.Tensor, lam: float, spec: Spec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +96,25 @@ class _RobustObjective(torch.autograd.Function):
                  ) -> tuple[torch.Tensor, None, None]:
         losses, eta_t = ctx.saved_tensors
         lam, spec = ctx.args
-        return _fallback_weights(losses, eta_t, lam, spec) * grad_value.to(losses.dtype), None, None
+        with torch.no_grad():
+            grad = _fallback_weights(losses, eta_t, lam, spec) * grad_value.to(losses.dtype)
+        if torch.is_grad_enabled() and losses.requires_grad:
+            # Recorded (create_graph=True): differentiating the weights would hold eta* fixed, but eta* moves with
+            # the losses, so a second backward raises, as the native op's does (csrc/autograd.cpp).
+            grad = _NoSecondDerivative.apply(grad, losses)
+        return grad, None, None
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """The gradient, recorded as a function of the losses whose own derivative raises NO_SECOND_DERIVATIVE."""
+
+    @staticmethod
+    def forward(ctx: Any, grad: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
+        return grad.clone()
+
+    @staticmethod
+    def backward(ctx: Any, _grad: torch.Tensor) -> tuple[None, None]:
+        raise RuntimeError(NO_SECOND_DERIVATIVE)
 
 
 # ---------------------------------------------------------------------------------------------------

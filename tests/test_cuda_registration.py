@@ -226,13 +226,12 @@ class _Ctx:
 def _python_backwards(dev):
     """(name, thunk) running setup_context on a forward's inputs and output, then backward, for each op whose
     autograd formula is written in Python (the autograd engine itself cannot run on fake CUDA tensors)."""
-    from dro_ext import cross_entropy, cross_entropy_groups, robust
+    from dro_ext import cross_entropy, cross_entropy_groups
 
     eta = torch.zeros((), device=dev)
     logits = torch.randn(21, 50, device=dev, dtype=torch.bfloat16)
     targets = torch.randint(0, 50, (21,), device=dev)
     hidden, weight, bias = torch.randn(21, 16, device=dev), torch.randn(50, 16, device=dev), torch.randn(50, device=dev)
-    losses = torch.randn(1001, device=dev)
     grad = torch.ones((), device=dev)
     ops = [
         ("dro_cross_entropy backward", cross_entropy._dro_cross_entropy_setup_context,
@@ -248,8 +247,6 @@ def _python_backwards(dev):
         ("linear_cross_entropy_row_losses backward", cross_entropy_groups._linear_row_losses_setup_context,
          cross_entropy_groups._linear_row_losses_backward, torch.ops.dro_ext.linear_cross_entropy_row_losses,
          (hidden, weight, bias, targets, -100, 0.0, 8, True), (True, True, True), torch.rand(21, device=dev)),
-        ("robust_objective backward", robust._robust_objective_setup_context, robust._robust_objective_backward,
-         torch.ops.dro_ext.robust_objective, (losses, 0.5, "cressie_read", None, 1.5), (True,), grad),
     ]
 
     def thunk(setup_context, backward, forward, inputs, needs, grad_value):

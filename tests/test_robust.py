@@ -344,6 +344,20 @@ def test_danskin_gradient(backend, name, kw):
     )
 
 
+@pytest.mark.parametrize("name,kw", [("chi2", {}), ("cvar", {"alpha": 0.3}), ("cressie_read", {"k": 1.5})])
+def test_a_recorded_gradient_is_the_gradient_and_a_second_derivative_raises(backend, name, kw):
+    # create_graph=True gives the same first derivative. Differentiating it again would need how eta* moves with the
+    # losses: not implemented, so it raises instead of returning the weights' derivative at a fixed eta*.
+    losses = make_losses(31).requires_grad_()
+    (plain,) = torch.autograd.grad(dro_ext.robust_objective(losses, 0.4, name, **kw)[0], losses)
+    (recorded,) = torch.autograd.grad(dro_ext.robust_objective(losses, 0.4, name, **kw)[0], losses,
+                                      create_graph=True)
+    torch.testing.assert_close(recorded, plain, rtol=0, atol=0)
+    assert recorded.requires_grad
+    with pytest.raises(RuntimeError, match="derivative for dro_ext::robust_objective's backward is not implemented"):
+        torch.autograd.grad((recorded * torch.arange(31.0, dtype=recorded.dtype)).sum(), losses)
+
+
 def test_usable_as_training_loss(backend):
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1).double()
