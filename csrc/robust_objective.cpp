@@ -13,11 +13,14 @@
 //   cvar          selection: eta* = the ceil(alpha N)-th largest loss, Psi = (sum_{l > eta*} l + (alpha N - #{l > eta*}) eta*)
 //                 / (alpha N): the tail mean with the fractional boundary sample (sample select for large N).
 //   chi2,         psi*'(t) = (1 + t/c)_+ is piecewise linear (c = 2 for chi2, c = 1 for cressie_read at k = 2) and
-//   cressie_read  mean psi*'((l - eta)/lam) - 1 is convex and decreasing in eta, so Newton from the left end of
-//   at k = 2      the bracket never overshoots and stops once the active set {l_i > eta - c lam} stops changing
-//                 (Michelot's active-set iteration); eta* is then solved exactly on that segment with float64 sums.
+//   cressie_read  mean psi*'((l - eta)/lam) - 1 is convex and decreasing in eta, so Newton left of the root never
+//   at k = 2      overshoots (and from its right lands left of it) and stops once the active set {l_i > eta - c lam}
+//                 stops changing (Michelot's active-set iteration); eta* is then solved exactly on that segment with
+//                 float64 sums.
 //   the others    safeguarded Newton on log(mean psi*') = 0 (exact in one step for exponential tails) with
 //                 bisection inside the shrinking bracket whenever a step leaves it or stalls.
+//   Newton starts from the root on a subsample (warm_start) and, for float64 losses, on a float32 copy
+//   (newton_start).
 // Every Newton iteration is ONE pass of the loss kernel (reduce with Sums::Newton: sum psi*' - 1, sum psi*'' and
 // sum psi*'' |l| fused), so the psi* math exists only in csrc/divergences.h. The condition is summed as
 // psi*'(t) - 1 (excess_first), which keeps its relative precision as t -> 0, so eta* -> mean l as lam -> inf; the
@@ -145,27 +148,31 @@ TailSplit select_tail_by_partition(const at::Tensor& x, int64_t j) {
   return split;
 }
 
-// Sample select (Floyd and Rivest): the order statistics of an evenly strided sample of kSelectSamples losses
-// bracket the j-th largest loss with a margin of many standard deviations of the sample's rank; one parallel
-// pass counts and sums the losses above the bracket and counts those inside it, a second gathers the ones
-// inside (about 2% of N), and std::nth_element finds the answer among them. Two streaming passes instead of
-// a single-threaded partition of N doubles (bench/results/robust.md: 4M float32 losses on 2 cores, the whole
-// cvar objective went from 53 ms to about 12).
+// Sample select (Floyd and Rivest): the order statistics of an evenly strided sample (one loss in
+// kSelectStride, at most kSelectSamples) bracket the j-th largest loss with a margin of many standard deviations of
+// the sample's rank; one parallel pass counts and sums the losses above the bracket and counts those inside it, a
+// second gathers the ones inside (a few percent of N), and std::nth_element finds the answer among them. Two
+// streaming passes instead of a single-threaded partition of N doubles (bench/results/robust.md: 4M float32 losses
+// on 2 cores, the whole cvar objective went from 53 ms to about 12; 65536 losses, 0.59 ms to 0.12).
 // A bracket that misses (the sample was unrepresentative) falls back to the exact partition of all losses,
 // so the answer never depends on the sample.
 constexpr int64_t kSelectSamples = 1 << 16;
+constexpr int64_t kSelectStride = 32;
+// Below this many samples the bracket's margin spans most of the sample: the partition is as fast.
+constexpr int64_t kMinSelectSamples = 512;
 
 TailSplit select_tail(const at::Tensor& x, int64_t j) {
   const int64_t n = x.numel();
-  if (n < 8 * kSelectSamples) return select_tail_by_partition(x, j);
-  std::vector<double> sample(kSelectSamples);
-  const int64_t stride = n / kSelectSamples;
+  if (n < kSelectStride * kMinSelectSamples) return select_tail_by_partition(x, j);
+  const int64_t num_samples = std::min(kSelectSamples, n / kSelectStride);
+  std::vector<double> sample(num_samples);
+  const int64_t stride = n / num_samples;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_cvar_sample", [&] {
     const scalar_t* data = x.const_data_ptr<scalar_t>();
-    for (int64_t i = 0; i < kSelectSamples; ++i) sample[i] = static_cast<double>(data[i * stride]);
+    for (int64_t i = 0; i < num_samples; ++i) sample[i] = static_cast<double>(data[i * stride]);
   });
   // The answer's rank in the sample, from the top, is about j S / N, with a binomial spread.
-  const double samples = static_cast<double>(kSelectSamples);
+  const double samples = static_cast<double>(num_samples);
   const double p = static_cast<double>(j) / static_cast<double>(n);
   const double rank = p * samples;
   const double margin = 8.0 * std::sqrt(samples * p * (1.0 - p)) + 16.0;
@@ -262,10 +269,18 @@ double linear_weight_width(const DivergenceSpec& spec) {
 }
 
 // Safeguarded Newton on g(eta) = mean psi*'((l - eta)/lam) - 1 (decreasing) inside [lo, hi], where
-// g(lo) >= 0 >= g(hi), from `start` in [lo, hi]. Piecewise-linear weights step on g itself from lo (convex:
-// no overshoot); the others on log(1 + g).
-Solution solve_newton(const at::Tensor& x, const DivergenceSpec& spec, double lam, double lo, double hi,
-                      double start) {
+// g(lo) >= 0 >= g(hi), from `start` in [lo, hi]. Piecewise-linear weights step on g itself (convex: from the left
+// no overshoot, from the right one step lands left of the root); the others on log(1 + g). Stops at the root as
+// finely as the sums resolve it, or sooner once |g| <= stop_g (a warm start's subsample, which cannot tell the
+// full input's root more finely than that). NaN where g is NaN.
+struct Root {
+  double eta;
+  bool converged;
+  int iterations;
+};
+
+Root newton_root(const at::Tensor& x, const DivergenceSpec& spec, double lam, double lo, double hi, double start,
+                 double stop_g) {
   const auto& kernels = cpu::cpu_kernels();
   const double n = static_cast<double>(x.numel());
   const double width = linear_weight_width(spec);
@@ -284,8 +299,8 @@ Solution solve_newton(const at::Tensor& x, const DivergenceSpec& spec, double la
     ++iterations;
     const auto s = kernels.reduce(x, spec, cpu::Affine{eta, 1.0 / lam}, cpu::Sums::Newton);
     const double g = s[0] / n;
-    if (std::isnan(g)) return {kNaN, kNaN, iterations};
-    if (g == 0.0) {
+    if (std::isnan(g)) return {kNaN, false, iterations};
+    if (std::abs(g) <= stop_g) {
       converged = true;
       break;
     }
@@ -359,9 +374,20 @@ Solution solve_newton(const at::Tensor& x, const DivergenceSpec& spec, double la
       break;
     }
   }
-  if (linear && converged) {
+  return {eta, converged, iterations};
+}
+
+// The root of g and L there. Piecewise-linear weights end with eta* solved exactly on the final segment.
+Solution solve_newton(const at::Tensor& x, const DivergenceSpec& spec, double lam, double lo, double hi,
+                      double start) {
+  const Root root = newton_root(x, spec, lam, lo, hi, start, 0.0);
+  double eta = root.eta;
+  if (std::isnan(eta)) return {kNaN, kNaN, root.iterations};
+  const double width = linear_weight_width(spec);
+  if (width > 0.0 && root.converged) {
     // Exact on the final segment: sum_{A} (1 + (l_i - eta)/(c lam)) = N with A = {l_i > eta - c lam} gives
     // eta = (sum_A l_i + c lam (|A| - N)) / |A|, evaluated with float64 sums.
+    const double n = static_cast<double>(x.numel());
     const double cut = eta - width * lam;
     const auto s = cpu::cpu_kernels().sum_above(x, cut);
     if (s[1] > 0.0) {
@@ -371,21 +397,27 @@ Solution solve_newton(const at::Tensor& x, const DivergenceSpec& spec, double la
       if (exact >= lo && exact <= hi) eta = exact;
     }
   }
-  return {eta, objective_at(x, spec, lam, eta), iterations};
+  return {eta, objective_at(x, spec, lam, eta), root.iterations};
 }
 
-// Large inputs start Newton from the solution on an evenly strided subsample of kWarmStartSamples losses:
-// it costs a few passes over those alone and usually leaves two or three passes over all N, where a start
-// at min l spends most of its passes bisecting towards the root.
-constexpr int64_t kWarmStartSamples = 8192;
+// Inputs of kWarmStartStride * kMinWarmStartSamples losses or more start Newton from the root on an evenly strided
+// subsample of them (one loss in kWarmStartStride), itself started the same way, where a start at min l spends
+// most of its passes bisecting towards the root. Each subsample is solved only to |g| <= 1/sqrt(its size), the
+// precision at which it represents the whole (a finer root of the subsample is no nearer the input's): about two
+// passes over each, an eighth of the size of the one above, and a start that leaves two or three passes over all N
+// (bench/results/robust.md: cressie_read at k = 2 over 65536 float64 losses went from 0.15 ms to 0.11).
+constexpr int64_t kWarmStartStride = 8;
+constexpr int64_t kMinWarmStartSamples = 512;
 
 double warm_start(const at::Tensor& x, const DivergenceSpec& spec, double lam, double lo, double hi) {
   const int64_t n = x.numel();
-  if (n < 8 * kWarmStartSamples) return lo;
-  const at::Tensor sample = x.slice(0, 0, n, n / kWarmStartSamples).contiguous();
+  if (n < kWarmStartStride * kMinWarmStartSamples) return lo;
+  const at::Tensor sample = x.slice(0, 0, n, kWarmStartStride).contiguous();
   const auto [sample_lo, sample_hi] = min_max(sample);
   if (!(sample_lo < sample_hi)) return lo;
-  const double eta = solve_newton(sample, spec, lam, sample_lo, sample_hi, sample_lo).eta;
+  const double stop_g = 1.0 / std::sqrt(static_cast<double>(sample.numel()));
+  const double eta = newton_root(sample, spec, lam, sample_lo, sample_hi,
+                                 warm_start(sample, spec, lam, sample_lo, sample_hi), stop_g).eta;
   return std::isfinite(eta) && eta > lo && eta < hi ? eta : lo;
 }
 
@@ -394,6 +426,26 @@ double warm_start(const at::Tensor& x, const DivergenceSpec& spec, double lam, d
 // do not, the iterative solvers run on a float64 copy of the losses.
 bool float32_resolves(const at::Tensor& x, double lam, double largest) {
   return lam >= 256.0 * machine_epsilon(x) * largest && cpu::float32_forms_t(lam);
+}
+
+// Where Newton over all N starts. float64 losses of a divergence with exponential or power weights are first solved on
+// a float32 copy, to float32's precision, where float32 sums resolve eta: a float64 pass of those weights costs four
+// or five float32 ones (Sleef's exp, expm1 and log1p, accurate to 1 ulp in software), and from the float32 root
+// float64 Newton finishes in two passes (bench/results/robust.md: kl_cvar over 65536 float64 losses went from
+// 0.80 ms to 0.40). Piecewise-linear weights cost little more in float64 and end
+// on their exact segment: they start from the warm start.
+double newton_start(const at::Tensor& x, const DivergenceSpec& spec, double lam, double lo, double hi) {
+  if (x.scalar_type() == at::kDouble && linear_weight_width(spec) == 0.0) {
+    const at::Tensor narrow = x.to(at::kFloat);
+    const auto [narrow_lo, narrow_hi] = min_max(narrow);
+    if (narrow_lo < narrow_hi && std::isfinite(narrow_lo) && std::isfinite(narrow_hi) &&
+        float32_resolves(narrow, lam, std::max(-narrow_lo, narrow_hi))) {
+      const double eta = newton_root(narrow, spec, lam, narrow_lo, narrow_hi,
+                                     warm_start(narrow, spec, lam, narrow_lo, narrow_hi), 0.0).eta;
+      if (std::isfinite(eta) && eta > lo && eta < hi) return eta;
+    }
+  }
+  return warm_start(x, spec, lam, lo, hi);
 }
 
 Solution solve(const at::Tensor& x, const DivergenceSpec& spec, double lam) {
@@ -410,10 +462,8 @@ Solution solve(const at::Tensor& x, const DivergenceSpec& spec, double lam) {
         x.scalar_type() != at::kDouble && !float32_resolves(x, lam, std::max(-lo, hi)) ? x.to(at::kDouble) : x;
     if (spec.kind == Divergence::KL) {
       sol = solve_kl(xs, spec, lam, hi);
-    } else if (linear_weight_width(spec) > 0.0) {
-      sol = solve_newton(xs, spec, lam, lo, hi, lo);
     } else {
-      sol = solve_newton(xs, spec, lam, lo, hi, warm_start(xs, spec, lam, lo, hi));
+      sol = solve_newton(xs, spec, lam, lo, hi, newton_start(xs, spec, lam, lo, hi));
     }
   }
   // Psi = min over eta of L <= L(max l) <= max l (psi*(t) <= 0 for t <= 0). Where lam is below even float64's

@@ -100,7 +100,7 @@ def make_losses(n, dtype=torch.float64):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [1, 2, 50, 4097])
+@pytest.mark.parametrize("n", [1, 2, 50, 4097, (1 << 16) + 5])
 @pytest.mark.parametrize("lam", [0.05, 1.0])
 @pytest.mark.parametrize("name,kw", CASES, ids=CASE_IDS)
 def test_matches_scalar_minimization(backend, name, kw, lam, n):
@@ -113,6 +113,21 @@ def test_matches_scalar_minimization(backend, name, kw, lam, n):
     # eta* is a minimizer: L(eta*) is the minimum, and eta* lies in the bracket.
     assert l.min() <= eta.item() <= l.max()
     assert abs(dual(l, lam, name, kw)(eta.item()) - ref) <= 1e-10 * (1.0 + abs(ref))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("name,kw", CASES, ids=CASE_IDS)
+def test_unrepresentative_subsample(backend, name, kw, dtype):
+    # Every 8th loss large: an evenly strided subsample (the native solver's warm start, nested) sees only those,
+    # so Newton over all the losses starts far right of the root and must still end on it.
+    n = 4096 * 8 + 3
+    losses = make_losses(n)
+    losses[::8] += 50.0
+    losses = losses.to(dtype)
+    value, eta = dro_ext.robust_objective(losses, 0.1, name, **kw)
+    ref = reference_psi(losses.double().numpy(), 0.1, name, kw)
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    assert abs(value.item() - ref) <= tol * (1.0 + abs(ref)), (value.item(), ref)
 
 
 @pytest.mark.parametrize("n", [1, 2, 50, 4097])
@@ -634,7 +649,7 @@ def test_infinite_losses(backend, name, kw):
 
 
 # ------------------------------------------------------------------------------------------------
-# Large inputs: cvar's sample select (N >= 2^19 on the CPU), the vectorized min/max and tail sums
+# Large inputs: cvar's sample select (N >= 2^14 on the CPU), the vectorized min/max and tail sums
 # ------------------------------------------------------------------------------------------------
 
 
@@ -649,18 +664,18 @@ def np_cvar(l, alpha):
 
 
 def _strided_trap(n):
-    # Every 64th loss large, the others small: a strided sample of the losses sees only the large ones, so
-    # its bracket misses and the exact fallback must answer.
+    # Every 16th loss large, the others small: a sample strided by a multiple of 16 (the native select's, at both
+    # sizes below) sees only the large ones, so its bracket misses and the exact fallback must answer.
     losses = torch.rand(n, dtype=torch.float64)
-    losses[:: n // (1 << 16)] += 100.0
+    losses[::16] += 100.0
     return losses
 
 
 @pytest.mark.parametrize("alpha", [1e-4, 0.1, 0.5, 0.999])
 @pytest.mark.parametrize("layout", ["lognormal", "ties", "sorted", "strided_trap"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["f64", "f32", "bf16"])
-def test_cvar_large_matches_full_sort(backend, alpha, layout, dtype):
-    n = (1 << 20) + 17
+@pytest.mark.parametrize("n", [(1 << 16) + 3, (1 << 20) + 17])
+def test_cvar_large_matches_full_sort(backend, alpha, layout, dtype, n):
     if layout == "lognormal":
         losses = make_losses(n)
     elif layout == "ties":
