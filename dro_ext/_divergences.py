@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Literal, NamedTuple, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 
@@ -69,6 +69,28 @@ def check_positive(name: str, value: object) -> float:
     if not 0.0 < value < math.inf:
         raise ValueError(f"dro_ext: {name} must be a finite number > 0, got {name}={value}")
     return value
+
+
+# Validated (divergence, alpha, k, lam, scale) tuples. A training step calls the loss with the same Python
+# numbers every time, and at a few thousand samples checking them again costs a visible share of the step.
+_CHECKED_SCALARS: dict[tuple[Any, ...], tuple[Spec, float, float]] = {}
+
+
+def checked_scalars(divergence: str, alpha: float | None, k: float | None, lam: float,
+                    scale: float = 1.0) -> tuple[Spec, float, float]:
+    """(check_divergence, check_positive of lam, of scale), remembered for the Python numbers seen before."""
+    # The types are part of the key: 0.1 + 0j == 0.1 and True == 1 hash alike, and must not pass as them.
+    key = (divergence, alpha, k, lam, scale, type(alpha), type(k), type(lam), type(scale))
+    caching = not torch.compiler.is_compiling()  # the cache is a side effect torch.compile need not trace
+    if caching:
+        try:
+            return _CHECKED_SCALARS[key]
+        except (KeyError, TypeError):  # TypeError: an unhashable argument, which the checks below reject
+            pass
+    checked = check_divergence(divergence, alpha, k), check_positive("lam", lam), check_positive("scale", scale)
+    if caching and len(_CHECKED_SCALARS) < 256:
+        _CHECKED_SCALARS[key] = checked
+    return checked
 
 
 def check_dense(name: str, value: torch.Tensor) -> None:

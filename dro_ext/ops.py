@@ -23,7 +23,7 @@ from dro_ext._divergences import (
     check_dense,
     check_divergence,
     check_losses,
-    check_positive,
+    checked_scalars,
     fallback_dtype,
     fixed_order_sum,
 )
@@ -91,30 +91,9 @@ def _fallback_terms(losses: torch.Tensor, eta: torch.Tensor, lam: float, spec: S
 # ---------------------------------------------------------------------------------------------------
 
 
-# Validated (divergence, alpha, k, lam, scale) tuples. A training step calls the loss with the same Python
-# numbers every time, and at a few thousand samples checking them again costs a visible share of the step.
-_checked_scalars_cache: dict[tuple[Any, ...], tuple[Spec, float, float]] = {}
-
-
-def _checked_scalars(divergence: str, alpha: float | None, k: float | None, lam: float,
-                     scale: float) -> tuple[Spec, float, float]:
-    # The types are part of the key: 0.1 + 0j == 0.1 and True == 1 hash alike, and must not pass as them.
-    key = (divergence, alpha, k, lam, scale, type(alpha), type(k), type(lam), type(scale))
-    caching = not torch.compiler.is_compiling()  # the cache is a side effect torch.compile need not trace
-    if caching:
-        try:
-            return _checked_scalars_cache[key]
-        except (KeyError, TypeError):  # TypeError: an unhashable argument, which the checks below reject
-            pass
-    checked = check_divergence(divergence, alpha, k), check_positive("lam", lam), check_positive("scale", scale)
-    if caching and len(_checked_scalars_cache) < 256:
-        _checked_scalars_cache[key] = checked
-    return checked
-
-
 def _checked_args(losses: torch.Tensor, eta: torch.Tensor | float, lam: float, divergence: str, alpha: float | None,
                   k: float | None, scale: float) -> tuple[Spec, torch.Tensor, float, float]:
-    spec, lam, scale = _checked_scalars(divergence, alpha, k, lam, scale)
+    spec, lam, scale = checked_scalars(divergence, alpha, k, lam, scale)
     check_losses(losses)
     return spec, as_eta(eta, losses), lam, scale
 
@@ -133,7 +112,7 @@ def dro_loss(losses: torch.Tensor, eta: torch.Tensor | float, lam: float, diverg
     if (isinstance(losses, torch.Tensor) and isinstance(eta, torch.Tensor) and eta.device == losses.device
             and losses.layout == torch.strided and _backend.native_for(losses.device.type)):
         # The op checks the tensors itself, with the same errors; only the Python numbers are checked here.
-        spec, lam, scale = _checked_scalars(divergence, alpha, k, lam, scale)
+        spec, lam, scale = checked_scalars(divergence, alpha, k, lam, scale)
     else:
         spec, eta, lam, scale = _checked_args(losses, eta, lam, divergence, alpha, k, scale)
         if not _backend.native_for(losses.device.type):

@@ -35,6 +35,7 @@ from dro_ext._divergences import (
     check_divergence,
     check_losses,
     check_positive,
+    checked_scalars,
     fixed_order_sum,
 )
 from dro_ext.group_reduction import check_groups, check_num_groups
@@ -149,8 +150,15 @@ def robust_objective(
     ``"batch"`` by the backend's solver, the others by the PyTorch solver in float64); the gradient of ``l_i``
     is ``q_{g_i} / n_{g_i}`` (dro_ext.group_evaluation). With ``group=``, over the groups of every rank's losses.
     """
-    if group is not None and groups is None and num_groups is None:
-        return _distributed().robust_objective(losses, lam, divergence, alpha=alpha, k=k, group=group)
+    if groups is None and num_groups is None:
+        if group is not None:
+            return _distributed().robust_objective(losses, lam, divergence, alpha=alpha, k=k, group=group)
+        if (isinstance(losses, torch.Tensor) and losses.layout == torch.strided and group_counts is None
+                and isinstance(weighting, str) and weighting == "batch" and _backend.native_for(losses.device.type)):
+            # The op checks the losses itself, with the same errors; only the Python numbers are checked here. (At a
+            # few thousand losses the checks below cost a third of the call.)
+            spec, lam, _ = checked_scalars(divergence, alpha, k, lam)
+            return torch.ops.dro_ext.robust_objective(losses, lam, spec.name, spec.alpha, spec.k)
     spec = check_divergence(divergence, alpha, k)
     check_losses(losses, allow_empty=group is not None)
     lam = check_positive("lam", lam)
