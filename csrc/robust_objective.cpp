@@ -277,6 +277,9 @@ struct Root {
   double eta;
   bool converged;
   int iterations;
+  // Piecewise-linear weights that stopped because the active set held at eta: the Newton step from eta's own pass,
+  // which solves that segment (NaN otherwise).
+  double segment_step;
 };
 
 Root newton_root(const at::Tensor& x, const DivergenceSpec& spec, double lam, double lo, double hi, double start,
@@ -295,11 +298,12 @@ Root newton_root(const at::Tensor& x, const DivergenceSpec& spec, double lam, do
   double probe_origin = kNaN, probe_origin_g = kNaN;
   int iterations = 0;
   bool converged = false;
+  double segment_step = kNaN;
   while (iterations < kMaxIterations) {
     ++iterations;
     const auto s = kernels.reduce(x, spec, cpu::Affine{eta, 1.0 / lam}, cpu::Sums::Newton);
     const double g = s[0] / n;
-    if (std::isnan(g)) return {kNaN, false, iterations};
+    if (std::isnan(g)) return {kNaN, false, iterations, kNaN};
     if (std::abs(g) <= stop_g) {
       converged = true;
       break;
@@ -327,6 +331,7 @@ Root newton_root(const at::Tensor& x, const DivergenceSpec& spec, double lam, do
     }
     // Linear weights: the last Newton step solved the linear piece of this same active set, so eta is its root.
     if (linear && last_was_newton && s[1] == previous_active) {
+      segment_step = lam * s[0] / s[1];
       converged = true;
       break;
     }
@@ -374,7 +379,7 @@ Root newton_root(const at::Tensor& x, const DivergenceSpec& spec, double lam, do
       break;
     }
   }
-  return {eta, converged, iterations};
+  return {eta, converged, iterations, segment_step};
 }
 
 // The root of g and L there. Piecewise-linear weights end with eta* solved exactly on the final segment.
@@ -386,16 +391,21 @@ Solution solve_newton(const at::Tensor& x, const DivergenceSpec& spec, double la
   const double width = linear_weight_width(spec);
   if (width > 0.0 && root.converged) {
     // Exact on the final segment: sum_{A} (1 + (l_i - eta)/(c lam)) = N with A = {l_i > eta - c lam} gives
-    // eta = (sum_A l_i + c lam (|A| - N)) / |A|, evaluated with float64 sums.
+    // eta = (sum_A l_i + c lam (|A| - N)) / |A|, evaluated with float64 sums. float64 losses, whose Newton sums are
+    // float64 ones, have it from the last pass: its Newton step is that root (eta + c lam (sum_A (1 + t_i/c) - N) /
+    // |A|), to the rounding of the same sums of l_i - eta. float32 and half losses sum the pass in float32, so they
+    // take the float64 sums of one more pass.
     const double n = static_cast<double>(x.numel());
-    const double cut = eta - width * lam;
-    const auto s = cpu::cpu_kernels().sum_above(x, cut);
-    if (s[1] > 0.0) {
-      const double exact = (s[0] + width * lam * (s[1] - n)) / s[1];
-      // It lies on the same segment as eta once the iteration has converged (at worst a loss within the
-      // rounding of eta switches sides, which moves the root by a rounding too).
-      if (exact >= lo && exact <= hi) eta = exact;
+    double exact = kNaN;
+    if (x.scalar_type() == at::kDouble && std::isfinite(root.segment_step)) {
+      exact = eta + root.segment_step;
+    } else {
+      const auto s = cpu::cpu_kernels().sum_above(x, eta - width * lam);
+      if (s[1] > 0.0) exact = (s[0] + width * lam * (s[1] - n)) / s[1];
     }
+    // It lies on the same segment as eta once the iteration has converged (at worst a loss within the rounding of
+    // eta switches sides, which moves the root by a rounding too).
+    if (exact >= lo && exact <= hi) eta = exact;
   }
   return {eta, objective_at(x, spec, lam, eta), root.iterations};
 }

@@ -110,7 +110,7 @@ def dro_loss(losses: torch.Tensor, eta: torch.Tensor | float, lam: float, diverg
     weight is ``psi*'(+inf)``); a loss of ``-inf`` adds ``lam*psi*(-inf) + scale*eta``, its limit, with weight 0.
     """
     if (isinstance(losses, torch.Tensor) and isinstance(eta, torch.Tensor) and eta.device == losses.device
-            and losses.layout == torch.strided and _backend.native_for(losses.device.type)):
+            and losses.layout == torch.strided and _backend.native_for_tensor(losses)):
         # The op checks the tensors itself, with the same errors; only the Python numbers are checked here.
         spec, lam, scale = checked_scalars(divergence, alpha, k, lam, scale)
     else:

@@ -51,6 +51,8 @@ __all__ = ["WeightStats", "evaluate", "robust_objective", "weight_stats", "worst
 # ---------------------------------------------------------------------------------------------------
 
 if _backend.native_available():
+    # Looked up once, as ops.py's loss is.
+    _robust_objective_op = torch.ops.dro_ext.robust_objective.default
 
     @torch.library.register_fake("dro_ext::robust_objective")
     def _robust_objective_fake(losses: torch.Tensor, lam: float, divergence: str, alpha: float | None = None,
@@ -154,11 +156,11 @@ def robust_objective(
         if group is not None:
             return _distributed().robust_objective(losses, lam, divergence, alpha=alpha, k=k, group=group)
         if (isinstance(losses, torch.Tensor) and losses.layout == torch.strided and group_counts is None
-                and isinstance(weighting, str) and weighting == "batch" and _backend.native_for(losses.device.type)):
+                and isinstance(weighting, str) and weighting == "batch" and _backend.native_for_tensor(losses)):
             # The op checks the losses itself, with the same errors; only the Python numbers are checked here. (At a
             # few thousand losses the checks below cost a third of the call.)
             spec, lam, _ = checked_scalars(divergence, alpha, k, lam)
-            return torch.ops.dro_ext.robust_objective(losses, lam, spec.name, spec.alpha, spec.k)
+            return _robust_objective_op(losses, lam, spec.name, spec.alpha, spec.k)
     spec = check_divergence(divergence, alpha, k)
     check_losses(losses, allow_empty=group is not None)
     lam = check_positive("lam", lam)
@@ -168,7 +170,7 @@ def robust_objective(
         assert groups is not None  # given with num_groups (check_group_arguments)
         return _group_evaluation.robust_objective(losses, groups, num_groups, lam, spec, group_weights, group)
     if _backend.native_for(losses.device.type):
-        return torch.ops.dro_ext.robust_objective(losses, lam, spec.name, spec.alpha, spec.k)
+        return _robust_objective_op(losses, lam, spec.name, spec.alpha, spec.k)
     return _RobustObjective.apply(losses, lam, spec)
 
 
