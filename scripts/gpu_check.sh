@@ -21,8 +21,9 @@
 # DIR/targets.md (python -m bench.targets) says which speed and memory targets they met.
 #
 # Run again with the same DIR (the machine still warm), it runs only the steps that DIR/summary.txt does not show
-# as run to an end (ok, FAILED or TIMEOUT): those skipped for lack of TOTAL_S and the one a killed run was in. So
-# the second call of a lease is the first call's command again, with the time that is left.
+# as run to an end (ok, FAILED or TIMEOUT at the step's own limit): those skipped for lack of TOTAL_S, those CUT
+# (stopped by what was left of TOTAL_S, short of their own limit) and the one a killed run was in. So the second
+# call of a lease is the first call's command again, with the time that is left.
 #
 # Step time limits (seconds) can be changed through the environment: BUILD_S, TEST_S, SUITE_S, MEMCHECK_S,
 # RACECHECK_S, BENCH_S (per benchmark), PROFILE_S, PROBE_S, TRAIN_S, DEMO_S; CUDA_TEST_WORKERS (default 8) sets the
@@ -86,7 +87,7 @@ pack() {
 step() {
   local name="$1" limit="$2"
   shift 2
-  local log="$OUT_DIR/$name.log" start end rc
+  local log="$OUT_DIR/$name.log" start end rc cut_short=0
   # A rerun into the same DIR runs only what an earlier run skipped or did not reach (killed mid-step): a step
   # that ran to an end, even a failed or timed-out one, would spend the lease on the same answer again.
   local earlier
@@ -104,14 +105,20 @@ step() {
       FAILED=1
       return 1
     fi
-    ((left < limit)) && limit=$left
+    ((left < limit)) && limit=$left && cut_short=1
   fi
   echo "== $name (limit ${limit}s): $*" | tee -a "$OUT_DIR/gpu_check.log"
   timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
   rc=$?
   end=$(date +%s)
   local status="ok"
-  if [[ $rc -eq 124 || $rc -eq 137 ]]; then status="TIMEOUT"; elif [[ $rc -ne 0 ]]; then status="FAILED"; fi
+  # A step stopped by TOTAL_S's remainder, short of its own limit, is CUT: unlike a TIMEOUT, a rerun with more time
+  # may finish it, so a rerun into the same DIR runs it again.
+  if [[ $rc -eq 124 || $rc -eq 137 ]]; then
+    if ((cut_short)); then status="CUT"; else status="TIMEOUT"; fi
+  elif [[ $rc -ne 0 ]]; then
+    status="FAILED"
+  fi
   [[ $rc -ne 0 ]] && FAILED=1
   printf '%-22s %-8s rc=%-4s %5ss  %s\n' "$name" "$status" "$rc" "$((end - start))" "$log" >>"$SUMMARY"
   tail -n 3 "$log" | sed 's/^/   /' | tee -a "$OUT_DIR/gpu_check.log"

@@ -222,6 +222,24 @@ def test_a_rerun_into_the_same_folder_runs_only_what_the_first_left(tree):
     assert {"out/cuda_tests.log", "out/bench_loss.log", "out/bench_optim.log", "out/bench_robust.log"} <= set(names)
 
 
+def test_a_step_cut_short_by_total_s_runs_again_but_a_timeout_at_its_own_limit_does_not(tree):
+    # The first call's last benchmark runs out of what TOTAL_S left it, short of its own BENCH_S: CUT, and the second
+    # call runs it again. A step that ran out of its own limit (TIMEOUT) would only time out again: not rerun.
+    prebuild(tree)
+    first, summary, _ = run_check(tree, "bench", BENCHES="loss", TOTAL_S=40, BENCH_S=300, BENCH_SLEEP=60)
+    assert first.returncode == 1
+    assert re.search(r"^bench_loss +CUT +rc=124", summary, flags=re.M), summary
+    (tree.parent / "calls.txt").unlink()
+    second, summary, calls = run_check(tree, "bench", BENCHES="loss", BENCH_SLEEP=0)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "--only loss" in calls and re.search(r"^bench_loss +ok ", summary, flags=re.M)
+    out = tree.parent / "out"
+    (out / "summary.txt").write_text("bench_loss             TIMEOUT  rc=124    150s  /x/bench_loss.log\n")
+    (tree.parent / "calls.txt").unlink()
+    third, _, calls = run_check(tree, "bench", BENCHES="loss")
+    assert "--only loss" not in calls and "bench_loss: TIMEOUT in an earlier run" in third.stdout
+
+
 def test_a_rerun_does_not_repeat_a_failed_step(tree):
     prebuild(tree)
     out = tree.parent / "out"
