@@ -153,7 +153,7 @@ TailSplit select_tail_by_partition(const at::Tensor& x, int64_t j) {
 // the sample's rank; one parallel pass counts and sums the losses above the bracket and counts those inside it, a
 // second gathers the ones inside (a few percent of N), and std::nth_element finds the answer among them. Two
 // streaming passes instead of a single-threaded partition of N doubles (bench/results/robust.md: 4M float32 losses
-// on 2 cores, the whole cvar objective went from 53 ms to about 12; 65536 losses, 0.59 ms to 0.12).
+// on 2 cores, the whole cvar objective went from 53 ms to about 12; 65536 losses, 0.59 ms to 0.11).
 // A bracket that misses (the sample was unrepresentative) falls back to the exact partition of all losses,
 // so the answer never depends on the sample.
 constexpr int64_t kSelectSamples = 1 << 16;
@@ -441,8 +441,8 @@ bool float32_resolves(const at::Tensor& x, double lam, double largest) {
 // Where Newton over all N starts. float64 losses of a divergence with exponential or power weights are first solved on
 // a float32 copy, to float32's precision, where float32 sums resolve eta: a float64 pass of those weights costs four
 // or five float32 ones (Sleef's exp, expm1 and log1p, accurate to 1 ulp in software), and from the float32 root
-// float64 Newton finishes in two passes (bench/results/robust.md: kl_cvar over 65536 float64 losses went from
-// 0.80 ms to 0.40). Piecewise-linear weights cost little more in float64 and end
+// float64 Newton finishes in two or three passes (bench/results/robust.md: kl_cvar over 65536 float64 losses went
+// from 0.98 ms to 0.52). Piecewise-linear weights cost little more in float64 and end
 // on their exact segment: they start from the warm start.
 double newton_start(const at::Tensor& x, const DivergenceSpec& spec, double lam, double lo, double hi) {
   if (x.scalar_type() == at::kDouble && linear_weight_width(spec) == 0.0) {
