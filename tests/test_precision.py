@@ -401,6 +401,28 @@ def test_dense_sweep_of_the_vector_expm1_and_log1p(backend, dtype):
     assert ((value - expected).abs()[finite] <= 16 * eps * (expected.abs() + 1)[finite]).all(), "power"
 
 
+def test_float64_exp_weights_to_one_rounding(backend):
+    # kl's weight psi*'(t) = exp(t) in float64: the AVX builds' own exp (csrc/cpu/simd_float.h, in place of Sleef's)
+    # over the whole range, against mpmath: within two roundings down to log(DBL_MIN) = -708.40 (AVX2: 0 below
+    # -708.05, where its scale leaves the normal range), 0 or a normal number below that (never a subnormal), inf
+    # past log(DBL_MAX) = 709.78, NaN for NaN.
+    t = torch.cat([torch.linspace(-760.0, 709.75, 20001, dtype=torch.float64),
+                   torch.linspace(-0.4, 0.4, 2001, dtype=torch.float64),  # across the reduction's |r| = ln(2)/2
+                   torch.tensor([0.0, -0.0, 1e-300, -1e-300, 709.78, 709.7827, 709.79, 710.0, 1e308, math.inf,
+                                 -708.0, -708.39, -708.41, -745.2, -1e308, -math.inf], dtype=torch.float64)])
+    w = dro_ext.dro_weights(t, 0.0, 1.0, "kl")
+    exact = torch.tensor([float(mp.exp(mp.mpf(v))) if math.isfinite(v) else math.exp(v) for v in t.tolist()],
+                         dtype=torch.float64)
+    tiny = torch.finfo(torch.float64).tiny
+    if backend == "native" and torch.ops.dro_ext._cpu_capability() != "default":
+        assert bool(((w == 0) | (w >= tiny)).all()), w[(w != 0) & (w < tiny)]
+    accurate = (t >= -708.0) & exact.isfinite()
+    ulps = (w - exact).abs()[accurate] / torch.finfo(torch.float64).eps / exact[accurate]
+    assert float(ulps.max()) <= 2.0, float(ulps.max())
+    assert bool((w[exact == math.inf] == math.inf).all())
+    assert math.isnan(dro_ext.dro_weights(torch.tensor([math.nan], dtype=torch.float64), 0.0, 1.0, "kl").item())
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("name,params", CASES, ids=CASE_IDS)
 def test_blocks_of_large_and_small_t(backend, name, params, dtype):

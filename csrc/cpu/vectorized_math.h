@@ -20,7 +20,7 @@ struct Math<at::vec::Vectorized<S>> {
   static inline V constant(double c) { return V(static_cast<S>(c)); }
   static inline V exp(const V& x) {
 #if defined(DRO_EXT_SIMD_FLOAT)
-    if constexpr (kFloat) return V(cpu::simd::exp(x));
+    return V(cpu::simd::exp(x));  // float and double: simd_float.h's
 #else
     if constexpr (kFloat) {
       // ATen's exp_u20 (a degree-5 polynomial) is about twice as fast as Sleef's exp. It clamps its
