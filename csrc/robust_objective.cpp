@@ -19,8 +19,8 @@
 //                 float64 sums.
 //   the others    safeguarded Newton on log(mean psi*') = 0 (exact in one step for exponential tails) with
 //                 bisection inside the shrinking bracket whenever a step leaves it or stalls.
-//   Newton starts from the root on a subsample (warm_start) and, for float64 losses, on a float32 copy
-//   (newton_start).
+//   Newton starts from the root on a subsample (warm_start) and, for float64 kl_cvar and smoothed_cvar losses, on
+//   a float32 copy (newton_start).
 // Every Newton iteration is ONE pass of the loss kernel (reduce with Sums::Newton: sum psi*' - 1, sum psi*'' and
 // sum psi*'' |l| fused), so the psi* math exists only in csrc/divergences.h. The condition is summed as
 // psi*'(t) - 1 (excess_first), which keeps its relative precision as t -> 0, so eta* -> mean l as lam -> inf; the
@@ -438,13 +438,13 @@ bool float32_resolves(const at::Tensor& x, double lam, double largest) {
   return lam >= 256.0 * machine_epsilon(x) * largest && cpu::float32_forms_t(lam);
 }
 
-// Where Newton over all N starts. float64 losses of a divergence with exponential weights (kl_cvar, smoothed_cvar) are
-// first solved on a float32 copy, to float32's precision, where float32 sums resolve eta: a float64 pass of those
-// weights costs two to three float32 ones (their exp and expm1 in twice the lanes' width), and from the float32 root
-// float64 Newton finishes in two or three passes. Measured on bench_robust's lognormal float64 losses, 2 cores:
-// kl_cvar 0.26 -> 0.23 ms at 65536 and 3.2 -> 2.8 at 2^20, smoothed_cvar 0.37 -> 0.30 and 5.3 -> 4.4. cressie_read's
-// power weights were 10% slower so (0.09 -> 0.10 ms at 65536), and piecewise-linear weights cost little more in
-// float64 and end on their exact segment: both start from the warm start.
+// Where Newton over all N starts. float64 losses of a divergence with exponential weights (kl_cvar, smoothed_cvar)
+// are first solved on a float32 copy, to float32's precision, where float32 sums resolve eta: a float64 pass of
+// those weights costs two to three float32 ones (their exp and expm1 in twice the lanes' width), and from the
+// float32 root float64 Newton finishes in two or three passes. Measured on bench_robust's lognormal float64 losses,
+// 2 cores: kl_cvar 0.26 -> 0.23 ms at 65536 and 3.2 -> 2.8 at 2^20, smoothed_cvar 0.37 -> 0.30 and 5.3 -> 4.4.
+// cressie_read's power weights were 10% slower so (0.09 -> 0.10 ms at 65536), and piecewise-linear weights cost
+// little more in float64 and end on their exact segment: both start from the warm start.
 double newton_start(const at::Tensor& x, const DivergenceSpec& spec, double lam, double lo, double hi) {
   const bool exponential = spec.kind == Divergence::KLCVaR || spec.kind == Divergence::SmoothedCVaR;
   if (x.scalar_type() == at::kDouble && exponential) {

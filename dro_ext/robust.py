@@ -155,11 +155,11 @@ def robust_objective(
     if groups is None and num_groups is None:
         if group is not None:
             return _distributed().robust_objective(losses, lam, divergence, alpha=alpha, k=k, group=group)
-        if (isinstance(losses, torch.Tensor) and losses.layout == torch.strided and group_counts is None
-                and isinstance(weighting, str) and weighting == "batch" and _backend.native_for_tensor(losses)):
+        if isinstance(losses, torch.Tensor) and losses.layout == torch.strided and _backend.native_for_tensor(losses):
             # The op checks the losses itself, with the same errors; only the Python numbers are checked here. (At a
             # few thousand losses the checks below cost a third of the call.)
             spec, lam, _ = checked_scalars(divergence, alpha, k, lam)
+            _group_evaluation.check_group_arguments(losses, None, None, weighting, group_counts, "robust_objective")
             return _robust_objective_op(losses, lam, spec.name, spec.alpha, spec.k)
     spec = check_divergence(divergence, alpha, k)
     check_losses(losses, allow_empty=group is not None)

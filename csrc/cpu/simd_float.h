@@ -1,5 +1,5 @@
-// Hand-written float32 exp, expm1, log1p and division, and float64 exp, on one SIMD register, written once over the dozen
-// register operations that differ between AVX2 (8 lanes, comparisons give a lane mask) and AVX-512 (16 lanes,
+// Hand-written float32 exp, expm1, log1p and division, and float64 exp, on one SIMD register, written once over the
+// dozen register operations that differ between AVX2 (8 lanes, comparisons give a lane mask) and AVX-512 (16 lanes,
 // comparisons give a bit mask). The translation unit's capability (csrc/cpu/simd_capability.h) picks the
 // operations; csrc/cpu/vectorized_math.h routes Math<Vectorized<float>> through the functions.
 //
@@ -182,7 +182,8 @@ inline D exp(D x) {
 #if defined(CPU_CAPABILITY_AVX512)
   constexpr double kScale = 1.0;  // vscalefpd scales by 2^n over the whole range
   const D clamped = min(set(710.0), x);  // NaN (second operand) passes
-  const D n = _mm512_roundscale_pd(mul(clamped, set(1.4426950408889634)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const D n =
+      _mm512_roundscale_pd(mul(clamped, set(1.4426950408889634)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
   // As exp above: 1.5 * 2^52 rounds x / ln 2 into the low mantissa bits, which a shift moves into the exponent field,
   // and p carries a factor 2 so that 2^(n-1) stays finite at n = 1024 (x up to log(DBL_MAX) = 709.78).
