@@ -649,7 +649,7 @@ def test_infinite_losses(backend, name, kw):
 
 
 # ------------------------------------------------------------------------------------------------
-# Large inputs: cvar's sample select (N >= 2^14 on the CPU), the vectorized min/max and tail sums
+# Large inputs: cvar's sample select (N >= 1024 on the CPU), the vectorized min/max and tail sums
 # ------------------------------------------------------------------------------------------------
 
 
@@ -664,17 +664,18 @@ def np_cvar(l, alpha):
 
 
 def _strided_trap(n):
-    # Every 16th loss large, the others small: a sample strided by a multiple of 16 (the native select's, at both
-    # sizes below) sees only the large ones, so its bracket misses and the exact fallback must answer.
+    # Every 8th loss large, the others small: a sample strided by a multiple of 8 (the native select's stride is a
+    # power of two near cbrt(N), at least 8 from 1024 losses on) sees only the large ones, so its bracket misses and
+    # the exact fallback must answer.
     losses = torch.rand(n, dtype=torch.float64)
-    losses[::16] += 100.0
+    losses[::8] += 100.0
     return losses
 
 
 @pytest.mark.parametrize("alpha", [1e-4, 0.1, 0.5, 0.999])
 @pytest.mark.parametrize("layout", ["lognormal", "ties", "sorted", "strided_trap"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["f64", "f32", "bf16"])
-@pytest.mark.parametrize("n", [(1 << 16) + 3, (1 << 20) + 17])
+@pytest.mark.parametrize("n", [1029, 4097, (1 << 14) + 7, (1 << 16) + 3, (1 << 20) + 17])
 def test_cvar_large_matches_full_sort(backend, alpha, layout, dtype, n):
     if layout == "lognormal":
         losses = make_losses(n)

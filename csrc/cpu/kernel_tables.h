@@ -10,12 +10,14 @@
 #if defined(DRO_EXT_CAPABILITY_AVX2) || defined(DRO_EXT_CAPABILITY_AVX512) || defined(DRO_EXT_CAPABILITY_DEFAULT)
 #include "cpu/cross_entropy_impl.h"
 #include "cpu/kernels_impl.h"
+#include "cpu/bracket_impl.h"
 
 #define DRO_EXT_KERNEL_TABLES(build)                                                                     \
   namespace dro_ext::cpu {                                                                               \
   const KernelTable& kernels_##build() {                                                                 \
-    static const KernelTable table{reduce_impl,    map_derivative_impl, min_max_impl,                     \
-                                   sum_above_impl, exp_shifted_impl,    DRO_EXT_STRINGIFY(build)};        \
+    static const KernelTable table{reduce_impl,         map_derivative_impl, min_max_impl,                \
+                                   sum_above_impl,      exp_shifted_impl,    bracket_counts_impl,         \
+                                   gather_bracket_impl, DRO_EXT_STRINGIFY(build)};                        \
     return table;                                                                                        \
   }                                                                                                      \
   const CrossEntropyKernelTable& cross_entropy_kernels_##build() {                                       \

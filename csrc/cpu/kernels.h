@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cmath>
+#include <vector>
 
 #include "divergences.h"
 
@@ -36,6 +37,14 @@ enum class Sums {
   Value,
 };
 
+// One chunk's split of the losses around a bracket [lower, upper] (select_tail in csrc/robust_objective.cpp):
+// the float64 sum and the number of the losses above upper, and the number with lower <= x_i <= upper.
+struct BracketCounts {
+  double sum_above;
+  int64_t above;
+  int64_t inside;
+};
+
 struct KernelTable {
   // The sums of `sums` in one pass, accumulated in float for half/bfloat16/float and in double for double.
   // Deterministic: the partial sums are taken over fixed chunks and combined in order, whatever the number
@@ -53,6 +62,11 @@ struct KernelTable {
   // out_i = exp(x_i - shift) for i < n, 0 where x_i - shift < below (csrc/group_dro_step.h's exp_or_zero, a SIMD
   // register at a time: the online Group DRO step's q over many groups).
   void (*exp_shifted)(const double* x, double shift, double below, double* out, int64_t n);
+  // The BracketCounts of each chunk of x (csrc/cpu/chunks.h), in chunk order; lower <= upper.
+  std::vector<BracketCounts> (*bracket_counts)(const at::Tensor& x, double lower, double upper);
+  // The x_i with lower <= x_i <= upper as float64, in order, chunk c's from out + offsets[c] (offsets: the running
+  // totals of bracket_counts' `inside`, with the total last). Writes nothing outside those ranges.
+  void (*gather_bracket)(const at::Tensor& x, double lower, double upper, const int64_t* offsets, double* out);
   const char* capability;
 };
 

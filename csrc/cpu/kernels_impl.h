@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/irange.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "cpu/chunks.h"
@@ -402,46 +403,64 @@ template <typename scalar_t>
 std::array<double, 2> min_max_typed(const at::Tensor& x) {
   using acc_t = at::opmath_type<scalar_t>;
   using V = Vectorized<acc_t>;
-  const scalar_t* data = x.const_data_ptr<scalar_t>();
+  const scalar_t* const data = x.const_data_ptr<scalar_t>();
+  constexpr int64_t kWays = 2;  // independent running minima and maxima: one chain is bound by its latency
   const auto partial = map_chunks<std::array<acc_t, 2>>(x.numel(), [&](int64_t begin, int64_t end) {
+    const scalar_t* const p = data;  // a local copy: through the capture the pointer was reloaded every step
     const acc_t inf = std::numeric_limits<acc_t>::infinity();
-    V lo(inf), hi(-inf);
+    V lo[kWays] = {V(inf), V(inf)}, hi[kWays] = {V(-inf), V(-inf)};
+    // clamp_min/clamp_max do not propagate NaN (a NaN lane keeps either operand), so NaN is tracked on the side:
+    // all ones in a lane that has seen one.
+    V nan_seen(acc_t(0));
     int64_t i = begin;
-    // minimum/maximum propagate NaN, so a NaN anywhere makes both results NaN.
-    for (; i + V::size() <= end; i += V::size()) {
-      const V v = load<acc_t>(data + i, V::size());
-      lo = at::vec::minimum(lo, v);
-      hi = at::vec::maximum(hi, v);
+    for (; i + kWays * V::size() <= end; i += kWays * V::size()) {
+      for (int64_t w = 0; w < kWays; ++w) {
+        const V v = load<acc_t>(p + i + w * V::size(), V::size());
+        lo[w] = at::vec::clamp_max(lo[w], v);
+        hi[w] = at::vec::clamp_min(hi[w], v);
+        nan_seen = nan_seen | (v != v);
+      }
     }
-    alignas(64) acc_t lanes_lo[V::size()], lanes_hi[V::size()];
-    lo.store(lanes_lo);
-    hi.store(lanes_hi);
-    acc_t low = inf, high = -inf;
+    alignas(64) acc_t lanes_lo[kWays][V::size()], lanes_hi[kWays][V::size()];
+    for (int64_t w = 0; w < kWays; ++w) {
+      lo[w].store(lanes_lo[w]);
+      hi[w].store(lanes_hi[w]);
+    }
+    const bool any_nan = nan_seen.zero_mask() != static_cast<int>((uint64_t{1} << V::size()) - 1);
+    acc_t low = any_nan ? std::numeric_limits<acc_t>::quiet_NaN() : inf, high = any_nan ? low : -inf;
     const auto fold = [&](acc_t a, acc_t b) {  // keeps a NaN once it has one
       low = (std::isnan(a) || a < low) ? a : low;
       high = (std::isnan(b) || b > high) ? b : high;
     };
-    for (int64_t l = 0; l < V::size(); ++l) fold(lanes_lo[l], lanes_hi[l]);
-    for (; i < end; ++i) fold(static_cast<acc_t>(data[i]), static_cast<acc_t>(data[i]));
+    for (int64_t w = 0; w < kWays; ++w) {
+      for (int64_t l = 0; l < V::size(); ++l) fold(lanes_lo[w][l], lanes_hi[w][l]);
+    }
+    for (; i < end; ++i) fold(static_cast<acc_t>(p[i]), static_cast<acc_t>(p[i]));
     return std::array<acc_t, 2>{low, high};
   });
   double low = std::numeric_limits<double>::infinity(), high = -low;
-  for (const auto& p : partial) {
-    if (std::isnan(p[0]) || std::isnan(p[1])) return {std::nan(""), std::nan("")};
-    low = std::min(low, static_cast<double>(p[0]));
-    high = std::max(high, static_cast<double>(p[1]));
+  for (const auto& part : partial) {
+    if (std::isnan(part[0]) || std::isnan(part[1])) return {std::nan(""), std::nan("")};
+    low = std::min(low, static_cast<double>(part[0]));
+    high = std::max(high, static_cast<double>(part[1]));
   }
   return {low, high};
 }
 
-// f(scalar_t{}) for the floating dtype of the contiguous x.
+// f(scalar_t{}) for the floating dtype of the contiguous x, and what it returns.
 template <typename F>
-std::array<double, 2> dispatch_floating(const at::Tensor& x, F f) {
+auto dispatch_floating(const at::Tensor& x, F f) {
   TORCH_INTERNAL_ASSERT(x.is_contiguous());
-  std::array<double, 2> out{};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_cpu_pass",
-                                  [&] { out = f(scalar_t{}); });
-  return out;
+  using Result = decltype(f(float{}));
+  if constexpr (std::is_void_v<Result>) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_cpu_pass",
+                                    [&] { f(scalar_t{}); });
+  } else {
+    Result out{};
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_cpu_pass",
+                                    [&] { out = f(scalar_t{}); });
+    return out;
+  }
 }
 
 std::array<double, 2> min_max_impl(const at::Tensor& x) {
