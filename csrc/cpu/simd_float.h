@@ -56,6 +56,10 @@ inline Mask less_equal(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); 
 inline Mask not_less(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_NLT_UQ); }  // true for NaN
 inline Mask equal_int(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
 inline F select(Mask m, F if_set, F otherwise) { return _mm512_mask_blend_ps(m, otherwise, if_set); }
+using MaskD = __mmask8;
+inline MaskD greater(D a, D b) { return _mm512_cmp_pd_mask(a, b, _CMP_GT_OQ); }
+inline MaskD less_equal(D a, D b) { return _mm512_cmp_pd_mask(a, b, _CMP_LE_OQ); }
+inline D select(MaskD m, D if_set, D otherwise) { return _mm512_mask_blend_pd(m, otherwise, if_set); }
 inline F reciprocal_estimate(F x) { return _mm512_rcp14_ps(x); }  // relative error below 2^-14
 constexpr int kRegisterBytes = 64;
 inline void stream(float* p, F v) { _mm512_stream_ps(p, v); }
@@ -95,6 +99,10 @@ inline Mask less_equal(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
 inline Mask not_less(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_NLT_UQ); }
 inline Mask equal_int(I a, I b) { return _mm256_castsi256_ps(_mm256_cmpeq_epi32(a, b)); }
 inline F select(Mask m, F if_set, F otherwise) { return _mm256_blendv_ps(otherwise, if_set, m); }
+using MaskD = __m256d;
+inline MaskD greater(D a, D b) { return _mm256_cmp_pd(a, b, _CMP_GT_OQ); }
+inline MaskD less_equal(D a, D b) { return _mm256_cmp_pd(a, b, _CMP_LE_OQ); }
+inline D select(MaskD m, D if_set, D otherwise) { return _mm256_blendv_pd(otherwise, if_set, m); }
 inline F reciprocal_estimate(F x) { return _mm256_rcp_ps(x); }  // relative error below 1.5 * 2^-12
 constexpr int kRegisterBytes = 32;
 inline void stream(float* p, F v) { _mm256_stream_ps(p, v); }
