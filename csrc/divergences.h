@@ -505,7 +505,7 @@ struct SmoothedCVaR {
   template <typename T>
   C10_HOST_DEVICE inline T first(T t) const {
     using M = Math<T>;
-    if (shortcuts) return sigmoid(t + M::constant(shift)) * M::constant(inv_alpha);
+    if (shortcuts) return coarse_first(t);
     const T q = M::exp(M::neg_abs(t));
     return M::if_positive(t, M::constant(1.0), q) / positive_sum(t, q);
   }
@@ -552,6 +552,12 @@ struct SmoothedCVaR {
   C10_HOST_DEVICE inline T coarse_factor(T t) const {
     using M = Math<T>;
     return M::constant(1.0) + M::exp(M::neg_abs(t + M::constant(shift)));
+  }
+  // first(t) where coarse_ok() holds, without first()'s test of it: a coarse pass sums it beside coarse_factor(t),
+  // and the two then share one exp(-|s|) (with the test between them the CPU compiler formed it twice).
+  template <typename T>
+  C10_HOST_DEVICE inline T coarse_first(T t) const {
+    return sigmoid(t + Math<T>::constant(shift)) * Math<T>::constant(inv_alpha);
   }
   // The run (see ExcessFirstRunTable) around its middle point: with D = expm1(-t),
   //   psi*'(t) - 1 = (1 - alpha)(1 - e^-t) / (alpha + (1 - alpha) e^-t) = -P / (1 + P),  P = (1 - alpha) D,

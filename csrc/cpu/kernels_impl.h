@@ -60,10 +60,11 @@ inline T derivative(const Div& div, const T& t) {
 // The per-element terms a reduction sums, of the deviation d = x - shift and of t = d * inv_lam.
 // LossA and LossB are divergences.h's loss_part_a and loss_part_b, the first in units of d (so that the ERM part of
 // the loss, sum d, does not pass through t, which underflows where lam is huge); NegClampedAbsT is -min(|t|, 1);
-// SecondAbsDeviation is psi*''(t) |d|.
+// SecondAbsDeviation is psi*''(t) |d|; CoarseFirst is psi*'(t) in a coarse pass (divergences.h's coarse_first where
+// it has one).
 enum class Term {
   None, Deviation, T, NegClampedAbsT, Value, Excess, ExcessFirst, First, Second, SecondAbsDeviation, LossA, LossB,
-  CoarseValue, CoarseLinear, CoarseFactor
+  CoarseValue, CoarseLinear, CoarseFactor, CoarseFirst
 };
 
 // A running product instead of a running sum (the factors of a coarse value in product form, divergences.h).
@@ -97,6 +98,12 @@ inline T term(const Div& div, const T& d, const T& t) {
     return div.coarse_linear(t);
   } else if constexpr (kTerm == Term::CoarseFactor) {
     return div.coarse_factor(t);
+  } else if constexpr (kTerm == Term::CoarseFirst) {  // first(t), in a pass that holds only where coarse_ok()
+    if constexpr (requires { div.coarse_first(t); }) {
+      return div.coarse_first(t);
+    } else {
+      return div.first(t);
+    }
   } else {
     return div.coarse_value(t);
   }
@@ -289,8 +296,9 @@ std::array<double, 3> reduce_coarse(const scalar_t* x, int64_t n, const Div& div
   constexpr Term kCoarseFirst = kNewton ? Term::Second : (kProduct ? Term::CoarseLinear : Term::CoarseValue);
   constexpr Term kCoarseFactor = kProduct ? Term::CoarseFactor : Term::None;
   constexpr Term kNewtonScale = kNewton ? Term::SecondAbsDeviation : Term::None;  // either path sums it alike
-  using Coarse = Accumulator<V, kNewtonScale, kCoarseFirst, Term::First, Term::None, kCoarseFactor>;
-  using ScanAndCoarse = Accumulator<V, kNewtonScale, kCoarseFirst, Term::First, Term::NegClampedAbsT, kCoarseFactor>;
+  using Coarse = Accumulator<V, kNewtonScale, kCoarseFirst, Term::CoarseFirst, Term::None, kCoarseFactor>;
+  using ScanAndCoarse =
+      Accumulator<V, kNewtonScale, kCoarseFirst, Term::CoarseFirst, Term::NegClampedAbsT, kCoarseFactor>;
   using Accurate =
       std::conditional_t<kNewton, Accumulator<V, Term::SecondAbsDeviation, Term::Second, Term::ExcessFirst>,
                          Accumulator<V, Term::LossA, Term::LossB, Term::ExcessFirst>>;
