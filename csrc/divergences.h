@@ -554,11 +554,17 @@ struct SmoothedCVaR {
     return M::constant(1.0) + M::exp(M::neg_abs(t + M::constant(shift)));
   }
   // first(t) where coarse_ok() holds, without first()'s test of it: a coarse pass sums it beside coarse_factor(t),
-  // and the two then share one exp(-|s|) (with the test between them the CPU compiler formed it twice).
+  // and the two then share one exp(-|s|) (with the test between them the CPU compiler formed it twice). It is
+  // coarse_first_unscaled(t) coarse_first_scale(): a pass that sums or scales it anyway applies the 1/alpha once.
   template <typename T>
   C10_HOST_DEVICE inline T coarse_first(T t) const {
-    return sigmoid(t + Math<T>::constant(shift)) * Math<T>::constant(inv_alpha);
+    return coarse_first_unscaled(t) * Math<T>::constant(inv_alpha);
   }
+  template <typename T>
+  C10_HOST_DEVICE inline T coarse_first_unscaled(T t) const {
+    return sigmoid(t + Math<T>::constant(shift));
+  }
+  C10_HOST_DEVICE inline acc_t coarse_first_scale() const { return inv_alpha; }
   // The run (see ExcessFirstRunTable) around its middle point: with D = expm1(-t),
   //   psi*'(t) - 1 = (1 - alpha)(1 - e^-t) / (alpha + (1 - alpha) e^-t) = -P / (1 + P),  P = (1 - alpha) D,
   // which is the two-sided form above in one expression (D in (-1, 0) for t > 0, >= 0 otherwise), and

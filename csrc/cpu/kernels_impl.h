@@ -46,9 +46,15 @@ inline void prefetch_ahead(const scalar_t* x, int64_t i, int64_t count, int64_t 
   for (const char* line = first; line < last; line += 64) __builtin_prefetch(line, 0, 3);
 }
 
+// map_order's ORDER for psi*'(t) as divergences.h's coarse_first_unscaled(t), its coarse_first_scale() folded into the
+// multiplier (where coarse_ok() holds): one multiplication a sample fewer.
+constexpr int64_t kUnscaledFirst = -1;
+
 template <int64_t ORDER, typename Div, typename T>
 inline T derivative(const Div& div, const T& t) {
-  if constexpr (ORDER == 0) {
+  if constexpr (ORDER == kUnscaledFirst) {
+    return div.coarse_first_unscaled(t);
+  } else if constexpr (ORDER == 0) {
     return div.value(t);
   } else if constexpr (ORDER == 1) {
     return div.first(t);
@@ -60,8 +66,8 @@ inline T derivative(const Div& div, const T& t) {
 // The per-element terms a reduction sums, of the deviation d = x - shift and of t = d * inv_lam.
 // LossA and LossB are divergences.h's loss_part_a and loss_part_b, the first in units of d (so that the ERM part of
 // the loss, sum d, does not pass through t, which underflows where lam is huge); NegClampedAbsT is -min(|t|, 1);
-// SecondAbsDeviation is psi*''(t) |d|; CoarseFirst is psi*'(t) in a coarse pass (divergences.h's coarse_first where
-// it has one).
+// SecondAbsDeviation is psi*''(t) |d|; CoarseFirst is psi*'(t) in a coarse pass, divided by coarse_first_scale
+// (divergences.h's coarse_first_unscaled where it has one).
 enum class Term {
   None, Deviation, T, NegClampedAbsT, Value, Excess, ExcessFirst, First, Second, SecondAbsDeviation, LossA, LossB,
   CoarseValue, CoarseLinear, CoarseFactor, CoarseFirst
@@ -69,6 +75,16 @@ enum class Term {
 
 // A running product instead of a running sum (the factors of a coarse value in product form, divergences.h).
 constexpr bool is_product(Term term) { return term == Term::CoarseFactor; }
+
+// What Term::CoarseFirst's sums are multiplied by to be sums of psi*' (divergences.h's coarse_first_scale, or 1).
+template <typename acc_t, typename Div>
+inline acc_t coarse_first_scale(const Div& div) {
+  if constexpr (requires { div.coarse_first_scale(); }) {
+    return static_cast<acc_t>(div.coarse_first_scale());
+  } else {
+    return acc_t(1);
+  }
+}
 
 template <Term kTerm, typename Div, typename T>
 inline T term(const Div& div, const T& d, const T& t) {
@@ -98,9 +114,9 @@ inline T term(const Div& div, const T& d, const T& t) {
     return div.coarse_linear(t);
   } else if constexpr (kTerm == Term::CoarseFactor) {
     return div.coarse_factor(t);
-  } else if constexpr (kTerm == Term::CoarseFirst) {  // first(t), in a pass that holds only where coarse_ok()
-    if constexpr (requires { div.coarse_first(t); }) {
-      return div.coarse_first(t);
+  } else if constexpr (kTerm == Term::CoarseFirst) {  // first(t) / coarse_first_scale(div), where coarse_ok()
+    if constexpr (requires { div.coarse_first_unscaled(t); }) {
+      return div.coarse_first_unscaled(t);
     } else {
       return div.first(t);
     }
@@ -304,6 +320,7 @@ std::array<double, 3> reduce_coarse(const scalar_t* x, int64_t n, const Div& div
                          Accumulator<V, Term::LossA, Term::LossB, Term::ExcessFirst>>;
   const V shift(static_cast<acc_t>(affine.shift));
   const V inv_lam(static_cast<acc_t>(affine.inv_lam));
+  const acc_t first_scale = coarse_first_scale<acc_t>(div);
   // A block's sum of its first coarse term (Newton: second; Loss: the coarse value).
   const auto coarse_sum = [&](const auto& sums, acc_t count) -> acc_t {
     if constexpr (kProduct) {
@@ -328,7 +345,7 @@ std::array<double, 3> reduce_coarse(const scalar_t* x, int64_t n, const Div& div
         const ScanAndCoarse sums = accumulate_block<ScanAndCoarse>(x, block, block_end, n, div, shift, inv_lam);
         sum_neg_clamped = horizontal_sum(sums.d);
         coarse_first = coarse_sum(sums, count);
-        coarse_second = horizontal_sum(sums.c);
+        coarse_second = first_scale * horizontal_sum(sums.c);
         if constexpr (kNewton) coarse_scale = horizontal_sum(sums.a);
       }
       // sum -min(|t|, 1) > -count / 2 (true for a NaN t: the accurate terms are NaN as well).
@@ -342,7 +359,7 @@ std::array<double, 3> reduce_coarse(const scalar_t* x, int64_t n, const Div& div
         if (previous_was_erm) {
           const Coarse sums = accumulate_block<Coarse>(x, block, block_end, 0, div, shift, inv_lam);
           coarse_first = coarse_sum(sums, count);
-          coarse_second = horizontal_sum(sums.c);
+          coarse_second = first_scale * horizontal_sum(sums.c);
           if constexpr (kNewton) coarse_scale = horizontal_sum(sums.a);
         }
         chunk[0] += coarse_scale;
@@ -400,7 +417,15 @@ void map_derivative_impl(
     visit_divergence<acc_t>(spec, [&](const auto& div) {
       switch (order) {
         case 0: map_order<0>(data, result, x.numel(), div, affine, multiplier); break;
-        case 1: map_order<1>(data, result, x.numel(), div, affine, multiplier); break;
+        case 1:
+          if constexpr (requires { div.coarse_first_scale(); }) {
+            if (div.coarse_ok()) {
+              map_order<kUnscaledFirst>(data, result, x.numel(), div, affine, multiplier * div.coarse_first_scale());
+              break;
+            }
+          }
+          map_order<1>(data, result, x.numel(), div, affine, multiplier);
+          break;
         default: map_order<2>(data, result, x.numel(), div, affine, multiplier); break;
       }
     });
