@@ -505,7 +505,7 @@ struct SmoothedCVaR {
   template <typename T>
   C10_HOST_DEVICE inline T first(T t) const {
     using M = Math<T>;
-    if (shortcuts) return coarse_first(t);
+    if (shortcuts) return coarse_first_unscaled(t) * M::constant(coarse_first_scale());
     const T q = M::exp(M::neg_abs(t));
     return M::if_positive(t, M::constant(1.0), q) / positive_sum(t, q);
   }
@@ -553,13 +553,9 @@ struct SmoothedCVaR {
     using M = Math<T>;
     return M::constant(1.0) + M::exp(M::neg_abs(t + M::constant(shift)));
   }
-  // first(t) where coarse_ok() holds, without first()'s test of it: a coarse pass sums it beside coarse_factor(t),
-  // and the two then share one exp(-|s|) (with the test between them the CPU compiler formed it twice). It is
-  // coarse_first_unscaled(t) coarse_first_scale(): a pass that sums or scales it anyway applies the 1/alpha once.
-  template <typename T>
-  C10_HOST_DEVICE inline T coarse_first(T t) const {
-    return coarse_first_unscaled(t) * Math<T>::constant(inv_alpha);
-  }
+  // first(t) where coarse_ok() holds is coarse_first_unscaled(t) coarse_first_scale(), without first()'s test of
+  // coarse_ok(): a coarse pass sums it beside coarse_factor(t), and the two then share one exp(-|s|) (with the test
+  // between them the CPU compiler formed it twice); a pass that sums or scales it anyway applies the 1/alpha once.
   template <typename T>
   C10_HOST_DEVICE inline T coarse_first_unscaled(T t) const {
     return sigmoid(t + Math<T>::constant(shift));

@@ -58,6 +58,23 @@ inline std::pair<Vectorized<double>, Vectorized<double>> widen(const Vectorized<
 #endif
 }
 
+// counts plus the losses [i, end) one at a time, then `inside` made the count inside the bracket (it came in as the
+// count of the losses >= lower, which includes every loss above upper): the tail of both chunk functions below.
+template <typename acc_t, typename scalar_t>
+BracketCounts finish_chunk(BracketCounts counts, const scalar_t* data, int64_t i, int64_t end, acc_t lower,
+                           acc_t upper) {
+  for (; i < end; ++i) {
+    const acc_t v = static_cast<acc_t>(data[i]);
+    if (v > upper) {
+      counts.sum_above += static_cast<double>(v);
+      ++counts.above;
+    }
+    counts.inside += v >= lower;
+  }
+  counts.inside -= counts.above;
+  return counts;
+}
+
 // One chunk's BracketCounts over Vectorized lanes of acc_t (compared there, as bracket_in says).
 template <typename acc_t, typename scalar_t>
 BracketCounts bracket_chunk(const scalar_t* data, int64_t begin, int64_t end, acc_t lower, acc_t upper) {
@@ -82,18 +99,9 @@ BracketCounts bracket_chunk(const scalar_t* data, int64_t begin, int64_t end, ac
       sum_high = sum_high + high;
     }
   }
-  BracketCounts counts{horizontal_sum(sum_low + sum_high), static_cast<int64_t>(horizontal_sum(above_count)),
-                       static_cast<int64_t>(horizontal_sum(at_least_count))};
-  for (; i < end; ++i) {
-    const acc_t v = static_cast<acc_t>(data[i]);
-    if (v > upper) {
-      counts.sum_above += static_cast<double>(v);
-      ++counts.above;
-    }
-    counts.inside += v >= lower;
-  }
-  counts.inside -= counts.above;  // every loss above upper is at least lower
-  return counts;
+  const BracketCounts counts{horizontal_sum(sum_low + sum_high), static_cast<int64_t>(horizontal_sum(above_count)),
+                             static_cast<int64_t>(horizontal_sum(at_least_count))};
+  return finish_chunk(counts, data, i, end, lower, upper);
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -130,16 +138,8 @@ BracketCounts bracket_chunk_avx512(const T* data, int64_t begin, int64_t end, T 
       }
     }
   }
-  BracketCounts counts{_mm512_reduce_add_pd(_mm512_add_pd(sum[0], sum[1])), above, at_least};
-  for (; i < end; ++i) {
-    if (data[i] > upper) {
-      counts.sum_above += static_cast<double>(data[i]);
-      ++counts.above;
-    }
-    counts.inside += data[i] >= lower;
-  }
-  counts.inside -= counts.above;
-  return counts;
+  return finish_chunk(BracketCounts{_mm512_reduce_add_pd(_mm512_add_pd(sum[0], sum[1])), above, at_least}, data, i,
+                      end, lower, upper);
 }
 #endif
 
