@@ -180,6 +180,16 @@ def _neg_abs(t: torch.Tensor) -> torch.Tensor:
     return torch.where(t > 0, -t, t)
 
 
+def _expm1(z: torch.Tensor) -> torch.Tensor:
+    """e^z - 1 whose autograd gradient is e^z to a few roundings of its own size, however small.
+
+    torch.expm1's backward forms its gradient as result + 1, which keeps only the digits of e^z that 1 leaves: none
+    once e^z is below a rounding of 1 (kl's psi*'(-40) in float64 came out 0 for e^-40 = 4.2e-18). Below z = -1
+    the value is exp(z) - 1 instead, which loses nothing there (|e^z - 1| > 0.63), and whose gradient is exp's own;
+    z is clamped in that branch so that torch.where's zero gradient never meets exp(+inf)."""
+    return torch.where(z < -1.0, torch.exp(torch.clamp(z, max=-1.0)) - 1.0, torch.expm1(z))
+
+
 def _cressie_read_parts(t: torch.Tensor, k: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(u, a t, e) with a = k - 1, u = 1 + a t and e = u^(1/a) - 1 = expm1(log1p(a t) / a) where u > 0.
 
@@ -219,7 +229,7 @@ def _smoothed_cvar_value(t: torch.Tensor, alpha: float) -> torch.Tensor:
     expm1 is taken at t clamped to log1p(2 / alpha), where x = 2 already selects the second form, so that every
     branch torch.where drops is finite and so is its gradient."""
     _, total = _smoothed_cvar_parts(t, alpha)
-    e = torch.expm1(torch.clamp(t, max=math.log1p(2.0 / alpha)))
+    e = _expm1(torch.clamp(t, max=math.log1p(2.0 / alpha)))
     x = e * alpha
     # e itself where |x| < 2^-60: log1p(x) / alpha to the last bit, without alpha e's digits below the smallest normal.
     near = torch.where(x.abs() < 2.0**-60, e, torch.log1p(x) / alpha)
@@ -249,7 +259,7 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
             return _relu(t + 2.0) * 0.5
         return _select_positive(t + 2.0, 0.5, 0.0)
     if name == "kl":
-        return torch.expm1(t) if order == 0 else torch.exp(t)
+        return _expm1(t) if order == 0 else torch.exp(t)
     if name == "cvar":
         inv_alpha = 1.0 / required(spec.alpha)
         if order == 0:
@@ -261,7 +271,7 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
         # clamp (not minimum) so that the gradient at t == cut is exp(cut), as in the closed form.
         below = torch.clamp(t, max=cut)
         if order == 0:
-            return torch.expm1(below) + _relu(t - cut) / alpha
+            return _expm1(below) + _relu(t - cut) / alpha
         if order == 1:
             return torch.exp(below)
         return _select_positive(t - cut, 0.0, torch.exp(below))
@@ -269,14 +279,18 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
         k = required(spec.k)
         power = 1.0 / (k - 1.0)
         if order == 0:
-            # (u^(p+1) - 1) / k = (e + a t (1 + e)) / k. At t = +inf its autograd gradient would be
-            # exp(inf) * d log1p(inf) = inf * 0, so it is evaluated at a stand-in t = 0 there, and the result
-            # there is t * t: +inf with slope +inf, as psi* (and 0 with slope 0 elsewhere).
+            # (u^(p+1) - 1) / k = (e + a t (1 + e)) / k with e = u^p - 1. At t = +inf its autograd gradient would
+            # be exp(inf) * d log1p(inf) = inf * 0, so it is evaluated at a stand-in t = 0 there, and the result
+            # there is t * t: +inf with slope +inf, as psi* (and 0 with slope 0 elsewhere). Where u^p < 1/e, as
+            # (u u^p - 1) / k: the gradient of 1 + e would keep only the digits of u^p that 1 leaves (see _expm1).
             infinite = t == math.inf
             above = torch.where(infinite, t, 0.0)
             u, at, log_u = _cressie_read_parts(torch.where(infinite, 0.0, t), k)
-            e = torch.expm1(log_u * power)
-            return torch.where(infinite, above * above, _select_positive(u, (e + at * (e + 1.0)) / k, -1.0 / k))
+            z = log_u * power
+            e = torch.expm1(z)
+            small = (u * torch.exp(torch.clamp(z, max=-1.0)) - 1.0) / k
+            value = torch.where(z < -1.0, small, (e + at * (e + 1.0)) / k)
+            return torch.where(infinite, above * above, _select_positive(u, value, -1.0 / k))
         u, _, log_u = _cressie_read_parts(t, k)
         if order == 2:
             power -= 1.0

@@ -465,3 +465,41 @@ def test_exponential_weights_far_below_zero(backend, name, params):
     normal = torch.exp(s) >= 2 * tiny
     rel = ((w - exact).abs() / exact)[normal]
     assert bool((rel <= 8 * torch.finfo(torch.float32).eps * (1 + s.abs()[normal])).all()), float(rel.max())
+
+
+# (divergence, params, the lowest t of the sweep above its float32 / float64 weights' underflow)
+FAR_BELOW = [("kl", {}), ("kl_cvar", {"alpha": 0.1}), ("smoothed_cvar", {"alpha": 0.5}),
+             ("smoothed_cvar", {"alpha": 1e-6}), ("smoothed_cvar", {"alpha": 0.9}), ("cressie_read", {"k": 1.5}),
+             ("cressie_read", {"k": 1.9})]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("name,params", FAR_BELOW, ids=[f"{n}-{next(iter(p.values()), '')}" for n, p in FAR_BELOW])
+def test_autograd_gradient_far_below_zero_is_the_weight(backend, name, params, dtype):
+    # The gradient of a sample far on psi*'s flat side is its weight psi*'(t), however small, relative to its own
+    # size: autograd through torch.expm1 forms it as expm1(t) + 1, which is exactly 0 once e^t is below a rounding
+    # of 1 (the fallback's psi*, and so group_dro_loss on every backend, did). dro_loss, group_dro_loss over
+    # singleton groups, and psi_star, at lam = 1 and eta = 0 (t = l exactly).
+    if name == "cressie_read":  # down to u = 1 + (k - 1) t = 1e-6 (u = 0 at t = -1/(k - 1))
+        top = -2.0 / params["k"]
+        t = top + (-1.0 / (params["k"] - 1.0) * (1 - 1e-6) - top) * torch.linspace(0, 1, 301, dtype=torch.float64)
+    else:
+        t = torch.linspace(-2.5, -80.0 if dtype == torch.float32 else -700.0, 301, dtype=torch.float64)
+    t = t.to(dtype)
+    n, eps = len(t), torch.finfo(dtype).eps
+    tiny = torch.finfo(dtype).smallest_normal
+    ids = torch.arange(n)
+    gradients = {}
+    for what, fn in [("dro_loss", lambda x: dro_ext.dro_loss(x, 0.0, 1.0, name, **params) * n),
+                     ("group_dro_loss", lambda x: dro_ext.group_dro_loss(x, ids, n, 0.0, 1.0, name, **params) * n),
+                     ("psi_star", lambda x: dro_ext.psi_star(x, name, **params).sum())]:
+        x = t.clone().requires_grad_()
+        (gradients[what],) = torch.autograd.grad(fn(x), x)
+    for i, ti in enumerate(t.tolist()):
+        w, second = mp_psi_star(ti, name, order=1, **params), mp_psi_star(ti, name, order=2, **params)
+        # exp, log and the powers are good to a few roundings of |t| times psi*'s own conditioning at t.
+        allowed = 64 * eps * (1 + abs(ti) * float(second / w)) * float(w) + 4 * tiny
+        for what, g in gradients.items():
+            got = float(g[i])
+            assert abs(got - float(w)) <= allowed, (
+                f"{what} {name} {params} {dtype} t={ti!r}: gradient {got!r}, exact {float(w)!r}")
