@@ -320,14 +320,16 @@ def _greedy_cvar_weights(ranking: torch.Tensor, shares: torch.Tensor, alpha: flo
     """The worst-case weights of a CVaR at level alpha over groups of the given shares (summing to one), taken
     greedily in decreasing order of `ranking`: each group gets its whole share while the running total stays within
     alpha, the group that crosses alpha the part of its share up to alpha, the rest 0; normalized to sum to one.
-    Ties keep the group order (a stable sort), so the result is deterministic."""
+    Ties keep the group order (a stable sort), so the result is deterministic. Formed in float64 whatever the state's
+    dtype: a float32 alpha - before would be 0 for every group once alpha is below float32's smallest subnormal
+    (1.4e-45), and the normalization 0/0."""
     if alpha >= 1.0:  # every group whole: the weights are the shares (no cumulative sum to round)
         return shares
     order = torch.sort(ranking, descending=True, stable=True).indices
-    sorted_shares = shares[order]
+    sorted_shares = shares[order].to(torch.float64)
     before = torch.cumsum(sorted_shares, 0) - sorted_shares
     taken = torch.clamp(torch.minimum(sorted_shares, alpha - before), min=0.0)
-    return torch.zeros_like(taken).scatter(0, order, taken / taken.sum())
+    return torch.zeros_like(taken).scatter(0, order, taken / taken.sum()).to(shares.dtype)
 
 
 class GroupDROLoss(nn.Module):

@@ -422,6 +422,20 @@ def test_greedy_cvar_weights_by_hand():
                                atol=1e-16)
 
 
+
+@pytest.mark.parametrize("alpha", [1e-30, 1e-46, 1e-300], ids=["1e-30", "below-float32", "1e-300"])
+def test_greedy_cvar_at_a_tiny_alpha_in_a_float32_state(backend, alpha):
+    """Any alpha > 0 puts the whole CVaR on the worst group, also where alpha is below float32's smallest subnormal
+    (the state's dtype here): a float32 alpha - before was 0 for every group, and q 0/0 = NaN."""
+    losses, groups = torch.tensor([1.0, 2.0, 3.0, 0.5]), torch.tensor([0, 1, 2, 2])  # means 1, 2, 1.75
+    module = dro_ext.GroupDROLoss(3, mode="greedy_cvar", alpha=alpha)
+    value = module(losses, groups)
+    assert module.log_q.dtype == torch.float32
+    assert torch.equal(module.q, torch.tensor([0.0, 1.0, 0.0])) and float(value) == 2.0
+    mixed = dro_ext.GroupDROLoss(3, mode="greedy_cvar", alpha=alpha, min_var_weight=0.5)
+    mixed(losses, groups)  # half the batch shares (1/4, 1/4, 1/2) mixed in
+    torch.testing.assert_close(mixed.q, torch.tensor([0.125, 0.625, 0.25]), rtol=2e-7, atol=0)
+
 def test_adjustment_enters_the_update_not_the_value(backend):
     counts = torch.tensor([4.0, 100.0])
     losses, groups = torch.tensor([1.0, 1.0], dtype=torch.float64), torch.tensor([0, 1])
