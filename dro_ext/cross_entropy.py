@@ -569,8 +569,17 @@ class _DROCrossEntropyBase(nn.Module):
         self.label_smoothing = _check_label_smoothing(label_smoothing)
         self.eta = nn.Parameter(torch.tensor(real_number("eta_init", eta_init)))
 
-    def _kwargs(self):
-        return dict(alpha=self.alpha, k=self.k, scale=self.scale, ignore_index=self.ignore_index,
+    def _kwargs(self, groups, forward: str):
+        """The functional op's keywords; ``groups`` (forward's) checked against the module's ``num_groups``, as
+        :class:`dro_ext.DROLoss` checks them, so that the error names what the module's caller can change."""
+        name = type(self).__name__
+        if self.num_groups is not None and groups is None:
+            raise ValueError(f"dro_ext: groups is required: this {name} was built with num_groups={self.num_groups}; "
+                             f"pass forward({forward}, groups=...)")
+        if self.num_groups is None and groups is not None:
+            raise ValueError(f"dro_ext: groups given, but this {name} was built without num_groups; pass "
+                             f"{name}(..., num_groups=G) to take the objective over groups")
+        return dict(groups=groups, alpha=self.alpha, k=self.k, scale=self.scale, ignore_index=self.ignore_index,
                     label_smoothing=self.label_smoothing, num_groups=self.num_groups)
 
     def extra_repr(self) -> str:
@@ -593,8 +602,8 @@ class DROCrossEntropyLoss(_DROCrossEntropyBase):
         super().__init__(divergence, lam, alpha, k, scale, eta_init, ignore_index, label_smoothing, num_groups)
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
-        return dro_cross_entropy(logits, targets, self.eta, self.lam, self.divergence, groups=groups,
-                                 **self._kwargs())
+        return dro_cross_entropy(logits, targets, self.eta, self.lam, self.divergence,
+                                 **self._kwargs(groups, "logits, targets"))
 
 
 class DROLinearCrossEntropyLoss(_DROCrossEntropyBase):
@@ -611,4 +620,5 @@ class DROLinearCrossEntropyLoss(_DROCrossEntropyBase):
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                 bias: torch.Tensor | None = None, groups: torch.Tensor | None = None) -> torch.Tensor:
         return dro_linear_cross_entropy(hidden, weight, targets, self.eta, self.lam, self.divergence, bias=bias,
-                                        chunk_size=self.chunk_size, groups=groups, **self._kwargs())
+                                        chunk_size=self.chunk_size,
+                                        **self._kwargs(groups, "hidden, weight, targets, bias"))

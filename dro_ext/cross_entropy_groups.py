@@ -48,6 +48,10 @@ def _row_lse(x, targets, ignore_index: int, native: bool):
     column-major logits (the transpose of a contiguous (C, N) matrix), the column kernel over that matrix."""
     acc = accumulate_dtype(x.dtype)
     if native and x.dim() == 2 and x.shape[0] > 1 and x.t().is_contiguous():
+        if x.device.type == "cpu":
+            # The column kernel reads no target, so it cannot name a bad one as the row kernel does (CUDA: the
+            # gather below asserts on the device, as the row kernel does, without a host sync).
+            _check_target_range(targets, x.shape[1], ignore_index)
         return torch.where(targets != ignore_index, torch.ops.dro_ext.logsumexp_columns(x.t()), 0.0)
     if native:
         zero = torch.zeros((), dtype=acc, device=x.device)

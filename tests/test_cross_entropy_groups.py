@@ -561,3 +561,40 @@ def test_bad_groups_name_the_argument(backend, linear):
         call(groups=good, num_groups=2.0)
     with pytest.raises(ValueError, match="num_groups must be >= 1"):
         dro_ext.DROCrossEntropyLoss(num_groups=0)
+    # A module's num_groups is its constructor's, groups its forward's: the error says which to pass where.
+    if linear:
+        grouped, plain = dro_ext.DROLinearCrossEntropyLoss(num_groups=2), dro_ext.DROLinearCrossEntropyLoss()
+        module_args = (*head, targets)
+    else:
+        grouped, plain = dro_ext.DROCrossEntropyLoss(num_groups=2), dro_ext.DROCrossEntropyLoss()
+        module_args = (logits, targets)
+    name = type(grouped).__name__
+    with pytest.raises(ValueError, match=rf"this {name} was built with num_groups=2; pass forward\(.*groups=\.\.\.\)"):
+        grouped(*module_args)
+    without = rf"this {name} was built without num_groups; pass {name}\(\.\.\., num_groups=G\)"
+    with pytest.raises(ValueError, match=without):
+        plain(*module_args, groups=good)
+    grouped(*module_args, groups=good)
+
+
+@pytest.mark.parametrize("layout", ["logits-row-major", "logits-column-major", "linear"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_target_out_of_range_names_targets(backend, layout, dtype):
+    # Column-major logits (and the linear op's float32 first pass) take the column logsumexp kernel, which reads no
+    # target: the check must not be left to a gather's bare index error.
+    groups = torch.zeros(4, dtype=torch.int64)
+    for bad in (9, -3):
+        targets = torch.tensor([0, bad, 1, 2])
+        if layout == "linear":
+            hidden, weight = torch.randn(4, 3, dtype=dtype), torch.randn(5, 3, dtype=dtype)
+            calls = [lambda: dro_ext.dro_linear_cross_entropy(hidden, weight, targets, 0.0, LAM, groups=groups,
+                                                              num_groups=1),
+                     lambda: dro_ext.linear_cross_entropy_losses(hidden, weight, targets)]
+        else:
+            column_major = layout == "logits-column-major"
+            logits = torch.randn(5, 4, dtype=dtype).t() if column_major else torch.randn(4, 5, dtype=dtype)
+            calls = [lambda: dro_ext.dro_cross_entropy(logits, targets, 0.0, LAM, groups=groups, num_groups=1),
+                     lambda: dro_ext.cross_entropy_losses(logits, targets)]
+        for call in calls:
+            with pytest.raises(IndexError, match=rf"targets must be class indices in \[0, 5\).*got targets\[1\]={bad}"):
+                call()
