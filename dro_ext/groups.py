@@ -249,8 +249,9 @@ def _group_means(sums: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -
 
 def group_dro_loss(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, eta: torch.Tensor | float,
                    lam: float, divergence: Divergence = "chi2", *,
-                   weighting: str | torch.Tensor | Sequence[float] = "batch", group_counts: Any = None, alpha: float | None = None, k: float | None = None, scale: float = 1.0,
-                   group: ProcessGroup | None = None) -> torch.Tensor:
+                   weighting: str | torch.Tensor | Sequence[float] = "batch", group_counts: Any = None,
+                   alpha: float | None = None, k: float | None = None, scale: float = 1.0,
+                   group: ProcessGroup | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """The penalized DRO objective over groups (a 0-d tensor of the dtype of ``losses``):
 
         scale*eta + sum_g p_g lam psi*((m_g - scale*eta)/lam),   m_g = mean of the losses of group g
@@ -266,6 +267,10 @@ def group_dro_loss(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
     rank; the per-group sums and counts are all-reduced once, and the gradients of the local losses are scaled
     so that DDP's average over the ranks is the gradient of that objective. A rank may then hold no losses (if
     no rank holds any, the value is NaN).
+
+    ``mask`` (a bool tensor of the losses' shape), as :class:`GroupDROLoss` takes it: only the True samples count,
+    in sums and counts, and only their ids are read (padding tokens), without the boolean indexing that would read
+    the mask on the host; the others get a zero gradient.
     """
     spec = check_divergence(divergence, alpha, k)
     lam, scale = check_positive("lam", lam), check_positive("scale", scale)
@@ -275,9 +280,11 @@ def group_dro_loss(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
         check_losses(losses, allow_empty=True)  # a rank may hold no samples; the concatenated batch must hold some
     num_groups = check_num_groups(num_groups)
     check_groups(groups, losses)
+    if mask is not None:
+        check_mask(mask, losses)
     eta = as_eta(eta, losses)
     weights = _group_weights(weighting, group_counts, num_groups, losses.device)
-    sums, counts = _reduced_group_sums(losses, groups, num_groups, group, "group_dro_loss")
+    sums, counts = _reduced_group_sums(losses, groups, num_groups, group, "group_dro_loss", mask)
     acc = fallback_dtype(losses.dtype, losses.device)
     m, present = _group_means(sums, counts, acc)
     p = counts.to(acc) if weights is None else torch.where(present, weights.to(acc), 0.0)

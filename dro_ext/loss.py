@@ -31,7 +31,8 @@ class DROLoss(nn.Module):
     concatenated batch; the mean over the ranks of the returned values is the loss of that batch.
 
     With ``num_groups=G`` the objective is over groups instead of samples (:func:`dro_ext.group_dro_loss`):
-    ``forward(losses, groups)`` takes the group id of each loss, and ``weighting`` (``"batch"``,
+    ``forward(losses, groups, *, mask=None)`` takes the group id of each loss (and, as :class:`GroupDROLoss`, a
+    bool ``mask`` of the samples that count), and ``weighting`` (``"batch"``,
     ``"population"`` with ``group_counts``, or a tensor of G weights) weighs the groups present. With ``group``
     every rank then returns the objective of the concatenated batch (the per-group sums and counts are
     all-reduced once), its local gradients scaled so that DDP's average is that objective's gradient.
@@ -63,17 +64,19 @@ class DROLoss(nn.Module):
         self.register_buffer("group_weights", _group_weights(weighting, group_counts, self.num_groups, "cpu"),
                              persistent=False)
 
-    def forward(self, losses: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, losses: torch.Tensor, groups: torch.Tensor | None = None, *,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.num_groups is not None:
             if groups is None:
                 raise ValueError(f"dro_ext: groups is required: this DROLoss was built with "
                                  f"num_groups={self.num_groups}; pass forward(losses, groups)")
             weighting = "batch" if self.group_weights is None else self.group_weights
             return group_dro_loss(losses, groups, self.num_groups, self.eta, self.lam, self.divergence,
-                                  weighting=weighting, alpha=self.alpha, k=self.k, scale=self.scale, group=self.group)
-        if groups is not None:
-            raise ValueError("dro_ext: groups given, but this DROLoss was built without num_groups; "
-                             "pass DROLoss(..., num_groups=G) to take the objective over groups")
+                                  weighting=weighting, alpha=self.alpha, k=self.k, scale=self.scale, group=self.group,
+                                  mask=mask)
+        if groups is not None or mask is not None:
+            raise ValueError(f"dro_ext: {'groups' if groups is not None else 'mask'} given, but this DROLoss was built "
+                             "without num_groups; pass DROLoss(..., num_groups=G) to take the objective over groups")
         value = dro_loss(losses, self.eta, self.lam, self.divergence, alpha=self.alpha, k=self.k, scale=self.scale)
         if self.group is None:
             return value

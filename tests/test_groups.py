@@ -205,6 +205,41 @@ def test_group_dro_loss_nan_and_inf(backend):
     assert value == math.inf
 
 
+@pytest.mark.parametrize("weighting", ["batch", "population"])
+def test_group_dro_loss_mask_is_the_kept_samples_alone(backend, weighting):
+    # mask= counts only the True samples, reads only their ids (the masked ones may be anything) and gives the others
+    # a zero gradient: the objective and gradients of the kept samples alone. DROLoss(num_groups) passes it on.
+    losses, groups = random_batch(23, 5, absent=(4,))
+    keep = torch.rand(23, generator=torch.Generator().manual_seed(3)) < 0.6
+    ids = torch.where(keep, groups, torch.tensor(99))  # out of range where masked: never read
+    counts = torch.tensor([3.0, 1.0, 2.0, 5.0, 4.0]) if weighting == "population" else None
+    x = losses.clone().requires_grad_()
+    eta = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
+    value = dro_ext.group_dro_loss(x, ids, 5, eta, 0.4, "kl", weighting=weighting, group_counts=counts, mask=keep)
+    grad, grad_eta = torch.autograd.grad(value, (x, eta))
+    kept = losses[keep].clone().requires_grad_()
+    eta_kept = eta.detach().clone().requires_grad_()
+    want = dro_ext.group_dro_loss(kept, groups[keep], 5, eta_kept, 0.4, "kl", weighting=weighting,
+                                  group_counts=counts)
+    want_grad, want_eta = torch.autograd.grad(want, (kept, eta_kept))
+    torch.testing.assert_close(value, want, rtol=1e-14, atol=0)
+    torch.testing.assert_close(grad[keep], want_grad, rtol=1e-14, atol=1e-16)
+    assert bool((grad[~keep] == 0).all())
+    torch.testing.assert_close(grad_eta, want_eta, rtol=1e-14, atol=1e-16)
+    module = dro_ext.DROLoss("kl", lam=0.4, num_groups=5, weighting=weighting, group_counts=counts).double()
+    torch.testing.assert_close(module(losses, ids, mask=keep), dro_ext.group_dro_loss(
+        losses[keep], groups[keep], 5, module.eta.detach(), 0.4, "kl", weighting=weighting, group_counts=counts),
+        rtol=1e-14, atol=0)
+    with pytest.raises(IndexError, match="groups holds an id outside"):  # a kept sample's id is still checked
+        dro_ext.group_dro_loss(losses, ids, 5, eta, 0.4, "kl", mask=torch.ones(23, dtype=torch.bool))
+    with pytest.raises(TypeError, match="mask must be a bool tensor"):
+        dro_ext.group_dro_loss(losses, groups, 5, eta, 0.4, "kl", mask=keep.double())
+    with pytest.raises(ValueError, match="mask must have the shape"):
+        dro_ext.group_dro_loss(losses, groups, 5, eta, 0.4, "kl", mask=keep[1:])
+    with pytest.raises(ValueError, match="mask given, but this DROLoss was built without num_groups"):
+        dro_ext.DROLoss("kl", lam=0.4)(losses, mask=keep)
+
+
 def test_group_dro_loss_compiles_fullgraph(backend):
     losses, groups = random_batch(17, 5, torch.float32, absent=(1,))
     losses.requires_grad_()
@@ -577,6 +612,9 @@ def test_group_dro_step_has_no_host_sync_on_cuda():
     try:
         (module(losses, groups) + greedy(losses, groups)).backward()
         dro_ext.group_dro_loss(losses, groups, 6, eta, 0.5, "kl").backward()
+        keep = groups != 2  # a mask (padding tokens, say): still no host read
+        masked = dro_ext.group_dro_loss(losses, groups, 6, eta, 0.5, "kl", mask=keep)
+        (module(losses, groups, mask=keep) + masked).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -737,19 +775,27 @@ def _distributed_ranks(rank, world, store_path):
             torch.testing.assert_close(grad / world, local(want_grad, sizes), rtol=1e-13, atol=1e-15)
 
     for losses, groups, sizes in run:
-        for module_or_fn in ("function", "module"):
+        # The mask (padding tokens, say) keeps about two thirds of the samples; where it is False the ids are junk.
+        keep = torch.rand(len(losses)) < 0.67  # the same draw on every rank (seeded above)
+        for module_or_fn, masked in (("function", False), ("module", False), ("function", True), ("module", True)):
             mine = local(losses, sizes).clone().requires_grad_()
+            mine_groups = local(torch.where(keep, groups, -7) if masked else groups, sizes)
+            mask = local(keep, sizes) if masked else None
             eta = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
             if module_or_fn == "function":
-                value = dro_ext.group_dro_loss(mine, local(groups, sizes), 5, eta, 0.5, "kl", group=world_group)
+                value = dro_ext.group_dro_loss(mine, mine_groups, 5, eta, 0.5, "kl", group=world_group, mask=mask)
             else:
                 module = dro_ext.DROLoss("kl", lam=0.5, eta_init=0.3, num_groups=5, group=world_group).double()
                 eta = module.eta
-                value = module(mine, local(groups, sizes))
+                value = module(mine, mine_groups, mask=mask)
             grad, grad_eta = torch.autograd.grad(value, (mine, eta))
             whole = losses.clone().requires_grad_()
             e64 = eta.detach().clone().requires_grad_()  # the module's eta is 0.3 rounded to float32
-            want = dro_ext.group_dro_loss(whole, groups, 5, e64, 0.5, "kl")
+            if masked:  # the single process on the kept samples of the concatenated batch
+                kept = whole[keep]
+                want = dro_ext.group_dro_loss(kept, groups[keep], 5, e64, 0.5, "kl")
+            else:
+                want = dro_ext.group_dro_loss(whole, groups, 5, e64, 0.5, "kl")
             want_grad, want_eta = torch.autograd.grad(want, (whole, e64))
             torch.testing.assert_close(value, want, rtol=1e-13, atol=1e-15)
             torch.testing.assert_close(grad / world, local(want_grad, sizes), rtol=1e-13, atol=1e-15)
