@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dro_ext import _backend
+from dro_ext.group_reduction import check_forward_groups, check_num_groups
 from dro_ext._divergences import (
     Divergence, Spec, accumulate_dtype, as_eta, check_dense, check_divergence, check_positive, fallback_dtype,
     real_number,
@@ -558,8 +559,6 @@ class _DROCrossEntropyBase(nn.Module):
     def __init__(self, divergence, lam, alpha, k, scale, eta_init, ignore_index, label_smoothing, num_groups):
         super().__init__()
         if num_groups is not None:
-            from dro_ext.groups import check_num_groups
-
             num_groups = check_num_groups(num_groups)
         self.num_groups = num_groups
         self.divergence, self.alpha, self.k = check_divergence(divergence, alpha, k)
@@ -572,13 +571,7 @@ class _DROCrossEntropyBase(nn.Module):
     def _kwargs(self, groups, forward: str):
         """The functional op's keywords; ``groups`` (forward's) checked against the module's ``num_groups``, as
         :class:`dro_ext.DROLoss` checks them, so that the error names what the module's caller can change."""
-        name = type(self).__name__
-        if self.num_groups is not None and groups is None:
-            raise ValueError(f"dro_ext: groups is required: this {name} was built with num_groups={self.num_groups}; "
-                             f"pass forward({forward}, groups=...)")
-        if self.num_groups is None and groups is not None:
-            raise ValueError(f"dro_ext: groups given, but this {name} was built without num_groups; pass "
-                             f"{name}(..., num_groups=G) to take the objective over groups")
+        check_forward_groups(type(self).__name__, self.num_groups, groups, f"{forward}, groups=...")
         return dict(groups=groups, alpha=self.alpha, k=self.k, scale=self.scale, ignore_index=self.ignore_index,
                     label_smoothing=self.label_smoothing, num_groups=self.num_groups)
 

@@ -95,6 +95,19 @@ def check_num_groups(num_groups: object) -> int:
     return cast(int, num_groups) if isinstance(num_groups, torch.SymInt) else int(num_groups)
 
 
+def check_forward_groups(module: str, num_groups: int | None, groups: object, forward: str,
+                         mask: object = None) -> None:
+    """A loss module's forward arguments against the module's own ``num_groups``: ``groups`` exactly when it was built
+    with one (``mask`` only then), each error naming what the module's caller can change (``forward`` shows the call
+    that passes groups)."""
+    if num_groups is not None and groups is None:
+        raise ValueError(f"dro_ext: groups is required: this {module} was built with num_groups={num_groups}; "
+                         f"pass forward({forward})")
+    if num_groups is None and (groups is not None or mask is not None):
+        raise ValueError(f"dro_ext: {'groups' if groups is not None else 'mask'} given, but this {module} was built "
+                         f"without num_groups; pass {module}(..., num_groups=G) to take the objective over groups")
+
+
 def check_groups(groups: object, losses: torch.Tensor) -> None:
     """Group ids for ``losses``: an int32 or int64 dense tensor of its shape, on its device."""
     if not isinstance(groups, torch.Tensor):

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from dro_ext._divergences import Divergence, check_divergence, check_positive, real_number
+from dro_ext.group_reduction import check_forward_groups
 from dro_ext.groups import _group_weights, check_num_groups, group_dro_loss
 from dro_ext.ops import dro_loss
 
@@ -66,17 +67,13 @@ class DROLoss(nn.Module):
 
     def forward(self, losses: torch.Tensor, groups: torch.Tensor | None = None, *,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        check_forward_groups("DROLoss", self.num_groups, groups, "losses, groups", mask)
         if self.num_groups is not None:
-            if groups is None:
-                raise ValueError(f"dro_ext: groups is required: this DROLoss was built with "
-                                 f"num_groups={self.num_groups}; pass forward(losses, groups)")
+            assert groups is not None  # given with num_groups (check_forward_groups)
             weighting = "batch" if self.group_weights is None else self.group_weights
             return group_dro_loss(losses, groups, self.num_groups, self.eta, self.lam, self.divergence,
                                   weighting=weighting, alpha=self.alpha, k=self.k, scale=self.scale, group=self.group,
                                   mask=mask)
-        if groups is not None or mask is not None:
-            raise ValueError(f"dro_ext: {'groups' if groups is not None else 'mask'} given, but this DROLoss was built "
-                             "without num_groups; pass DROLoss(..., num_groups=G) to take the objective over groups")
         value = dro_loss(losses, self.eta, self.lam, self.divergence, alpha=self.alpha, k=self.k, scale=self.scale)
         if self.group is None:
             return value
