@@ -69,7 +69,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dro_cross_entropy_cpu
   const auto acc_options = logits.options().dtype(accumulate_type(logits.scalar_type()));
   at::Tensor lse = at::empty({x.size(0)}, acc_options), row_weight = at::empty({x.size(0)}, acc_options);
   const double inv_count = kept > 0 ? 1.0 / static_cast<double>(kept) : 0.0;
-  const auto sums = cpu::cross_entropy_kernels().forward(
+  const auto sums = cpu::cross_entropy_kernels(x.numel()).forward(
       x, y, make_config(spec, eta, lam, scale, ignore_index, label_smoothing), &lse, &row_weight, nullptr, inv_count);
   const double value = kept > 0 ? sums[0] * inv_count : 0.0;
   const double mean_weight = kept > 0 ? sums[1] * inv_count : 1.0;
@@ -85,8 +85,8 @@ at::Tensor dro_cross_entropy_backward_cpu(const at::Tensor& grad, const at::Tens
   // From the repository's buffer cache: a training loop asks for the same N x C gradient every step, and
   // first-touching fresh pages costs about as much as the pass itself (csrc/cpu/output_buffer.h).
   at::Tensor grad_logits = cpu::empty_output_like(x);
-  cpu::cross_entropy_kernels().backward(x, y, lse.contiguous(), row_weight.contiguous(), grad_logits, ignore_index,
-                                        label_smoothing, cpu::read_scalar(grad));
+  cpu::cross_entropy_kernels(x.numel()).backward(x, y, lse.contiguous(), row_weight.contiguous(), grad_logits,
+                                                 ignore_index, label_smoothing, cpu::read_scalar(grad));
   return grad_logits;
 }
 
@@ -97,15 +97,15 @@ void dro_cross_entropy_backward_inplace_cpu(const at::Tensor& grad, at::Tensor& 
   const at::Tensor y = targets.contiguous();
   count_kept_rows_cpu(y, logits.size(1), ignore_index);
   // Each row's target logit is read before the row is overwritten (write_row_gradient): in place is exact.
-  cpu::cross_entropy_kernels().backward(logits, y, lse.contiguous(), row_weight.contiguous(), logits, ignore_index,
-                                        label_smoothing, cpu::read_scalar(grad));
+  cpu::cross_entropy_kernels(logits.numel()).backward(logits, y, lse.contiguous(), row_weight.contiguous(), logits,
+                                                      ignore_index, label_smoothing, cpu::read_scalar(grad));
 }
 
 at::Tensor logsumexp_columns_cpu(const at::Tensor& matrix) {
   check_logsumexp_columns_args(matrix);
   const at::Tensor x = matrix.contiguous();
   at::Tensor lse = at::empty({x.size(1)}, x.options().dtype(accumulate_type(x.scalar_type())));
-  cpu::cross_entropy_kernels().logsumexp_columns(x, lse);
+  cpu::cross_entropy_kernels(x.numel()).logsumexp_columns(x, lse);
   return lse;
 }
 
@@ -125,7 +125,7 @@ at::Tensor dro_cross_entropy_chunk_cpu(const at::Tensor& logits, const at::Tenso
   const at::Tensor y = targets.contiguous();
   count_kept_rows_cpu(y, logits.size(1), ignore_index);
   at::Tensor grad = logits;  // the gradient overwrites the logits
-  const auto sums = cpu::cross_entropy_kernels().forward(
+  const auto sums = cpu::cross_entropy_kernels(logits.numel()).forward(
       logits, y, make_config(spec, eta, lam, scale, ignore_index, label_smoothing), nullptr, nullptr,
       compute_grad ? &grad : nullptr, cpu::read_scalar(inv_count));
   at::Tensor out = at::empty({2}, logits.options().dtype(accumulate_type(logits.scalar_type())));

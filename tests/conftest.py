@@ -8,39 +8,40 @@ import torch
 from dro_ext import _backend
 
 
-def _other_cpu_builds():
-    """The SIMD builds of the CPU kernels (default, avx2, avx512) this processor also runs, besides the one
-    dro_ext picked: each gets its own native run of every test that takes the `backend` fixture, so that the
-    narrower builds (what another machine runs) are tested here too."""
+def _cpu_builds():
+    """The SIMD builds of the CPU kernels (default, avx2, avx512) this processor runs, the one dro_ext picked
+    first: each gets its own native run of every test that takes the `backend` fixture, pinned for every call
+    whatever its size (dro_ext otherwise runs AVX2 below a few thousand values where it picked AVX-512,
+    csrc/cpu/kernels.h), so that every build (what another machine runs) is tested here at every size."""
     if not _backend.native_available():
-        return []
+        return [None]
     capability = torch.ops.dro_ext._cpu_capability
     picked = capability()
-    others = []
+    builds = [picked]
     for build in ("default", "avx2", "avx512"):
         if build == picked:
             continue
         try:
-            capability(build)
+            previous = capability(build)
         except RuntimeError:  # the processor cannot run it
             continue
-        finally:
-            capability(picked)
-        others.append(build)
-    return others
+        capability(previous)
+        builds.append(build)
+    return builds
 
 
+_BUILDS = _cpu_builds()
 _BACKEND_PARAMS = (
-    [pytest.param(("native", None), id="native")]
-    + [pytest.param(("native", build), id=f"native-{build}") for build in _other_cpu_builds()]
+    [pytest.param(("native", _BUILDS[0]), id="native")]
+    + [pytest.param(("native", build), id=f"native-{build}") for build in _BUILDS[1:]]
     + [pytest.param(("python", None), id="python")]
 )
 
 
 @pytest.fixture(params=_BACKEND_PARAMS)
 def backend(request):
-    """Runs the test once on the compiled ops (once per SIMD build of the CPU kernels the processor runs)
-    and once on the fallback; the test sees "native" or "python".
+    """Runs the test once on the compiled ops (once per SIMD build of the CPU kernels the processor runs, each
+    pinned) and once on the fallback; the test sees "native" or "python".
 
     The native run fails (it is not skipped) when the extension did not load, unless
     DRO_EXT_FORCE_PYTHON=1 says the whole run is meant for the fallback.

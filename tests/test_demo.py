@@ -240,17 +240,14 @@ def _widest_dro_ext_build():
     """The widest SIMD build of dro_ext's CPU kernels this processor runs, found by switching to each (this
     process may itself run under ATEN_CPU_CAPABILITY)."""
     capability = torch.ops.dro_ext._cpu_capability
-    picked = capability()
-    try:
-        for build in ("avx512", "avx2"):
-            try:
-                capability(build)
-                return build
-            except RuntimeError:  # the processor cannot run it
-                continue
-        return "default"
-    finally:
-        capability(picked)
+    for build in ("avx512", "avx2"):
+        try:
+            previous = capability(build)
+        except RuntimeError:  # the processor cannot run it
+            continue
+        capability(previous)
+        return build
+    return "default"
 
 
 def _verdicts(claims_payload: dict) -> dict:

@@ -1,6 +1,6 @@
 // The CPU kernels of the fused DRO cross-entropy, independent of the SIMD capability they were compiled for.
 // cross_entropy_impl.h is compiled once per capability with the loss kernels (csrc/cpu/kernel_tables.h);
-// cross_entropy_kernels() runs the build cpu_kernels() runs (csrc/cpu/kernel_selection.cpp).
+// cross_entropy_kernels(n) runs the build cpu_kernels(n) runs (csrc/cpu/kernel_selection.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -43,6 +43,6 @@ struct CrossEntropyKernelTable {
 const CrossEntropyKernelTable& cross_entropy_kernels_default();
 const CrossEntropyKernelTable& cross_entropy_kernels_avx2();  // the default where AVX2 is not compiled in
 const CrossEntropyKernelTable& cross_entropy_kernels_avx512();  // likewise
-const CrossEntropyKernelTable& cross_entropy_kernels();
+const CrossEntropyKernelTable& cross_entropy_kernels(int64_t values);  // capability_for(values)'s table
 
 }  // namespace dro_ext::cpu

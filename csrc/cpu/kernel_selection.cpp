@@ -1,6 +1,7 @@
 // Which build of the CPU kernels runs: the widest SIMD capability the processor has, capped by
-// ATEN_CPU_CAPABILITY as ATen's own kernels are (default, avx2, avx512), and settable at run time through the
-// private op dro_ext::_cpu_capability so that the tests cover every build the processor runs.
+// ATEN_CPU_CAPABILITY as ATen's own kernels are (default, avx2, avx512), AVX2 for calls too small for AVX-512 to pay
+// (kAvx512MinValues, csrc/cpu/kernels.h), and pinned at run time through the private op dro_ext::_cpu_capability so
+// that the tests cover every build the processor runs at every size.
 #include <torch/library.h>
 
 #include <atomic>
@@ -37,9 +38,16 @@ Capability from_environment() {
   return best;
 }
 
-std::atomic<Capability>& active() {
-  static std::atomic<Capability> capability{from_environment()};
-  return capability;
+// What a test set with _cpu_capability: nothing (every call runs capability_for's choice) or one build pinned for
+// every call, whatever its size.
+struct Setting {
+  bool pinned;
+  Capability build;
+};
+
+std::atomic<Setting>& setting() {
+  static std::atomic<Setting> value{Setting{false, from_environment()}};
+  return value;
 }
 
 const char* name_of(Capability c) {
@@ -50,43 +58,55 @@ const char* name_of(Capability c) {
   }
 }
 
-// _cpu_capability(None) -> the active build's name; _cpu_capability(name) switches to that build (an error
-// if the processor cannot run it) and returns the name of the one it replaced.
+// _cpu_capability(None) -> the widest build allowed (cpu_capability()); _cpu_capability(name) pins that build for
+// every call (an error if the processor cannot run it), and _cpu_capability("auto") returns to the size rule of
+// capability_for. Either returns the setting it replaced: "auto" or the pinned build's name.
 std::string cpu_capability_op(std::optional<c10::string_view> set) {
-  const Capability previous = active().load();
+  const Setting previous = setting().load();
   if (set.has_value()) {
-    Capability wanted = Capability::Default;
-    if (*set == "avx512") {
-      wanted = Capability::AVX512;
-    } else if (*set == "avx2") {
-      wanted = Capability::AVX2;
+    if (*set == "auto") {
+      setting().store(Setting{false, from_environment()});
     } else {
-      TORCH_CHECK_VALUE(*set == "default", "dro_ext: capability must be 'default', 'avx2' or 'avx512', got '",
-                        std::string(*set), "'");
+      Capability wanted = Capability::Default;
+      if (*set == "avx512") {
+        wanted = Capability::AVX512;
+      } else if (*set == "avx2") {
+        wanted = Capability::AVX2;
+      } else {
+        TORCH_CHECK_VALUE(*set == "default", "dro_ext: capability must be 'auto', 'default', 'avx2' or 'avx512', got '",
+                          std::string(*set), "'");
+      }
+      TORCH_CHECK(wanted <= best_supported(), "dro_ext: this processor cannot run the ", name_of(wanted),
+                  " build of the CPU kernels (the best it runs is ", name_of(best_supported()), ")");
+      setting().store(Setting{true, wanted});
     }
-    TORCH_CHECK(wanted <= best_supported(), "dro_ext: this processor cannot run the ", name_of(wanted),
-                " build of the CPU kernels (the best it runs is ", name_of(best_supported()), ")");
-    active().store(wanted);
+    return previous.pinned ? name_of(previous.build) : "auto";
   }
-  return name_of(previous);
+  return name_of(previous.build);
 }
 
 }  // namespace
 
-Capability cpu_capability() { return active().load(std::memory_order_relaxed); }
+Capability cpu_capability() { return setting().load(std::memory_order_relaxed).build; }
 
 bool use_avx2_kernels() { return cpu_capability() >= Capability::AVX2; }
 
-const KernelTable& cpu_kernels() {
-  switch (cpu_capability()) {
+Capability capability_for(int64_t values) {
+  const Setting current = setting().load(std::memory_order_relaxed);
+  if (!current.pinned && current.build == Capability::AVX512 && values < kAvx512MinValues) return Capability::AVX2;
+  return current.build;
+}
+
+const KernelTable& cpu_kernels(int64_t values) {
+  switch (capability_for(values)) {
     case Capability::AVX512: return kernels_avx512();
     case Capability::AVX2: return kernels_avx2();
     default: return kernels_default();
   }
 }
 
-const CrossEntropyKernelTable& cross_entropy_kernels() {
-  switch (cpu_capability()) {
+const CrossEntropyKernelTable& cross_entropy_kernels(int64_t values) {
+  switch (capability_for(values)) {
     case Capability::AVX512: return cross_entropy_kernels_avx512();
     case Capability::AVX2: return cross_entropy_kernels_avx2();
     default: return cross_entropy_kernels_default();

@@ -1,6 +1,6 @@
 // The CPU kernels' entry points, independent of the SIMD capability they were compiled for.
 // kernels_impl.h is compiled once per capability (kernels_default.cpp, kernels_avx2.cpp, kernels_avx512.cpp);
-// cpu_kernels() runs the active one (csrc/cpu/kernel_selection.cpp).
+// cpu_kernels(n) picks the one a call over n values runs (csrc/cpu/kernel_selection.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -73,15 +73,28 @@ struct KernelTable {
 // The SIMD builds, in order: a processor that runs one runs the ones before it.
 enum class Capability : int { Default = 0, AVX2 = 1, AVX512 = 2 };
 
-// The build that runs: the widest the processor has (AVX2 with FMA and F16C; AVX-512 F/BW/VL/DQ), capped by
-// ATEN_CPU_CAPABILITY (default, avx2) as ATen's own kernels are, unless a test switched it.
+// The widest build allowed: the widest the processor has (AVX2 with FMA and F16C; AVX-512 F/BW/VL/DQ), capped by
+// ATEN_CPU_CAPABILITY (default, avx2) as ATen's own kernels are, unless a test pinned a build.
 Capability cpu_capability();
 bool use_avx2_kernels();  // cpu_capability() >= AVX2
+
+// Below this many values a call runs the AVX2 build where AVX-512 is allowed (unless a test pinned a build). On Intel
+// server cores 512-bit floating-point instructions lower the core's clock for a while after they run, and the
+// framework code around a small call pays for it: on a 2-vCPU Intel Xeon (Sapphire Rapids class) a pure-Python loop
+// between AVX-512 calls ran 10% slower than between AVX2 calls, and the loss's forward + backward at N = 128 took
+// 27.6 us against 25.0. From 4096 values on, the wider vectors save about as much or more (the loss's forward alone
+// took 0.92x to 1.01x of the AVX2 build's time at 4096, 0.56x to 0.77x at 2^16). AMD's Zen 4 cores run AVX-512 at
+// their usual clock; below 4096 values the kernels are a small share of a call on either build.
+constexpr int64_t kAvx512MinValues = 4096;
+
+// The build a call over `values` values runs: cpu_capability(), or AVX2 below kAvx512MinValues. An op picks it once
+// from its input's size, so one input runs one build whatever the order of its passes.
+Capability capability_for(int64_t values);
 
 const KernelTable& kernels_default();
 const KernelTable& kernels_avx2();    // falls back to kernels_default() where AVX2 is not compiled in
 const KernelTable& kernels_avx512();  // likewise
-const KernelTable& cpu_kernels();
+const KernelTable& cpu_kernels(int64_t values);  // the table of capability_for(values)
 
 // Whether float32 kernels can form t = (x - shift) / lam as (x - shift) * inv_lam: 1/lam a normal float32. Else t is
 // +-inf or 0 for every loss (NaN where x == shift); the callers then run the float64 kernels on a copy of x.
@@ -107,14 +120,14 @@ inline PenalizedMean penalized_mean(const at::Tensor& x, const DivergenceSpec& s
     return penalized_mean(x.to(at::kDouble), spec, shift, lam);
   }
   const Affine affine{shift, 1.0 / lam};
-  const auto sums = cpu_kernels().reduce(x, spec, affine, Sums::Loss);
+  const auto sums = cpu_kernels(x.numel()).reduce(x, spec, affine, Sums::Loss);
   const double n = static_cast<double>(x.numel());
   double value = shift + (sums[0] / n + lam * (sums[1] / n));
   const double mean_weight = 1.0 + sums[2] / n;
   if (!(std::isfinite(value) && std::isfinite(mean_weight)) && x.scalar_type() != at::kDouble) {
     return penalized_mean(x.to(at::kDouble), spec, shift, lam);
   }
-  if (std::isnan(value)) value = shift + lam * (cpu_kernels().reduce(x, spec, affine, Sums::Value)[0] / n);
+  if (std::isnan(value)) value = shift + lam * (cpu_kernels(x.numel()).reduce(x, spec, affine, Sums::Value)[0] / n);
   return {value, mean_weight};
 }
 
@@ -125,11 +138,11 @@ inline void map_derivative(const at::Tensor& x, at::Tensor& out, const Divergenc
   if (x.scalar_type() != at::kDouble && !float32_forms_t(lam)) {
     at::Tensor wide = x.to(at::kDouble);
     at::Tensor wide_out = at::empty_like(wide);
-    cpu_kernels().map_derivative(wide, wide_out, spec, Affine{shift, 1.0 / lam}, multiplier, order);
+    cpu_kernels(wide.numel()).map_derivative(wide, wide_out, spec, Affine{shift, 1.0 / lam}, multiplier, order);
     out.copy_(wide_out);
     return;
   }
-  cpu_kernels().map_derivative(x, out, spec, Affine{shift, 1.0 / lam}, multiplier, order);
+  cpu_kernels(x.numel()).map_derivative(x, out, spec, Affine{shift, 1.0 / lam}, multiplier, order);
 }
 
 }  // namespace dro_ext::cpu
