@@ -26,7 +26,7 @@ std::tuple<at::Tensor, at::Tensor> dro_loss_cpu(
   const DivergenceSpec spec = check_dro_loss_args(losses, eta, lam, divergence, alpha, k, scale);
   const at::Tensor x = losses.contiguous();
   const double g_eta = scale * cpu::read_scalar(eta);
-  const cpu::PenalizedMean mean = cpu::penalized_mean(x, spec, g_eta, lam);
+  const cpu::PenalizedMean mean = cpu::penalized_mean(x, spec, g_eta, lam, cpu::kAvx512MinValuesOnePass);
   auto options = losses.options();
   return {cpu::make_scalar(mean.value, options),
           cpu::make_scalar(mean.mean_weight, options.dtype(accumulate_type(losses.scalar_type())))};
@@ -39,7 +39,7 @@ at::Tensor map_terms(const at::Tensor& x, const at::Tensor& eta, double multipli
   if (x.numel() > 0) {
     const double g_eta = scale * cpu::read_scalar(eta);
     at::Tensor flat = out.view(-1);
-    cpu::map_derivative(x.view(-1), flat, spec, g_eta, lam, multiplier, order);
+    cpu::map_derivative(x.view(-1), flat, spec, g_eta, lam, multiplier, order, cpu::kAvx512MinValuesOnePass);
   }
   return out;
 }

@@ -89,8 +89,13 @@ std::array<double, 2> sum_pairs(const at::Tensor& x, F f) {
   return total;
 }
 
+// The CPU kernels' build for the solvers' passes over x (several a call: cpu::kAvx512MinValuesSolver).
+const cpu::KernelTable& solver_kernels(const at::Tensor& x) {
+  return cpu::cpu_kernels(x.numel(), cpu::kAvx512MinValuesSolver);
+}
+
 // {min, max} of x in float64; NaN if x holds a NaN. (at::aminmax takes milliseconds even for small inputs.)
-std::array<double, 2> min_max(const at::Tensor& x) { return cpu::cpu_kernels(x.numel()).min_max(x); }
+std::array<double, 2> min_max(const at::Tensor& x) { return solver_kernels(x).min_max(x); }
 
 double machine_epsilon(const at::Tensor& x) {
   return x.scalar_type() == at::kDouble ? DBL_EPSILON : static_cast<double>(FLT_EPSILON);
@@ -107,11 +112,11 @@ Solution solve_kl(const at::Tensor& x, const DivergenceSpec& spec, double lam, d
   const double n = static_cast<double>(x.numel());
   const cpu::Affine affine{hi, 1.0 / lam};
   // mean exp((l_i - max l)/lam): every exponent is <= 0, and the sum is relatively accurate however small.
-  const double mean_exp = cpu::cpu_kernels(x.numel()).reduce(x, spec, affine, cpu::Sums::Weight)[0] / n;
+  const double mean_exp = solver_kernels(x).reduce(x, spec, affine, cpu::Sums::Weight)[0] / n;
   double log_mean = std::log(mean_exp);
   if (mean_exp > 0.5) {
     // Near 1, log loses the digits of mean_exp - 1 that lam multiplies; the sum of expm1 keeps them.
-    log_mean = std::log1p(cpu::cpu_kernels(x.numel()).reduce(x, spec, affine, cpu::Sums::Newton)[0] / n);
+    log_mean = std::log1p(solver_kernels(x).reduce(x, spec, affine, cpu::Sums::Newton)[0] / n);
   }
   const double eta = hi + lam * log_mean;
   return {eta, eta, 1};
@@ -157,7 +162,7 @@ TailSplit select_tail_by_partition(const at::Tensor& x, int64_t j) {
 
 // Sample select (Floyd and Rivest): the order statistics of an evenly strided sample bracket the j-th largest loss
 // with a margin of kMarginDeviations standard deviations of the sample's rank; one vectorized pass
-// (cpu_kernels(n).bracket_counts) sums and counts the losses above the bracket and counts those inside it, a second
+// (solver_kernels(x).bracket_counts) sums and counts the losses above the bracket and counts those inside it, a second
 // (gather_bracket) gathers the ones inside (a few percent of N), and std::nth_element finds the answer among them.
 // A bracket that misses (the sample was unrepresentative; the margin makes that rare, not impossible) falls back
 // to the exact partition of all losses, so the answer never depends on the sample.
@@ -204,7 +209,7 @@ TailSplit select_tail(const at::Tensor& x, int64_t j) {
   const int64_t above_lower = has_lower ? static_cast<int64_t>(lower_rank) - 1 : num_samples;
   const double upper = rank - margin >= 1.0 ? sample_rank(std::floor(rank - margin), above_lower) : kInf;
 
-  const std::vector<cpu::BracketCounts> counts = cpu::cpu_kernels(x.numel()).bracket_counts(x, lower, upper);
+  const std::vector<cpu::BracketCounts> counts = solver_kernels(x).bracket_counts(x, lower, upper);
   TailSplit split{0.0, 0.0, 0};
   std::vector<int64_t> offsets(counts.size() + 1, 0);
   for (size_t c = 0; c < counts.size(); ++c) {
@@ -216,7 +221,7 @@ TailSplit select_tail(const at::Tensor& x, int64_t j) {
   if (!(split.count_above < j && j <= split.count_above + inside)) return select_tail_by_partition(x, j);
 
   std::vector<double> candidates(inside);
-  cpu::cpu_kernels(x.numel()).gather_bracket(x, lower, upper, offsets.data(), candidates.data());
+  solver_kernels(x).gather_bracket(x, lower, upper, offsets.data(), candidates.data());
   const int64_t i = j - split.count_above - 1;
   std::nth_element(candidates.begin(), candidates.begin() + i, candidates.end(), std::greater<double>());
   split.eta = candidates[i];
@@ -234,7 +239,7 @@ Solution solve_cvar(const at::Tensor& x, double alpha) {
 
 // L(eta) = lam mean psi*((l - eta)/lam) + eta: one pass of the loss kernel.
 double objective_at(const at::Tensor& x, const DivergenceSpec& spec, double lam, double eta) {
-  return cpu::penalized_mean(x, spec, eta, lam).value;
+  return cpu::penalized_mean(x, spec, eta, lam, cpu::kAvx512MinValuesSolver).value;
 }
 
 // psi*' = (1 + t/c)_+ for some c > 0 (chi2: c = 2; cressie_read at k = 2: c = 1), or 0 when it is not
@@ -261,7 +266,7 @@ struct Root {
 
 Root newton_root(const at::Tensor& x, const DivergenceSpec& spec, double lam, double lo, double hi, double start,
                  double stop_g) {
-  const auto& kernels = cpu::cpu_kernels(x.numel());
+  const auto& kernels = solver_kernels(x);
   const double n = static_cast<double>(x.numel());
   const double width = linear_weight_width(spec);
   const bool linear = width > 0.0;
@@ -377,7 +382,7 @@ Solution solve_newton(const at::Tensor& x, const DivergenceSpec& spec, double la
     if (x.scalar_type() == at::kDouble && std::isfinite(root.segment_step)) {
       exact = eta + root.segment_step;
     } else {
-      const auto s = cpu::cpu_kernels(x.numel()).sum_above(x, eta - width * lam);
+      const auto s = solver_kernels(x).sum_above(x, eta - width * lam);
       if (s[1] > 0.0) exact = (s[0] + width * lam * (s[1] - n)) / s[1];
     }
     // It lies on the same segment as eta once the iteration has converged (at worst a loss within the rounding of
@@ -508,8 +513,8 @@ at::Tensor robust_weights_cpu(
   // even when eta* was rounded to float32.
   const at::Tensor xs = x.scalar_type() != at::kDouble && !cpu::float32_forms_t(lam) ? x.to(at::kDouble) : x;
   const double total =
-      cpu::cpu_kernels(xs.numel()).reduce(xs, spec, cpu::Affine{eta, 1.0 / lam}, cpu::Sums::Weight)[0];
-  cpu::map_derivative(x, out, spec, eta, lam, 1.0 / total, 1);
+      solver_kernels(xs).reduce(xs, spec, cpu::Affine{eta, 1.0 / lam}, cpu::Sums::Weight)[0];
+  cpu::map_derivative(x, out, spec, eta, lam, 1.0 / total, 1, cpu::kAvx512MinValuesSolver);
   return out;
 }
 

@@ -1,30 +1,37 @@
-"""Which SIMD build of the CPU kernels a call runs when no test pins one: the widest the processor has, except AVX2
-below AVX512_MIN_VALUES values where that widest is AVX-512 (csrc/cpu/kernels.h: 512-bit instructions cost Intel
-cores clock speed that small calls cannot win back). The builds' float32 sums run in different lane orders, so each
-call's digits say which build ran it."""
+"""Which SIMD build of the CPU kernels a call runs when no test pins one: the widest the processor has, except, on
+Intel processors whose widest is AVX-512, AVX2 below a size (csrc/cpu/kernels.h: Intel's cores lower their clock
+after 512-bit arithmetic, which small calls cannot win back; AMD's do not). The builds' float32 sums run in different
+lane orders, so each call's digits say which build ran it."""
 import pytest
 import torch
 
 import dro_ext
 from dro_ext import _backend
 
-AVX512_MIN_VALUES = 4096  # kAvx512MinValues in csrc/cpu/kernels.h
+# csrc/cpu/kernels.h: kAvx512MinValuesOnePass (the loss forward and backward, the cross-entropy) and
+# kAvx512MinValuesSolver (the robust objective and its weights).
+ONE_PASS_MIN_VALUES = 16384
+SOLVER_MIN_VALUES = 1024
 
 pytestmark = pytest.mark.skipif(not _backend.native_available() or _backend._force_python,
                                 reason="the native extension is not loaded: no SIMD build to pick")
 
 
+def _intel() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.split(":")[-1].strip() == "GenuineIntel" for line in f if line.startswith("vendor_id"))
+    except OSError:
+        return False
+
+
 @pytest.fixture
 def capability():
-    """dro_ext's _cpu_capability op, and the setting it had restored after the test."""
+    """dro_ext's _cpu_capability op in its automatic setting, the setting it had restored after the test."""
     op = torch.ops.dro_ext._cpu_capability
     previous = op("auto")
     yield op
     op(previous)
-
-
-def _widest(capability) -> str:
-    return capability()
 
 
 def _pinned(capability, build: str, fn):
@@ -35,9 +42,8 @@ def _pinned(capability, build: str, fn):
         capability(previous)
 
 
-def _calls(n: int, seed: int):
-    """Each op family's CPU kernels over n values: the loss forward and backward, the robust objective and its
-    worst-case weights, and the fused cross-entropy from the logits (n logits in 4 columns)."""
+def _one_pass_calls(n: int, seed: int):
+    """The loss forward and backward over n losses, and the fused cross-entropy over n logits (4 columns)."""
     gen = torch.Generator().manual_seed(seed)
     losses = torch.rand(n, generator=gen) * 3
     logits = torch.randn(n // 4, 4, generator=gen)
@@ -48,25 +54,34 @@ def _calls(n: int, seed: int):
         eta = torch.tensor(0.5, requires_grad=True)
         value = dro_ext.dro_loss(x, eta, 0.1, "smoothed_cvar", alpha=0.1)
         grads = torch.autograd.grad(value, (x, eta))
-        psi = dro_ext.robust_objective(losses, 0.1, "chi2")[0]
-        weights = dro_ext.worst_case_weights(losses, 0.1, "chi2")
-        ce = dro_ext.dro_cross_entropy(logits, targets, torch.tensor(0.5), 0.1, "kl")
-        return [value.detach(), *grads, psi, weights, ce]
+        return [value.detach(), *grads, dro_ext.dro_cross_entropy(logits, targets, torch.tensor(0.5), 0.1, "kl")]
     return run
+
+
+def _solver_calls(n: int, seed: int):
+    """The robust objective over n losses and its worst-case weights."""
+    losses = torch.rand(n, generator=torch.Generator().manual_seed(seed)) * 3
+    return lambda: [dro_ext.robust_objective(losses, 0.1, "chi2")[0], dro_ext.worst_case_weights(losses, 0.1, "chi2")]
 
 
 def _same(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("n", [AVX512_MIN_VALUES - 4, AVX512_MIN_VALUES])
-def test_small_calls_run_avx2_where_avx512_is_the_widest(capability, n):
-    if _widest(capability) != "avx512":
-        pytest.skip(f"this processor's widest build is {_widest(capability)}: the size rule applies to avx512 only")
-    expected = "avx2" if n < AVX512_MIN_VALUES else "avx512"
+CASES = [(_one_pass_calls, ONE_PASS_MIN_VALUES - 4), (_one_pass_calls, ONE_PASS_MIN_VALUES),
+         (_solver_calls, SOLVER_MIN_VALUES - 4), (_solver_calls, SOLVER_MIN_VALUES)]
+
+
+@pytest.mark.parametrize("calls, n", CASES, ids=[f"{calls.__name__[1:-6]}-{n}" for calls, n in CASES])
+def test_each_call_runs_the_build_its_size_and_processor_call_for(capability, calls, n):
+    widest = capability()
+    if widest != "avx512":
+        pytest.skip(f"this processor's widest build is {widest}: the size rule is about avx512")
+    bound = ONE_PASS_MIN_VALUES if calls is _one_pass_calls else SOLVER_MIN_VALUES
+    expected = "avx2" if _intel() and n < bound else "avx512"
     distinguished = 0
     for seed in range(8):
-        run = _calls(n, seed)
+        run = calls(n, seed)
         auto = run()
         by_build = {build: _pinned(capability, build, run) for build in ("avx2", "avx512")}
         assert _same(auto, by_build[expected]), f"n = {n}, seed {seed}: not the {expected} build's digits"
@@ -75,16 +90,8 @@ def test_small_calls_run_avx2_where_avx512_is_the_widest(capability, n):
     assert distinguished > 0
 
 
-def test_a_pinned_build_runs_at_every_size(capability):
-    """What the tests' backend fixture relies on: a pinned avx512 runs avx512 below the size rule's bound too."""
-    if _widest(capability) != "avx512":
-        pytest.skip(f"this processor's widest build is {_widest(capability)}: the size rule applies to avx512 only")
-    runs = [_calls(AVX512_MIN_VALUES - 4, seed) for seed in range(8)]
-    assert any(not _same(run(), _pinned(capability, "avx512", run)) for run in runs)
-
-
 def test_the_setting_returns_what_it_replaced(capability):
-    widest = _widest(capability)
+    widest = capability()
     assert capability(widest) == "auto"
     assert capability() == widest
     assert capability("auto") == widest

@@ -1,6 +1,6 @@
 // The CPU kernels of the fused DRO cross-entropy, independent of the SIMD capability they were compiled for.
 // cross_entropy_impl.h is compiled once per capability with the loss kernels (csrc/cpu/kernel_tables.h);
-// cross_entropy_kernels(n) runs the build cpu_kernels(n) runs (csrc/cpu/kernel_selection.cpp).
+// cross_entropy_kernels(n) runs the build cpu_kernels(n, kAvx512MinValuesOnePass) runs (csrc/cpu/kernel_selection.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,7 +1,7 @@
 // Which build of the CPU kernels runs: the widest SIMD capability the processor has, capped by
 // ATEN_CPU_CAPABILITY as ATen's own kernels are (default, avx2, avx512), AVX2 for calls too small for AVX-512 to pay
-// (kAvx512MinValues, csrc/cpu/kernels.h), and pinned at run time through the private op dro_ext::_cpu_capability so
-// that the tests cover every build the processor runs at every size.
+// (kAvx512MinValuesOnePass and kAvx512MinValuesSolver, csrc/cpu/kernels.h), and pinned at run time through the
+// private op dro_ext::_cpu_capability so that the tests cover every build the processor runs at every size.
 #include <torch/library.h>
 
 #include <atomic>
@@ -26,6 +26,17 @@ Capability best_supported() {
   return avx512 ? Capability::AVX512 : (avx2 ? Capability::AVX2 : Capability::Default);
 #else
   return Capability::Default;
+#endif
+}
+
+// Whether 512-bit arithmetic lowers this processor's clock, the cost the size rule of capability_for avoids: Intel's
+// cores do; AMD's (Zen 4 and 5) run AVX-512 at their usual clock, and there the wider build runs at every size.
+bool avx512_lowers_clock() {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  return __builtin_cpu_is("intel");
+#else
+  return false;
 #endif
 }
 
@@ -91,14 +102,17 @@ Capability cpu_capability() { return setting().load(std::memory_order_relaxed).b
 
 bool use_avx2_kernels() { return cpu_capability() >= Capability::AVX2; }
 
-Capability capability_for(int64_t values) {
+Capability capability_for(int64_t values, int64_t avx512_min_values) {
+  static const bool lowers_clock = avx512_lowers_clock();
   const Setting current = setting().load(std::memory_order_relaxed);
-  if (!current.pinned && current.build == Capability::AVX512 && values < kAvx512MinValues) return Capability::AVX2;
+  if (lowers_clock && !current.pinned && current.build == Capability::AVX512 && values < avx512_min_values) {
+    return Capability::AVX2;
+  }
   return current.build;
 }
 
-const KernelTable& cpu_kernels(int64_t values) {
-  switch (capability_for(values)) {
+const KernelTable& cpu_kernels(int64_t values, int64_t avx512_min_values) {
+  switch (capability_for(values, avx512_min_values)) {
     case Capability::AVX512: return kernels_avx512();
     case Capability::AVX2: return kernels_avx2();
     default: return kernels_default();
@@ -106,7 +120,7 @@ const KernelTable& cpu_kernels(int64_t values) {
 }
 
 const CrossEntropyKernelTable& cross_entropy_kernels(int64_t values) {
-  switch (capability_for(values)) {
+  switch (capability_for(values, kAvx512MinValuesOnePass)) {
     case Capability::AVX512: return cross_entropy_kernels_avx512();
     case Capability::AVX2: return cross_entropy_kernels_avx2();
     default: return cross_entropy_kernels_default();

@@ -1,6 +1,6 @@
 // The CPU kernels' entry points, independent of the SIMD capability they were compiled for.
 // kernels_impl.h is compiled once per capability (kernels_default.cpp, kernels_avx2.cpp, kernels_avx512.cpp);
-// cpu_kernels(n) picks the one a call over n values runs (csrc/cpu/kernel_selection.cpp).
+// cpu_kernels(n, ...) picks the one a call over n values runs (csrc/cpu/kernel_selection.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -78,23 +78,27 @@ enum class Capability : int { Default = 0, AVX2 = 1, AVX512 = 2 };
 Capability cpu_capability();
 bool use_avx2_kernels();  // cpu_capability() >= AVX2
 
-// Below this many values a call runs the AVX2 build where AVX-512 is allowed (unless a test pinned a build). On Intel
-// server cores 512-bit floating-point instructions lower the core's clock for a while after they run, and the
-// framework code around a small call pays for it: on a 2-vCPU Intel Xeon (Sapphire Rapids class) a pure-Python loop
-// between AVX-512 calls ran 10% slower than between AVX2 calls, and the loss's forward + backward at N = 128 took
-// 27.6 us against 25.0. From 4096 values on, the wider vectors save about as much or more (the loss's forward alone
-// took 0.92x to 1.01x of the AVX2 build's time at 4096, 0.56x to 0.77x at 2^16). AMD's Zen 4 cores run AVX-512 at
-// their usual clock; below 4096 values the kernels are a small share of a call on either build.
-constexpr int64_t kAvx512MinValues = 4096;
+// On Intel processors, below a size a call runs the AVX2 build where AVX-512 is allowed (unless a test pinned a build).
+// Intel's server cores lower their clock for a while after 512-bit floating-point instructions run, and the framework
+// code around a small call pays for it: on a 2-vCPU Intel Xeon (Sapphire Rapids class) a pure-Python loop between
+// AVX-512 calls ran 10% slower than between AVX2 calls. Where the wider vectors win that back depends on how much
+// vector work a call does per value (measured there, 2 threads, AVX-512's time over AVX2's):
+// - a pass or two (the loss forward and backward, the cross-entropy, the Group DRO step's q): the loss's forward +
+//   backward 1.02x to 1.10x at 2048 to 8192 values, 0.94x to 0.98x at 16384;
+constexpr int64_t kAvx512MinValuesOnePass = 16384;
+// - a solver's several passes (the robust objective and its weights): chi2 1.08x at 128, 0.92x at 2048 and 0.80x at
+//   8192 (cvar, which selects more than it computes, 0.99x to 1.04x at every size).
+constexpr int64_t kAvx512MinValuesSolver = 1024;
+// AMD's cores (Zen 4 and 5) run AVX-512 at their usual clock: there the widest build runs at every size.
 
-// The build a call over `values` values runs: cpu_capability(), or AVX2 below kAvx512MinValues. An op picks it once
-// from its input's size, so one input runs one build whatever the order of its passes.
-Capability capability_for(int64_t values);
+// The build a call over `values` values runs: cpu_capability(), or on Intel AVX2 below avx512_min_values (one of the
+// two above). An op picks it once from its input's size, so one input runs one build whatever the order of its passes.
+Capability capability_for(int64_t values, int64_t avx512_min_values);
 
 const KernelTable& kernels_default();
 const KernelTable& kernels_avx2();    // falls back to kernels_default() where AVX2 is not compiled in
 const KernelTable& kernels_avx512();  // likewise
-const KernelTable& cpu_kernels(int64_t values);  // the table of capability_for(values)
+const KernelTable& cpu_kernels(int64_t values, int64_t avx512_min_values);  // capability_for's table
 
 // Whether float32 kernels can form t = (x - shift) / lam as (x - shift) * inv_lam: 1/lam a normal float32. Else t is
 // +-inf or 0 for every loss (NaN where x == shift); the callers then run the float64 kernels on a copy of x.
@@ -115,34 +119,37 @@ struct PenalizedMean {
   double value;
   double mean_weight;
 };
-inline PenalizedMean penalized_mean(const at::Tensor& x, const DivergenceSpec& spec, double shift, double lam) {
+inline PenalizedMean penalized_mean(const at::Tensor& x, const DivergenceSpec& spec, double shift, double lam,
+                                    int64_t avx512_min_values) {
   if (x.scalar_type() != at::kDouble && !float32_forms_t(lam)) {
-    return penalized_mean(x.to(at::kDouble), spec, shift, lam);
+    return penalized_mean(x.to(at::kDouble), spec, shift, lam, avx512_min_values);
   }
   const Affine affine{shift, 1.0 / lam};
-  const auto sums = cpu_kernels(x.numel()).reduce(x, spec, affine, Sums::Loss);
+  const KernelTable& kernels = cpu_kernels(x.numel(), avx512_min_values);
+  const auto sums = kernels.reduce(x, spec, affine, Sums::Loss);
   const double n = static_cast<double>(x.numel());
   double value = shift + (sums[0] / n + lam * (sums[1] / n));
   const double mean_weight = 1.0 + sums[2] / n;
   if (!(std::isfinite(value) && std::isfinite(mean_weight)) && x.scalar_type() != at::kDouble) {
-    return penalized_mean(x.to(at::kDouble), spec, shift, lam);
+    return penalized_mean(x.to(at::kDouble), spec, shift, lam, avx512_min_values);
   }
-  if (std::isnan(value)) value = shift + lam * (cpu_kernels(x.numel()).reduce(x, spec, affine, Sums::Value)[0] / n);
+  if (std::isnan(value)) value = shift + lam * (kernels.reduce(x, spec, affine, Sums::Value)[0] / n);
   return {value, mean_weight};
 }
 
 // out_i = multiplier * psi*^(order)((x_i - shift) / lam) into out (x's shape and dtype, contiguous), through a
 // float64 copy of x where float32 cannot form t (float32_forms_t).
 inline void map_derivative(const at::Tensor& x, at::Tensor& out, const DivergenceSpec& spec, double shift, double lam,
-                           double multiplier, int64_t order) {
+                           double multiplier, int64_t order, int64_t avx512_min_values) {
   if (x.scalar_type() != at::kDouble && !float32_forms_t(lam)) {
     at::Tensor wide = x.to(at::kDouble);
     at::Tensor wide_out = at::empty_like(wide);
-    cpu_kernels(wide.numel()).map_derivative(wide, wide_out, spec, Affine{shift, 1.0 / lam}, multiplier, order);
+    cpu_kernels(wide.numel(), avx512_min_values)
+        .map_derivative(wide, wide_out, spec, Affine{shift, 1.0 / lam}, multiplier, order);
     out.copy_(wide_out);
     return;
   }
-  cpu_kernels(x.numel()).map_derivative(x, out, spec, Affine{shift, 1.0 / lam}, multiplier, order);
+  cpu_kernels(x.numel(), avx512_min_values).map_derivative(x, out, spec, Affine{shift, 1.0 / lam}, multiplier, order);
 }
 
 }  // namespace dro_ext::cpu

@@ -75,7 +75,7 @@ def machine_description(device: str) -> dict:
 
 def cpu_builds() -> dict:
     """The SIMD builds of the CPU kernels this process runs: ATen's and dro_ext's widest (None on the fallback;
-    where it is avx512, calls over fewer than 4096 values run avx2, csrc/cpu/kernels.h). Both follow
+    where it is avx512 on an Intel processor, small calls run avx2, csrc/cpu/kernels.h). Both follow
     ATEN_CPU_CAPABILITY; they round float32 differently, so they are part of what a run's digits depend on."""
     from dro_ext import _backend
 
