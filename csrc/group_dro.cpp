@@ -41,6 +41,7 @@ void group_dro_step_kernel(const GroupDROStepOperands<sums_t, state_t>& op, int6
                            const GroupDROStepArgs& args, at::Tensor& loss_tensor, at::Tensor& weights_tensor) {
   using out_t = step_out_t<sums_t, state_t>;
   out_t* weights = weights_tensor.mutable_data_ptr<out_t>();
+  const cpu::KernelTable& kernels = cpu::cpu_kernels(num_groups, cpu::kAvx512MinValuesOnePass);
   double loss = 0.0;
   if (args.update) {
     double score_total = 0.0;
@@ -60,8 +61,7 @@ void group_dro_step_kernel(const GroupDROStepOperands<sums_t, state_t>& op, int6
       max_x = x[g] > max_x ? x[g] : max_x;
     }
     const double shift = logsumexp_shift(max_x);
-    cpu::cpu_kernels(num_groups, cpu::kAvx512MinValuesOnePass)
-        .exp_shifted(x.data(), shift, negligible_log_q<out_t>(), e.data(), num_groups);
+    kernels.exp_shifted(x.data(), shift, negligible_log_q<out_t>(), e.data(), num_groups);
     double total = 0.0;
     for (int64_t g = 0; g < num_groups; ++g) total += e[g];  // in group order, whatever the SIMD width
     const double log_total = std::log(total) + shift;
@@ -76,8 +76,7 @@ void group_dro_step_kernel(const GroupDROStepOperands<sums_t, state_t>& op, int6
     // The loss and its gradient weights under the current q.
     std::vector<double> log_q(num_groups), q(num_groups);
     for (int64_t g = 0; g < num_groups; ++g) log_q[g] = static_cast<double>(op.log_q[g]);
-    cpu::cpu_kernels(num_groups, cpu::kAvx512MinValuesOnePass)
-        .exp_shifted(log_q.data(), 0.0, negligible_log_q<out_t>(), q.data(), num_groups);
+    kernels.exp_shifted(log_q.data(), 0.0, negligible_log_q<out_t>(), q.data(), num_groups);
     for (int64_t g = 0; g < num_groups; ++g) {
       const GroupInputs in = op.inputs(g);
       loss += q[g] * in.mean();

@@ -512,8 +512,7 @@ at::Tensor robust_weights_cpu(
   // psi*'(t_i) / sum_j psi*'(t_j): the sum is N at eta* up to rounding; dividing by it makes q sum to one
   // even when eta* was rounded to float32.
   const at::Tensor xs = x.scalar_type() != at::kDouble && !cpu::float32_forms_t(lam) ? x.to(at::kDouble) : x;
-  const double total =
-      solver_kernels(xs).reduce(xs, spec, cpu::Affine{eta, 1.0 / lam}, cpu::Sums::Weight)[0];
+  const double total = solver_kernels(xs).reduce(xs, spec, cpu::Affine{eta, 1.0 / lam}, cpu::Sums::Weight)[0];
   cpu::map_derivative(x, out, spec, eta, lam, 1.0 / total, 1, cpu::kAvx512MinValuesSolver);
   return out;
 }

@@ -11,7 +11,7 @@ from dro_ext import _backend
 def _cpu_builds():
     """The SIMD builds of the CPU kernels (default, avx2, avx512) this processor runs, the one dro_ext picked
     first: each gets its own native run of every test that takes the `backend` fixture, pinned for every call
-    whatever its size (dro_ext otherwise runs AVX2 below a few thousand values where it picked AVX-512,
+    whatever its size (on Intel processors dro_ext otherwise runs small calls on AVX2 where it picked AVX-512,
     csrc/cpu/kernels.h), so that every build (what another machine runs) is tested here at every size."""
     if not _backend.native_available():
         return [None]

@@ -43,6 +43,6 @@ struct CrossEntropyKernelTable {
 const CrossEntropyKernelTable& cross_entropy_kernels_default();
 const CrossEntropyKernelTable& cross_entropy_kernels_avx2();  // the default where AVX2 is not compiled in
 const CrossEntropyKernelTable& cross_entropy_kernels_avx512();  // likewise
-const CrossEntropyKernelTable& cross_entropy_kernels(int64_t values);  // capability_for(values)'s table
+const CrossEntropyKernelTable& cross_entropy_kernels(int64_t values);
 
 }  // namespace dro_ext::cpu

@@ -96,12 +96,7 @@ std::string cpu_capability_op(std::optional<c10::string_view> set) {
   return name_of(previous.build);
 }
 
-}  // namespace
-
-Capability cpu_capability() { return setting().load(std::memory_order_relaxed).build; }
-
-bool use_avx2_kernels() { return cpu_capability() >= Capability::AVX2; }
-
+// The build a call over `values` values runs (cpu_kernels, csrc/cpu/kernels.h).
 Capability capability_for(int64_t values, int64_t avx512_min_values) {
   static const bool lowers_clock = avx512_lowers_clock();
   const Setting current = setting().load(std::memory_order_relaxed);
@@ -110,6 +105,12 @@ Capability capability_for(int64_t values, int64_t avx512_min_values) {
   }
   return current.build;
 }
+
+}  // namespace
+
+Capability cpu_capability() { return setting().load(std::memory_order_relaxed).build; }
+
+bool use_avx2_kernels() { return cpu_capability() >= Capability::AVX2; }
 
 const KernelTable& cpu_kernels(int64_t values, int64_t avx512_min_values) {
   switch (capability_for(values, avx512_min_values)) {

@@ -91,14 +91,13 @@ constexpr int64_t kAvx512MinValuesOnePass = 16384;
 constexpr int64_t kAvx512MinValuesSolver = 1024;
 // AMD's cores (Zen 4 and 5) run AVX-512 at their usual clock: there the widest build runs at every size.
 
-// The build a call over `values` values runs: cpu_capability(), or on Intel AVX2 below avx512_min_values (one of the
-// two above). An op picks it once from its input's size, so one input runs one build whatever the order of its passes.
-Capability capability_for(int64_t values, int64_t avx512_min_values);
-
 const KernelTable& kernels_default();
 const KernelTable& kernels_avx2();    // falls back to kernels_default() where AVX2 is not compiled in
 const KernelTable& kernels_avx512();  // likewise
-const KernelTable& cpu_kernels(int64_t values, int64_t avx512_min_values);  // capability_for's table
+// The table a call over `values` values runs: cpu_capability()'s, or on Intel AVX2's below avx512_min_values (one of
+// the two above). An op picks it once from its input's size, so one input runs one build whatever the order of its
+// passes.
+const KernelTable& cpu_kernels(int64_t values, int64_t avx512_min_values);
 
 // Whether float32 kernels can form t = (x - shift) / lam as (x - shift) * inv_lam: 1/lam a normal float32. Else t is
 // +-inf or 0 for every loss (NaN where x == shift); the callers then run the float64 kernels on a copy of x.
