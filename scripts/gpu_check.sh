@@ -26,7 +26,8 @@
 # call of a lease is the first call's command again, with the time that is left.
 #
 # Step time limits (seconds) can be changed through the environment: BUILD_S, TEST_S, SUITE_S, MEMCHECK_S,
-# RACECHECK_S, BENCH_S (per benchmark), PROFILE_S, PROBE_S, TRAIN_S, DEMO_S; CUDA_TEST_WORKERS (default 8) sets the
+# RACECHECK_S, BENCH_S (per benchmark), PROFILE_S, PROBE_S, TRAIN_S, DEMO_S (DEMO_PROBES: the demo's rounding
+# probes, default 0); CUDA_TEST_WORKERS (default 8) sets the
 # test processes and CUDA_TEST_FILES (space-separated) the test files (default: every tests/test_cuda_*.py); BENCHES
 # picks the benchmarks and their order (default: loss optim robust cross_entropy groups); BENCH_ARGS adds arguments to
 # each benchmark run (e.g. --quick). TOTAL_S (seconds) caps the whole run: each step gets at most what is left, and a
@@ -290,9 +291,12 @@ phase_train_compile() {
     --cases ${TRAIN_COMPILE_CASES:-mlp-large-batch lm-head resnet18}
 }
 
-# The paper's experiments on the card, for their time and for their verdicts beside the CPU run's.
+# The paper's experiments on the card, for their time and for their verdicts beside the CPU run's. DEMO_PROBES
+# (default 0) rounding probes: each runs the whole demo again, which a lease rarely has time for; without them
+# the card's verdicts are those of its runs as trained, to be read beside the CPU run's first verdicts.
 phase_demo() {
-  step demo "$DEMO_S" env PYTHONUNBUFFERED=1 "$PYTHON" -m dro_ext.demo --device cuda --out "$OUT_DIR/demo"
+  step demo "$DEMO_S" env PYTHONUNBUFFERED=1 "$PYTHON" -m dro_ext.demo --device cuda --out "$OUT_DIR/demo" \
+    --rounding-probes "${DEMO_PROBES:-0}"
 }
 
 phase_profile() {

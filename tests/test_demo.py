@@ -110,6 +110,18 @@ def test_results_json_holds_every_curve_seed_and_version(quick_run):
                    *payload["claims"]["e"]["tasks"].values(), payload["claims"]["f"]):
         assert judged["seeds"] == [3, 4] and judged["seeds_needed"] == 2
     assert set(payload["claims"]["e"]["tasks"]) == {"group_dro", "group_chi2"}
+    # Each rounding probe ran every experiment again, searches and seeds, and judged every claim and task.
+    assert meta["settings"]["rounding_probes"] == settings.rounding_probes >= 1
+    probes = payload["rounding_probes"]
+    assert len(probes) == settings.rounding_probes and all(list(probe) == list(results) for probe in probes)
+    for probe in probes:
+        for name, result in probe.items():
+            assert {m: [r["seed"] for r in runs] for m, runs in result["seed_runs"].items()} == \
+                   {m: [r["seed"] for r in runs] for m, runs in results[name]["seed_runs"].items()}
+    for judged in (*payload["claims"].values(), *payload["claims"]["a"]["tasks"].values(),
+                   *payload["claims"]["e"]["tasks"].values()):
+        assert len(judged["verdicts"]) == 1 + settings.rounding_probes
+        assert judged["verdict"] == claims.settled_verdict(judged["verdicts"])
 
 
 def test_results_json_holds_the_spurious_digits_search_and_seeds(quick_run):
@@ -140,7 +152,7 @@ def test_results_json_holds_the_spurious_digits_search_and_seeds(quick_run):
             assert 0 <= run["extra"]["test_accuracy"] <= 100
     assert result["data"]["train"]["per_group"] == [426, 22, 22, 428]
     for key in ("e", "f"):
-        assert payload["claims"][key]["verdict"] in ("yes", "partly", "no")
+        assert payload["claims"][key]["verdict"] in ("yes", "partly", "no", claims.NOT_SETTLED)
 
 
 def test_experiments_option_runs_only_those_and_their_claims(tmp_path):
@@ -159,6 +171,23 @@ def test_experiments_option_runs_only_those_and_their_claims(tmp_path):
 
     height, width = matplotlib.image.imread(out / "figure.png").shape[:2]
     assert (width, height) == tuple(int(s * report.FIGURE_DPI) for s in report.FIGURE_SIZE_INCHES)
+
+
+def test_rounding_probes_option(tmp_path):
+    """--rounding-probes 0 runs each experiment once and says its verdicts are unchecked; a negative count is
+    refused."""
+    from dro_ext.demo.__main__ import parse_args
+
+    out, proc = _quick_demo(tmp_path, extra_args=("--experiments", "example_3_1", "--rounding-probes", "0"))
+    payload = _strict_json((out / "results.json").read_text())
+    assert payload["meta"]["settings"]["rounding_probes"] == 0 and payload["rounding_probes"] == []
+    assert "rounding probe" not in proc.stderr
+    for task in payload["claims"]["a"]["tasks"].values():
+        assert task["verdicts"] == [task["verdict"]] and task["verdict"] != claims.NOT_SETTLED
+    assert "Rounding: not checked in this run (`--rounding-probes 0`)" in (out / "report.md").read_text()
+    assert parse_args(["--rounding-probes", "3"]).rounding_probes == 3
+    with pytest.raises(SystemExit):
+        parse_args(["--rounding-probes", "-1"])
 
 
 def test_experiments_option_rejects_what_it_cannot_do(tmp_path):
@@ -192,19 +221,82 @@ def test_report_names_every_claim_with_a_verdict(quick_run):
         keyed = [row for row in rows if row.startswith(f"| ({key})")]
         assert keyed, f"claim ({key}) missing from report.md"
         for row in keyed:
-            assert row.rstrip(" |").rsplit("| ", 1)[1] in ("yes", "partly", "no"), row
+            verdict = row.rstrip(" |").rsplit("| ", 1)[1]
+            assert verdict in ("yes", "partly", "no") or verdict.startswith(f"{claims.NOT_SETTLED} ("), row
     assert rows[0].startswith("| (a) Example 3.1") and len(rows) == 9
     assert [row.split(" |")[0] for row in rows[6:]] == ["| (e) spurious digits, GroupDROLoss",
                                                        "| (e) spurious digits, DROLoss(num_groups=4)",
                                                        "| (f) spurious digits, DROLoss over samples"]
     assert "![training curves](figure.png)" in text
     assert "on seed 3, then every seed (3, 4:" in text and "on the medians and on at least 2 of 2 seeds" in text
+    assert "Rounding: every experiment (the searches and the seeds) ran once more with each initial parameter" in text
     tables = (out / "tables.md").read_text()
     assert tables.count("| Class |") == 2 and tables.count("| Test acc (") == 4
     assert text.count("| Class |") == 2
     for markdown in (text, tables):  # the spurious digits' table: once, a row per method
         assert markdown.count("| Method | Hyperparameters | Worst-group | Average |") == 1
         assert sum(markdown.count(f"\n| {label} | lr ") for label, _ in experiments.GROUP_METHODS.values()) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rounding_nudge_moves_every_element_one_floating_point_step(dtype):
+    from dro_ext.demo.training import rounding_nudge
+
+    original = [torch.randn(7, 5, dtype=dtype), torch.tensor(10.0, dtype=dtype), torch.zeros(3, dtype=dtype)]
+
+    def nudged(seed, probe):
+        params = [p.clone() for p in original]
+        rounding_nudge(params, seed, probe)
+        return params
+
+    assert all(torch.equal(a, b) for a, b in zip(nudged(0, 0), original))  # probe 0: the run as trained
+    for new, old in zip(nudged(0, 1), original):
+        up, down = torch.nextafter(old, old.new_tensor(math.inf)), torch.nextafter(old, old.new_tensor(-math.inf))
+        assert ((new == up) | (new == down)).all() and (new != old).all()
+    moved_up = torch.cat([(new > old).flatten() for new, old in zip(nudged(0, 1), original)])
+    assert 0 < moved_up.sum() < len(moved_up)  # both directions, drawn at random
+    assert all(torch.equal(a, b) for a, b in zip(nudged(0, 1), nudged(0, 1)))
+    for other in (nudged(0, 2), nudged(1, 1)):  # another probe, another seed: other directions
+        assert not all(torch.equal(a, b) for a, b in zip(other, nudged(0, 1)))
+    with pytest.raises(ValueError, match="probe must be in"):
+        rounding_nudge([torch.zeros(2)], 0, -1)
+
+
+def test_a_rounding_probe_moves_the_start_by_rounding_and_keeps_the_data():
+    """Probe 1 of an experiment starts one rounding step from the run as trained, and ends elsewhere; probe 0
+    is the run as trained. Example 3.1 keeps its one parameter's end point."""
+    settings = _tiny(example_epochs=3, example_grid=(0.1,), seeds=1)
+    trained, again, probed = (experiments.example_3_1(settings, seed=0, probe=probe) for probe in (0, 0, 1))
+    x_final = [result["runs"]["nsgd"][0].extra["x_final"] for result in (trained, again, probed)]
+    assert x_final[0] == x_final[1] != x_final[2]
+    assert x_final[2] == pytest.approx(x_final[0], rel=1e-4)  # the same noise draws: nearly the same path
+    start = [result["runs"]["sgd"][0].curve[0] for result in (trained, probed)]
+    assert start[1] == pytest.approx(start[0], rel=1e-6)
+
+
+def test_a_verdict_that_a_rounding_probe_changes_is_not_settled():
+    def assessed(verdict, task_verdicts):
+        return {"a": {"claim": "x", "verdict": verdict, "level_ratio": 2.0,
+                      "tasks": {task: {"verdict": v, "seeds": [0]} for task, v in task_verdicts.items()}},
+                "c": {"claim": "y", "verdict": verdict, "mean_gain": 1.5}}
+
+    trained = assessed("partly", {"regression": "yes", "digits": "no"})
+    agreeing, disagreeing = assessed("partly", {"regression": "yes", "digits": "no"}), \
+        assessed("partly", {"regression": "partly", "digits": "no"})
+    settled = claims.settle(trained, [agreeing, disagreeing])
+    assert settled["a"]["verdict"] == "partly" and settled["a"]["verdicts"] == ["partly"] * 3
+    assert settled["a"]["tasks"]["regression"]["verdict"] == claims.NOT_SETTLED
+    assert settled["a"]["tasks"]["regression"]["verdicts"] == ["yes", "yes", "partly"]
+    assert settled["a"]["tasks"]["digits"]["verdict"] == "no"
+    assert settled["a"]["level_ratio"] == 2.0 and settled["c"]["mean_gain"] == 1.5  # the numbers as trained
+    assert trained["a"]["tasks"]["regression"]["verdict"] == "yes"  # the input is left as it was
+    assert claims.settle(trained, [])["a"]["tasks"]["regression"]["verdict"] == "yes"  # nothing to check against
+    assert claims.settle(trained, [assessed("no", {"regression": "yes", "digits": "no"})])["c"]["verdict"] == \
+        claims.NOT_SETTLED
+    assert report.verdict_cell(settled["a"]["tasks"]["regression"]) == "not settled (yes / yes / partly)"
+    assert report.verdict_cell(settled["a"]["tasks"]["digits"]) == "no"
+    with pytest.raises(ValueError, match="verdicts must hold"):
+        claims.settled_verdict([])
 
 
 def _tiny(**changes):
@@ -541,7 +633,8 @@ def test_update_readme_replaces_only_the_marked_block(tmp_path):
     meta = {"date_utc": "2026-01-02 03:04", "machine": {"description": "test box", "logical_cpus": 2}, "device": "cpu",
             "seconds_total": 12.0, "cpu_seconds_total": 9.0, "command": "python -m dro_ext.demo",
             "load_average": {"start": 2.5, "end": 3.5},
-            "seeds": [0, 1, 2, 3, 4], "cpu_builds": {"aten": "avx2", "dro_ext": "avx2"}}
+            "seeds": [0, 1, 2, 3, 4], "cpu_builds": {"aten": "avx2", "dro_ext": "avx2"},
+            "settings": {"rounding_probes": 2}}
     original = report.claims_table
     report.claims_table = lambda c: "| claims |\n"
     try:
@@ -552,6 +645,7 @@ def test_update_readme_replaces_only_the_marked_block(tmp_path):
     assert text.startswith("intro\n") and text.endswith("outro\n") and "stale block" not in text
     assert "![training curves](docs/figure.png)" in text and "2026-01-02 on test box" in text
     assert "ATen `avx2`, dro_ext `avx2`" in text and "on the medians and on at least 4 of 5 seeds" in text
+    assert "ran 2 more times with each initial parameter moved one floating-point step" in text
     assert "12 s wall, 9 s CPU (75% of one core; load average 2.5 at the start" in text
     readme.write_text("no markers")
     with pytest.raises(ValueError, match="demo-claims"):

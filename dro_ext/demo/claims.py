@@ -13,7 +13,10 @@ Beyond the paper, on digits with a spurious feature (:func:`dro_ext.demo.experim
 (f) chi2 DRO over samples (DROLoss without group labels) raises it too.
 
 Each check returns a verdict, ``"yes"``, ``"partly"`` or ``"no"``, with the numbers behind it; nothing
-here is tuned to make a verdict come out one way.
+here is tuned to make a verdict come out one way. :func:`settle` then checks every verdict against rounding:
+the experiments run again with their initial parameters nudged by one rounding step
+(:func:`dro_ext.demo.training.rounding_nudge`), and a verdict that any of these probes changes is reported as
+``"not settled"`` (:data:`NOT_SETTLED`), with what each gave.
 
 (a) and (b) are judged over seeds, as one seed's training is chaotic: another processor's float32 rounding
 (another SIMD build of the same kernels) changes its last epochs. Per seed, a run's level is the mean of its
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from dro_ext.demo.training import Run
@@ -37,6 +40,8 @@ from dro_ext.demo.training import Run
 TAIL_EPOCHS = 10
 # "yes" needs the claim on at least this fraction of the seeds besides the medians: 4 of 5.
 SEED_FRACTION_FOR_YES = 0.8
+# The verdict of a claim on which the runs as trained and their rounding probes disagree.
+NOT_SETTLED = "not settled"
 
 CLAIMS = {
     "a": "chi2 DRO: SGD+momentum converges slowly or not at all, normalized SGD+momentum converges fast",
@@ -201,6 +206,33 @@ def compare_worst_group(baseline_runs: list, method_runs: list) -> dict:
         "seeds_higher": seeds_higher, "seeds_needed": seeds_needed(len(seeds)), "holds_on_medians": holds_on_medians,
         "verdict": optimization_verdict(holds_on_medians, seeds_higher, len(seeds)),
     }
+
+
+def settled_verdict(verdicts: Sequence[str]) -> str:
+    """The verdict of the runs as trained (``verdicts[0]``) where every rounding probe gave the same,
+    :data:`NOT_SETTLED` where one differs: a verdict that one rounding step can change is no finding."""
+    if not verdicts:
+        raise ValueError("verdicts must hold at least the verdict of the runs as trained")
+    return verdicts[0] if all(v == verdicts[0] for v in verdicts) else NOT_SETTLED
+
+
+def settle(claims: dict, probe_claims: Sequence[dict]) -> dict:
+    """``claims`` (:func:`assess` of the runs as trained) with every verdict, and every task's of (a) and (e),
+    checked against ``probe_claims`` (:func:`assess` of each rounding probe): ``verdicts`` lists the runs as
+    trained first, then each probe's, and ``verdict`` becomes :func:`settled_verdict` of them. The numbers stay
+    those of the runs as trained."""
+    settled = {}
+    for key, claim in claims.items():
+        probes = [probe[key] for probe in probe_claims]
+        claim = {**claim, "verdicts": [claim["verdict"]] + [p["verdict"] for p in probes]}
+        claim["verdict"] = settled_verdict(claim["verdicts"])
+        if "tasks" in claim:
+            claim["tasks"] = {task: {**c, "verdicts": [c["verdict"]] + [p["tasks"][task]["verdict"] for p in probes]}
+                              for task, c in claim["tasks"].items()}
+            for c in claim["tasks"].values():
+                c["verdict"] = settled_verdict(c["verdicts"])
+        settled[key] = claim
+    return settled
 
 
 # The experiments each claim reads (dro_ext.demo.__main__.EXPERIMENTS' names); (a) is judged on those of its

@@ -4,7 +4,8 @@ Each function trains with :class:`dro_ext.DROLoss` and either ``torch.optim.SGD`
 baseline) or :class:`dro_ext.NormalizedSGD` (Algorithm 1), picks each optimizer's learning rate from a
 grid by the speed of optimization on the first seed, trains that learning rate again on the further seeds
 (model initialization and batch order; the data stay those of the first seed), and returns every run's
-curve of the exact objective per epoch.
+curve of the exact objective per epoch. ``probe`` > 0 runs the same experiment with every initial parameter
+nudged by one rounding step (:func:`dro_ext.demo.training.rounding_nudge`): what the verdicts are checked against.
 
 - :func:`example_3_1`: the paper's Example 3.1, a scalar non-convex loss whose chi2-DRO objective is
   quartic, so that its smoothness and gradient noise grow with ``x``.
@@ -30,8 +31,8 @@ from torch import nn
 import dro_ext
 from dro_ext.demo.data import (PAPER_RHO, SPURIOUS_GROUPS, GroupSplit, Split, load_imbalanced_digits,
                                load_spurious_digits, make_age_regression)
-from dro_ext.demo.training import (BATCH_SIZE, Run, RunOne, fixed_batches, lr_search, make_optimizer, shuffled_batches,
-                                   train)
+from dro_ext.demo.training import (BATCH_SIZE, Run, RunOne, fixed_batches, lr_search, make_optimizer, seeded_model,
+                                   shuffled_batches, train)
 
 # The paper's DRO settings (Section 5.1): lam = 0.1 and the CVaR level alpha = 0.02 in every experiment.
 LAM = 0.1
@@ -40,8 +41,9 @@ ALPHA = 0.02
 
 @dataclass
 class Settings:
-    """Sizes of the runs. :meth:`full` is the default demo (about 100 s of CPU time on one thread, within
-    ten minutes on 2 CPU cores), :meth:`quick` a smoke run of a few seconds that exercises every code path."""
+    """Sizes of the runs. :meth:`full` is the default demo (about 100 s of CPU time per pass on one thread, three
+    passes with its rounding probes: within ten minutes on 2 CPU cores), :meth:`quick` a smoke run of a few seconds
+    that exercises every code path."""
 
     example_epochs: int
     example_steps_per_epoch: int
@@ -59,6 +61,10 @@ class Settings:
     # Each method's chosen learning rate is trained on this many seeds; every claim is judged over them all,
     # as one seed's training is chaotic enough that another processor's float32 rounding can change it.
     seeds: int
+    # Every experiment (search and seeds) runs again this many times with its initial parameters nudged by
+    # one rounding step (training.rounding_nudge); a verdict is stated only where they all agree
+    # (claims.settle).
+    rounding_probes: int
 
     @classmethod
     def full(cls) -> "Settings":
@@ -68,7 +74,7 @@ class Settings:
             digits_epochs=100, digits_grid=lr_grid(1e-4, 1.0),
             groups_epochs=40, groups_lrs=(0.01, 0.03, 0.1), groups_step_sizes=(0.001, 0.01, 0.1, 1.0),
             groups_lams=(0.01, 0.1, 1.0, 10.0),
-            seeds=5,
+            seeds=5, rounding_probes=2,
         )
 
     @classmethod
@@ -78,7 +84,7 @@ class Settings:
             regression_samples=600, regression_epochs=3, regression_grid=(1e-7, 1e-2),
             digits_epochs=3, digits_grid=(1e-2, 1e-1),
             groups_epochs=3, groups_lrs=(0.03,), groups_step_sizes=(0.01, 0.1), groups_lams=(0.1, 1.0),
-            seeds=2,
+            seeds=2, rounding_probes=1,
         )
 
 
@@ -117,7 +123,7 @@ class Example31(nn.Module):
         return x2 * (1 + xi / (x2 + 1)) ** 2
 
 
-def example_3_1(settings: Settings, seed: int, device: str = "cpu") -> dict:
+def example_3_1(settings: Settings, seed: int, device: str = "cpu", probe: int = 0) -> dict:
     """SGD with momentum against normalized momentum on Example 3.1, chi2 DRO, from ``x = 10``.
 
     xi is Rademacher, so the population is two equally likely points and the exact
@@ -127,8 +133,7 @@ def example_3_1(settings: Settings, seed: int, device: str = "cpu") -> dict:
     both_signs = torch.tensor([-1.0, 1.0], device=device)
 
     def run_one(optimizer_name: str, lr: float, run_seed: int = seed) -> Run:
-        torch.manual_seed(run_seed)
-        model = Example31().to(device)
+        model = seeded_model(Example31, run_seed, probe, device)
         criterion = dro_ext.DROLoss("chi2", lam=EXAMPLE_LAM).to(device)
         optimizer = make_optimizer(optimizer_name, [*model.parameters(), *criterion.parameters()], lr)
         noise = _generator(run_seed)  # x starts at 10 on every seed: the seed draws the noise
@@ -188,7 +193,7 @@ def squared_error(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
     return (model(x).squeeze(-1) - age) ** 2
 
 
-def age_regression(settings: Settings, seed: int, device: str = "cpu") -> dict:
+def age_regression(settings: Settings, seed: int, device: str = "cpu", probe: int = 0) -> dict:
     """chi2-DRO regression (lam = 0.1) of the synthetic ages with a small MLP: SGD+momentum vs NormalizedSGD."""
     data = make_age_regression(settings.regression_samples, seed=seed)
     x, y = data.x_train.to(device), data.y_train.to(device)
@@ -196,8 +201,7 @@ def age_regression(settings: Settings, seed: int, device: str = "cpu") -> dict:
     x_test, y_test = data.x_test.to(device), data.y_test.to(device)
 
     def run_one(optimizer_name: str, lr: float, run_seed: int = seed) -> Run:
-        torch.manual_seed(run_seed)
-        model = small_mlp(x.shape[1], 1).to(device)
+        model = seeded_model(lambda: small_mlp(x.shape[1], 1), run_seed, probe, device)
         criterion = dro_ext.DROLoss("chi2", lam=LAM).to(device)
         optimizer = make_optimizer(optimizer_name, [*model.parameters(), *criterion.parameters()], lr)
         order = _generator(run_seed)
@@ -239,7 +243,7 @@ def per_class_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_c
 
 
 def _digits_runner(data: Split, seed: int, device: str, divergence: dro_ext.Divergence,
-                   judge_by: tuple[dro_ext.Divergence, float | None], epochs: int) -> RunOne:
+                   judge_by: tuple[dro_ext.Divergence, float | None], epochs: int, probe: int = 0) -> RunOne:
     """A ``run_one(optimizer, lr, seed)`` for the digits: trains with ``DROLoss(divergence)``, judges the
     training set by ``judge_by = (divergence, alpha)`` each epoch and records the per-class test accuracy."""
     x, y = data.x_train.to(device), data.y_train.to(device)
@@ -248,8 +252,7 @@ def _digits_runner(data: Split, seed: int, device: str, divergence: dro_ext.Dive
     alpha = ALPHA if divergence in ("cvar", "smoothed_cvar") else None
 
     def run_one(optimizer_name: str, lr: float, run_seed: int = seed) -> Run:
-        torch.manual_seed(run_seed)
-        model = small_mlp(x.shape[1], 10, hidden=128).to(device)
+        model = seeded_model(lambda: small_mlp(x.shape[1], 10, hidden=128), run_seed, probe, device)
         criterion = dro_ext.DROLoss(divergence, lam=LAM, alpha=alpha).to(device)
         optimizer = make_optimizer(optimizer_name, [*model.parameters(), *criterion.parameters()], lr)
         order = _generator(run_seed)
@@ -277,21 +280,22 @@ def _digits_data_summary(data: Split) -> dict:
     }
 
 
-def digits_chi2(settings: Settings, seed: int, device: str = "cpu") -> dict:
+def digits_chi2(settings: Settings, seed: int, device: str = "cpu", probe: int = 0) -> dict:
     """chi2-DRO classification of the imbalanced digits: SGD+momentum vs NormalizedSGD, Psi each epoch."""
     data = load_imbalanced_digits(seed=seed)
-    run_one = _digits_runner(data, seed, device, "chi2", judge_by=("chi2", None), epochs=settings.digits_epochs)
+    run_one = _digits_runner(data, seed, device, "chi2", judge_by=("chi2", None), epochs=settings.digits_epochs,
+                             probe=probe)
     result = _compare_optimizers(run_one, settings.digits_grid, _seeds(settings, seed))
     result["data"] = _digits_data_summary(data)
     return result
 
 
-def digits_cvar(settings: Settings, seed: int, device: str = "cpu") -> dict:
+def digits_cvar(settings: Settings, seed: int, device: str = "cpu", probe: int = 0) -> dict:
     """CVaR against smoothed CVaR (alpha = 0.02) on the imbalanced digits, both trained with SGD+momentum
     (Section 3.3: SGD suffices for smoothed CVaR) and both judged by the CVaR objective each epoch."""
     data = load_imbalanced_digits(seed=seed)
     runners = {divergence: ("sgd", _digits_runner(data, seed, device, divergence, judge_by=("cvar", ALPHA),
-                                                  epochs=settings.digits_epochs))
+                                                  epochs=settings.digits_epochs, probe=probe))
                for divergence in ("cvar", "smoothed_cvar")}
     result = _compare(runners, settings.digits_grid, _seeds(settings, seed))
     result["data"] = _digits_data_summary(data)
@@ -342,14 +346,13 @@ def group_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, groups: t
 
 
 def train_with_groups(data: GroupSplit, method: str, lr: float, strength: float | None, seed: int, epochs: int,
-                      device: str = "cpu") -> Run:
+                      device: str = "cpu", probe: int = 0) -> Run:
     """Train the small MLP on ``data``'s training split with ``method``'s objective (NormalizedSGD at ``lr``);
     ``run.curve`` is the worst-group test accuracy after every epoch, ``run.extra`` the per-group accuracies
     at the end (validation and test) and the overall test accuracy."""
     x, y, groups = data.x_train.to(device), data.y_train.to(device), data.g_train.to(device)
     x_test, y_test, g_test = data.x_test.to(device), data.y_test.to(device), data.g_test.to(device)
-    torch.manual_seed(seed)
-    model = small_mlp(x.shape[1], 2).to(device)
+    model = seeded_model(lambda: small_mlp(x.shape[1], 2), seed, probe, device)
     objective, module = group_objective(method, strength)
     robust_parameters = [] if module is None else list(module.to(device).parameters())  # DROLoss's eta
     optimizer = make_optimizer("nsgd", [*model.parameters(), *robust_parameters], lr)
@@ -381,7 +384,7 @@ def validation_score(run: Run) -> tuple:
     return min(accuracy), sum(accuracy) / len(accuracy)
 
 
-def spurious_digits(settings: Settings, seed: int, device: str = "cpu") -> dict:
+def spurious_digits(settings: Settings, seed: int, device: str = "cpu", probe: int = 0) -> dict:
     """ERM against GroupDROLoss, DROLoss(num_groups=4) and sample-level chi2 DROLoss on the spurious digits.
 
     Each method's learning rate and strength (GroupDROLoss's step_size, chi2's lam) are the grid pair with the
@@ -397,12 +400,13 @@ def spurious_digits(settings: Settings, seed: int, device: str = "cpu") -> dict:
     for method, (_, knob) in GROUP_METHODS.items():
         if knob is not None:
             result["grid"][knob] = list(grids[method])
-        runs = [train_with_groups(data, method, lr, strength, seed, settings.groups_epochs, device)
+        runs = [train_with_groups(data, method, lr, strength, seed, settings.groups_epochs, device, probe)
                 for lr in settings.groups_lrs for strength in grids[method]]
         best = max(runs, key=validation_score)  # the first of the grid among equals
         result["runs"][method], result["best"][method] = runs, best
         result["seed_runs"][method] = [best] + [
-            train_with_groups(data, method, best.lr, best.extra["strength"], s, settings.groups_epochs, device)
+            train_with_groups(data, method, best.lr, best.extra["strength"], s, settings.groups_epochs, device,
+                              probe)
             for s in _seeds(settings, seed) if s != seed]
     result["data"] = spurious_data_summary(data)
     return result

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from dro_ext.demo.claims import CLAIMS, TAIL_EPOCHS, mean_accuracy, seeds_needed, worst_group_accuracy
+from dro_ext.demo.claims import (CLAIMS, NOT_SETTLED, TAIL_EPOCHS, mean_accuracy, seeds_needed,
+                                 worst_group_accuracy)
 from dro_ext.demo.experiments import GROUP_METHODS
 from dro_ext.demo.training import OPTIMIZERS, Run
 
@@ -321,25 +322,32 @@ TASK_NAMES = {"example_3_1": "Example 3.1", "regression": "regression", "digits_
               "chi2": "spurious digits, DROLoss over samples"}
 
 
+def verdict_cell(c: dict) -> str:
+    """A claim's verdict; where the rounding probes disagreed, what the runs as trained and each probe gave."""
+    if c["verdict"] == NOT_SETTLED:
+        return f"{NOT_SETTLED} ({' / '.join(c['verdicts'])})"
+    return c["verdict"]
+
+
 def claims_table(claims: dict) -> str:
     """The claims as a markdown table: what the paper says, what happened here, whether it reproduced."""
     rows = ["| Claim | Paper | Here | Reproduced |", "|---|---|---|---|"]
 
-    def row(key: str, task: str, here: str, verdict: str) -> None:
-        rows.append(f"| ({key}) {task} | {CLAIMS[key]} | {here} | {verdict} |")
+    def row(key: str, task: str, here: str, c: dict) -> None:
+        rows.append(f"| ({key}) {task} | {CLAIMS[key]} | {here} | {verdict_cell(c)} |")
 
     for task, c in claims.get("a", {}).get("tasks", {}).items():
-        row("a", TASK_NAMES[task], _optimization_cell(c, "SGD+mom", "NSGD+mom"), c["verdict"])
+        row("a", TASK_NAMES[task], _optimization_cell(c, "SGD+mom", "NSGD+mom"), c)
     if "b" in claims:
-        row("b", "digits", _optimization_cell(claims["b"], "CVaR", "smoothed CVaR"), claims["b"]["verdict"])
+        row("b", "digits", _optimization_cell(claims["b"], "CVaR", "smoothed CVaR"), claims["b"])
     if "c" in claims:
-        row("c", "digits", _accuracy_cell(claims["c"], "NSGD+mom"), claims["c"]["verdict"])
+        row("c", "digits", _accuracy_cell(claims["c"], "NSGD+mom"), claims["c"])
     if "d" in claims:
-        row("d", "digits", _accuracy_cell(claims["d"], "smoothed CVaR"), claims["d"]["verdict"])
+        row("d", "digits", _accuracy_cell(claims["d"], "smoothed CVaR"), claims["d"])
     for task, c in claims.get("e", {}).get("tasks", {}).items():
-        row("e", TASK_NAMES[task], _worst_group_cell(c, GROUP_METHODS[task][0]), c["verdict"])
+        row("e", TASK_NAMES[task], _worst_group_cell(c, GROUP_METHODS[task][0]), c)
     if "f" in claims:
-        row("f", TASK_NAMES["chi2"], _worst_group_cell(claims["f"], GROUP_METHODS["chi2"][0]), claims["f"]["verdict"])
+        row("f", TASK_NAMES["chi2"], _worst_group_cell(claims["f"], GROUP_METHODS["chi2"][0]), claims["f"])
     return "\n".join(rows) + "\n"
 
 
@@ -371,7 +379,7 @@ def group_grid_edge_notes(result: dict) -> list:
     return notes
 
 
-def verdict_rule(seeds: list) -> str:
+def verdict_rule(seeds: list, rounding_probes: int) -> str:
     """How the verdicts are reached, in words (report.md and the README's claims block)."""
     n, needed = len(seeds), seeds_needed(len(seeds))
     return (
@@ -388,8 +396,21 @@ def verdict_rule(seeds: list) -> str:
         f"worst-group validation accuracy on seed {seeds[0]}, then every seed trains at them; the claim holds on a "
         "seed when the method's worst-group test accuracy is above ERM's on that seed, and on the medians when its "
         "median over the seeds is; **yes**/**partly**/**no** as for (a)/(b), and for (e) over its two methods as "
-        "for (a) over its tasks."
+        "for (a) over its tasks. " + probes_rule(rounding_probes)
     )
+
+
+def probes_rule(rounding_probes: int) -> str:
+    """How the verdicts are checked against rounding, in words."""
+    if rounding_probes == 0:
+        return ("Rounding: not checked in this run (`--rounding-probes 0`); another processor's rounding may "
+                "change a verdict.")
+    runs = "once more" if rounding_probes == 1 else f"{rounding_probes} more times"
+    return (f"Rounding: every experiment (the searches and the seeds) ran {runs} with each initial parameter moved "
+            "one floating-point step up or down at random, a stand-in for another processor's float32 rounding; "
+            "a verdict is stated only where the runs as trained and every such probe give the same one, else it is "
+            f"**{NOT_SETTLED}**, followed by the verdict of the runs as trained and of each probe. The figures "
+            "are those of the runs as trained.")
 
 
 def cpu_builds_phrase(meta: dict) -> str:
@@ -496,10 +517,10 @@ def report_markdown(results: dict, claims: dict, meta: dict) -> str:
         "",
         "## Claims",
         "",
-        "Verdicts: yes = reproduced here, partly = part of it reproduced, no = not reproduced; the numbers are",
-        "this run's.",
+        "Verdicts: yes = reproduced here, partly = part of it reproduced, no = not reproduced, not settled = one",
+        "rounding step changes it; the numbers are this run's.",
         "",
-        verdict_rule(meta["seeds"]),
+        verdict_rule(meta["seeds"], meta["settings"]["rounding_probes"]),
         "",
         overall_line(claims),
         "",
@@ -529,7 +550,7 @@ def report_markdown(results: dict, claims: dict, meta: dict) -> str:
         "dro_ext's CPU kernels, library versions) gives bitwise the same numbers, whatever the thread count.",
         "Another processor or SIMD build (`ATEN_CPU_CAPABILITY`) rounds float32 differently and the training",
         "is chaotic, so the digits differ; the verdicts are what carries over, which is why (a)/(b) are judged",
-        "over seeds and epochs.",
+        "over seeds and epochs, and why a verdict that the rounding probes change is not stated.",
         "",
         "Scale: the paper trains ResNet-18 on AFAD-Full (160K images) and imbalanced CIFAR-10 for 100-200 epochs;",
         "this demo keeps its settings and shrinks the data and the model so that it runs in minutes on a CPU.",
@@ -552,8 +573,9 @@ def _jsonable(value: object) -> object:
     return value
 
 
-def write_outputs(out: Path, results: dict, claims: dict, meta: dict) -> dict:
-    """Write figure.png, tables.md, report.md and results.json into ``out``; return their paths."""
+def write_outputs(out: Path, results: dict, claims: dict, meta: dict, probe_results: Sequence[dict] = ()) -> dict:
+    """Write figure.png, tables.md, report.md and results.json into ``out``; return their paths. The figure and
+    the tables show ``results`` (the runs as trained); results.json also holds each rounding probe's."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {name: out / name for name in ("figure.png", "tables.md", "report.md", "results.json")}
     plot_figure(results, paths["figure.png"])
@@ -562,7 +584,7 @@ def write_outputs(out: Path, results: dict, claims: dict, meta: dict) -> dict:
         tables.append(group_table(results["spurious_digits"]))
     paths["tables.md"].write_text("\n".join(tables))
     paths["report.md"].write_text(report_markdown(results, claims, meta))
-    payload = {"meta": meta, "claims": claims, "experiments": results}
+    payload = {"meta": meta, "claims": claims, "experiments": results, "rounding_probes": list(probe_results)}
     paths["results.json"].write_text(json.dumps(_jsonable(payload), indent=1, allow_nan=False) + "\n")
     return paths
 
@@ -585,7 +607,7 @@ def update_readme(readme: Path, claims: dict, meta: dict, figure: Path) -> None:
         "",
         f"![training curves]({rel})",
         "",
-        verdict_rule(meta["seeds"]),
+        verdict_rule(meta["seeds"], meta["settings"]["rounding_probes"]),
         "",
         claims_table(claims),
         README_END,

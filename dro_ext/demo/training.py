@@ -11,7 +11,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from collections.abc import Iterator, Sequence
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol, TypeVar
 
 import torch
 from tqdm import tqdm
@@ -22,6 +22,12 @@ import dro_ext
 MOMENTUM = 0.9
 BATCH_SIZE = 128
 NSGD_EPS = 0.1  # Appendix E: "epsilon = 0.1 for normalized SGD" (dro_ext's default, 1e-8, is Algorithm 1 exactly)
+
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
+
+# Probe p of seed s draws its nudge directions from seed s * ROUNDING_PROBE_STRIDE + p: distinct for every
+# (seed, probe) with probe < the stride.
+ROUNDING_PROBE_STRIDE = 1000
 
 OPTIMIZERS = {
     "sgd": "SGD + momentum",
@@ -36,6 +42,37 @@ def make_optimizer(name: str, params: Iterable[torch.Tensor], lr: float) -> torc
     if name == "nsgd":
         return dro_ext.NormalizedSGD(params, lr=lr, momentum=MOMENTUM, eps=NSGD_EPS)
     raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {name!r}")
+
+
+def rounding_nudge(parameters: Iterable[torch.Tensor], seed: int, probe: int) -> None:
+    """Rounding probe ``probe`` of a run on ``seed``: move every element of ``parameters`` one floating-point
+    step up or down (``torch.nextafter``), each direction drawn from a CPU generator seeded by (seed, probe);
+    probe 0 (the run as trained) leaves them as they are.
+
+    Another processor or SIMD build rounds some operation of the first step differently, by about one step;
+    a chaotic run amplifies that as it amplifies this, and a contracting one damps both. So a verdict that a
+    probe changes is one that another processor's rounding could change (:func:`dro_ext.demo.claims.settle`).
+    The data and the batch order stay the seed's.
+    """
+    if not 0 <= probe < ROUNDING_PROBE_STRIDE:
+        raise ValueError(f"probe must be in [0, {ROUNDING_PROBE_STRIDE}), got {probe}")
+    if probe == 0:
+        return
+    directions = torch.Generator().manual_seed(seed * ROUNDING_PROBE_STRIDE + probe)
+    with torch.no_grad():
+        for parameter in parameters:
+            up = torch.randint(0, 2, parameter.shape, generator=directions).bool().to(parameter.device)
+            toward = torch.where(up, torch.inf, -torch.inf).to(parameter.dtype)
+            parameter.copy_(torch.nextafter(parameter, toward))
+
+
+def seeded_model(build: Callable[[], ModuleT], seed: int, probe: int, device: str) -> ModuleT:
+    """``build()`` initialized from ``torch.manual_seed(seed)``, nudged by :func:`rounding_nudge` ``probe`` on
+    the CPU (the same nudge on every device), then moved to ``device``."""
+    torch.manual_seed(seed)
+    model = build()
+    rounding_nudge(model.parameters(), seed, probe)
+    return model.to(device)
 
 
 def shuffled_batches(x: torch.Tensor, y: torch.Tensor, generator: torch.Generator,

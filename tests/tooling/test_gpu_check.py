@@ -189,7 +189,7 @@ def test_the_train_and_demo_phases_and_a_choice_of_test_files(tree):
     # the compiled steps: the cases whose compilation takes seconds first, resnet18's (minutes) last
     assert re.search(r"-m bench\.bench_train --device cuda --out \S+/out/bench --modes compile --name train_compile "
                      r"--cases mlp-large-batch lm-head resnet18\n", calls)
-    assert re.search(r"-m dro_ext\.demo --device cuda --out \S+/out/demo\n", calls)
+    assert re.search(r"-m dro_ext\.demo --device cuda --out \S+/out/demo --rounding-probes 0\n", calls)
     pytest_call = next(line for line in calls.splitlines() if "-m pytest" in line)
     assert pytest_call.endswith("tests/test_cuda_loss.py tests/test_cuda_optim.py")
     # By default every CUDA test file, and every mode of the training step.
