@@ -5,6 +5,7 @@ import zlib
 import pytest
 import torch
 
+from cpu_builds import runnable_builds
 from dro_ext import _backend
 
 
@@ -15,19 +16,8 @@ def _cpu_builds():
     csrc/cpu/kernels.h), so that every build (what another machine runs) is tested here at every size."""
     if not _backend.native_available():
         return [None]
-    capability = torch.ops.dro_ext._cpu_capability
-    picked = capability()
-    builds = [picked]
-    for build in ("default", "avx2", "avx512"):
-        if build == picked:
-            continue
-        try:
-            previous = capability(build)
-        except RuntimeError:  # the processor cannot run it
-            continue
-        capability(previous)
-        builds.append(build)
-    return builds
+    picked = torch.ops.dro_ext._cpu_capability()
+    return [picked] + [build for build in runnable_builds() if build != picked]
 
 
 _BUILDS = _cpu_builds()

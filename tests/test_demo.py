@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cpu_builds import runnable_builds
 from dro_ext.demo import claims, experiments, report
 from dro_ext.demo.training import Run
 
@@ -190,6 +191,34 @@ def test_rounding_probes_option(tmp_path):
         parse_args(["--rounding-probes", "-1"])
 
 
+def _without_timings(value):
+    """``value`` with every run's wall time ("seconds") left out: what must not depend on how the demo ran."""
+    if isinstance(value, dict):
+        return {k: _without_timings(v) for k, v in value.items() if k != "seconds"}
+    if isinstance(value, list):
+        return [_without_timings(v) for v in value]
+    return value
+
+
+def test_jobs_run_the_passes_in_processes_with_the_same_numbers(quick_run, tmp_path):
+    from dro_ext.demo import runner
+    from dro_ext.demo.__main__ import parse_args
+
+    out, proc = _quick_demo(tmp_path, extra_args=("--jobs", "2"))
+    serial, parallel = (_strict_json((o / "results.json").read_text()) for o in (quick_run[0], out))
+    assert serial["meta"]["jobs"] == 1 and parallel["meta"]["jobs"] == 2
+    for key in ("experiments", "rounding_probes", "claims"):
+        assert _without_timings(parallel[key]) == _without_timings(serial[key]), key
+    assert "[dro_ext.demo] regression (rounding probe 1 of 1) done (" in proc.stderr
+    assert "2 processes at once" in (out / "report.md").read_text()
+    # The workers' CPU time counts (they, not this process, trained).
+    assert parallel["meta"]["cpu_seconds_total"] >= 0.5 * sum(parallel["meta"]["seconds_per_experiment"].values())
+    with pytest.raises(SystemExit):
+        parse_args(["--jobs", "0"])
+    with pytest.raises(ValueError, match="jobs must be >= 1"):
+        runner.run_passes(["example_3_1"], experiments.Settings.quick(), 0, "cpu", 1, jobs=0)
+
+
 def test_experiments_option_rejects_what_it_cannot_do(tmp_path):
     from dro_ext.demo.__main__ import parse_args, run_demo
 
@@ -328,20 +357,6 @@ def test_same_seed_gives_the_same_numbers_whatever_the_thread_count():
     assert numbers(6) != one_thread
 
 
-def _widest_dro_ext_build():
-    """The widest SIMD build of dro_ext's CPU kernels this processor runs, found by switching to each (this
-    process may itself run under ATEN_CPU_CAPABILITY)."""
-    capability = torch.ops.dro_ext._cpu_capability
-    for build in ("avx512", "avx2"):
-        try:
-            previous = capability(build)
-        except RuntimeError:  # the processor cannot run it
-            continue
-        capability(previous)
-        return build
-    return "default"
-
-
 def _verdicts(claims_payload: dict) -> dict:
     verdicts = {key: claims_payload[key]["verdict"] for key in "abcdef"}
     for key in "ae":
@@ -361,7 +376,7 @@ def test_verdicts_are_the_same_on_the_portable_and_the_widest_cpu_build(quick_ru
     widest, portable = (_strict_json((out / "results.json").read_text()) for out, _ in (quick_run, quick_run_portable))
     native = _backend.use_native()
     assert portable["meta"]["cpu_builds"] == {"aten": "default", "dro_ext": "default" if native else None}
-    assert widest["meta"]["cpu_builds"]["dro_ext"] == (_widest_dro_ext_build() if native else None)
+    assert widest["meta"]["cpu_builds"]["dro_ext"] == (runnable_builds()[-1] if native else None)
     if widest["meta"]["cpu_builds"] == portable["meta"]["cpu_builds"]:
         pytest.skip("this processor runs only the portable build: there is no second build to compare")
     assert _verdicts(widest["claims"]) == _verdicts(portable["claims"])
@@ -661,6 +676,9 @@ def test_timing_phrase_says_when_other_jobs_shared_the_machine():
     assert "other jobs shared the machine" in report.timing_phrase(shared)
     slowed = dict(meta, cpu_seconds_total=50.0, load_average={"start": None, "end": None})
     assert report.timing_phrase(slowed).startswith("100 s wall, 50 s CPU (50% of one core; other jobs shared")
+    parallel = dict(meta, cpu_seconds_total=190.0, jobs=2)
+    assert report.timing_phrase(parallel) == ("100 s wall, 190 s CPU (190% of one core, 2 processes at once; load "
+                                              "average 1.0 at the start and 1.5 at the end on 2 CPUs)")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where no CUDA device exists")

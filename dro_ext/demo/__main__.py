@@ -1,5 +1,5 @@
 """``python -m dro_ext.demo [--quick] [--device cpu|cuda] [--seed N] [--out DIR] [--experiments NAME ...]
-[--rounding-probes N] [--readme README.md]``: the paper's experiments.
+[--rounding-probes N] [--jobs N] [--readme README.md]``: the paper's experiments.
 
 Runs Example 3.1, the imbalanced regression, the imbalanced digits (chi2 and CVaR) and, beyond the paper,
 ERM against group and sample-level DRO on digits with a spurious feature, then writes
@@ -8,6 +8,7 @@ figure.png, tables.md, report.md and results.json to ``--out`` (default ``demo_o
 ``--experiments spurious_digits`` (say) runs only the experiments named and assesses only the claims they make.
 Every experiment then runs again per rounding probe (``--rounding-probes``, default 2) with its initial
 parameters nudged by one rounding step; a verdict that a probe changes is reported as "not settled".
+``--jobs N`` runs these passes in N processes at once, with the same numbers.
 """
 from __future__ import annotations
 
@@ -28,14 +29,7 @@ import torch
 import dro_ext
 from dro_ext.demo import claims as claims_module
 from dro_ext.demo import experiments, report
-
-EXPERIMENTS = (
-    ("example_3_1", experiments.example_3_1),
-    ("regression", experiments.age_regression),
-    ("digits_chi2", experiments.digits_chi2),
-    ("digits_cvar", experiments.digits_cvar),
-    ("spurious_digits", experiments.spurious_digits),
-)
+from dro_ext.demo.runner import EXPERIMENTS, cpu_seconds, run_passes, use_determinism
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -48,6 +42,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="run every experiment N more times with its initial parameters nudged by one rounding "
                         "step, and state a verdict only where all agree (default: 2, 1 with --quick; 0 skips the "
                         "check, and the verdicts are then unchecked)")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="run the experiments' passes in N worker processes at once (default 1: one after "
+                        "another in this process); the numbers are the same either way")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: these models are too small to gain from more)")
     parser.add_argument("--experiments", nargs="+", choices=[name for name, _ in EXPERIMENTS], default=None,
@@ -60,6 +57,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--readme records a run of every experiment: leave out --experiments")
     if args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.rounding_probes is not None and args.rounding_probes < 0:
         parser.error(f"--rounding-probes must be >= 0, got {args.rounding_probes}")
     return args
@@ -111,15 +110,19 @@ def versions() -> dict:
 
 def run_demo(out: Path, *, quick: bool = False, device: str = "cpu", seed: int = 0, threads: int = 1,
              command: str = "python -m dro_ext.demo", only: Sequence[str] | None = None,
-             rounding_probes: int | None = None) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+             rounding_probes: int | None = None, jobs: int = 1
+             ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Run every experiment (or those named in ``only``), then each again per rounding probe (``rounding_probes``,
     default the settings'), assess the claims they make, settle them over the probes and write the outputs;
-    returns ``(paths, claims, meta)``.
+    returns ``(paths, claims, meta)``. ``jobs`` > 1 spreads the passes over that many worker processes of ``threads``
+    torch threads each (:func:`dro_ext.demo.runner.run_passes`).
 
     Sets this process's torch thread count and ``torch.use_deterministic_algorithms(True)``.
     """
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
     names = [name for name, _ in EXPERIMENTS]
     if only is not None and (not only or not set(only) <= set(names)):
         raise ValueError(f"only must name some of the experiments {names}, got {only!r}")
@@ -127,44 +130,31 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "cpu", seed: int =
         raise SystemExit("--device cuda: no CUDA device is available to torch on this machine")
     if device == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
-    torch.set_num_threads(threads)
-    # Same seed, same numbers: dro_ext's ops are deterministic by construction; this makes torch refuse
-    # (on the CPU) or warn about (on CUDA) any nondeterministic kernel the models might use.
-    torch.use_deterministic_algorithms(True, warn_only=device == "cuda")
+    use_determinism(threads, device)  # same seed, same numbers
 
     settings = experiments.Settings.quick() if quick else experiments.Settings.full()
     if rounding_probes is not None:
         if rounding_probes < 0:
             raise ValueError(f"rounding_probes must be >= 0, got {rounding_probes}")
         settings = dataclasses.replace(settings, rounding_probes=rounding_probes)
-    start, cpu_start, load_at_start = time.perf_counter(), time.process_time(), load_average()
+    start, cpu_start, load_at_start = time.perf_counter(), cpu_seconds(), load_average()
     # results_by_probe[0]: the runs as trained; [p]: rounding probe p of every experiment.
-    results_by_probe: list[dict[str, Any]] = []
-    seconds: dict[str, float] = {}
-    for probe in range(1 + settings.rounding_probes):
-        results: dict[str, Any] = {}
-        for name, experiment in EXPERIMENTS:
-            if only is not None and name not in only:
-                continue
-            t0 = time.perf_counter()
-            which = f" (rounding probe {probe} of {settings.rounding_probes})" if probe else ""
-            print(f"[dro_ext.demo] {name}{which} ...", file=sys.stderr, flush=True)
-            results[name] = experiment(settings, seed, device, probe)
-            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
-        results_by_probe.append(results)
+    results_by_probe, seconds = run_passes([name for name in names if only is None or name in only], settings, seed,
+                                           device, threads, jobs)
     results = results_by_probe[0]
     claims = claims_module.settle(claims_module.assess(results), [claims_module.assess(r) for r in results_by_probe[1:]])
     meta = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-        "command": command, "quick": quick, "device": device, "seed": seed, "experiments": list(results),
+        "command": command, "quick": quick, "device": device, "seed": seed, "experiments": list(results), "jobs": jobs,
         "seeds": list(range(seed, seed + settings.seeds)),
         "settings": dataclasses.asdict(settings),
         "paper_settings": {"lam": experiments.LAM, "alpha": experiments.ALPHA, "example_lam": experiments.EXAMPLE_LAM,
                            "momentum": 0.9, "batch_size": 128, "nsgd_eps": 0.1},
         "versions": versions(), "machine": machine_description(device), "cpu_builds": cpu_builds(),
         "seconds_per_experiment": seconds, "seconds_total": time.perf_counter() - start,
-        # CPU time of this process: unlike the wall time, barely inflated when other jobs share the cores.
-        "cpu_seconds_total": time.process_time() - cpu_start,
+        # CPU time of this process and its workers: unlike the wall time, barely inflated when other jobs share
+        # the cores.
+        "cpu_seconds_total": cpu_seconds() - cpu_start,
         "load_average": {"start": load_at_start, "end": load_average()},
     }
     return report.write_outputs(Path(out), results, claims, meta, results_by_probe[1:]), claims, meta
@@ -175,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m dro_ext.demo " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     paths, claims, meta = run_demo(args.out, quick=args.quick, device=args.device, seed=args.seed,
                                    threads=args.threads, command=command.strip(), only=args.experiments,
-                                   rounding_probes=args.rounding_probes)
+                                   rounding_probes=args.rounding_probes, jobs=args.jobs)
     if args.readme is not None:
         report.update_readme(args.readme, claims, meta, paths["figure.png"])
     print(f"[dro_ext.demo] done in {meta['seconds_total']:.0f} s ({meta['cpu_seconds_total']:.0f} s CPU); "

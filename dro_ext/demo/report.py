@@ -419,15 +419,18 @@ def cpu_builds_phrase(meta: dict) -> str:
 
 
 def timing_phrase(meta: dict) -> str:
-    """The run's wall and CPU time, and how busy the machine was: the demo runs on one thread, so on a quiet
-    machine its wall time is about its CPU time; a smaller share of a core means other jobs shared it."""
+    """The run's wall and CPU time, and how busy the machine was: the demo runs on one thread (per process with
+    ``--jobs``), so on a quiet machine its wall time is about its CPU time (over the processes); a smaller share of
+    a core means other jobs shared it."""
     wall, cpu, load = meta["seconds_total"], meta["cpu_seconds_total"], meta["load_average"]
-    cpus = meta["machine"]["logical_cpus"]
+    cpus, jobs = meta["machine"]["logical_cpus"], meta.get("jobs", 1)
     phrase = f"{wall:.0f} s wall, {cpu:.0f} s CPU ({100 * cpu / wall:.0f}% of one core"
+    if jobs > 1:
+        phrase += f", {jobs} processes at once"
     if load["start"] is not None:
         phrase += f"; load average {load['start']:.1f} at the start and {load['end']:.1f} at the end on {cpus} CPUs"
-    if cpu < 0.9 * wall or (load["start"] is not None and max(load["start"], load["end"]) > cpus):
-        phrase += "; other jobs shared the machine: a quiet one's wall time is about the CPU time"
+    if (jobs == 1 and cpu < 0.9 * wall) or (load["start"] is not None and max(load["start"], load["end"]) > cpus):
+        phrase += "; other jobs shared the machine: a quiet one's wall time is shorter"
     return phrase + ")"
 
 
