@@ -219,6 +219,14 @@ def test_jobs_run_the_passes_in_processes_with_the_same_numbers(quick_run, tmp_p
         runner.run_passes(["example_3_1"], experiments.Settings.quick(), 0, "cpu", 1, jobs=0)
 
 
+def test_a_pass_that_fails_in_a_worker_fails_the_run():
+    from dro_ext.demo import runner
+
+    settings = _tiny(example_grid=(), rounding_probes=3)  # no learning rate to search: every pass raises
+    with pytest.raises(ValueError):
+        runner.run_passes(["example_3_1"], settings, 0, "cpu", 1, jobs=2)
+
+
 def test_experiments_option_rejects_what_it_cannot_do(tmp_path):
     from dro_ext.demo.__main__ import parse_args, run_demo
 

@@ -78,11 +78,17 @@ def run_passes(names: Sequence[str], settings: experiments.Settings, seed: int, 
                                  initializer=_start_worker, initargs=(threads, device)) as pool:
             futures = {pool.submit(run_experiment, name, settings, seed, device, probe): (name, probe)
                        for name, probe in tasks}
-            for future in as_completed(futures):
-                name, probe = futures[future]
-                outcomes[name, probe] = future.result()
-                print(f"[dro_ext.demo] {_pass_name(name, probe, settings.rounding_probes)} done "
-                      f"({outcomes[name, probe][1]:.0f} s)", file=sys.stderr, flush=True)
+            try:
+                for future in as_completed(futures):
+                    name, probe = futures[future]
+                    outcomes[name, probe] = future.result()
+                    print(f"[dro_ext.demo] {_pass_name(name, probe, settings.rounding_probes)} done "
+                          f"({outcomes[name, probe][1]:.0f} s)", file=sys.stderr, flush=True)
+            except BaseException:
+                # A pass that failed (or Ctrl-C) ends the run: the passes not started yet are dropped, not waited for.
+                for future in futures:
+                    future.cancel()
+                raise
     results_by_pass = [{name: outcomes[name, probe][0] for name in names} for probe in range(passes)]
     seconds = {name: sum(outcomes[name, probe][1] for probe in range(passes)) for name in names}
     return results_by_pass, seconds
