@@ -219,6 +219,24 @@ def test_jobs_run_the_passes_in_processes_with_the_same_numbers(quick_run, tmp_p
         runner.run_passes(["example_3_1"], experiments.Settings.quick(), 0, "cpu", 1, jobs=0)
 
 
+def test_report_says_where_a_rounding_probe_picked_other_hyperparameters():
+    def searched(nsgd_lr, step_size):
+        return {"regression": {"best": {"sgd": Run("sgd", 1e-7, 0), "nsgd": Run("nsgd", nsgd_lr, 0)}},
+                "spurious_digits": {"best": {"erm": Run("nsgd", 0.1, 0, extra={"strength": None}),
+                                             "group_dro": Run("nsgd", 0.1, 0, extra={"strength": step_size})}}}
+
+    trained = searched(0.03, 0.01)
+    notes = report.probe_choice_notes(trained, [searched(0.03, 0.01), searched(0.01, 0.01), searched(0.03, 0.1)])
+    assert notes == [
+        "- The search of nsgd in regression picked lr 0.03 as trained, and lr 0.03 in probe 1, lr 0.01 in probe 2, "
+        "lr 0.03 in probe 3.",
+        "- The search of group_dro in spurious_digits picked lr 0.1, step_size 0.01 as trained, and lr 0.1, step_size "
+        "0.01 in probe 1, lr 0.1, step_size 0.01 in probe 2, lr 0.1, step_size 0.1 in probe 3."]
+    assert report.probe_choice_notes(trained, [searched(0.03, 0.01)]) == [
+        "Every search picked the same hyperparameters in the rounding probes as in the runs as trained."]
+    assert report.probe_choice_notes(trained, []) == []
+
+
 def test_a_pass_that_fails_in_a_worker_fails_the_run():
     from dro_ext.demo import runner
 
@@ -267,6 +285,7 @@ def test_report_names_every_claim_with_a_verdict(quick_run):
     assert "![training curves](figure.png)" in text
     assert "on seed 3, then every seed (3, 4:" in text and "on the medians and on at least 2 of 2 seeds" in text
     assert "Rounding: every experiment (the searches and the seeds) ran once more with each initial parameter" in text
+    assert ("Every search picked the same hyperparameters in the rounding probes" in text) != ("- The search of " in text)
     tables = (out / "tables.md").read_text()
     assert tables.count("| Class |") == 2 and tables.count("| Test acc (") == 4
     assert text.count("| Class |") == 2

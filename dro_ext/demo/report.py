@@ -366,6 +366,29 @@ def grid_edge_notes(results: dict) -> list:
     return notes or ["Every chosen learning rate lies inside its grid."]
 
 
+def _chosen(result: dict, method: str) -> str:
+    """The hyperparameters a search picked for ``method``: its learning rate, and its strength where it has one."""
+    best = result["best"][method]
+    strength = best.extra.get("strength")
+    knob = GROUP_METHODS[method][1] if method in GROUP_METHODS else None
+    return f"lr {best.lr:g}" + (f", {knob} {strength:g}" if knob is not None and strength is not None else "")
+
+
+def probe_choice_notes(results: dict, probe_results: Sequence[dict]) -> list:
+    """A line per method whose search picked other hyperparameters in a rounding probe than in the runs as trained:
+    a verdict that then moves compares other settings, not only other rounding."""
+    notes = []
+    for key, result in results.items():
+        for method in result["best"]:
+            chosen = [_chosen(result, method)] + [_chosen(probe[key], method) for probe in probe_results]
+            if len(set(chosen)) > 1:
+                notes.append(f"- The search of {method} in {key} picked {chosen[0]} as trained, and "
+                             + ", ".join(f"{c} in probe {i}" for i, c in enumerate(chosen[1:], 1)) + ".")
+    if not probe_results:
+        return []
+    return notes or ["Every search picked the same hyperparameters in the rounding probes as in the runs as trained."]
+
+
 def group_grid_edge_notes(result: dict) -> list:
     """:func:`grid_edge_notes` for the spurious digits: a chosen learning rate or strength at an end of its grid."""
     notes = []
@@ -508,7 +531,7 @@ def what_ran(results: dict, settings: dict) -> list:
     return lines
 
 
-def report_markdown(results: dict, claims: dict, meta: dict) -> str:
+def report_markdown(results: dict, claims: dict, meta: dict, probe_results: Sequence[dict] = ()) -> str:
     settings = meta["settings"]
     lines = [
         "# dro_ext demo: the paper's experiments at laptop scale",
@@ -548,6 +571,7 @@ def report_markdown(results: dict, claims: dict, meta: dict) -> str:
         "  and the tables use every seed.",
         "",
         *grid_edge_notes(results),
+        *probe_choice_notes(results, probe_results),
         "",
         "Repeatability: the same seed on the same machine and build (processor, SIMD builds of ATen's and",
         "dro_ext's CPU kernels, library versions) gives bitwise the same numbers, whatever the thread count.",
@@ -586,7 +610,7 @@ def write_outputs(out: Path, results: dict, claims: dict, meta: dict, probe_resu
     if "spurious_digits" in results:
         tables.append(group_table(results["spurious_digits"]))
     paths["tables.md"].write_text("\n".join(tables))
-    paths["report.md"].write_text(report_markdown(results, claims, meta))
+    paths["report.md"].write_text(report_markdown(results, claims, meta, probe_results))
     payload = {"meta": meta, "claims": claims, "experiments": results, "rounding_probes": list(probe_results)}
     paths["results.json"].write_text(json.dumps(_jsonable(payload), indent=1, allow_nan=False) + "\n")
     return paths
