@@ -235,7 +235,7 @@ def settle(claims: dict, probe_claims: Sequence[dict]) -> dict:
     return settled
 
 
-# The experiments each claim reads (dro_ext.demo.__main__.EXPERIMENTS' names); (a) is judged on those of its
+# The experiments each claim reads (dro_ext.demo.runner.EXPERIMENTS' names); (a) is judged on those of its
 # three tasks that ran, every other claim only when all of its experiments ran.
 CLAIM_EXPERIMENTS = {
     "a": ("example_3_1", "regression", "digits_chi2"),
