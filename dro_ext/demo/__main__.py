@@ -121,8 +121,6 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "cpu", seed: int =
     """
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    if jobs < 1:
-        raise ValueError(f"jobs must be >= 1, got {jobs}")
     names = [name for name, _ in EXPERIMENTS]
     if only is not None and (not only or not set(only) <= set(names)):
         raise ValueError(f"only must name some of the experiments {names}, got {only!r}")

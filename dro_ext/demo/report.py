@@ -377,6 +377,8 @@ def _chosen(result: dict, method: str) -> str:
 def probe_choice_notes(results: dict, probe_results: Sequence[dict]) -> list:
     """A line per method whose search picked other hyperparameters in a rounding probe than in the runs as trained:
     a verdict that then moves compares other settings, not only other rounding."""
+    if not probe_results:
+        return []
     notes = []
     for key, result in results.items():
         for method in result["best"]:
@@ -384,8 +386,6 @@ def probe_choice_notes(results: dict, probe_results: Sequence[dict]) -> list:
             if len(set(chosen)) > 1:
                 notes.append(f"- The search of {method} in {key} picked {chosen[0]} as trained, and "
                              + ", ".join(f"{c} in probe {i}" for i, c in enumerate(chosen[1:], 1)) + ".")
-    if not probe_results:
-        return []
     return notes or ["Every search picked the same hyperparameters in the rounding probes as in the runs as trained."]
 
 
