@@ -147,7 +147,9 @@ def test_results_json_holds_the_spurious_digits_search_and_seeds(quick_run):
         for run in runs + seed_runs:
             assert run["extra"]["method"] == method
             assert len(run["curve"]) == settings.groups_epochs + 1
-            assert run["curve"][-1] == min(run["extra"]["test_group_accuracy"])
+            # The numbers are those of the kept epoch, one of the run's epochs (not its initialization).
+            assert 1 <= run["extra"]["selected_epoch"] <= settings.groups_epochs
+            assert run["curve"][run["extra"]["selected_epoch"]] == min(run["extra"]["test_group_accuracy"])
             for accuracies in (run["extra"]["val_group_accuracy"], run["extra"]["test_group_accuracy"]):
                 assert len(accuracies) == 4 and all(0 <= a <= 100 for a in accuracies)
             assert 0 <= run["extra"]["test_accuracy"] <= 100
@@ -290,7 +292,7 @@ def test_report_names_every_claim_with_a_verdict(quick_run):
     assert tables.count("| Class |") == 2 and tables.count("| Test acc (") == 4
     assert text.count("| Class |") == 2
     for markdown in (text, tables):  # the spurious digits' table: once, a row per method
-        assert markdown.count("| Method | Hyperparameters | Worst-group | Average |") == 1
+        assert markdown.count("| Method | Hyperparameters | Kept epoch | Worst-group | Average |") == 1
         assert sum(markdown.count(f"\n| {label} | lr ") for label, _ in experiments.GROUP_METHODS.values()) == 4
 
 
@@ -636,6 +638,33 @@ def test_group_objectives_are_the_documented_losses():
         assert [name for name, _ in module.named_parameters()] == ([] if method == "group_dro" else ["eta"])
     with pytest.raises(ValueError, match="method must be one of"):
         experiments.group_objective("irm", 1.0)
+
+
+def test_train_with_groups_keeps_the_earliest_epoch_of_best_validation_score(monkeypatch):
+    """The kept epoch maximizes (worst-group, then mean) validation accuracy over the epochs, the earliest among
+    equals; its test accuracies are reported, whatever the last epoch's."""
+    from dro_ext.demo.data import load_spurious_digits
+
+    data = load_spurious_digits(seed=0)
+    val_scripts = iter([[50.0, 60, 70, 80], [70.0, 70, 90, 90], [50.0, 99, 99, 99], [70.0, 70, 90, 90],
+                        [70.0, 90, 70, 75]])  # epochs 1-5: epoch 2 ties epoch 4 and beats epoch 5 on the mean
+    test_values = iter(range(100))  # each test evaluation gives the next number, as every group's accuracy
+    true_group_accuracy = experiments.group_accuracy
+
+    def scripted(model, x, y, groups):
+        true_group_accuracy(model, x, y, groups)  # the real thing runs (and must not fail) on every split
+        if x.shape == data.x_val.shape and torch.equal(x, data.x_val):
+            return next(val_scripts)
+        return [float(next(test_values))] * 4
+
+    monkeypatch.setattr(experiments, "group_accuracy", scripted)
+    run = experiments.train_with_groups(data, "erm", 0.01, None, seed=0, epochs=5)
+    assert run.curve == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]  # initialization, then epochs 1-5
+    assert run.extra["selected_epoch"] == 2
+    assert run.extra["val_group_accuracy"] == [70.0, 70, 90, 90]
+    assert run.extra["test_group_accuracy"] == [2.0] * 4
+    assert 0 <= run.extra["test_accuracy"] <= 100
+    assert experiments.validation_score([70.0, 70, 90, 90]) == (70.0, 80.0)
 
 
 def _wg_runs(worst, method="erm"):
