@@ -570,6 +570,30 @@ def test_compare_accuracy_marks_the_baselines_worst_class():
     assert claims.compare_accuracy(better, base)["verdict"] == "no"
 
 
+def test_compare_accuracy_counts_a_gain_only_beyond_two_standard_errors_over_the_seeds():
+    base = [_run([1], accuracy=[90, 50, 80], seed=s) for s in range(3)]
+
+    def method(per_seed_gain):  # every class of seed s gains per_seed_gain[s]
+        return [_run([1], accuracy=[90 + g, 50 + g, 80 + g], seed=s) for s, g in enumerate(per_seed_gain)]
+
+    steady = claims.compare_accuracy(base, method([2.0, 3.0, 4.0]))  # mean 3, standard error 1/sqrt(3)
+    assert steady["per_seed_mean_gains"] == [2.0, 3.0, 4.0]
+    assert steady["mean_gain_standard_error"] == pytest.approx(1 / math.sqrt(3))
+    assert steady["gain_counts"] and steady["verdict"] == "yes"
+    # The same mean gain, but one seed carries it: standard error 3, the gain is within 2 of them.
+    noisy = claims.compare_accuracy(base, method([-3.0, 3.0, 9.0]))
+    assert noisy["mean_gain"] == pytest.approx(3) and noisy["mean_gain_standard_error"] == pytest.approx(2 * math.sqrt(3))
+    assert noisy["classes_improved"] == 3 and not noisy["gain_counts"] and noisy["verdict"] == "no"
+    # Just beyond and just within 2 standard errors (the gains 1 +- d have standard error d / sqrt(3)).
+    for d, counts in ((0.99 * math.sqrt(3) / 2, True), (1.01 * math.sqrt(3) / 2, False)):
+        c = claims.compare_accuracy(base, method([1 - d, 1.0, 1 + d]))
+        assert c["gain_counts"] is counts and c["verdict"] == ("yes" if counts else "no"), d
+    one_seed = claims.compare_accuracy(base[:1], method([5.0])[:1])
+    assert math.isinf(one_seed["mean_gain_standard_error"]) and one_seed["verdict"] == "no"
+    with pytest.raises(ValueError, match="different seeds"):
+        claims.compare_accuracy(base, method([1.0, 1.0, 1.0])[::-1])
+
+
 @pytest.mark.parametrize("seed", (0, 7))
 def test_spurious_digits_agree_with_the_label_as_specified(seed):
     """The bar agrees with the label on 95% of each label's training images and on half of each label's

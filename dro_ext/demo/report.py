@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from dro_ext.demo.claims import (CLAIMS, NOT_SETTLED, TAIL_EPOCHS, mean_accuracy, seeds_needed,
+from dro_ext.demo.claims import (CLAIMS, GAIN_STANDARD_ERRORS, NOT_SETTLED, TAIL_EPOCHS, mean_accuracy, seeds_needed,
                                  worst_group_accuracy)
 from dro_ext.demo.experiments import GROUP_METHODS
 from dro_ext.demo.training import OPTIMIZERS, Run
@@ -297,14 +297,15 @@ def _optimization_cell(c: dict, baseline: str, method: str) -> str:
 
 
 def _accuracy_cell(c: dict, method: str) -> str:
-    spread = ""
-    if c["seed_spread"]:
-        spread = f"; seed-to-seed spread of a class's accuracy {c['seed_spread']:.1f} points"
-        if abs(c["mean_gain"]) < c["seed_spread"]:
-            spread += " (the mean gain is within it)"
+    if math.isinf(c["mean_gain_standard_error"]):
+        noise = "one seed: no gain counts"
+    else:
+        counts = "beyond" if c["gain_counts"] else "within"
+        noise = (f"the mean gain's standard error over the seeds {c['mean_gain_standard_error']:.1f} points (the gain "
+                 f"is {counts} {GAIN_STANDARD_ERRORS:g} of them)")
     return (f"{method} better on {c['classes_improved']}/{c['num_classes']} classes; mean gain {c['mean_gain']:+.1f} "
             f"points; worst class (digit {c['worst_class']}) {c['worst_class_gain']:+.1f}; largest gain on digit "
-            f"{c['largest_gain_class']} ({c['gains'][c['largest_gain_class']]:+.1f}); {c['seeds']} seeds{spread}")
+            f"{c['largest_gain_class']} ({c['gains'][c['largest_gain_class']]:+.1f}); {c['seeds']} seeds; {noise}")
 
 
 def _worst_group_cell(c: dict, method: str) -> str:
@@ -417,7 +418,10 @@ def verdict_rule(seeds: list, rounding_probes: int) -> str:
         f"each method's median over the seeds are. **yes**: it holds on the medians and on at least {needed} of "
         f"{n} seeds; **partly**: on the medians only, or (for (a)) on some of its three tasks; **no**: otherwise. "
         "Each figure is a median over the seeds, with the lowest and the highest seed beside it. (c)/(d) compare "
-        "held-out per-class test accuracy, the mean over the same seeds at the same learning rates. (e)/(f), "
+        "held-out per-class test accuracy, the mean over the same seeds at the same learning rates; a gain counts "
+        f"when the mean gain exceeds {GAIN_STANDARD_ERRORS:g} standard errors of it (from the per-seed mean gains). "
+        "**yes**: the gain counts, every class improves and the worst class gains at least the mean; **partly**: the "
+        "gain counts and the worst class improves; **no**: otherwise. (e)/(f), "
         "beyond the paper: each method's learning rate and strength are the pair of the grid with the best "
         f"worst-group validation accuracy on seed {seeds[0]}, then every seed trains at them, each run judged at "
         "its epoch of best worst-group validation accuracy; the claim holds on a seed when the method's "
