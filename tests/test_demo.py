@@ -582,7 +582,8 @@ def test_compare_accuracy_counts_a_gain_only_beyond_two_standard_errors_over_the
     assert steady["gain_counts"] and steady["verdict"] == "yes"
     # The same mean gain, but one seed carries it: standard error 3, the gain is within 2 of them.
     noisy = claims.compare_accuracy(base, method([-3.0, 3.0, 9.0]))
-    assert noisy["mean_gain"] == pytest.approx(3) and noisy["mean_gain_standard_error"] == pytest.approx(2 * math.sqrt(3))
+    assert noisy["mean_gain"] == pytest.approx(3)
+    assert noisy["mean_gain_standard_error"] == pytest.approx(2 * math.sqrt(3))
     assert noisy["classes_improved"] == 3 and not noisy["gain_counts"] and noisy["verdict"] == "no"
     # Just beyond and just within 2 standard errors (the gains 1 +- d have standard error d / sqrt(3)).
     for d, counts in ((0.99 * math.sqrt(3) / 2, True), (1.01 * math.sqrt(3) / 2, False)):

@@ -228,7 +228,8 @@ def _hyperparameters(run: Run) -> str:
 
 def group_table(result: dict) -> str:
     """The spurious digits as a markdown table: per method its chosen hyperparameters, the epoch its runs kept, the
-    worst-group and overall test accuracy (mean +- std [lowest, highest] over the seeds) and each group's mean test accuracy."""
+    worst-group and overall test accuracy (mean +- std [lowest, highest] over the seeds) and each group's mean test
+    accuracy."""
     seeds = len(result["seed_runs"]["erm"])
     counts = result["data"]["train"]["per_group"]
     lines = [
