@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Literal, NamedTuple, get_args
+from typing import Any, Literal, NamedTuple, TypeVar, get_args
 
 import torch
 
@@ -17,6 +17,8 @@ _NEEDS_ALPHA = ("cvar", "kl_cvar", "smoothed_cvar")
 # alpha's documented range is [MIN_ALPHA, 1) (csrc/checks.h): 1/alpha and alpha itself stay normal float32 numbers
 # with room to spare, which the float32 kernels need.
 MIN_ALPHA = 1e-30
+
+_Checked = TypeVar("_Checked")
 
 
 class Spec(NamedTuple):
@@ -71,26 +73,48 @@ def check_positive(name: str, value: object) -> float:
     return value
 
 
-# Validated (divergence, alpha, k, lam, scale) tuples. A training step calls the loss with the same Python
+# Validated Python numbers: checked_scalars' (divergence, alpha, k, lam, scale) and robust_op_scalars' tuples. A training step calls the loss with the same Python
 # numbers every time, and at a few thousand samples checking them again costs a visible share of the step.
-_CHECKED_SCALARS: dict[tuple[Any, ...], tuple[Spec, float, float]] = {}
+_CHECKED_SCALARS: dict[tuple[Any, ...], Any] = {}
+_REMEMBERED_AT_MOST = 256
+
+
+def _remember(key: tuple[Any, ...], checked: _Checked) -> _Checked:
+    """checked, kept under key for the next call with the same arguments (the key holds their types too: 0.1 + 0j
+    == 0.1 and True == 1 hash alike, and must not pass as them). The lookup is inlined in each caller: these calls
+    are on paths of a few microseconds, where even a function call shows."""
+    # The cache is a side effect torch.compile need not trace (nor guard on).
+    if not torch.compiler.is_compiling() and len(_CHECKED_SCALARS) < _REMEMBERED_AT_MOST:
+        _CHECKED_SCALARS[key] = checked
+    return checked
 
 
 def checked_scalars(divergence: str, alpha: float | None, k: float | None, lam: float,
                     scale: float = 1.0) -> tuple[Spec, float, float]:
     """(check_divergence, check_positive of lam, of scale), remembered for the Python numbers seen before."""
-    # The types are part of the key: 0.1 + 0j == 0.1 and True == 1 hash alike, and must not pass as them.
     key = (divergence, alpha, k, lam, scale, type(alpha), type(k), type(lam), type(scale))
-    caching = not torch.compiler.is_compiling()  # the cache is a side effect torch.compile need not trace
-    if caching:
-        try:
+    try:
+        if not torch.compiler.is_compiling():
             return _CHECKED_SCALARS[key]
-        except (KeyError, TypeError):  # TypeError: an unhashable argument, which the checks below reject
-            pass
-    checked = check_divergence(divergence, alpha, k), check_positive("lam", lam), check_positive("scale", scale)
-    if caching and len(_CHECKED_SCALARS) < 256:
-        _CHECKED_SCALARS[key] = checked
-    return checked
+    except (KeyError, TypeError):  # TypeError: an unhashable argument, which the checks below reject
+        pass
+    return _remember(key, (check_divergence(divergence, alpha, k), check_positive("lam", lam),
+                           check_positive("scale", scale)))
+
+
+def robust_op_scalars(divergence: str, alpha: float | None, k: float | None,
+                      lam: float) -> tuple[float, Divergence, float | None, float | None]:
+    """The checked ``(lam, divergence, alpha, k)`` in the order the robust objective's native ops take them after the
+    losses, remembered as checked_scalars are: the sample-level call is a few microseconds, and unpacking a Spec
+    into them on every call costs a visible share of it."""
+    key = ("robust_op", divergence, alpha, k, lam, type(alpha), type(k), type(lam))  # the tag: not checked_scalars'
+    try:
+        if not torch.compiler.is_compiling():
+            return _CHECKED_SCALARS[key]
+    except (KeyError, TypeError):
+        pass
+    spec, checked_lam, _ = checked_scalars(divergence, alpha, k, lam)
+    return _remember(key, (checked_lam, *spec))
 
 
 def check_dense(name: str, value: torch.Tensor) -> None:

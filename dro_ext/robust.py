@@ -35,8 +35,8 @@ from dro_ext._divergences import (
     check_divergence,
     check_losses,
     check_positive,
-    checked_scalars,
     fixed_order_sum,
+    robust_op_scalars,
 )
 from dro_ext.group_reduction import check_groups, check_num_groups
 from dro_ext.ops import dro_weights
@@ -45,6 +45,10 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = ["WeightStats", "evaluate", "robust_objective", "weight_stats", "worst_case_weights"]
+
+# robust_objective's default weighting, which its fast path recognizes by identity (an equal string passed by the
+# caller takes the checked path, which accepts it too).
+_BATCH_WEIGHTING = "batch"
 
 # ---------------------------------------------------------------------------------------------------
 # Native ops: fake kernels (their autograd is C++: csrc/autograd.cpp). Registered only when loaded.
@@ -129,7 +133,7 @@ def robust_objective(
     losses: torch.Tensor, lam: float, divergence: Divergence = "chi2", *, alpha: float | None = None,
     k: float | None = None, group: ProcessGroup | None = None,
     groups: torch.Tensor | None = None, num_groups: int | None = None,
-    weighting: str | torch.Tensor | Sequence[float] = "batch", group_counts: Any = None,
+    weighting: str | torch.Tensor | Sequence[float] = _BATCH_WEIGHTING, group_counts: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The robust objective ``Psi = min_eta mean_i lam*psi*((l_i - eta)/lam) + eta`` and its minimizer.
 
@@ -152,15 +156,14 @@ def robust_objective(
     ``"batch"`` by the backend's solver, the others by the PyTorch solver in float64); the gradient of ``l_i``
     is ``q_{g_i} / n_{g_i}`` (dro_ext.group_evaluation). With ``group=``, over the groups of every rank's losses.
     """
-    if groups is None and num_groups is None:
-        if group is not None:
-            return _distributed().robust_objective(losses, lam, divergence, alpha=alpha, k=k, group=group)
-        if isinstance(losses, torch.Tensor) and losses.layout == torch.strided and _backend.native_for_tensor(losses):
-            # The op checks the losses itself, with the same errors; only the Python numbers are checked here. (At a
-            # few thousand losses the checks below cost a third of the call.)
-            spec, lam, _ = checked_scalars(divergence, alpha, k, lam)
-            _group_evaluation.check_group_arguments(losses, None, None, weighting, group_counts, "robust_objective")
-            return _robust_objective_op(losses, lam, spec.name, spec.alpha, spec.k)
+    if (group is None and groups is None and num_groups is None and weighting is _BATCH_WEIGHTING
+            and group_counts is None and losses.__class__ is torch.Tensor and losses.layout is torch.strided
+            and _backend.native_for_tensor(losses)):
+        # The sample-level call on the native op, which checks the losses itself with the same errors; the Python
+        # numbers were checked when first seen. (This call is a few microseconds: every check here shows.)
+        return _robust_objective_op(losses, *robust_op_scalars(divergence, alpha, k, lam))
+    if group is not None and groups is None and num_groups is None:
+        return _distributed().robust_objective(losses, lam, divergence, alpha=alpha, k=k, group=group)
     spec = check_divergence(divergence, alpha, k)
     check_losses(losses, allow_empty=group is not None)
     lam = check_positive("lam", lam)

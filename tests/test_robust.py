@@ -463,6 +463,30 @@ def test_bad_inputs(backend, args, kwargs, exc, word):
         dro_ext.worst_case_weights(*args, **kwargs)
 
 
+def test_the_remembered_numbers_keep_their_checks(backend):
+    # robust_objective remembers the Python numbers it checked: a call with an equal number of another type (True ==
+    # 1, 0.5 + 0j == 0.5), an equal "batch" that is not the default's object, a Parameter (a Tensor subclass) and a
+    # sparse tensor each still take the checks; a repeated call gives the first call's answer bitwise.
+    losses = make_losses(37)
+    first = dro_ext.robust_objective(losses, 1.0, "cvar", alpha=0.5)
+    again = dro_ext.robust_objective(losses, 1.0, "cvar", alpha=0.5)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    with pytest.raises(TypeError, match="lam"):
+        dro_ext.robust_objective(losses, True, "cvar", alpha=0.5)
+    with pytest.raises(TypeError, match="alpha"):
+        dro_ext.robust_objective(losses, 1.0, "cvar", alpha=0.5 + 0j)
+    batch = "".join(["ba", "tch"])
+    assert batch == "batch" and batch is not dro_ext.robust._BATCH_WEIGHTING
+    other = dro_ext.robust_objective(losses, 1.0, "cvar", alpha=0.5, weighting=batch)
+    assert all(torch.equal(a, b) for a, b in zip(first, other))
+    parameter = dro_ext.robust_objective(torch.nn.Parameter(losses.clone()), 1.0, "cvar", alpha=0.5)
+    assert all(torch.equal(a, b) for a, b in zip(first, parameter))
+    with pytest.raises(ValueError, match="weighting"):
+        dro_ext.robust_objective(losses, 1.0, "cvar", alpha=0.5, weighting="population")
+    with pytest.raises(TypeError, match="losses"):
+        dro_ext.robust_objective(losses.to_sparse(), 1.0, "cvar", alpha=0.5)
+
+
 @pytest.mark.parametrize(
     "args,exc,word",
     [
