@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dro_ext import _backend
+from reference import DTYPES
 
 # DRO_EXT_CUDA_TEST_DEVICE=cpu runs the tests on the CPU, where tools/cuda_emulation registers the CUDA kernels,
 # compiled as C++, as the ops' CPU kernels; the tests marked needs_cuda (graphs, streams, sync checks) skip.
@@ -24,7 +25,6 @@ def on_test_device(t: torch.Tensor) -> bool:
     """Whether t lives on the device under test (a CUDA device, or the CPU under the emulation)."""
     return t.device.type == torch.device(DEVICE).type
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 SIZES = [1, 7, 65537, 2**24 + 3]
 # contiguous; strided (every other element of a buffer); offset (contiguous, but one element past a 16-byte
 # boundary, so the vectorized loops take their scalar head and tail).

@@ -22,6 +22,14 @@ CASES = [
 ]
 CASE_IDS = [d + "".join(f"-{k}{v}" for k, v in p.items()) for d, p in CASES]
 
+# Every floating dtype the ops take.
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def case_kwargs(params: dict) -> dict:
+    """A CASES entry's parameters as the API's keywords (None for a parameter the divergence does not take)."""
+    return dict(alpha=params.get("alpha"), k=params.get("k"))
+
 
 def psi_star(t: torch.Tensor, name: str, alpha=None, k=None) -> torch.Tensor:
     """The table of docs/design.md section 1.3, written literally (no stabilization): valid for moderate t."""

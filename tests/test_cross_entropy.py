@@ -5,17 +5,35 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dro_ext
 import reference as ref
+from reference import DTYPES
 from dro_ext import _backend
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 native_only = pytest.mark.skipif(not _backend.native_available(), reason="native extension not built")
 if not _backend.native_available() and not _backend._force_python:
     raise RuntimeError(f"dro_ext native extension failed to load: {_backend.load_error()}")
 
 LAM, SCALE = 0.8, 1.3
+
+
+class LargestAllocation(TorchDispatchMode):
+    """The element count of the largest tensor an op allocates under it (``largest``): the memory tests' probe."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # In-place and out= ops write into a buffer that exists, views alias one: neither allocates.
+        if not func._schema.is_mutable and not any(r.alias_info for r in func._schema.returns):
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.largest = max(self.largest, t.numel())
+        return out
 
 
 def reference_value(logits, targets, eta, lam, name, params, ignore_index=-100, label_smoothing=0.0, scale=SCALE):
@@ -370,26 +388,13 @@ def test_linear_backward_allocates_no_second_weight_gradient(backend):
     # The forward computes the gradients for a unit upstream gradient; a backward that frees the graph scales
     # them in place and hands them on: no op in it may allocate a tensor of the weight's size (the peak-memory
     # target of the LM head rests on it), and the returned gradients are the forward's own buffers.
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class LargestAllocation(TorchDispatchMode):
-        largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            # In-place and out= ops write into a buffer that exists, views alias one: neither allocates.
-            if not func._schema.is_mutable and not any(r.alias_info for r in func._schema.returns):
-                for t in out if isinstance(out, (tuple, list)) else (out,):
-                    if isinstance(t, torch.Tensor):
-                        LargestAllocation.largest = max(LargestAllocation.largest, t.numel())
-            return out
-
     hidden, weight = torch.randn(6, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
     targets, eta = torch.randint(0, 50, (6,)), torch.tensor(3.0, requires_grad=True)
     value = dro_ext.dro_linear_cross_entropy(hidden, weight, targets, eta, LAM, "chi2", chunk_size=4)
-    with LargestAllocation():
+    allocations = LargestAllocation()
+    with allocations:
         grads = torch.autograd.grad(value * 0.25, (hidden, weight, eta))
-    assert LargestAllocation.largest < hidden.numel()
+    assert allocations.largest < hidden.numel()
     value = dro_ext.dro_linear_cross_entropy(hidden, weight, targets, eta, LAM, "chi2", chunk_size=4)
     torch.testing.assert_close(torch.autograd.grad(value, (hidden, weight, eta)), tuple(g * 4 for g in grads))
 

@@ -9,11 +9,11 @@ import torch.nn.functional as F
 
 import dro_ext
 import reference as ref
+from reference import DTYPES
 from dro_ext import _backend
 from dro_ext import cross_entropy_groups as ceg
-from test_cross_entropy import assert_close_to_scale, linear_reference
+from test_cross_entropy import LargestAllocation, assert_close_to_scale, linear_reference
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 LAM, SCALE, IGNORE = 0.8, 1.3, -100
 native_only = pytest.mark.skipif(not _backend.native_available(), reason="native extension not built")
 
@@ -364,19 +364,6 @@ def test_modules_take_groups(backend):
 
 
 def test_grouped_linear_never_allocates_the_logits_of_the_batch(backend, monkeypatch):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class LargestAllocation(TorchDispatchMode):
-        largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if not func._schema.is_mutable and not any(r.alias_info for r in func._schema.returns):
-                for t in out if isinstance(out, (tuple, list)) else (out,):
-                    if isinstance(t, torch.Tensor):
-                        LargestAllocation.largest = max(LargestAllocation.largest, t.numel())
-            return out
-
     rows, hidden_size, vocab, chunk = 40, 4, 30, 4  # N x V = 1200, above the weight (120) and hidden (160)
     hidden = torch.randn(rows, hidden_size, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(vocab, hidden_size, dtype=torch.float64, requires_grad=True)
@@ -387,7 +374,8 @@ def test_grouped_linear_never_allocates_the_logits_of_the_batch(backend, monkeyp
     piece = 3
     # The fallback's 3-row pieces of the 4-row chunks (the native op writes a chunk's gradient over it, in place).
     monkeypatch.setattr(ceg, "FALLBACK_PIECE_LOGIT_BYTES", piece * vocab * 8)
-    with LargestAllocation():
+    allocations = LargestAllocation()
+    with allocations:
         value = dro_ext.dro_linear_cross_entropy(hidden, weight, targets, eta, LAM, "chi2", bias=bias,
                                                  groups=groups, num_groups=3, chunk_size=chunk)
         torch.autograd.grad(value, (hidden, weight, bias, eta))
@@ -397,14 +385,14 @@ def test_grouped_linear_never_allocates_the_logits_of_the_batch(backend, monkeyp
         ceg._linear_row_losses_backward_op._init_fn(torch.rand(rows, dtype=torch.float64), hidden.detach(),
                                                     weight.detach(), bias.detach(), targets, lse, IGNORE, 0.0, chunk,
                                                     native, True, True, True)
-    assert LargestAllocation.largest <= max(rows * hidden_size, vocab * hidden_size, chunk * vocab)
+    assert allocations.largest <= max(rows * hidden_size, vocab * hidden_size, chunk * vocab)
     # The backward's gradient: besides a chunk of logits, no second chunk-sized tensor.
-    LargestAllocation.largest = 0
-    with LargestAllocation():
+    allocations = LargestAllocation()
+    with allocations:
         ceg._linear_row_losses_backward_op._init_fn(torch.rand(rows, dtype=torch.float64), hidden.detach(),
                                                     weight.detach(), bias.detach(), targets, lse, IGNORE, 0.0, chunk,
                                                     native, False, False, False)
-    assert LargestAllocation.largest == chunk * vocab  # the chunk's logits (the fallback's pieces are 3 x V)
+    assert allocations.largest == chunk * vocab  # the chunk's logits (the fallback's pieces are 3 x V)
 
 
 @native_only

@@ -8,14 +8,11 @@ import torch
 
 import dro_ext
 import reference as ref
+from reference import case_kwargs
 from cuda_cases import (DEVICE, DTYPES, LAYOUTS, ON_CUDA, SIZES, SKIP_WITHOUT_CUDA, make_losses,
                         native_backend, needs_cuda, on_test_device)  # noqa: F401 (native_backend: an autouse fixture)
 
 pytestmark = SKIP_WITHOUT_CUDA
-
-
-def case_kwargs(params):
-    return dict(alpha=params.get("alpha"), k=params.get("k"))
 
 
 @needs_cuda

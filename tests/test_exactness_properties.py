@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 
 import dro_ext
 from dro_ext import _backend
+from reference import DTYPES
 
 mp = mpmath.mp
 mp.dps = 80
@@ -50,7 +51,6 @@ DEEP = PROFILE == "deep"
 profile = settings.get_profile(PROFILE)
 MAX_N = 700 if DEEP else 80  # past the CPU kernels' 512-element blocks in the deep profile
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 DIVERGENCES = ["chi2", "kl", "cvar", "kl_cvar", "cressie_read", "smoothed_cvar"]
 # The documented ranges: alpha in [1e-30, 1) (any float64 below 1), k in (1, inf), lam in (0, inf) with
 # |l - G eta| / lam at most 1e150 (psi*(t) and its square stay finite in float64).

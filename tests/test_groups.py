@@ -7,13 +7,9 @@ import torch
 
 import dro_ext
 import reference as ref
+from reference import DTYPES, case_kwargs
 from dro_ext.groups import _group_sums
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-
-
-def case_kwargs(params):
-    return dict(alpha=params.get("alpha"), k=params.get("k"))
 
 
 def random_batch(n, num_groups, dtype=torch.float64, absent=()):

@@ -10,19 +10,15 @@ from hypothesis import strategies as st
 
 import dro_ext
 import reference as ref
+from reference import DTYPES, case_kwargs
 from dro_ext import _backend
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 SIZES = [1, 7, 1000, 65537]
 
 
 def random_losses(n, dtype, spread=1.0):
     # Per-sample losses around 1 with a spread that puts t = (l - eta)/lam on both sides of every kink.
     return (1.0 + spread * torch.randn(n, dtype=torch.float64)).to(dtype)
-
-
-def case_kwargs(params):
-    return dict(alpha=params.get("alpha"), k=params.get("k"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
