@@ -103,10 +103,11 @@ def checked_scalars(divergence: str, alpha: float | None, k: float | None, lam: 
 
 
 def robust_op_scalars(divergence: str, alpha: float | None, k: float | None,
-                      lam: float) -> tuple[float, Divergence, float | None, float | None]:
+                      lam: float) -> tuple[Any, ...]:
     """The checked ``(lam, divergence, alpha, k)`` in the order the robust objective's native ops take them after the
-    losses, remembered as checked_scalars are: the sample-level call is a few microseconds, and unpacking a Spec
-    into them on every call costs a visible share of it."""
+    losses, without trailing Nones (the schema's defaults), remembered as checked_scalars are: the sample-level call
+    is a few microseconds, and unpacking a Spec on every call costs a visible share of it (as does each None passed,
+    about 0.08 us)."""
     key = ("robust_op", divergence, alpha, k, lam, type(alpha), type(k), type(lam))  # the tag: not checked_scalars'
     try:
         if not torch.compiler.is_compiling():
@@ -114,7 +115,10 @@ def robust_op_scalars(divergence: str, alpha: float | None, k: float | None,
     except (KeyError, TypeError):
         pass
     spec, checked_lam, _ = checked_scalars(divergence, alpha, k, lam)
-    return _remember(key, (checked_lam, *spec))
+    args: tuple[Any, ...] = (checked_lam, *spec)
+    while args[-1] is None:
+        args = args[:-1]
+    return _remember(key, args)
 
 
 def check_dense(name: str, value: torch.Tensor) -> None:
