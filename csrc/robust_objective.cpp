@@ -38,6 +38,8 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -242,6 +244,27 @@ double objective_at(const at::Tensor& x, const DivergenceSpec& spec, double lam,
   return cpu::penalized_mean(x, spec, eta, lam, cpu::kAvx512MinValuesSolver).value;
 }
 
+// float64 x as an integer of the same order (-0.0 and 0.0 alike).
+int64_t ordered_bits(double x) {
+  int64_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits >= 0 ? bits : std::numeric_limits<int64_t>::min() - bits;
+}
+
+// The middle of the float64 values in [a, b]: the arithmetic midpoint within a binade, a geometric one across many.
+// Any bracket narrows to adjacent floats within 64 halvings, however many binades it spans: halving the width
+// instead, a loss of -1e30 beside losses near 1 left the root about 100 halvings away, past kMaxIterations.
+// (dro_ext/_solver.py's bisection_point: the same point for the same bracket.)
+double bisection_point(double a, double b) {
+  const int64_t lo = ordered_bits(a), hi = ordered_bits(b);
+  // hi - lo can exceed INT64_MAX (the finite doubles span 2^64 - 2^53 keys): halved as unsigned, it cannot.
+  const int64_t middle = lo + static_cast<int64_t>((static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo)) / 2);
+  const int64_t bits = middle >= 0 ? middle : std::numeric_limits<int64_t>::min() - middle;
+  double x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
 // psi*' = (1 + t/c)_+ for some c > 0 (chi2: c = 2; cressie_read at k = 2: c = 1), or 0 when it is not
 // piecewise linear.
 double linear_weight_width(const DivergenceSpec& spec) {
@@ -311,14 +334,16 @@ Root newton_root(const at::Tensor& x, const DivergenceSpec& spec, double lam, do
       }
       bisect = true;  // the tiny Newton step was no sign of the root: halve the bracket instead
     }
-    // Linear weights: the last Newton step solved the linear piece of this same active set, so eta is its root.
-    if (linear && last_was_newton && s[1] == previous_active) {
-      segment_step = lam * s[0] / s[1];
+    const double newton = linear ? lam * s[0] / s[1] : lam * std::log1p(g) * ((n + s[0]) / s[1]);
+    // Linear weights: the last Newton step solved the linear piece of this same active set, so eta is its root, as
+    // this step below tol confirms. (It need not be: from eta = -1.3e18, towards losses near 3 beside one of -1e20,
+    // the step's rounding landed at 0, on the same piece, and only the step from there reached its root.)
+    if (linear && last_was_newton && s[1] == previous_active && std::abs(newton) <= tol) {
+      segment_step = newton;
       converged = true;
       break;
     }
     previous_active = s[1];
-    const double newton = linear ? lam * s[0] / s[1] : lam * std::log1p(g) * ((n + s[0]) / s[1]);
     double next;
     bool use_newton = false;
     if (!bisect && std::abs(newton) <= tol) {
@@ -347,16 +372,17 @@ Root newton_root(const at::Tensor& x, const DivergenceSpec& spec, double lam, do
       // the linear case's Newton from the left end is monotone and needs no such guard.
       use_newton = !bisect && std::isfinite(next) && next > a && next < b &&
                    (linear || std::abs(newton) <= 0.5 * std::abs(step_before_last));
-      if (!use_newton) next = 0.5 * (a + b);
+      if (!use_newton) next = bisection_point(a, b);
     }
     previous_g = g;
     step_before_last = last_step;
     last_step = next - eta;
     eta = next;
     last_was_newton = use_newton;
-    // Converged once the bracket is within tol, after a bisection step within tol, or after a Newton step within tol
-    // while Newton's model holds; a first tiny Newton step is evaluated (and, if still tiny, probed) instead.
-    if (!probing && (b - a <= tol || (std::abs(last_step) <= tol && (!use_newton || converging)))) {
+    // Converged once the bracket is within tol, or after a Newton step within tol while Newton's model holds; a first
+    // tiny Newton step is evaluated (and, if still tiny, probed) instead. (Not after a bisection step within tol:
+    // across binades the middle of the floats in the bracket can be a tiny step from one end of a wide bracket.)
+    if (!probing && (b - a <= tol || (use_newton && converging && std::abs(last_step) <= tol))) {
       converged = true;
       break;
     }

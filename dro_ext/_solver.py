@@ -38,6 +38,7 @@ pins across divergences, dtypes, sizes (past the warm start's) and the extreme c
 from __future__ import annotations
 
 import math
+import struct
 import sys
 from typing import Callable, NamedTuple, Protocol
 
@@ -105,6 +106,22 @@ def tail_size(alpha: float, n: float) -> float:
     return float(r) if abs(k - r) <= 8.0 * sys.float_info.epsilon * k else k
 
 
+def _ordered(x: float) -> int:
+    """float64 x as an integer of the same order (-0.0 and 0.0 alike)."""
+    bits = struct.unpack("<q", struct.pack("<d", x))[0]
+    return bits if bits >= 0 else -(bits & 0x7FFFFFFFFFFFFFFF)
+
+
+def bisection_point(a: float, b: float) -> float:
+    """The middle of the float64 values in [a, b]: the arithmetic midpoint within a binade, a geometric one across
+    many. Any bracket narrows to adjacent floats within 64 halvings, however many binades it spans: halving the
+    width instead, a loss of -1e30 beside losses near 1 left the root about 100 halvings away, past the iteration
+    cap (csrc/robust_objective.cpp's bisection_point, the same for the same bracket)."""
+    middle = (_ordered(a) + _ordered(b)) // 2
+    bits = middle if middle >= 0 else (-middle) | -0x8000000000000000
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
 def find_eta(newton_sums: Callable[[float], list[float]], segment_sums: Callable[[float], list[float]], n: float,
              lo: float, hi: float, lam: float, spec: Spec) -> float:
     """eta* of the iterative divergences: safeguarded Newton/bisection on mean psi*'((l - eta)/lam) = 1 in [lo, hi].
@@ -146,14 +163,14 @@ def find_eta(newton_sums: Callable[[float], list[float]], segment_sums: Callable
                 converged = True
                 break
             bisect = True
-        if linear and last_was_newton and s2 == previous_active:
-            converged = True
-            break
-        previous_active = s2
         try:
             newton = lam * s1 / s2 if linear else lam * math.log1p(g) * ((n + s1) / s2)
         except (ValueError, ZeroDivisionError, OverflowError):
             newton = math.nan
+        if linear and last_was_newton and s2 == previous_active and abs(newton) <= tol:
+            converged = True
+            break
+        previous_active = s2
         use_newton = False
         if not bisect and abs(newton) <= tol:
             # Tiny Newton step: the root, after a Newton step that halved |g|; else probe a tolerance towards it.
@@ -172,11 +189,11 @@ def find_eta(newton_sums: Callable[[float], list[float]], segment_sums: Callable
                 and (linear or abs(newton) <= 0.5 * abs(step_before_last))
             )
             if not use_newton:
-                nxt = 0.5 * (a + b)
+                nxt = bisection_point(a, b)
         previous_g = g
         step_before_last, last_step = last_step, nxt - eta
         eta, last_was_newton = nxt, use_newton
-        if not probing and (b - a <= tol or (abs(last_step) <= tol and (not use_newton or converging))):
+        if not probing and (b - a <= tol or (use_newton and converging and abs(last_step) <= tol)):
             converged = True
             break
     if linear and converged:

@@ -35,7 +35,8 @@ from dro_ext import _backend
 from reference import DTYPES
 
 mp = mpmath.mp
-mp.dps = 80
+MP_DIGITS = 80
+mp.dps = MP_DIGITS
 
 settings.register_profile(
     "ci", max_examples=25, derandomize=True, database=None, deadline=None, print_blob=True,
@@ -371,10 +372,19 @@ def _float_weight(t, name, alpha, k):
     raise AssertionError(name)
 
 
+def working_digits(values, lam):
+    """mpmath's precision for the robust objective at this lam: MP_DIGITS, plus the digits by which the losses
+    outsize lam. eta* lies among the losses, and t = (l - eta)/lam must still resolve to 40 digits where lam is far
+    below them (the strategies reach 1e-150 of their spread): with k = 1.001, psi*(t) is a power 1001 of t."""
+    largest = max(max(abs(v) for v in values), lam)
+    return MP_DIGITS + max(0, math.ceil(math.log10(largest / lam)))
+
+
 def mp_robust(values, lam, name, alpha, k):
-    """(Psi, eta*) to ~30 digits: cvar's tail mean and kl's logsumexp at 80 digits; the others at eta* found by
-    float64 bisection on mean psi*'((l - eta)/lam) = 1, then bisection at 80 digits in a bracket around it (L is
-    convex, so L(eta) - Psi <= |g(eta)| |eta - eta*| once that bracket is below 1e-40 of the losses' scale)."""
+    """(Psi, eta*) to ~30 digits, under working_digits(values, lam) (the caller's mp.workdps): cvar's tail mean and
+    kl's logsumexp; the others at eta* found by float64 bisection on mean psi*'((l - eta)/lam) = 1, then bisection
+    in a bracket around it to below 1e-40 of lam, which resolves every t = (l - eta)/lam to 40 digits (L is convex,
+    so L(eta) - Psi <= |g(eta)| |eta - eta*| then)."""
     n = len(values)
     xs = [mp.mpf(v) for v in values]
     lam_mp = mp.mpf(lam)
@@ -411,8 +421,7 @@ def mp_robust(values, lam, name, alpha, k):
         if (g(a_mp) >= 0 or a_mp == lo) and (g(b_mp) <= 0 or b_mp == hi):
             break
         width *= 1e4
-    scale = abs(a_mp) + abs(b_mp) + lam_mp
-    while b_mp - a_mp > mp.mpf(10) ** -40 * scale:
+    while b_mp - a_mp > mp.mpf(10) ** -40 * lam_mp:
         mid = (a_mp + b_mp) / 2
         if g(mid) > 0:
             a_mp = mid
@@ -433,56 +442,57 @@ def test_robust_objective_is_exact_and_between_the_mean_and_the_max(backend, par
     value, eta_star = dro_ext.robust_objective(x, lam, name, **kwargs)
     q = dro_ext.worst_case_weights(x, lam, name, **kwargs)
 
-    psi, eta = mp_robust(values, lam, name, alpha, k)
-    exact = Exact(values, float(eta), lam, name, alpha, k, 1.0, dtype)
-    n, eps = len(values), unit(dtype)
-    lam_mp = mp.mpf(lam)
-    seconds = [mp_conjugate((mp.mpf(v) - eta) / lam_mp, name, alpha, k)[2] for v in values]
-    # How finely the solver resolves eta* (csrc/robust_objective.cpp): roundings of 2|eta| plus the psi*''-weighted
-    # mean |l - eta|, in float64 where it solves in float64 (float64 input, the fallback, or float32 sums that
-    # cannot resolve this lam); L at an eta that far from eta* exceeds Psi by mean psi*'' / lam times its square.
-    iterative = name not in ("kl", "cvar")
-    largest = max(abs(v) for v in values)
-    wide = (dtype == torch.float64 or backend == "python" or lam < 256 * eps * largest
-            or not 1.2e-38 < 1 / lam < 3.4e38)
-    solve_eps = torch.finfo(torch.float64).eps if wide else eps
-    total_second = float(mp.fsum(seconds))
-    spread = float(mp.fsum(s * abs(mp.mpf(v) - eta) for s, v in zip(seconds, values))) / total_second \
-        if total_second > 0 else largest
-    resolution = 8 * solve_eps * (2 * abs(float(eta)) + spread) if iterative else 0.0
-    rounding_of_eta = total_second / n / lam * resolution ** 2
-    allowed = 64 * eps * exact.size + rounding_of_eta + output_rounding(float(psi), dtype)
-    what = f"{name} alpha={alpha} k={k} lam={lam!r} {dtype}"
+    with mp.workdps(working_digits(values, lam)):
+        psi, eta = mp_robust(values, lam, name, alpha, k)
+        exact = Exact(values, float(eta), lam, name, alpha, k, 1.0, dtype)
+        n, eps = len(values), unit(dtype)
+        lam_mp = mp.mpf(lam)
+        seconds = [mp_conjugate((mp.mpf(v) - eta) / lam_mp, name, alpha, k)[2] for v in values]
+        # How finely the solver resolves eta* (csrc/robust_objective.cpp): roundings of 2|eta| plus the psi*''-weighted
+        # mean |l - eta|, in float64 where it solves in float64 (float64 input, the fallback, or float32 sums that
+        # cannot resolve this lam); L at an eta that far from eta* exceeds Psi by mean psi*'' / lam times its square.
+        iterative = name not in ("kl", "cvar")
+        largest = max(abs(v) for v in values)
+        wide = (dtype == torch.float64 or backend == "python" or lam < 256 * eps * largest
+                or not 1.2e-38 < 1 / lam < 3.4e38)
+        solve_eps = torch.finfo(torch.float64).eps if wide else eps
+        total_second = float(mp.fsum(seconds))
+        spread = float(mp.fsum(s * abs(mp.mpf(v) - eta) for s, v in zip(seconds, values))) / total_second \
+            if total_second > 0 else largest
+        resolution = 8 * solve_eps * (2 * abs(float(eta)) + spread) if iterative else 0.0
+        rounding_of_eta = total_second / n / lam * resolution ** 2
+        allowed = 64 * eps * exact.size + rounding_of_eta + output_rounding(float(psi), dtype)
+        what = f"{name} alpha={alpha} k={k} lam={lam!r} {dtype}"
 
-    got = float(value)
-    mean = float(mp.fsum(mp.mpf(v) for v in values) / n)
-    assert got <= max(values), f"{what}: Psi = {got!r} above max l = {max(values)!r}"
-    assert got >= mean - allowed, f"{what}: Psi = {got!r} below mean l = {mean!r} by more than {allowed:.3g}"
-    assert abs(got - float(psi)) <= allowed, (
-        f"{what}: Psi = {got!r}, exact {float(psi)!r}: error {abs(got - float(psi)):.3g} > allowed {allowed:.3g}")
+        got = float(value)
+        mean = float(mp.fsum(mp.mpf(v) for v in values) / n)
+        assert got <= max(values), f"{what}: Psi = {got!r} above max l = {max(values)!r}"
+        assert got >= mean - allowed, f"{what}: Psi = {got!r} below mean l = {mean!r} by more than {allowed:.3g}"
+        assert abs(got - float(psi)) <= allowed, (
+            f"{what}: Psi = {got!r}, exact {float(psi)!r}: error {abs(got - float(psi)):.3g} > allowed {allowed:.3g}")
 
-    # The worst-case weights: a distribution, and psi*'(t_i) / N at eta* to what rounding eta* and t move them by.
-    qs = [float(v) for v in q]
-    assert all(v >= 0 and math.isfinite(v) for v in qs), f"{what}: weights {qs}"
-    assert abs(sum(qs) - 1) <= 64 * eps + 2 * n * torch.finfo(dtype).eps, f"{what}: weights sum to {sum(qs)!r}"
-    if name == "cvar":
-        return  # the tail's ties share their mass in any split; test_robust.py checks cvar's weights
-    offset = resolution + 4 * eps * abs(float(eta))
-    ws, bands = [], []
-    for v in values:
-        t = (mp.mpf(v) - eta) / lam_mp
-        wiggle = (4 * eps * (abs(v) + abs(float(eta))) + offset) / lam + 2 * exact_tiny(dtype)
-        ws.append(float(mp_conjugate(t, name, alpha, k)[1]))
-        bands.append(abs(float(mp_conjugate(t + wiggle, name, alpha, k)[1]
-                               - mp_conjugate(t - wiggle, name, alpha, k)[1])) + 8 * eps * ws[-1] + exact_tiny(dtype))
-    # q_i = w_i / sum w at the rounded eta*: each w_i moves by its band, and the sum by all of them.
-    for i, v in enumerate(values):
-        w = ws[i]
-        moved = w * (2 * sum(bands) / n + 64 * eps) if w > 0 else 0.0
-        allowed_q = (2 * bands[i] + moved) / n + output_rounding(w / n, dtype)
-        assert abs(qs[i] - w / n) <= allowed_q, (
-            f"{what}: q[{i}] = {qs[i]!r} at loss {v!r}, exact {w / n!r}: error {abs(qs[i] - w / n):.3g} > "
-            f"allowed {allowed_q:.3g}")
+        # The worst-case weights: a distribution, and psi*'(t_i) / N at eta* to what rounding eta* and t move them by.
+        qs = [float(v) for v in q]
+        assert all(v >= 0 and math.isfinite(v) for v in qs), f"{what}: weights {qs}"
+        assert abs(sum(qs) - 1) <= 64 * eps + 2 * n * torch.finfo(dtype).eps, f"{what}: weights sum to {sum(qs)!r}"
+        if name == "cvar":
+            return  # the tail's ties share their mass in any split; test_robust.py checks cvar's weights
+        offset = resolution + 4 * eps * abs(float(eta))
+        ws, bands = [], []
+        for v in values:
+            t = (mp.mpf(v) - eta) / lam_mp
+            wiggle = (4 * eps * (abs(v) + abs(float(eta))) + offset) / lam + 2 * exact_tiny(dtype)
+            ws.append(float(mp_conjugate(t, name, alpha, k)[1]))
+            bands.append(abs(float(mp_conjugate(t + wiggle, name, alpha, k)[1]
+                                   - mp_conjugate(t - wiggle, name, alpha, k)[1])) + 8 * eps * ws[-1] + exact_tiny(dtype))
+        # q_i = w_i / sum w at the rounded eta*: each w_i moves by its band, and the sum by all of them.
+        for i, v in enumerate(values):
+            w = ws[i]
+            moved = w * (2 * sum(bands) / n + 64 * eps) if w > 0 else 0.0
+            allowed_q = (2 * bands[i] + moved) / n + output_rounding(w / n, dtype)
+            assert abs(qs[i] - w / n) <= allowed_q, (
+                f"{what}: q[{i}] = {qs[i]!r} at loss {v!r}, exact {w / n!r}: error {abs(qs[i] - w / n):.3g} > "
+                f"allowed {allowed_q:.3g}")
 
 
 def exact_tiny(dtype):
