@@ -52,7 +52,12 @@ namespace dro_ext {
 
 namespace {
 
-constexpr int kMaxIterations = 100;
+// Enough for any float64 bracket: kWidthHalvings halvings of its width, 64 of the floats' order, Newton's steps.
+constexpr int kMaxIterations = 200;
+// Bisection halves the bracket's width this many times, then the float64 values in it (bisection_point): a bracket
+// still unresolved by then spans binades (a loss of -1e30 beside losses near 1), which halving the width would take
+// ~100 more steps to cross. Every other input converges long before, on the same steps as always.
+constexpr int kWidthHalvings = 48;
 // The float64 reductions below use the fixed chunks of cpu/chunks.h, so their results do not depend on the
 // thread count.
 using cpu::for_each_chunk;
@@ -251,9 +256,8 @@ int64_t ordered_bits(double x) {
   return bits >= 0 ? bits : std::numeric_limits<int64_t>::min() - bits;
 }
 
-// The middle of the float64 values in [a, b]: the arithmetic midpoint within a binade, a geometric one across many.
-// Any bracket narrows to adjacent floats within 64 halvings, however many binades it spans: halving the width
-// instead, a loss of -1e30 beside losses near 1 left the root about 100 halvings away, past kMaxIterations.
+// The middle of the float64 values in [a, b]: the arithmetic midpoint within a binade, a geometric one across many,
+// so that any bracket narrows to adjacent floats within 64 halvings however many binades it spans.
 // (dro_ext/_solver.py's bisection_point: the same point for the same bracket.)
 double bisection_point(double a, double b) {
   const int64_t lo = ordered_bits(a), hi = ordered_bits(b);
@@ -298,6 +302,8 @@ Root newton_root(const at::Tensor& x, const DivergenceSpec& spec, double lam, do
   double step_before_last = b - a, last_step = b - a;
   double previous_active = -1.0, previous_g = kNaN;
   bool last_was_newton = false;
+  int halvings = 0;       // bisections by the bracket's width so far
+  bool by_order = false;  // the last step bisected the floats' order instead
   // A probe: eta moved one tolerance from probe_origin (where g was probe_origin_g) to see whether g changes sign.
   bool probing = false;
   double probe_origin = kNaN, probe_origin_g = kNaN;
@@ -372,17 +378,22 @@ Root newton_root(const at::Tensor& x, const DivergenceSpec& spec, double lam, do
       // the linear case's Newton from the left end is monotone and needs no such guard.
       use_newton = !bisect && std::isfinite(next) && next > a && next < b &&
                    (linear || std::abs(newton) <= 0.5 * std::abs(step_before_last));
-      if (!use_newton) next = bisection_point(a, b);
+      if (!use_newton) {
+        by_order = halvings >= kWidthHalvings;
+        next = by_order ? bisection_point(a, b) : 0.5 * (a + b);
+        halvings += by_order ? 0 : 1;
+      }
     }
     previous_g = g;
     step_before_last = last_step;
     last_step = next - eta;
     eta = next;
     last_was_newton = use_newton;
-    // Converged once the bracket is within tol, or after a Newton step within tol while Newton's model holds; a first
-    // tiny Newton step is evaluated (and, if still tiny, probed) instead. (Not after a bisection step within tol:
-    // across binades the middle of the floats in the bracket can be a tiny step from one end of a wide bracket.)
-    if (!probing && (b - a <= tol || (use_newton && converging && std::abs(last_step) <= tol))) {
+    // Converged once the bracket is within tol, after a bisection step of its width within tol, or after a Newton
+    // step within tol while Newton's model holds; a first tiny Newton step is evaluated (and, if still tiny, probed)
+    // instead. (A step through the floats' order can be tiny beside a wide bracket: it is no sign of convergence.)
+    if (!probing &&
+        (b - a <= tol || (std::abs(last_step) <= tol && (use_newton ? converging : !by_order)))) {
       converged = true;
       break;
     }

@@ -49,7 +49,12 @@ from dro_ext._divergences import excess_first as _excess_first
 from dro_ext._divergences import penalized_value as _penalized_value
 from dro_ext._divergences import psi_star as _psi_star
 
-_MAX_ITERATIONS = 100
+# Enough for any float64 bracket: _WIDTH_HALVINGS halvings of its width, 64 of the floats' order, Newton's steps.
+_MAX_ITERATIONS = 200
+# Bisection halves the bracket's width this many times, then the float64 values in it (bisection_point): a bracket
+# still unresolved by then spans binades (a loss of -1e30 beside losses near 1), which halving the width would
+# take ~100 more steps to cross. Every other input converges long before, on the same steps as always.
+_WIDTH_HALVINGS = 48
 
 
 class Reducer(Protocol):
@@ -114,9 +119,8 @@ def _ordered(x: float) -> int:
 
 def bisection_point(a: float, b: float) -> float:
     """The middle of the float64 values in [a, b]: the arithmetic midpoint within a binade, a geometric one across
-    many. Any bracket narrows to adjacent floats within 64 halvings, however many binades it spans: halving the
-    width instead, a loss of -1e30 beside losses near 1 left the root about 100 halvings away, past the iteration
-    cap (csrc/robust_objective.cpp's bisection_point, the same for the same bracket)."""
+    many, so that any bracket narrows to adjacent floats within 64 halvings however many binades it spans
+    (csrc/robust_objective.cpp's bisection_point: the same point for the same bracket)."""
     middle = (_ordered(a) + _ordered(b)) // 2
     bits = middle if middle >= 0 else (-middle) | -0x8000000000000000
     return struct.unpack("<d", struct.pack("<q", bits))[0]
@@ -138,6 +142,7 @@ def find_eta(newton_sums: Callable[[float], list[float]], segment_sums: Callable
     step_before_last = last_step = b - a
     previous_active, previous_g, last_was_newton, converged = -1.0, math.nan, False, False
     probing, probe_origin, probe_origin_g = False, math.nan, math.nan
+    halvings, by_order = 0, False
     for _ in range(_MAX_ITERATIONS):
         s1, s2, s3 = newton_sums(eta)
         g = s1 / n
@@ -189,11 +194,15 @@ def find_eta(newton_sums: Callable[[float], list[float]], segment_sums: Callable
                 and (linear or abs(newton) <= 0.5 * abs(step_before_last))
             )
             if not use_newton:
-                nxt = bisection_point(a, b)
+                by_order = halvings >= _WIDTH_HALVINGS
+                nxt = bisection_point(a, b) if by_order else 0.5 * (a + b)
+                halvings += not by_order
         previous_g = g
         step_before_last, last_step = last_step, nxt - eta
         eta, last_was_newton = nxt, use_newton
-        if not probing and (b - a <= tol or (use_newton and converging and abs(last_step) <= tol)):
+        # (A step through the floats' order can be tiny beside a wide bracket: it is no sign of convergence.)
+        if not probing and (b - a <= tol
+                            or (abs(last_step) <= tol and (converging if use_newton else not by_order))):
             converged = True
             break
     if linear and converged:
