@@ -276,7 +276,8 @@ def solve(x: torch.Tensor, lam: float, spec: Spec, reducer: Reducer = LOCAL,
             eta, sum_above, n_above = reducer.tail_split(x, int(min(n, max(1, math.ceil(tail)))), lo, hi)
         else:
             eta, sum_above, n_above = weighted_tail_split(x, w, tail)
-        return Solution((sum_above + (tail - n_above) * eta) / tail, eta, n)
+        # min: the tail mean of one boundary loss, (tail * eta) / tail, can round one ulp above it (and above max l).
+        return Solution(min((sum_above + (tail - n_above) * eta) / tail, hi), eta, n)
 
     def newton_sums(eta: float) -> list[float]:
         t = (x - eta) / lam

@@ -198,6 +198,15 @@ def test_cvar_ties_and_fractional_tail(backend, losses, alpha, value, eta, q):
     assert v.item() == pytest.approx(reference_psi(np.array(losses, float), 0.7, "cvar", {"alpha": alpha}), rel=1e-10)
 
 
+def test_cvar_of_one_boundary_loss_is_not_above_it(backend):
+    # alpha N < 1: the tail is the largest loss alone, and (alpha N * max l) / (alpha N) rounded one ulp above max l
+    # in the fallback (found by the property test's deep profile).
+    losses = torch.tensor([0.0, 0.0, 0.0, 0.0, 9.401369007415575e-08, 7.277747464928079e-08, -1.0079480274223642e-07,
+                           4.06875845661677e-09], dtype=torch.float64)
+    value, eta = dro_ext.robust_objective(losses, 1.9480849281639218e-07, "cvar", alpha=0.01)
+    assert value.item() == losses.max().item() == eta.item()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_kl_huge_losses_over_lambda(backend, dtype):
     l = torch.tensor([1000.0, 2500.0, 3000.0, 2999.0], dtype=dtype)
