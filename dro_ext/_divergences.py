@@ -73,8 +73,9 @@ def check_positive(name: str, value: object) -> float:
     return value
 
 
-# Validated Python numbers: checked_scalars' (divergence, alpha, k, lam, scale) and robust_op_scalars' tuples. A training step calls the loss with the same Python
-# numbers every time, and at a few thousand samples checking them again costs a visible share of the step.
+# Validated Python numbers: checked_scalars' (divergence, alpha, k, lam, scale) and robust_op_scalars' tuples. A
+# training step calls the loss with the same Python numbers every time, and at a few thousand samples checking them
+# again costs a visible share of the step.
 _CHECKED_SCALARS: dict[tuple[Any, ...], Any] = {}
 _REMEMBERED_AT_MOST = 256
 

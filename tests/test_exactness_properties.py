@@ -483,8 +483,8 @@ def test_robust_objective_is_exact_and_between_the_mean_and_the_max(backend, par
             t = (mp.mpf(v) - eta) / lam_mp
             wiggle = (4 * eps * (abs(v) + abs(float(eta))) + offset) / lam + 2 * exact_tiny(dtype)
             ws.append(float(mp_conjugate(t, name, alpha, k)[1]))
-            bands.append(abs(float(mp_conjugate(t + wiggle, name, alpha, k)[1]
-                                   - mp_conjugate(t - wiggle, name, alpha, k)[1])) + 8 * eps * ws[-1] + exact_tiny(dtype))
+            moved_by_wiggle = mp_conjugate(t + wiggle, name, alpha, k)[1] - mp_conjugate(t - wiggle, name, alpha, k)[1]
+            bands.append(abs(float(moved_by_wiggle)) + 8 * eps * ws[-1] + exact_tiny(dtype))
         # q_i = w_i / sum w at the rounded eta*: each w_i moves by its band, and the sum by all of them.
         for i, v in enumerate(values):
             w = ws[i]
