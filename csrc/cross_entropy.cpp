@@ -5,10 +5,12 @@
 //       t_i = (l_i - G eta) / lam, w_i = psi*'(t_i), over the n rows whose target is not ignore_index:
 //       value = (1/n) sum_i lam psi*(t_i) + G eta      (0 when n == 0)
 //       mean_weight = (1/n) sum_i w_i                   (1 when n == 0, so that dL/deta = G (1 - 1) = 0)
-//       lse_i = logsumexp_j logits_ij, row_weight_i = w_i / n (both 0 on ignored rows; accumulate dtype)
+//       lse (N, 2): row i's logsumexp_j logits_ij as (shift, log_sum), shift its max and log_sum the log of
+//       sum_j exp(logits_ij - shift) (cross_entropy_terms.h: two parts, which keep what their rounded sum would
+//       lose); row_weight_i = w_i / n (both 0 on ignored rows; accumulate dtype)
 //   dro_cross_entropy_backward(grad, logits, targets, lse, row_weight) -> grad_logits
 //       grad_logits_i = grad * row_weight_i * (softmax_i - q_i), q_i = (1 - eps) onehot(y_i) + eps / C:
-//       one pass, from the logits and the 2N floats the forward saved; nothing N x C is kept.
+//       one pass, from the logits and the 3N floats the forward saved; nothing N x C is kept.
 //   dro_cross_entropy_backward_(grad, logits!, targets, lse, row_weight) -> ()
 //       The same gradient written over the logits (contiguous): the second pass of the grouped linear
 //       cross-entropy (dro_ext/cross_entropy_groups.py) recomputes a chunk's logits and turns them into their
@@ -18,17 +20,22 @@
 //       {sum_i value_term_i, sum_i w_i} over its kept rows, and (compute_grad) the logits overwritten in
 //       place by inv_count * w_i * (softmax_i - q_i), the chunk's share of the gradient. The weights need only
 //       the row's own loss and eta, so the gradient is final as soon as the row's loss is known.
-//   logsumexp_columns(matrix (R, C)) -> lse (C,)
-//       lse_c = logsumexp_r matrix_rc in the accumulate dtype: the per-row logsumexp of logits formed transposed,
+//   logsumexp_columns(matrix (R, C)) -> lse (C, 2)
+//       logsumexp_r matrix_rc as (shift, log_sum) pairs in the accumulate dtype, shift 0 where the column's max is
+//       infinite: the per-row logsumexp of logits formed transposed,
 //       which the first pass of the grouped linear cross-entropy does on the CPU (dro_ext/cross_entropy_groups.py).
-//       On CUDA, where that pass keeps the row layout, it is ATen's logsumexp.
+//       On CUDA, where that pass keeps the row layout, it is composed of ATen ops.
 //
 // Autograd is registered in Python (dro_ext/cross_entropy.py): each call moves N x C logits, so the
 // microseconds of a Python backward are lost in the noise, unlike for the O(N) dro_loss.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/logsumexp.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
+
+#include <limits>
 
 #include "checks.h"
 #include "cpu/cross_entropy_kernels.h"
@@ -67,7 +74,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dro_cross_entropy_cpu
   const at::Tensor x = logits.contiguous(), y = targets.contiguous();
   const int64_t kept = count_kept_rows_cpu(y, x.size(1), ignore_index);
   const auto acc_options = logits.options().dtype(accumulate_type(logits.scalar_type()));
-  at::Tensor lse = at::empty({x.size(0)}, acc_options), row_weight = at::empty({x.size(0)}, acc_options);
+  at::Tensor lse = at::empty({x.size(0), 2}, acc_options), row_weight = at::empty({x.size(0)}, acc_options);
   const double inv_count = kept > 0 ? 1.0 / static_cast<double>(kept) : 0.0;
   const auto sums = cpu::cross_entropy_kernels(x.numel()).forward(
       x, y, make_config(spec, eta, lam, scale, ignore_index, label_smoothing), &lse, &row_weight, nullptr, inv_count);
@@ -104,7 +111,7 @@ void dro_cross_entropy_backward_inplace_cpu(const at::Tensor& grad, at::Tensor& 
 at::Tensor logsumexp_columns_cpu(const at::Tensor& matrix) {
   check_logsumexp_columns_args(matrix);
   const at::Tensor x = matrix.contiguous();
-  at::Tensor lse = at::empty({x.size(1)}, x.options().dtype(accumulate_type(x.scalar_type())));
+  at::Tensor lse = at::empty({x.size(1), 2}, x.options().dtype(accumulate_type(x.scalar_type())));
   cpu::cross_entropy_kernels(x.numel()).logsumexp_columns(x, lse);
   return lse;
 }
@@ -112,7 +119,12 @@ at::Tensor logsumexp_columns_cpu(const at::Tensor& matrix) {
 #ifdef DRO_EXT_WITH_CUDA
 at::Tensor logsumexp_columns_composite(const at::Tensor& matrix) {
   check_logsumexp_columns_args(matrix);
-  return at::logsumexp(matrix.to(accumulate_type(matrix.scalar_type())), {0});
+  const at::Tensor x = matrix.to(accumulate_type(matrix.scalar_type()));
+  const at::Tensor max = x.amax({0});
+  const at::Tensor infinite = max.abs().eq(std::numeric_limits<double>::infinity());
+  const at::Tensor shift = at::where(infinite, at::zeros_like(max), max);  // keeps NaN
+  const at::Tensor log_sum = x.sub(shift).exp().sum(0).log();
+  return at::stack({shift, log_sum}, 1);
 }
 #endif
 

@@ -6,6 +6,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <string>
+
 #include "checks.h"
 
 namespace dro_ext {
@@ -30,10 +32,14 @@ inline void check_cross_entropy_logits_targets(const at::Tensor& logits, const a
                     " but logits is on ", logits.device(), "; move them to the same device");
 }
 
-// A 1-D tensor of one accumulate-dtype value per row of logits, on its device.
-inline void check_row_vector(const char* arg, const at::Tensor& value, const at::Tensor& logits) {
-  TORCH_CHECK_VALUE(value.dim() == 1 && value.size(0) == logits.size(0), "dro_ext: ", arg, " must have shape (",
-                    logits.size(0), ",), got ", value.sizes());
+// Accumulate-dtype values per row of logits, on its device: one per row (shape (N,)) when columns is 0, else
+// shape (N, columns).
+inline void check_row_values(const char* arg, const at::Tensor& value, const at::Tensor& logits, int64_t columns = 0) {
+  const bool shaped = columns == 0 ? value.dim() == 1 && value.size(0) == logits.size(0)
+                                   : value.dim() == 2 && value.size(0) == logits.size(0) && value.size(1) == columns;
+  TORCH_CHECK_VALUE(shaped, "dro_ext: ", arg, " must have shape (", logits.size(0),
+                    columns == 0 ? std::string(",)") : ", " + std::to_string(columns) + ")", ", got ",
+                    value.sizes());
   TORCH_CHECK_TYPE(value.scalar_type() == accumulate_type(logits.scalar_type()), "dro_ext: ", arg, " must be ",
                    accumulate_type(logits.scalar_type()), " for ", logits.scalar_type(), " logits, got ",
                    value.scalar_type());
@@ -80,8 +86,8 @@ inline void check_cross_entropy_backward_args(const at::Tensor& grad, const at::
                                               const at::Tensor& row_weight, double label_smoothing) {
   check_cross_entropy_logits_targets(logits, targets);
   check_scalar_tensor("grad", grad, logits, "logits");
-  check_row_vector("lse", lse, logits);
-  check_row_vector("row_weight", row_weight, logits);
+  check_row_values("lse", lse, logits, 2);  // (shift, log_sum) pairs: cross_entropy_terms.h
+  check_row_values("row_weight", row_weight, logits);
   check_label_smoothing(label_smoothing);
 }
 

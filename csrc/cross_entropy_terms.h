@@ -11,6 +11,32 @@
 
 namespace dro_ext {
 
+// A row's logsumexp as shift + log_sum: shift is the row's max (the column kernel's: 0 where that max is infinite)
+// and log_sum = log sum_j exp(x_j - shift), at most log C. Kept in two parts because their sum, rounded at the
+// logits' magnitude, would carry that rounding into every softmax_j and every loss: at logits near 64 in float32,
+// 64 roundings of the residual 1 - p_y of a confident row, where the shifted form keeps it to one or two.
+template <typename T>
+struct ShiftedLogSumExp {
+  T shift;
+  T log_sum;
+};
+
+// softmax_j = exp((x_j - shift) - log_sum): x_j - shift is exact for the logits near the max, whose probabilities
+// are the ones near 1. T: a scalar or a CPU vector.
+template <typename T>
+C10_HOST_DEVICE inline T shifted_softmax(T x, const ShiftedLogSumExp<T>& lse) {
+  return Math<T>::exp((x - lse.shift) - lse.log_sum);
+}
+
+// F.cross_entropy's loss of a row, (1 - eps)(lse - x_y) + eps (lse - mean_j x_j), each difference formed from the
+// shift, as log_softmax does.
+template <typename acc_t>
+C10_HOST_DEVICE inline acc_t cross_entropy_loss(const ShiftedLogSumExp<acc_t>& lse, acc_t x_target, acc_t row_mean,
+                                                acc_t smoothing) {
+  if (smoothing == acc_t(0)) return (lse.shift - x_target) + lse.log_sum;
+  return (acc_t(1) - smoothing) * (lse.shift - x_target) + smoothing * (lse.shift - row_mean) + lse.log_sum;
+}
+
 // The scalar constants every row needs.
 template <typename acc_t>
 struct DROTermParams {

@@ -105,6 +105,27 @@ def _row_losses(x, targets, ignore_index, label_smoothing):
     return F.cross_entropy(x, targets, reduction="none", ignore_index=ignore_index, label_smoothing=label_smoothing)
 
 
+def _row_shift(x):
+    """The shift of each row's logsumexp (csrc/cross_entropy_terms.h's ShiftedLogSumExp): its max, or 0 where that is
+    infinite or NaN (the column kernel's choice: no inf - inf; a NaN row stays NaN through its sum)."""
+    return x.amax(dim=1).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def shifted_softmax(x, lse):
+    """softmax of the rows of x from their logsumexp as (shift, log_sum) pairs (N, 2): exp((x - shift) - log_sum),
+    which keeps the probabilities near 1 to their own rounding (csrc/cross_entropy_terms.h)."""
+    return torch.exp((x - lse[:, :1]) - lse[:, 1:])
+
+
+def losses_from_shifted_lse(lse, target_logit, row_mean, label_smoothing: float):
+    """F.cross_entropy's per-row loss (1-eps)(lse - x_y) + eps(lse - mean_c x_c) from the (N, 2) (shift, log_sum)
+    pairs, each difference formed from the shift (csrc/cross_entropy_terms.h's cross_entropy_loss)."""
+    shift, log_sum = lse.unbind(1)
+    if not label_smoothing:
+        return (shift - target_logit) + log_sum
+    return (1.0 - label_smoothing) * (shift - target_logit) + label_smoothing * (shift - row_mean) + log_sum
+
+
 def _weighted_residual(c, r):
     """csrc/cross_entropy_terms.h's weighted_residual: c r, and 0 where r is 0 (an overflowed weight c = inf moves
     only the classes whose residual softmax_j - q_j is not 0)."""
@@ -123,7 +144,7 @@ if _backend.native_available():
         torch._check(logits.dim() == 2, lambda: "dro_ext: logits must be a 2-D tensor (N, C)")
         acc = accumulate_dtype(logits.dtype)
         rows = logits.shape[0]
-        return (logits.new_empty(()), logits.new_empty((), dtype=acc), logits.new_empty((rows,), dtype=acc),
+        return (logits.new_empty(()), logits.new_empty((), dtype=acc), logits.new_empty((rows, 2), dtype=acc),
                 logits.new_empty((rows,), dtype=acc))
 
     @torch.library.register_fake("dro_ext::dro_cross_entropy_backward")
@@ -139,7 +160,7 @@ if _backend.native_available():
     @torch.library.register_fake("dro_ext::logsumexp_columns")
     def _logsumexp_columns_fake(matrix):
         torch._check(matrix.dim() == 2, lambda: "dro_ext: matrix must be a 2-D tensor (R, C)")
-        return matrix.new_empty((matrix.shape[1],), dtype=accumulate_dtype(matrix.dtype))
+        return matrix.new_empty((matrix.shape[1], 2), dtype=accumulate_dtype(matrix.dtype))
 
     @torch.library.register_fake("dro_ext::dro_cross_entropy_chunk_")
     def _dro_cross_entropy_chunk_fake(logits, targets, eta, inv_count, lam, divergence, alpha=None, k=None,
@@ -228,8 +249,8 @@ def dro_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, eta: torch.Te
     ``F.cross_entropy(logits.reshape(-1, C), targets.reshape(-1), reduction="none", ignore_index=...,
     label_smoothing=...)``. Over the n rows whose target is not ``ignore_index``, the value is
     ``mean_i lam*psi*((l_i - scale*eta)/lam) + scale*eta`` (0 when n == 0, with zero gradients). Gradients
-    flow to ``logits`` and ``eta``; the native op keeps only the per-row logsumexp and weight (2N floats)
-    for backward. Sums accumulate in float32 (float64 for float64 logits); the result has the logits' dtype.
+    flow to ``logits`` and ``eta``; the native op keeps only the per-row logsumexp (as the row's max and the log
+    of the sum below it) and weight (3N floats) for backward. Sums accumulate in float32 (float64 for float64 logits); the result has the logits' dtype.
 
     ``groups`` with ``num_groups`` (both or neither): the objective over groups of tokens instead of tokens.
     ``groups`` (int64 or int32 ids in ``[0, num_groups)``) has the shape of ``targets`` (one id per token) or
@@ -274,23 +295,20 @@ def _chunk_fallback_(logits, targets, eta, inv_count, lam, spec, scale, ignore_i
     x = logits.to(acc)  # the logits themselves unless they must be cast up
     keep = targets != ignore_index
     safe_targets = torch.where(keep, targets, 0)
-    # F.cross_entropy's loss from the logsumexp, (1-eps)(lse - x_y) + eps(lse - mean_c x_c): the target logits and
-    # the row means are read first, so that the softmax can then be built in x in place. With the logits already
-    # in the accumulation dtype, nothing chunk-sized is allocated (torch.logsumexp and F.cross_entropy would
-    # each allocate a chunk-sized temporary).
+    # F.cross_entropy's loss from the logsumexp in two parts (shift_logsumexp), the target logits and the row means
+    # read first, so that the softmax can then be built in x in place. With the logits already in the accumulation
+    # dtype, nothing chunk-sized is allocated (torch.logsumexp and F.cross_entropy would each allocate a chunk-sized
+    # temporary).
     target_logit = x.gather(1, safe_targets[:, None]).squeeze(1)
     row_mean = x.mean(dim=1) if label_smoothing else None
+    shift = _row_shift(x)
     if compute_grad:
-        row_max = x.amax(dim=1, keepdim=True).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        unnormalized = x.sub_(row_max).exp_()  # exp(x - max): overwrites the logits (or their cast-up copy)
+        unnormalized = x.sub_(shift[:, None]).exp_()  # exp(x - shift): overwrites the logits (or their cast-up copy)
         row_sum = unnormalized.sum(dim=1)
-        lse = row_sum.log() + row_max.squeeze(1)
     else:
-        lse = torch.logsumexp(x, dim=1)
-    losses = lse - (1.0 - label_smoothing) * target_logit
-    if label_smoothing:
-        losses = losses - label_smoothing * row_mean
-    losses = torch.where(keep, losses, 0.0)
+        row_sum = (x - shift[:, None]).exp_().sum(dim=1)
+    lse = torch.stack([shift, row_sum.log()], dim=1)
+    losses = torch.where(keep, losses_from_shifted_lse(lse, target_logit, row_mean, label_smoothing), 0.0)
     g_eta = scale * eta.to(acc)
     t = (losses - g_eta) / lam
     weights = torch.where(keep, _psi_star_torch(t, spec, 1), 0.0)
@@ -298,7 +316,7 @@ def _chunk_fallback_(logits, targets, eta, inv_count, lam, spec, scale, ignore_i
     if compute_grad:
         grad = unnormalized.div_(row_sum[:, None])  # softmax
         grad.sub_(label_smoothing / x.shape[1])
-        grad.scatter_add_(1, safe_targets[:, None], torch.full_like(lse[:, None], label_smoothing - 1.0))
+        grad.scatter_add_(1, safe_targets[:, None], torch.full_like(row_sum[:, None], label_smoothing - 1.0))
         unmoved = grad == 0  # _weighted_residual, in place: an overflowed weight times a zero residual is 0
         grad.mul_((weights * inv_count.to(acc))[:, None]).masked_fill_(unmoved, 0.0)
         if grad.data_ptr() != logits.data_ptr():

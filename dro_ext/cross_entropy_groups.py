@@ -31,8 +31,9 @@ from dro_ext import _backend
 from dro_ext import groups as _groups
 from dro_ext._divergences import accumulate_dtype, fallback_dtype
 from dro_ext.cross_entropy import (_check_float_tensor, _check_ignore_index, _check_label_smoothing,
-                                   _check_linear_args, _check_target_range, _check_targets, _weighted_residual,
-                                   chunk_logits, logits_buffer)
+                                   _check_linear_args, _check_target_range, _check_targets, _row_shift,
+                                   _weighted_residual, chunk_logits, logits_buffer, losses_from_shifted_lse,
+                                   shifted_softmax)
 
 __all__ = ["cross_entropy_losses", "linear_cross_entropy_losses"]
 
@@ -43,7 +44,8 @@ __all__ = ["cross_entropy_losses", "linear_cross_entropy_losses"]
 
 
 def _row_lse(x, targets, ignore_index: int, native: bool):
-    """logsumexp of each row of the (N, C) logits in the accumulate dtype, 0 on ignored rows. Native: the forward
+    """logsumexp of each row of the (N, C) logits as (N, 2) (shift, log_sum) pairs in the accumulate dtype
+    (csrc/cross_entropy_terms.h's ShiftedLogSumExp), 0 on ignored rows. Native: the forward
     kernel of dro_cross_entropy (one pass, nothing N x C allocated; its DRO sums, O(N), are not used), or, for
     column-major logits (the transpose of a contiguous (C, N) matrix), the column kernel over that matrix."""
     acc = accumulate_dtype(x.dtype)
@@ -52,23 +54,24 @@ def _row_lse(x, targets, ignore_index: int, native: bool):
             # The column kernel reads no target, so it cannot name a bad one as the row kernel does (CUDA: the
             # gather below asserts on the device, as the row kernel does, without a host sync).
             _check_target_range(targets, x.shape[1], ignore_index)
-        return torch.where(targets != ignore_index, torch.ops.dro_ext.logsumexp_columns(x.t()), 0.0)
+        return torch.where((targets != ignore_index)[:, None], torch.ops.dro_ext.logsumexp_columns(x.t()), 0.0)
     if native:
         zero = torch.zeros((), dtype=acc, device=x.device)
         return torch.ops.dro_ext.dro_cross_entropy(x, targets, zero, 1.0, "chi2", None, None, 1.0, ignore_index,
                                                    0.0)[2]
-    return torch.where(targets != ignore_index, torch.logsumexp(x.to(acc), dim=1), 0.0)
+    xa = x.to(acc)
+    shift = _row_shift(xa)
+    lse = torch.stack([shift, torch.logsumexp(xa - shift[:, None], dim=1)], dim=1)
+    return torch.where((targets != ignore_index)[:, None], lse, 0.0)
 
 
 def _losses_from_lse(x, targets, lse, ignore_index: int, label_smoothing: float):
-    """F.cross_entropy's per-row loss (1-eps)(lse - x_y) + eps(lse - mean_c x_c) from the row's logsumexp, in lse's
-    dtype; 0 on ignored rows. Reads N target logits, and (eps > 0) the logits once more for their row means."""
+    """F.cross_entropy's per-row loss (1-eps)(lse - x_y) + eps(lse - mean_c x_c) from the row's logsumexp pairs, in
+    lse's dtype; 0 on ignored rows. Reads N target logits, and (eps > 0) the logits once more for their row means."""
     keep = targets != ignore_index
     target_logit = x.gather(1, torch.where(keep, targets, 0)[:, None]).squeeze(1).to(lse.dtype)
-    losses = lse - (1.0 - label_smoothing) * target_logit
-    if label_smoothing:
-        losses = losses - label_smoothing * x.mean(dim=1, dtype=lse.dtype)
-    return torch.where(keep, losses, 0.0)
+    row_mean = x.mean(dim=1, dtype=lse.dtype) if label_smoothing else None
+    return torch.where(keep, losses_from_shifted_lse(lse, target_logit, row_mean, label_smoothing), 0.0)
 
 
 # Logit bytes (at least) of the pieces of rows the fallback writes a chunk's gradient by (_logits_gradient_), so that
@@ -101,7 +104,7 @@ def _logits_gradient(x, targets, lse, row_weight, ignore_index: int, label_smoot
     xa = x.to(acc)
     q = torch.full_like(xa, label_smoothing / x.shape[1])
     q.scatter_add_(1, torch.where(keep, targets, 0)[:, None], torch.full_like(xa[:, :1], 1.0 - label_smoothing))
-    residual = torch.where(keep[:, None], torch.exp(xa - lse.to(acc)[:, None]) - q, 0.0)
+    residual = torch.where(keep[:, None], shifted_softmax(xa, lse.to(acc)) - q, 0.0)
     return _weighted_residual(row_weight.to(acc)[:, None], residual).to(x.dtype)
 
 
@@ -113,7 +116,7 @@ def _logits_gradient(x, targets, lse, row_weight, ignore_index: int, label_smoot
 @torch.library.custom_op("dro_ext::cross_entropy_row_losses", mutates_args=())
 def _cross_entropy_row_losses(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
                               label_smoothing: float, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(losses, lse) of the (N, C) logits, both (N,) in the accumulate dtype, 0 on ignored rows."""
+    """(losses, lse) of the (N, C) logits, (N,) and (N, 2) (_row_lse) in the accumulate dtype, 0 on ignored rows."""
     lse = _row_lse(logits, targets, ignore_index, native)
     return _losses_from_lse(logits, targets, lse, ignore_index, label_smoothing), lse
 
@@ -122,7 +125,7 @@ def _cross_entropy_row_losses(logits: torch.Tensor, targets: torch.Tensor, ignor
 def _cross_entropy_row_losses_fake(logits, targets, ignore_index, label_smoothing, native):
     acc = accumulate_dtype(logits.dtype)
     rows = logits.shape[0]
-    return logits.new_empty((rows,), dtype=acc), logits.new_empty((rows,), dtype=acc)
+    return logits.new_empty((rows,), dtype=acc), logits.new_empty((rows, 2), dtype=acc)
 
 
 def _row_losses_setup_context(ctx, inputs, output):
@@ -166,12 +169,13 @@ def _first_pass_column_major(hidden: torch.Tensor, native: bool) -> bool:
 def _linear_row_losses(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                        targets: torch.Tensor, ignore_index: int, label_smoothing: float, chunk_size: int,
                        native: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(losses, lse), (N,) each in the accumulate dtype, of logits = hidden @ weight.T + bias, a chunk of rows at a
+    """(losses, lse), (N,) and (N, 2) (_row_lse) in the accumulate dtype, of logits = hidden @ weight.T + bias, a
+    chunk of rows at a
     time: each chunk's logits are freed before the next are formed."""
     rows = hidden.shape[0]
     acc = accumulate_dtype(hidden.dtype)
     losses = torch.empty((rows,), dtype=acc, device=hidden.device)
-    lse = torch.empty((rows,), dtype=acc, device=hidden.device)
+    lse = torch.empty((rows, 2), dtype=acc, device=hidden.device)
     column_major = _first_pass_column_major(hidden, native)
     buffer = logits_buffer(rows, chunk_size, hidden, weight)
     for start in range(0, rows, chunk_size):
@@ -188,7 +192,7 @@ def _linear_row_losses(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
 def _linear_row_losses_fake(hidden, weight, bias, targets, ignore_index, label_smoothing, chunk_size, native):
     acc = accumulate_dtype(hidden.dtype)
     rows = hidden.shape[0]
-    return hidden.new_empty((rows,), dtype=acc), hidden.new_empty((rows,), dtype=acc)
+    return hidden.new_empty((rows,), dtype=acc), hidden.new_empty((rows, 2), dtype=acc)
 
 
 @torch.library.custom_op("dro_ext::linear_cross_entropy_row_losses_backward", mutates_args=())
@@ -276,7 +280,7 @@ def cross_entropy_losses(logits: torch.Tensor, targets: torch.Tensor, *, ignore_
     is ``ignore_index``, in the accumulate dtype (float32 for half/bfloat16 logits, as the sums that consume it).
 
     Native: one pass for the losses, and a backward that forms ``grad_i (softmax_i - q_i)`` in one pass from the
-    logits and the per-row logsumexp it saved (N floats; nothing N x C is kept but the logits themselves)."""
+    logits and the per-row logsumexp it saved (2N floats; nothing N x C is kept but the logits themselves)."""
 
     ignore_index, label_smoothing = _check_ignore_index(ignore_index), _check_label_smoothing(label_smoothing)
     x, y = _flat_logits(logits, targets)

@@ -187,5 +187,17 @@ def tolerances(dtype: torch.dtype) -> dict:
     }[dtype]
 
 
+def shifted_lse(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """The logsumexp of x along dim as (shift, log_sum) pairs (..., 2), the layout the cross-entropy ops save: the
+    max (0 where it is not finite) and the logsumexp of x minus it."""
+    shift = x.amax(dim).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.stack([shift, torch.logsumexp(x - shift.unsqueeze(dim), dim)], -1)
+
+
+def combined_lse(pairs: torch.Tensor) -> torch.Tensor:
+    """shift + log_sum of (shift, log_sum) pairs, in float64."""
+    return pairs[..., 0].double() + pairs[..., 1].double()
+
+
 def as_numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().double().numpy()

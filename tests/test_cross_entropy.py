@@ -211,6 +211,46 @@ def test_masked_logits_are_left_out(backend, name, params, dtype):
     check_against_reference(value, grads, logits, targets, eta, name, params)
 
 
+@pytest.mark.parametrize("path", ["logits", "linear", "logits-groups", "linear-groups"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("name,params", [("kl", {}), ("chi2", {})], ids=["kl", "chi2"])
+def test_confident_rows_at_large_logits_keep_float32_precision(backend, path, label_smoothing, name, params):
+    """float32 rows whose logits sit far from 0 (here 50 to 200) with a confident target: the target's residual
+    p_y - 1 and the loss are small differences, and must keep their own precision, not that of the logsumexp rounded
+    at the logits' magnitude (which put 1 - p_y off by 7e-5 relatively at logits [64, 61]). Each path: from the
+    logits, from the head (hidden = logits, weight = identity, exact), and both with one group per row."""
+    generator = torch.Generator().manual_seed(11)
+    rows, classes = 13, 7
+    offset = 50 + 150 * torch.rand(rows, 1, generator=generator, dtype=torch.float64)
+    logits = (offset + 2 * torch.rand(rows, classes, generator=generator, dtype=torch.float64)).float()
+    targets = torch.randint(0, classes, (rows,), generator=generator)
+    margin = 2 + 4 * torch.rand(rows, generator=generator, dtype=torch.float64)
+    logits[torch.arange(rows), targets] = (logits.double().amax(dim=1) + margin).float()  # p_y from 0.8 to 0.99
+    logits[0, :2], logits[0, 2:], targets[0] = torch.tensor([64.0, 61.0]), 40.0, 0
+    eta = torch.tensor(0.1, requires_grad=True)
+    groups = {"num_groups": rows, "groups": torch.arange(rows)} if path.endswith("groups") else {}
+    x = logits.clone().requires_grad_()
+    if path.startswith("linear"):
+        value = dro_ext.dro_linear_cross_entropy(x, torch.eye(classes), targets, eta, 1.0, name,
+                                                 label_smoothing=label_smoothing, **groups, **params)
+    else:
+        value = dro_ext.dro_cross_entropy(x, targets, eta, 1.0, name, label_smoothing=label_smoothing, **groups,
+                                          **params)
+    grad_logits, grad_eta = torch.autograd.grad(value, (x, eta))
+    x64, e64 = logits.double().requires_grad_(), eta.detach().double().requires_grad_()
+    losses64 = F.cross_entropy(x64, targets, reduction="none", label_smoothing=label_smoothing)
+    expected = ref.dro_loss(losses64, e64, 1.0, name)
+    row_scale, exp_logits, exp_eta = torch.autograd.grad(expected, (losses64, x64, e64))  # row_scale: w_i / n
+    eps = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(value.double(), expected.detach(), rtol=8 * eps, atol=0)
+    torch.testing.assert_close(grad_eta.double(), exp_eta, rtol=8 * eps, atol=8 * eps)
+    # (w_i / n)(softmax_i - q_i) with the residual to a few roundings of the probabilities (absolute: p_y - 1 is
+    # formed from p_y), the small probabilities relatively. The logsumexp rounded at 50 to 200 was 14 to 64 off.
+    error = (grad_logits.double() - exp_logits).abs()
+    allowed = 4 * eps * row_scale[:, None] + 16 * eps * exp_logits.abs()
+    assert bool((error <= allowed).all()), f"worst error / allowed {float((error / allowed).max()):.3g}"
+
+
 def test_nan_logit_is_not_dropped(backend):
     logits = torch.randn(6, 5)
     logits[2, 3] = float("nan")
@@ -438,8 +478,13 @@ def test_logsumexp_columns_matches_float64_logsumexp(dtype, shape):
     matrix = (4 * torch.randn(shape, dtype=torch.float64)).to(dtype)
     got = torch.ops.dro_ext.logsumexp_columns(matrix)
     assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    expected = torch.logsumexp(matrix.double(), dim=0)
-    torch.testing.assert_close(got.double(), expected, rtol=1e-12 if dtype == torch.float64 else 2e-6, atol=0)
+    assert got.shape == (shape[1], 2)
+    # The shift is the column's max, and the log of the sum below it (at most log R) is within the rounding of a
+    # float32 sum of R terms.
+    torch.testing.assert_close(got[:, 0], matrix.to(got.dtype).amax(dim=0), rtol=0, atol=0)
+    expected = torch.logsumexp(matrix.double() - got[:, :1].double().T, dim=0)
+    torch.testing.assert_close(got[:, 1].double(), expected, rtol=1e-12 if dtype == torch.float64 else 2e-6,
+                               atol=1e-14 if dtype == torch.float64 else 1e-5)
     # Non-contiguous input (read through a contiguous copy), and bitwise repeatable across thread counts.
     strided = torch.ops.dro_ext.logsumexp_columns(matrix.t().contiguous().t())
     assert torch.equal(strided, got)
@@ -464,9 +509,10 @@ def test_logsumexp_columns_infinities_nan_and_empty():
     for dtype in (torch.float64, torch.float32):
         got = torch.ops.dro_ext.logsumexp_columns(matrix.to(dtype))
         expected = torch.logsumexp(matrix.to(dtype), dim=0)
-        torch.testing.assert_close(got, expected, equal_nan=True)
+        torch.testing.assert_close(got.sum(dim=1), expected, equal_nan=True)
+        assert got[1, 0] == 0 and got[2, 0] == 0  # an infinite max is no shift: no inf - inf
     empty = torch.ops.dro_ext.logsumexp_columns(torch.empty(0, 4))
-    assert torch.equal(empty, torch.full((4,), -math.inf))
+    assert torch.equal(empty, torch.tensor([[0.0, -math.inf]] * 4))
 
 
 @native_only
@@ -494,7 +540,7 @@ def test_backward_in_place_writes_the_backward_over_the_logits(dtype, label_smoo
     targets = torch.randint(0, 37, (17,), generator=generator)
     targets[[2, 11]] = -100
     acc = torch.float64 if dtype == torch.float64 else torch.float32
-    lse = torch.where(targets != -100, torch.logsumexp(logits.to(acc), dim=1), 0.0)
+    lse = torch.where((targets != -100)[:, None], ref.shifted_lse(logits.to(acc)), 0.0)
     row_weight = torch.rand(17, generator=generator, dtype=acc)
     grad = torch.tensor(1.7, dtype=dtype)
     expected = torch.ops.dro_ext.dro_cross_entropy_backward(grad, logits, targets, lse, row_weight, -100,
@@ -668,11 +714,14 @@ def test_native_ops_check_their_arguments():
         op(logits.reshape(-1), targets, eta, LAM, "chi2", None, None, 1.0, -100, 0.0)
     with pytest.raises(ValueError, match="label_smoothing"):
         op(logits, targets, eta, LAM, "chi2", None, None, 1.0, -100, -0.1)
-    with pytest.raises(TypeError, match="row_weight must be"):
+    with pytest.raises(ValueError, match=r"lse must have shape \(4, 2\), got \[4\]"):
         torch.ops.dro_ext.dro_cross_entropy_backward(torch.tensor(1.0), logits, targets, torch.zeros(4),
+                                                     torch.zeros(4), -100, 0.0)
+    with pytest.raises(TypeError, match="row_weight must be"):
+        torch.ops.dro_ext.dro_cross_entropy_backward(torch.tensor(1.0), logits, targets, torch.zeros(4, 2),
                                                      torch.zeros(4, dtype=torch.float64), -100, 0.0)
     with pytest.raises(ValueError, match="must be contiguous"):
         torch.ops.dro_ext.dro_cross_entropy_chunk_(torch.randn(5, 4).T, targets, eta, eta, LAM, "chi2")
     with pytest.raises(ValueError, match="dro_cross_entropy_backward_ overwrites logits in place"):
         torch.ops.dro_ext.dro_cross_entropy_backward_(torch.tensor(1.0), torch.randn(5, 4).T, targets,
-                                                      torch.zeros(4), torch.zeros(4), -100, 0.0)
+                                                      torch.zeros(4, 2), torch.zeros(4), -100, 0.0)

@@ -43,12 +43,13 @@ inline acc_t lane_max(const Vectorized<acc_t>& v) {
 
 template <typename acc_t>
 struct RowStats {
-  acc_t lse;    // logsumexp of the row
-  acc_t total;  // sum of the row (only when label smoothing needs its mean)
+  ShiftedLogSumExp<acc_t> lse;  // the row's logsumexp, as its max and the log of the sum below it
+  acc_t total;                  // sum of the row (only when label smoothing needs its mean)
 };
 
-// The row's logsumexp in one pass over memory: per block, its max (vector maximum, which keeps NaN), then the
-// running sum of exponentials rescaled to the new max once per block, then the block's exponentials.
+// The row's logsumexp (shift: its max; log_sum) in one pass over memory: per block, its max (vector maximum, which
+// keeps NaN), then the running sum of exponentials rescaled to the new max once per block, then the block's
+// exponentials.
 template <typename acc_t, typename scalar_t>
 RowStats<acc_t> row_stats(const scalar_t* x, int64_t num_classes, bool want_total) {
   using V = Vectorized<acc_t>;
@@ -96,21 +97,22 @@ RowStats<acc_t> row_stats(const scalar_t* x, int64_t num_classes, bool want_tota
     running_sum += horizontal_sum(sum + sum2);
     if (want_total) total += horizontal_sum(row + row2);
   }
-  return {running_max + std::log(running_sum), total};
+  return {{running_max, std::log(running_sum)}, total};
 }
 
-// out_j = c (exp(x_j - lse) - eps / C), then out_y = c (p_y - eps / C - (1 - eps)) from the x_y read before the row
-// was overwritten (out may be x itself); each through weighted_residual (cross_entropy_terms.h).
+// out_j = c (p_j - eps / C), then out_y = c (p_y - eps / C - (1 - eps)) from the x_y read before the row was
+// overwritten (out may be x itself); each through weighted_residual (cross_entropy_terms.h), p_j = softmax_j
+// formed as shifted_softmax does.
 template <typename acc_t, typename scalar_t>
-void write_row_gradient(const scalar_t* x, scalar_t* out, int64_t num_classes, int64_t target, acc_t lse, acc_t c,
-                        acc_t smoothing) {
+void write_row_gradient(const scalar_t* x, scalar_t* out, int64_t num_classes, int64_t target,
+                        ShiftedLogSumExp<acc_t> lse, acc_t c, acc_t smoothing) {
   using V = Vectorized<acc_t>;
-  using M = Math<V>;
   constexpr int64_t W = V::size();
   const acc_t x_target = static_cast<acc_t>(x[target]);
   const acc_t uniform = smoothing / static_cast<acc_t>(num_classes);
-  const V vlse(lse), vc(c), vuniform(uniform);
-  const auto term = [&](const V& xs) { return weighted_residual(vc, M::exp(xs - vlse) - vuniform); };
+  const ShiftedLogSumExp<V> vlse{V(lse.shift), V(lse.log_sum)};
+  const V vc(c), vuniform(uniform);
+  const auto term = [&](const V& xs) { return weighted_residual(vc, shifted_softmax(xs, vlse) - vuniform); };
   int64_t j = 0;
   for (; j + W <= num_classes; j += W) store<acc_t>(out + j, term(load<acc_t>(x + j, W)), W);
   if (j < num_classes) {
@@ -118,7 +120,7 @@ void write_row_gradient(const scalar_t* x, scalar_t* out, int64_t num_classes, i
     store<acc_t>(out + j, term(load<acc_t>(x + j, n)), n);
   }
   out[target] = static_cast<scalar_t>(
-      weighted_residual(c, std::exp(x_target - lse) - uniform - (acc_t(1) - smoothing)));
+      weighted_residual(c, shifted_softmax(x_target, lse) - uniform - (acc_t(1) - smoothing)));
 }
 
 template <typename scalar_t>
@@ -138,7 +140,7 @@ std::array<double, 2> forward_typed(const at::Tensor& logits, const at::Tensor& 
   const int64_t rows = logits.size(0), num_classes = logits.size(1);
   const scalar_t* x = logits.const_data_ptr<scalar_t>();
   const int64_t* y = targets.const_data_ptr<int64_t>();
-  acc_t* lse = lse_out ? lse_out->mutable_data_ptr<acc_t>() : nullptr;
+  auto* lse = lse_out ? reinterpret_cast<ShiftedLogSumExp<acc_t>*>(lse_out->mutable_data_ptr<acc_t>()) : nullptr;
   acc_t* row_weight = weight_out ? weight_out->mutable_data_ptr<acc_t>() : nullptr;
   // grad may alias x: rows are disjoint between tasks, and a row is read before it is written.
   scalar_t* grad = grad_out ? grad_out->data_ptr<scalar_t>() : nullptr;
@@ -157,17 +159,14 @@ std::array<double, 2> forward_typed(const at::Tensor& logits, const at::Tensor& 
           const scalar_t* row = x + i * num_classes;
           const int64_t target = y[i];
           if (target == cfg.ignore_index) {
-            if (lse) lse[i] = 0;
+            if (lse) lse[i] = {0, 0};
             if (row_weight) row_weight[i] = 0;
             if (grad) zero_row(grad + i * num_classes, num_classes);
             continue;
           }
           const RowStats<acc_t> stats = row_stats<acc_t>(row, num_classes, smoothed);
-          const acc_t x_target = static_cast<acc_t>(row[target]);
-          // F.cross_entropy: (1 - eps) (lse - x_y) + eps (lse - mean_j x_j).
-          const acc_t loss = smoothed ? stats.lse - (acc_t(1) - smoothing) * x_target -
-                                            smoothing * (stats.total / static_cast<acc_t>(num_classes))
-                                      : stats.lse - x_target;
+          const acc_t loss = cross_entropy_loss(stats.lse, static_cast<acc_t>(row[target]),
+                                                stats.total / static_cast<acc_t>(num_classes), smoothing);
           const acc_t t = dro_argument(loss, params);
           const acc_t w = div.first(t);
           value_sum += value_term(div, t, loss, params);
@@ -198,7 +197,7 @@ void backward_typed(const at::Tensor& logits, const at::Tensor& targets, const a
   const int64_t rows = logits.size(0), num_classes = logits.size(1);
   const scalar_t* x = logits.const_data_ptr<scalar_t>();
   const int64_t* y = targets.const_data_ptr<int64_t>();
-  const acc_t* lse = lse_in.const_data_ptr<acc_t>();
+  const auto* lse = reinterpret_cast<const ShiftedLogSumExp<acc_t>*>(lse_in.const_data_ptr<acc_t>());
   const acc_t* row_weight = weight_in.const_data_ptr<acc_t>();
   scalar_t* grad = grad_out.mutable_data_ptr<scalar_t>();
   const acc_t smoothing = static_cast<acc_t>(label_smoothing), g = static_cast<acc_t>(grad_value);
@@ -214,7 +213,8 @@ void backward_typed(const at::Tensor& logits, const at::Tensor& targets, const a
   });
 }
 
-// The logsumexp of every column of a contiguous (R, C) matrix: the per-row logsumexp of logits formed transposed
+// The logsumexp of every column of a contiguous (R, C) matrix, as (shift, log_sum) pairs (cross_entropy_terms.h):
+// the per-row logsumexp of logits formed transposed
 // (a chunk's logits as weight @ hidden.T, which the benchmark machine's BLAS forms faster than hidden @ weight.T; see
 // dro_ext/cross_entropy_groups.py). Columns are taken kColumnVectors vectors at a time, so that each row of a slab
 // is read as whole cache lines, and rows kColumnSlab at a time, which stay in L1 between the slab's max and its
@@ -231,7 +231,7 @@ void logsumexp_columns_typed(const at::Tensor& matrix, at::Tensor& out_lse) {
   constexpr int64_t W = V::size(), kBlockColumns = kColumnVectors * W;
   const int64_t rows = matrix.size(0), cols = matrix.size(1);
   const scalar_t* x = matrix.const_data_ptr<scalar_t>();
-  acc_t* lse = out_lse.mutable_data_ptr<acc_t>();
+  auto* lse = reinterpret_cast<ShiftedLogSumExp<acc_t>*>(out_lse.mutable_data_ptr<acc_t>());
   const V zero(acc_t(0)), neg_inf(-std::numeric_limits<acc_t>::infinity()),
       inf(std::numeric_limits<acc_t>::infinity());
   at::parallel_for(0, (cols + kBlockColumns - 1) / kBlockColumns, 1, [&](int64_t begin, int64_t end) {
@@ -274,7 +274,7 @@ void logsumexp_columns_typed(const at::Tensor& matrix, at::Tensor& out_lse) {
         alignas(64) acc_t shifts[W], sums[W];
         shift[k].store(shifts);
         sum[k].store(sums);
-        for (int64_t i = 0; i < lanes[k]; ++i) lse[first + k * W + i] = shifts[i] + std::log(sums[i]);
+        for (int64_t i = 0; i < lanes[k]; ++i) lse[first + k * W + i] = {shifts[i], std::log(sums[i])};
       }
     }
   });

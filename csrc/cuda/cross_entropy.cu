@@ -72,10 +72,11 @@ struct MergeOp {
   }
 };
 
-// The row's logsumexp and (when smoothing) its sum, in one pass over global memory; valid in thread 0.
+// The row's logsumexp (shift: its max; log_sum) and (when smoothing) its sum, in one pass over global memory; valid
+// in thread 0.
 template <typename scalar_t, typename acc_t>
-__device__ __forceinline__ void row_logsumexp(const scalar_t* row, int64_t num_classes, bool want_total, acc_t& lse,
-                                              acc_t& total) {
+__device__ __forceinline__ void row_logsumexp(const scalar_t* row, int64_t num_classes, bool want_total,
+                                              ShiftedLogSumExp<acc_t>& lse, acc_t& total) {
   MaxSum<acc_t> mine{-std::numeric_limits<acc_t>::infinity(), acc_t(0)};
   acc_t row_sum = 0;
   for (int64_t j = threadIdx.x; j < num_classes; j += kRowThreads) {
@@ -93,23 +94,24 @@ __device__ __forceinline__ void row_logsumexp(const scalar_t* row, int64_t num_c
   if (mine.sum != mine.sum) mine.max = mine.sum;  // carry a NaN into the max, which merge() tests
   const MaxSum<acc_t> all = cuda::block_reduce<kRowThreads>(mine, MergeOp<acc_t>());
   if (want_total) total = cuda::block_reduce<kRowThreads>(row_sum, cuda::Sum());
-  lse = all.max + ::log(all.sum);
+  lse = {all.max, ::log(all.sum)};
 }
 
-// grad_j = c (exp(x_j - lse) - eps / C), and at the target c (p_y - eps / C - (1 - eps)) from x_target read before
-// the row was overwritten (grad may be the row itself); each through weighted_residual (cross_entropy_terms.h).
+// grad_j = c (p_j - eps / C), and at the target c (p_y - eps / C - (1 - eps)) from x_target read before the row was
+// overwritten (grad may be the row itself); each through weighted_residual, p_j = shifted_softmax
+// (cross_entropy_terms.h).
 template <typename scalar_t, typename acc_t>
 __device__ __forceinline__ void write_row_gradient(const scalar_t* row, scalar_t* grad, int64_t num_classes,
-                                                   int64_t target, acc_t x_target, acc_t lse, acc_t c,
-                                                   acc_t smoothing) {
+                                                   int64_t target, acc_t x_target, ShiftedLogSumExp<acc_t> lse,
+                                                   acc_t c, acc_t smoothing) {
   const acc_t uniform = smoothing / static_cast<acc_t>(num_classes);
   for (int64_t j = threadIdx.x; j < num_classes; j += kRowThreads) {
-    grad[j] = static_cast<scalar_t>(weighted_residual(c, ::exp(static_cast<acc_t>(row[j]) - lse) - uniform));
+    grad[j] = static_cast<scalar_t>(weighted_residual(c, shifted_softmax(static_cast<acc_t>(row[j]), lse) - uniform));
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    grad[target] =
-        static_cast<scalar_t>(weighted_residual(c, ::exp(x_target - lse) - uniform - (acc_t(1) - smoothing)));
+    grad[target] = static_cast<scalar_t>(
+        weighted_residual(c, shifted_softmax(x_target, lse) - uniform - (acc_t(1) - smoothing)));
   }
 }
 
@@ -118,20 +120,22 @@ __device__ __forceinline__ void zero_row(scalar_t* grad, int64_t num_classes) {
   for (int64_t j = threadIdx.x; j < num_classes; j += kRowThreads) grad[j] = scalar_t(0);
 }
 
-// Per row: lse_i, w_i (raw), value_term_i (0 on ignored rows); and, when grad != nullptr, the row's gradient
+// Per row: lse_i ((shift, log_sum)), w_i (raw), value_term_i (0 on ignored rows); and, when grad != nullptr, the
+// row's gradient
 // inv_count * w_i * (softmax_i - q_i) (grad may alias logits).
 template <typename scalar_t, typename acc_t, typename Div>
 __global__ void __launch_bounds__(kRowThreads)
 row_forward_kernel(const scalar_t* logits, const int64_t* targets, int64_t num_classes, Div div, TermArgs args,
-                   cuda::ScalarRef eta, cuda::ScalarRef inv_count, acc_t* lse_out, acc_t* weight_out, acc_t* value_out,
-                   scalar_t* grad) {
+                   cuda::ScalarRef eta, cuda::ScalarRef inv_count, ShiftedLogSumExp<acc_t>* lse_out, acc_t* weight_out,
+                   acc_t* value_out, scalar_t* grad) {
   const int64_t i = blockIdx.x;
   const scalar_t* row = logits + i * num_classes;
   const int64_t target = targets[i];
-  __shared__ acc_t shared_lse, shared_c, shared_x_target;
+  __shared__ ShiftedLogSumExp<acc_t> shared_lse;
+  __shared__ acc_t shared_c, shared_x_target;
   if (target == args.ignore_index) {
     if (threadIdx.x == 0) {
-      if (lse_out) lse_out[i] = 0;
+      if (lse_out) lse_out[i] = {0, 0};
       weight_out[i] = 0;
       value_out[i] = 0;
     }
@@ -143,14 +147,12 @@ row_forward_kernel(const scalar_t* logits, const int64_t* targets, int64_t num_c
   const bool smoothed = args.label_smoothing != 0.0;
   // Read before any thread may overwrite the row with its gradient.
   if (threadIdx.x == 0) shared_x_target = static_cast<acc_t>(row[target]);
-  acc_t lse = 0, total = 0;
+  ShiftedLogSumExp<acc_t> lse{0, 0};
+  acc_t total = 0;
   row_logsumexp<scalar_t, acc_t>(row, num_classes, smoothed, lse, total);
   if (threadIdx.x == 0) {
-    const acc_t x_target = shared_x_target;
-    // F.cross_entropy: (1 - eps) (lse - x_y) + eps (lse - mean_j x_j).
-    const acc_t loss = smoothed ? lse - (acc_t(1) - smoothing) * x_target -
-                                      smoothing * (total / static_cast<acc_t>(num_classes))
-                                : lse - x_target;
+    const acc_t loss =
+        cross_entropy_loss(lse, shared_x_target, total / static_cast<acc_t>(num_classes), smoothing);
     const acc_t g_eta = static_cast<acc_t>(args.scale * eta.read());
     const DROTermParams<acc_t> params{g_eta, static_cast<acc_t>(1.0 / args.lam), static_cast<acc_t>(args.lam)};
     const acc_t t = dro_argument(loss, params);
@@ -208,7 +210,8 @@ reduce_rows_kernel(const int64_t* targets, int64_t rows, int64_t ignore_index, c
 
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kRowThreads)
-row_backward_kernel(const scalar_t* logits, const int64_t* targets, int64_t num_classes, const acc_t* lse,
+row_backward_kernel(const scalar_t* logits, const int64_t* targets, int64_t num_classes,
+                    const ShiftedLogSumExp<acc_t>* lse,
                     const acc_t* row_weight, cuda::ScalarRef grad_value, int64_t ignore_index, double label_smoothing,
                     scalar_t* grad) {
   const int64_t i = blockIdx.x;
@@ -248,7 +251,8 @@ void launch_forward(const at::Tensor& logits, const at::Tensor& targets, const a
         row_forward_kernel<scalar_t, acc_t, decltype(div)><<<rows, kRowThreads, 0, stream>>>(
             logits.const_data_ptr<scalar_t>(), targets.const_data_ptr<int64_t>(), num_classes, div, args,
             cuda::scalar_ref(eta), inv_count ? cuda::scalar_ref(*inv_count) : cuda::scalar_ref(eta),
-            lse ? lse->mutable_data_ptr<acc_t>() : nullptr, weights.mutable_data_ptr<acc_t>(),
+            lse ? reinterpret_cast<ShiftedLogSumExp<acc_t>*>(lse->mutable_data_ptr<acc_t>()) : nullptr,
+            weights.mutable_data_ptr<acc_t>(),
             value_terms.mutable_data_ptr<acc_t>(), write_grad ? logits.data_ptr<scalar_t>() : nullptr);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
@@ -272,7 +276,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dro_cross_entropy_cud
   const at::Tensor x = logits.contiguous(), y = targets.contiguous();
   const auto acc_options = logits.options().dtype(accumulate_type(logits.scalar_type()));
   const int64_t rows = x.size(0);
-  at::Tensor lse = at::empty({rows}, acc_options), row_weight = at::empty({rows}, acc_options);
+  at::Tensor lse = at::empty({rows, 2}, acc_options), row_weight = at::empty({rows}, acc_options);
   at::Tensor value_terms = at::empty({rows}, acc_options);
   at::Tensor value = at::empty({}, logits.options()), mean_weight = at::empty({}, acc_options);
   launch_forward(x, y, eta, nullptr, spec, TermArgs{scale, lam, ignore_index, label_smoothing}, &lse, row_weight,
@@ -311,7 +315,8 @@ void launch_backward(const at::Tensor& grad, const at::Tensor& logits, const at:
                                   [&] {
     using acc_t = at::opmath_type<scalar_t>;
     row_backward_kernel<scalar_t, acc_t><<<rows, kRowThreads, 0, stream>>>(
-        logits.const_data_ptr<scalar_t>(), y.const_data_ptr<int64_t>(), num_classes, lse_c.const_data_ptr<acc_t>(),
+        logits.const_data_ptr<scalar_t>(), y.const_data_ptr<int64_t>(), num_classes,
+        reinterpret_cast<const ShiftedLogSumExp<acc_t>*>(lse_c.const_data_ptr<acc_t>()),
         weight_c.const_data_ptr<acc_t>(), cuda::scalar_ref(grad), ignore_index, label_smoothing,
         out.mutable_data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();

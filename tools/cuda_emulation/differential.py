@@ -92,6 +92,13 @@ def robust_cases():
     yield "weight_stats all zero", lambda: ops.weight_stats(torch.zeros(300), torch.zeros(300, dtype=torch.long), 2)
 
 
+def _shifted_lse(x):
+    """The per-row logsumexp pairs (shift, log_sum) the cross-entropy backward takes, in the accumulate dtype."""
+    x = x.float() if x.dtype != torch.float64 else x
+    shift = x.amax(1).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.stack([shift, torch.logsumexp(x - shift[:, None], 1)], 1)
+
+
 def cross_entropy_cases():
     g = torch.Generator().manual_seed(3)
     for rows, c in ((1, 1), (3, 2), (5, 255), (4, 256), (4, 257), (3, 1000)):
@@ -117,13 +124,13 @@ def cross_entropy_cases():
                                                                      True), y))(x.clone()))
                         yield f"dro_cross_entropy_backward {tag}", lambda x=x, t=targets, s=smoothing: (
                             ops.dro_cross_entropy_backward(torch.tensor(1.5), x, t,
-                                                           torch.logsumexp(x.float() if x.dtype != torch.float64 else x, 1),
+                                                           _shifted_lse(x),
                                                            torch.rand(x.shape[0], generator=torch.Generator().manual_seed(4),
                                                                       dtype=torch.float64 if x.dtype == torch.float64 else torch.float32),
                                                            -100, s))
                         yield f"dro_cross_entropy_backward_ {tag}", lambda x=x, t=targets, s=smoothing: (
                             (lambda y: (ops.dro_cross_entropy_backward_(
-                                torch.tensor(1.5), y, t, torch.logsumexp(x.float() if x.dtype != torch.float64 else x, 1),
+                                torch.tensor(1.5), y, t, _shifted_lse(x),
                                 torch.rand(x.shape[0], generator=torch.Generator().manual_seed(4),
                                            dtype=torch.float64 if x.dtype == torch.float64 else torch.float32),
                                 -100, s), y)[1])(x.clone()))
