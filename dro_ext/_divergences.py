@@ -231,6 +231,34 @@ def _cressie_read_parts(t: torch.Tensor, k: float) -> tuple[torch.Tensor, torch.
     return u, at, log_u
 
 
+def _cressie_read_integer_power(k: float) -> int:
+    """p = 1/(k - 1) where it is a small integer (k = 2: 1, k = 3/2: 2), else 0: csrc/divergences.h's kPower, which
+    visit_divergence picks from k."""
+    return 1 if k == 2.0 else (2 if k == 1.5 else 0)
+
+
+def _cressie_read_integer(t: torch.Tensor, power: int, order: int | str) -> torch.Tensor:
+    """psi*' (order 1), psi*'' (2), psi*' - 1 ("excess_first") or psi*(t) - t ("excess") for the integer powers p = 1
+    (k = 2) and p = 2 (k = 3/2), by arithmetic on u = 1 + a t as the kernels form them (csrc/divergences.h):
+    exp(p log u) carries the rounding of log u, which at t = 1e138 put psi*' and the gradient of the excess a hundred
+    roundings off. (psi* itself keeps the general form: autograd differentiates it down to u -> 0, where the
+    derivative of the factored form cancels.)
+      k = 2:    psi*' = u_+,    psi*'' = [u > 0],  psi*' - 1 = m,          psi* - t = m^2/2 + (m - t)
+      k = 3/2:  psi*' = u_+^2,  psi*'' = u_+,      psi*' - 1 = m + m^2/4,  psi* - t = m^2 (v + 2)/6 + (m - t)
+    with m = max(t, -1/a) (u clamped at 0) and v = 1 + m/2. The excess is differentiated by autograd only above
+    direct_below (penalized_value), where u >= 1/3 and its derivative's terms do not cancel."""
+    u = t * (1.0 if power == 1 else 0.5) + 1.0
+    if order == "excess":
+        m = torch.clamp(t, min=-1.0 if power == 1 else -2.0)
+        return m * m * 0.5 + (m - t) if power == 1 else m * m * (m * 0.5 + 3.0) * (1.0 / 6.0) + (m - t)
+    if order == "excess_first":
+        m = torch.clamp(t, min=-1.0 if power == 1 else -2.0)  # u clamped at 0
+        return m if power == 1 else m + m * m * 0.25
+    if order == 1:
+        return _relu(u) if power == 1 else _relu(u) ** 2
+    return _select_positive(u, 1.0, 0.0) if power == 1 else _relu(u)
+
+
 def _smoothed_cvar_parts(t: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(m, c1 + c2 q): m = expm1(-|t|) = q - 1 with q = e^-|t|, and (c1, c2) = (alpha, 1 - alpha) for t > 0, swapped
     otherwise, so that 1 - alpha + alpha e^t is e^t (c1 + c2 q) for t > 0 and c1 + c2 q otherwise: a sum of positive
@@ -306,6 +334,8 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
         return _select_positive(t - cut, 0.0, torch.exp(below))
     if name == "cressie_read":
         k = required(spec.k)
+        if order > 0 and _cressie_read_integer_power(k):
+            return _cressie_read_integer(t, _cressie_read_integer_power(k), order)
         power = 1.0 / (k - 1.0)
         if order == 0:
             # (u^(p+1) - 1) / k = (e + a t (1 + e)) / k with e = u^p - 1. At t = +inf its autograd gradient would
@@ -358,6 +388,8 @@ def excess(t: torch.Tensor, spec: Spec) -> torch.Tensor:
         return (torch.expm1(below) - below) + _relu(t - cut) * ((1.0 - alpha) / alpha)
     if name == "cressie_read":
         k = required(spec.k)
+        if _cressie_read_integer_power(k):
+            return _cressie_read_integer(t, _cressie_read_integer_power(k), "excess")
         u, at, log_u = _cressie_read_parts(t, k)
         e = torch.expm1(log_u / (k - 1.0))
         return _select_positive(u, ((e - t) + at * e) / k, -1.0 / k - t)
@@ -380,6 +412,8 @@ def excess_first(t: torch.Tensor, spec: Spec) -> torch.Tensor:
         return torch.expm1(torch.clamp(t, max=-math.log(required(spec.alpha))))
     if name == "cressie_read":
         k = required(spec.k)
+        if _cressie_read_integer_power(k):
+            return _cressie_read_integer(t, _cressie_read_integer_power(k), "excess_first")
         u, _, log_u = _cressie_read_parts(t, k)
         return _select_positive(u, torch.expm1(log_u / (k - 1.0)), -1.0)
     if name == "smoothed_cvar":

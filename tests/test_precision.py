@@ -473,6 +473,24 @@ FAR_BELOW = [("kl", {}), ("kl_cvar", {"alpha": 0.1}), ("smoothed_cvar", {"alpha"
              ("cressie_read", {"k": 1.9})]
 
 
+@pytest.mark.parametrize("k", [2.0, 1.5])
+def test_cressie_read_integer_power_weights_are_exact_far_above(backend, k):
+    """k = 2 and k = 3/2 weigh by psi*' = u and u^2 (u = 1 + (k - 1) t): formed by arithmetic, as the kernels form
+    them, they keep a rounding or two at any t; the fallback once formed them as exp(p log u), a hundred roundings
+    off at t = 1e138 (dL/deta of one loss 1 at lam = 1e-138, found by the deep property profile)."""
+    t = torch.tensor([0.5, 3.0, 1e3, 1e20, 1e138, 1e150], dtype=torch.float64)
+    eps = torch.finfo(torch.float64).eps
+    exact = [float((1 + mpmath.mpf(k - 1) * mpmath.mpf(v)) ** int(1 / (k - 1))) for v in t.tolist()]
+    weights = dro_ext.dro_weights(t, 0.0, 1.0, "cressie_read", k=k)
+    for got, want in zip(weights.tolist(), exact):
+        assert abs(got - want) <= 4 * eps * want, (k, got, want)
+    eta = torch.tensor(0.0, dtype=torch.float64, requires_grad=True)
+    (grad_eta,) = torch.autograd.grad(dro_ext.dro_loss(torch.ones(1, dtype=torch.float64), eta, 1e-138,
+                                                       "cressie_read", k=k), eta)
+    want = 1 - float((1 + mpmath.mpf(k - 1) / mpmath.mpf(1e-138)) ** int(1 / (k - 1)))
+    assert abs(float(grad_eta) - want) <= 4 * eps * abs(want), (k, float(grad_eta), want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("name,params", FAR_BELOW, ids=[f"{n}-{next(iter(p.values()), '')}" for n, p in FAR_BELOW])
 def test_autograd_gradient_far_below_zero_is_the_weight(backend, name, params, dtype):
