@@ -118,15 +118,18 @@ def test_matches_scalar_minimization(backend, name, kw, lam, n):
 # (-1e300 is -inf in float32, where Psi is NaN by definition.)
 @pytest.mark.parametrize("dtype,far", [(torch.float64, -1e30), (torch.float64, -1e300), (torch.float32, -1e30)],
                          ids=["f64-1e30", "f64-1e300", "f32-1e30"])
+@pytest.mark.parametrize("bulk", ["above-0", "up-to-0"])
 @pytest.mark.parametrize("lam", [1e-3, 1.0])
 @pytest.mark.parametrize("name,kw", CASES + [("cressie_read", {"k": 1.5}), ("cressie_read", {"k": 2.0})],
                          ids=CASE_IDS + ["cressie_read-k1.5", "cressie_read-k2"])
-def test_a_far_outlier_below_changes_nothing(backend, name, kw, lam, dtype, far):
+def test_a_far_outlier_below_changes_nothing(backend, name, kw, lam, dtype, far, bulk):
     # A loss far below the rest has weight 0 and adds lam psi*(-inf) / N, whether it is -1e3 or -1e30: the answer
     # must not move. Bisecting [-1e30, max l] by halving its width needed ~100 steps to reach the root, past the
     # solvers' iteration cap (Psi came out as max l), and a linear Newton step from -1e18 rounded onto the right
-    # piece but not to its root (chi2 at lam = 1e-3, from -1e20 on).
-    rest = make_losses(78) + 2.0
+    # piece but not to its root (chi2 at lam = 1e-3, from -1e20 on). The other losses lie above 2, or below 0 with
+    # max l = 0 exactly (nothing then gives the root's scale but the losses near it).
+    rest = make_losses(78)
+    rest = rest + 2.0 if bulk == "above-0" else rest - rest.max()
     mild, wide = (torch.cat([rest, torch.tensor([outlier], dtype=torch.float64)]).to(dtype) for outlier in (-1e3, far))
     expected, expected_eta = dro_ext.robust_objective(mild, lam, name, **kw)
     value, eta = dro_ext.robust_objective(wide, lam, name, **kw)

@@ -11,10 +11,13 @@
 //                       kSplit + 1 equal parts, and the last block to finish (an integer counter, no float
 //                       atomics) combines the partials in a fixed order and keeps the part where g changes sign.
 //                       The points are equally spaced, so kl_cvar and smoothed_cvar take all of them from one
-//                       exponential per loss once the spacing allows (divergences.h, ExcessFirstRunTable).
-//                       The bracket shrinks by kSplit + 1 per pass, so the CPU's convergence test (width <= 4 eps
-//                       max(|l|, lam)) holds after a number of passes known in advance (8 for float32 sums, 17
-//                       for float64): that is the fixed budget, plus three. eta* is then interpolated linearly
+//                       exponential per loss once the spacing allows (divergences.h, ExcessFirstRunTable); a
+//                       bracket far wider than its root's scale (a far outlier below the losses) is cut into
+//                       parts of equally many float64 values instead (split_by_order). The bracket shrinks by
+//                       kSplit + 1 per pass, so the convergence test (width <= 4 eps max(|a|, |b|, |max l|), the
+//                       CPU's 4 eps max |l| for nonnegative losses) holds after a number of passes known in
+//                       advance (8 for float32 sums, 17 for float64; a pass or two more beside a far outlier):
+//                       that is the fixed budget, plus three. eta* is then interpolated linearly
 //                       between the bracket ends, and chi2 (piecewise linear) solves its final segment exactly.
 //                       The CPU's Newton steps would need ~100 launches of budget to be as sure of converging.
 //                     No host round trip at all: the result stays on the device until the caller reads it.
@@ -62,7 +65,7 @@ struct SolverState {
   double a, b;    // the bracket of eta*: g(a) >= 0 >= g(b)
   double ga, gb;  // g at the bracket ends (NaN until evaluated)
   double eta, value;
-  double tol;
+  double tol_unit;  // 4 eps: the bracket is converged within 4 eps of the root's scale (multisection_step)
   int finished;        // (eta, value) is the final result: later passes return at once
   int search_idle;     // the multisection is not running (not started, converged or out of budget)
   int skip_segment;    // chi2's exact segment solve does not apply (not chi2, or not converged)
@@ -136,7 +139,7 @@ __global__ void __launch_bounds__(kThreads) init_solver_kernel(const MinMax<acc_
   s.a = lo;
   s.b = hi;
   s.ga = s.gb = nan;
-  s.tol = 4.0 * eps * fmax(fabs(lo), fabs(hi));  // the CPU's convergence tolerance (lam must not enter: large lam)
+  s.tol_unit = 4.0 * eps;
   s.search_idle = s.finished || !iterative;
   s.skip_segment = 1;
   s.passes = 0;
@@ -217,9 +220,29 @@ __global__ void __launch_bounds__(kThreads) cvar_finalize_kernel(const Pair<doub
   state->finished = 1;
 }
 
-// The kSplit points of a pass: a + (b - a) j / (kSplit + 1), j = 1..kSplit, formed identically by every block
-// and by the step that reads their sums.
-__device__ __forceinline__ double split_point(double a, double b, int j) {
+// A bracket wider than this many times the scale of its root's neighbourhood is split by the floats' order
+// (split_by_order).
+constexpr double kOrderSplitWidth = 1024.0;
+
+// Whether a pass splits [a, b] by the floats' order rather than by value. Equally spaced points shrink the width
+// 8-fold a pass, which reaches the tolerance within the budget from a width up to 2048 times the scale the root is
+// resolved at (multisection_step: at least |max l|). From -1e30 beside losses near 3 it would take 50 passes, and
+// a tolerance at the bracket's scale resolved nothing (it returned max l): points equally spaced in the floats'
+// order span every binade between, and bring such a bracket within the root's binades in a pass or two, while any
+// bracket narrows to adjacent floats within 21 such passes. The reference scale is |max l| or the bracket's end
+// nearer 0: a bracket of nonnegative losses is never wider than max l, and so splits by value exactly as before.
+__device__ __forceinline__ bool split_by_order(double a, double b, double hi) {
+  return b - a > kOrderSplitWidth * fmax(fabs(hi), fmin(fabs(a), fabs(b)));
+}
+
+// The kSplit points of a pass, j = 1..kSplit, formed identically by every block and by the step that reads their
+// sums: a + (b - a) j / (kSplit + 1), or (by_order) the floats j / (kSplit + 1) of the way through the float64
+// values in [a, b] in their order (radix_select.cuh's order-preserving keys).
+__device__ __forceinline__ double split_point(double a, double b, int j, bool by_order) {
+  if (by_order) {
+    const uint64_t first = SelectKey<double>::of(a), span = SelectKey<double>::of(b) - first;
+    return SelectKey<double>::value(first + span / (kSplit + 1) * static_cast<uint64_t>(j + 1));
+  }
   return a + (b - a) * static_cast<double>(j + 1) / static_cast<double>(kSplit + 1);
 }
 
@@ -248,13 +271,14 @@ __device__ __forceinline__ double interpolate(double a, double b, double ga, dou
 __device__ void multisection_step(SolverState* st, const double* sums, double n, bool chi2, int budget) {
   st->passes += 1;
   const double a = st->a, b = st->b;
+  const bool by_order = split_by_order(a, b, st->hi);
   double na = a, nb = b, nga = st->ga, ngb = st->gb;
   auto stop = [&](bool converged) {
     st->search_idle = 1;
     st->skip_segment = !(chi2 && converged);
   };
   for (int j = 0; j < kSplit; ++j) {
-    const double p = split_point(a, b, j);
+    const double p = split_point(a, b, j, by_order);
     const double g = sums[j] / n;  // mean psi*' - 1, summed as psi*' - 1 (exact near the root at large lam)
     if (isnan(g)) {
       st->eta = st->value = std::numeric_limits<double>::quiet_NaN();
@@ -279,7 +303,10 @@ __device__ void multisection_step(SolverState* st, const double* sums, double n,
   st->ga = nga;
   st->gb = ngb;
   st->eta = interpolate(na, nb, nga, ngb);
-  if (nb - na <= st->tol) return stop(true);
+  // Converged within 4 eps of the root's scale: the larger of the bracket's ends, or |max l| if larger (a root near
+  // 0 is resolved as finely as the losses allow, not to denormals). For nonnegative losses this is the CPU's
+  // tolerance, 4 eps max |l|; beside a far outlier below, |l| of the outlier would leave the root unresolved.
+  if (nb - na <= st->tol_unit * fmax(fmax(fabs(na), fabs(nb)), fabs(st->hi))) return stop(true);
   if (st->passes >= budget) stop(false);
 }
 
@@ -292,22 +319,23 @@ __global__ void __launch_bounds__(kThreads) multisection_kernel(
   using acc_t = at::opmath_type<scalar_t>;
   if (state->search_idle) return;
   const double a = state->a, b = state->b;
+  const bool by_order = split_by_order(a, b, state->hi);
   acc_t shift[kSplit];
 #pragma unroll
-  for (int j = 0; j < kSplit; ++j) shift[j] = static_cast<acc_t>(split_point(a, b, j));
+  for (int j = 0; j < kSplit; ++j) shift[j] = static_cast<acc_t>(split_point(a, b, j, by_order));
   const acc_t inv_lam = static_cast<acc_t>(1.0 / lam);
   SplitSums<acc_t> s;
 #pragma unroll
   for (int j = 0; j < kSplit; ++j) s.v[j] = acc_t(0);
   bool direct = true;
   if constexpr (requires { requires Div::kHasExcessFirstRun; }) {
-    // The split points are equally spaced: an exponential divergence evaluates them as a run, one exponential
-    // per loss (divergences.h, ExcessFirstRunTable) where the spacing allows. The same choice in every block.
+    // Equally spaced split points: an exponential divergence evaluates them as a run, one exponential per loss
+    // (divergences.h, ExcessFirstRunTable) where the spacing allows. The same choice in every block.
     const double spacing = (b - a) / static_cast<double>(kSplit + 1) / lam;
-    if (div.template run_fits<kSplit>(spacing) && isfinite(static_cast<double>(inv_lam))) {
+    if (!by_order && div.template run_fits<kSplit>(spacing) && isfinite(static_cast<double>(inv_lam))) {
       direct = false;
       const auto run = div.template run_table<kSplit>(spacing);
-      const acc_t center = static_cast<acc_t>(split_point(a, b, run.center));
+      const acc_t center = static_cast<acc_t>(split_point(a, b, run.center, false));
       for_each_element<acc_t>(x, n, [&](acc_t l) {
         acc_t terms[kSplit];
         div.excess_first_run((l - center) * inv_lam, run, terms);
