@@ -248,11 +248,12 @@ def _cressie_read_integer(t: torch.Tensor, power: int, order: int | str) -> torc
     with m = max(t, -1/a) (u clamped at 0) and v = 1 + m/2. The excess is differentiated by autograd only above
     direct_below (penalized_value), where u >= 1/3 and its derivative's terms do not cancel."""
     u = t * (1.0 if power == 1 else 0.5) + 1.0
+    floor = -1.0 if power == 1 else -2.0
+    # max(t, floor) through a select, whose value and gradient stay NaN at a NaN t (torch.clamp's gradient is 0).
+    m = _select_positive(t - floor, t, floor)
     if order == "excess":
-        m = torch.clamp(t, min=-1.0 if power == 1 else -2.0)
         return m * m * 0.5 + (m - t) if power == 1 else m * m * (m * 0.5 + 3.0) * (1.0 / 6.0) + (m - t)
     if order == "excess_first":
-        m = torch.clamp(t, min=-1.0 if power == 1 else -2.0)  # u clamped at 0
         return m if power == 1 else m + m * m * 0.25
     if order == 1:
         return _relu(u) if power == 1 else _relu(u) ** 2
