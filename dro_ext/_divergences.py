@@ -247,17 +247,17 @@ def _cressie_read_integer(t: torch.Tensor, power: int, order: int | str) -> torc
       k = 3/2:  psi*' = u_+^2,  psi*'' = u_+,      psi*' - 1 = m + m^2/4,  psi* - t = m^2 (v + 2)/6 + (m - t)
     with m = max(t, -1/a) (u clamped at 0) and v = 1 + m/2. The excess is differentiated by autograd only above
     direct_below (penalized_value), where u >= 1/3 and its derivative's terms do not cancel."""
-    u = t * (1.0 if power == 1 else 0.5) + 1.0
+    if order in (1, 2):
+        u = t * (1.0 if power == 1 else 0.5) + 1.0
+        if order == 1:
+            return _relu(u) if power == 1 else _relu(u) ** 2
+        return _select_positive(u, 1.0, 0.0) if power == 1 else _relu(u)
     floor = -1.0 if power == 1 else -2.0
     # max(t, floor) through a select, whose value and gradient stay NaN at a NaN t (torch.clamp's gradient is 0).
     m = _select_positive(t - floor, t, floor)
     if order == "excess":
         return m * m * 0.5 + (m - t) if power == 1 else m * m * (m * 0.5 + 3.0) * (1.0 / 6.0) + (m - t)
-    if order == "excess_first":
-        return m if power == 1 else m + m * m * 0.25
-    if order == 1:
-        return _relu(u) if power == 1 else _relu(u) ** 2
-    return _select_positive(u, 1.0, 0.0) if power == 1 else _relu(u)
+    return m if power == 1 else m + m * m * 0.25  # excess_first
 
 
 def _smoothed_cvar_parts(t: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,8 +335,8 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
         return _select_positive(t - cut, 0.0, torch.exp(below))
     if name == "cressie_read":
         k = required(spec.k)
-        if order > 0 and _cressie_read_integer_power(k):
-            return _cressie_read_integer(t, _cressie_read_integer_power(k), order)
+        if order > 0 and (integer_power := _cressie_read_integer_power(k)):
+            return _cressie_read_integer(t, integer_power, order)
         power = 1.0 / (k - 1.0)
         if order == 0:
             # (u^(p+1) - 1) / k = (e + a t (1 + e)) / k with e = u^p - 1. At t = +inf its autograd gradient would
@@ -389,8 +389,8 @@ def excess(t: torch.Tensor, spec: Spec) -> torch.Tensor:
         return (torch.expm1(below) - below) + _relu(t - cut) * ((1.0 - alpha) / alpha)
     if name == "cressie_read":
         k = required(spec.k)
-        if _cressie_read_integer_power(k):
-            return _cressie_read_integer(t, _cressie_read_integer_power(k), "excess")
+        if integer_power := _cressie_read_integer_power(k):
+            return _cressie_read_integer(t, integer_power, "excess")
         u, at, log_u = _cressie_read_parts(t, k)
         e = torch.expm1(log_u / (k - 1.0))
         return _select_positive(u, ((e - t) + at * e) / k, -1.0 / k - t)
@@ -413,8 +413,8 @@ def excess_first(t: torch.Tensor, spec: Spec) -> torch.Tensor:
         return torch.expm1(torch.clamp(t, max=-math.log(required(spec.alpha))))
     if name == "cressie_read":
         k = required(spec.k)
-        if _cressie_read_integer_power(k):
-            return _cressie_read_integer(t, _cressie_read_integer_power(k), "excess_first")
+        if integer_power := _cressie_read_integer_power(k):
+            return _cressie_read_integer(t, integer_power, "excess_first")
         u, _, log_u = _cressie_read_parts(t, k)
         return _select_positive(u, torch.expm1(log_u / (k - 1.0)), -1.0)
     if name == "smoothed_cvar":

@@ -111,6 +111,13 @@ def _row_shift(x):
     return x.amax(dim=1).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 
+def shifted_logsumexp(x):
+    """Each row's logsumexp of the (N, C) x as (N, 2) (shift, log_sum) pairs, in x's dtype: the layout the native
+    cross-entropy ops save and take."""
+    shift = _row_shift(x)
+    return torch.stack([shift, torch.logsumexp(x - shift[:, None], dim=1)], dim=1)
+
+
 def shifted_softmax(x, lse):
     """softmax of the rows of x from their logsumexp as (shift, log_sum) pairs (N, 2): exp((x - shift) - log_sum),
     which keeps the probabilities near 1 to their own rounding (csrc/cross_entropy_terms.h)."""
@@ -250,7 +257,8 @@ def dro_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, eta: torch.Te
     label_smoothing=...)``. Over the n rows whose target is not ``ignore_index``, the value is
     ``mean_i lam*psi*((l_i - scale*eta)/lam) + scale*eta`` (0 when n == 0, with zero gradients). Gradients
     flow to ``logits`` and ``eta``; the native op keeps only the per-row logsumexp (as the row's max and the log
-    of the sum below it) and weight (3N floats) for backward. Sums accumulate in float32 (float64 for float64 logits); the result has the logits' dtype.
+    of the sum below it) and weight (3N floats) for backward. Sums accumulate in float32 (float64 for float64
+    logits); the result has the logits' dtype.
 
     ``groups`` with ``num_groups`` (both or neither): the objective over groups of tokens instead of tokens.
     ``groups`` (int64 or int32 ids in ``[0, num_groups)``) has the shape of ``targets`` (one id per token) or
@@ -295,8 +303,8 @@ def _chunk_fallback_(logits, targets, eta, inv_count, lam, spec, scale, ignore_i
     x = logits.to(acc)  # the logits themselves unless they must be cast up
     keep = targets != ignore_index
     safe_targets = torch.where(keep, targets, 0)
-    # F.cross_entropy's loss from the logsumexp in two parts (shift_logsumexp), the target logits and the row means
-    # read first, so that the softmax can then be built in x in place. With the logits already in the accumulation
+    # F.cross_entropy's loss from the logsumexp in two parts (losses_from_shifted_lse), the target logits and the row
+    # means read first, so that the softmax can then be built in x in place. With the logits already in the accumulation
     # dtype, nothing chunk-sized is allocated (torch.logsumexp and F.cross_entropy would each allocate a chunk-sized
     # temporary).
     target_logit = x.gather(1, safe_targets[:, None]).squeeze(1)

@@ -31,9 +31,9 @@ from dro_ext import _backend
 from dro_ext import groups as _groups
 from dro_ext._divergences import accumulate_dtype, fallback_dtype
 from dro_ext.cross_entropy import (_check_float_tensor, _check_ignore_index, _check_label_smoothing,
-                                   _check_linear_args, _check_target_range, _check_targets, _row_shift,
+                                   _check_linear_args, _check_target_range, _check_targets,
                                    _weighted_residual, chunk_logits, logits_buffer, losses_from_shifted_lse,
-                                   shifted_softmax)
+                                   shifted_logsumexp, shifted_softmax)
 
 __all__ = ["cross_entropy_losses", "linear_cross_entropy_losses"]
 
@@ -59,10 +59,7 @@ def _row_lse(x, targets, ignore_index: int, native: bool):
         zero = torch.zeros((), dtype=acc, device=x.device)
         return torch.ops.dro_ext.dro_cross_entropy(x, targets, zero, 1.0, "chi2", None, None, 1.0, ignore_index,
                                                    0.0)[2]
-    xa = x.to(acc)
-    shift = _row_shift(xa)
-    lse = torch.stack([shift, torch.logsumexp(xa - shift[:, None], dim=1)], dim=1)
-    return torch.where((targets != ignore_index)[:, None], lse, 0.0)
+    return torch.where((targets != ignore_index)[:, None], shifted_logsumexp(x.to(acc)), 0.0)
 
 
 def _losses_from_lse(x, targets, lse, ignore_index: int, label_smoothing: float):
@@ -170,8 +167,7 @@ def _linear_row_losses(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
                        targets: torch.Tensor, ignore_index: int, label_smoothing: float, chunk_size: int,
                        native: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(losses, lse), (N,) and (N, 2) (_row_lse) in the accumulate dtype, of logits = hidden @ weight.T + bias, a
-    chunk of rows at a
-    time: each chunk's logits are freed before the next are formed."""
+    chunk of rows at a time: each chunk's logits are freed before the next are formed."""
     rows = hidden.shape[0]
     acc = accumulate_dtype(hidden.dtype)
     losses = torch.empty((rows,), dtype=acc, device=hidden.device)

@@ -20,6 +20,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1]))
 
 import dro_ext  # noqa: E402,F401
+from dro_ext.cross_entropy import shifted_logsumexp  # noqa: E402
 import emulate  # noqa: E402
 
 ops = torch.ops.dro_ext
@@ -94,9 +95,7 @@ def robust_cases():
 
 def _shifted_lse(x):
     """The per-row logsumexp pairs (shift, log_sum) the cross-entropy backward takes, in the accumulate dtype."""
-    x = x.float() if x.dtype != torch.float64 else x
-    shift = x.amax(1).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-    return torch.stack([shift, torch.logsumexp(x - shift[:, None], 1)], 1)
+    return shifted_logsumexp(x.float() if x.dtype != torch.float64 else x)
 
 
 def cross_entropy_cases():
