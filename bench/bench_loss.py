@@ -1,5 +1,6 @@
 """Fused DRO loss, forward + backward, side by side with the eager PyTorch composition of the same formula,
-that composition under torch.compile, and ERM's ``losses.mean()`` (the floor any loss pays), for every divergence.
+that composition under torch.compile, and ERM's ``losses.mean()`` (the floor any loss pays), for every divergence;
+and the same fused loss through ``DROLoss``, the module a training loop calls (the op plus the module's call).
 
     python -m bench.bench_loss [--sizes 4096 1048576 16777216] [--divergences chi2 kl] [--device cpu|cuda]
     python -m bench.bench_loss --quick        # N = 4096 and 2^16, 2 short rounds: well under a minute
@@ -25,7 +26,7 @@ from bench.common import (GRAPH_SUFFIX, add_common_arguments, case_label, CASES,
 
 LAM = 0.5
 BYTES_PER_SAMPLE = 12  # float32: read l forward, read l + write grad_l backward
-IMPLS = ("fused", "eager", "compiled", "mean")
+IMPLS = ("fused", "module", "eager", "compiled", "mean")
 FULL_SIZES = (128, 4096, 1 << 20, 1 << 24)
 QUICK_SIZES = (4096, 1 << 16)
 
@@ -57,13 +58,36 @@ def fused_loss(losses, eta, name, params):
     return dro_ext.dro_loss(losses, eta, LAM, name, **params)
 
 
+_MODULES: dict[tuple, dro_ext.DROLoss] = {}
+
+
+def loss_module(name, params, device) -> dro_ext.DROLoss:
+    """One DROLoss per (case, device), its eta starting where the other rows' eta is."""
+    key = (name, tuple(sorted(params.items())), str(device))
+    if key not in _MODULES:
+        _MODULES[key] = dro_ext.DROLoss(name, LAM, eta_init=0.5, **params).to(device)
+    return _MODULES[key]
+
+
+def module_loss(losses, eta, name, params):
+    """DROLoss(losses): the fused loss with the module's own eta (which takes the gradient instead of ``eta``)."""
+    return loss_module(name, params, losses.device)(losses)
+
+
 def mean_loss(losses, eta, name, params):
     """ERM's loss: the floor any loss over the samples pays (one read forward, one write backward)."""
     return losses.mean()
 
 
+def differentiated(loss_fn, losses, eta, name, params) -> tuple:
+    """What a forward + backward of loss_fn takes gradients of: the mean has no eta, the module its own."""
+    if loss_fn is mean_loss:
+        return (losses,)
+    return (losses, loss_module(name, params, losses.device).eta if loss_fn is module_loss else eta)
+
+
 def forward_backward(loss_fn, losses, eta, name, params):
-    inputs = (losses,) if loss_fn is mean_loss else (losses, eta)  # the mean has no eta
+    inputs = differentiated(loss_fn, losses, eta, name, params)
 
     def run():
         value = loss_fn(losses, eta, name, params)
@@ -82,7 +106,7 @@ def make_impls(dynamic: bool = False) -> dict:
     """The implementations; the compiled one is fresh (dynamo reset), so each (case, N) gets the
     static-shape code a user with a fixed batch size gets (dynamic=True: one graph for every N)."""
     torch._dynamo.reset()
-    return {"fused": fused_loss, "eager": eager_loss,
+    return {"fused": fused_loss, "module": module_loss, "eager": eager_loss,
             "compiled": torch.compile(eager_loss, fullgraph=True, dynamic=True if dynamic else None),
             "mean": mean_loss}
 
@@ -121,7 +145,7 @@ def bench_case(name, params, n, device, timer, impls, *, rounds, min_seconds) ->
         base_s = stats[fused_graph]["median_s"] if graph and fused_graph in stats else fused_s
         # Saved-tensor hooks do not see inside a compiled graph's own saved activations.
         saved = None if impl == "compiled" or graph else saved_tensor_bytes(
-            lambda: fn(losses, eta, name, params), exclude=(losses, eta))
+            lambda: fn(losses, eta, name, params), exclude=differentiated(fn, losses, eta, name, params))
         rows.append({
             "device": str(device), "case": case_label(name, params), "divergence": name, **params, "n": n,
             "dtype": "float32", "impl": impl, "median_ms": 1e3 * t["median_s"], "p25_ms": 1e3 * t["p25_s"],
@@ -165,7 +189,8 @@ NOTE = ("Forward + backward of the loss at lam = 0.5, float32. `x floor` is the 
         "the fused op's time; `saved bytes` is what autograd keeps for backward beyond the losses and eta (not "
         "measurable inside a compiled graph; on CUDA the JSON also has the peak allocated memory of a "
         "forward + backward, `cuda_peak_bytes`). `mean` is ERM's losses.mean() forward + backward, the floor any loss "
-        "pays (8 bytes per sample). On CUDA, `fused (graph)`, `eager (graph)` and `mean (graph)` are the same forward + "
+        "pays (8 bytes per sample). `module` is the fused op called through `DROLoss` (its forward and nn.Module's "
+        "call): its `x fused` is what the module adds. On CUDA, `fused (graph)`, `eager (graph)` and `mean (graph)` are the same forward + "
         "backward replayed from a CUDA graph: the kernels' own time, without the host's work of launching them; "
         "their `x fused` is over `fused (graph)`.")
 

@@ -11,7 +11,8 @@ import math
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-IMPL_STYLE = {"fused": ("tab:blue", "o"), "eager": ("tab:orange", "s"), "compiled": ("tab:green", "^"),
+IMPL_STYLE = {"fused": ("tab:blue", "o"), "module": ("tab:purple", "D"), "eager": ("tab:orange", "s"),
+              "compiled": ("tab:green", "^"),
               "fused (graph)": ("tab:blue", "."), "eager (graph)": ("tab:orange", ".")}
 
 

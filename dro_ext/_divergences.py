@@ -73,7 +73,7 @@ def check_positive(name: str, value: object) -> float:
     return value
 
 
-# Validated Python numbers: checked_scalars' (divergence, alpha, k, lam, scale) and robust_op_scalars' tuples. A
+# Validated Python numbers: checked_scalars' (divergence, alpha, k, lam, scale) and op_scalars' tuples. A
 # training step calls the loss with the same Python numbers every time, and at a few thousand samples checking them
 # again costs a visible share of the step.
 _CHECKED_SCALARS: dict[tuple[Any, ...], Any] = {}
@@ -103,20 +103,23 @@ def checked_scalars(divergence: str, alpha: float | None, k: float | None, lam: 
                            check_positive("scale", scale)))
 
 
-def robust_op_scalars(divergence: str, alpha: float | None, k: float | None,
-                      lam: float) -> tuple[Any, ...]:
-    """The checked ``(lam, divergence, alpha, k)`` in the order the robust objective's native ops take them after the
-    losses, without trailing Nones (the schema's defaults), remembered as checked_scalars are: the sample-level call
-    is a few microseconds, and unpacking a Spec on every call costs a visible share of it (as does each None passed,
-    about 0.08 us)."""
-    key = ("robust_op", divergence, alpha, k, lam, type(alpha), type(k), type(lam))  # the tag: not checked_scalars'
+def op_scalars(divergence: str, alpha: float | None, k: float | None, lam: float,
+               scale: float = 1.0) -> tuple[Any, ...]:
+    """The checked ``(lam, divergence, alpha, k, scale)`` in the order the native ops (``dro_loss``, the robust
+    objective's) take them after their tensors, without the trailing defaults (scale 1.0, then Nones: the robust
+    objective's schema has no scale), remembered as checked_scalars are: the sample-level call is a few microseconds,
+    and unpacking a Spec on every call costs a visible share of it (as does each default passed, about 0.08 us)."""
+    # "op" tags the key apart from checked_scalars' keys in the same cache.
+    key = ("op", divergence, alpha, k, lam, scale, type(alpha), type(k), type(lam), type(scale))
     try:
         if not torch.compiler.is_compiling():
             return _CHECKED_SCALARS[key]
     except (KeyError, TypeError):
         pass
-    spec, checked_lam, _ = checked_scalars(divergence, alpha, k, lam)
-    args: tuple[Any, ...] = (checked_lam, *spec)
+    spec, checked_lam, checked_scale = checked_scalars(divergence, alpha, k, lam, scale)
+    args: tuple[Any, ...] = (checked_lam, *spec, checked_scale)
+    if checked_scale == 1.0:
+        args = args[:-1]
     while args[-1] is None:
         args = args[:-1]
     return _remember(key, args)

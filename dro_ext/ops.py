@@ -26,6 +26,7 @@ from dro_ext._divergences import (
     checked_scalars,
     fallback_dtype,
     fixed_order_sum,
+    op_scalars,
 )
 from dro_ext._divergences import penalized_value as _penalized_value_torch
 from dro_ext._divergences import psi_star as _psi_star_torch
@@ -109,14 +110,14 @@ def dro_loss(losses: torch.Tensor, eta: torch.Tensor | float, lam: float, diverg
     use :func:`dro_ext.robust_objective` for an overflow-free value. A loss of ``+inf`` gives ``+inf`` (its
     weight is ``psi*'(+inf)``); a loss of ``-inf`` adds ``lam*psi*(-inf) + scale*eta``, its limit, with weight 0.
     """
-    if (isinstance(losses, torch.Tensor) and isinstance(eta, torch.Tensor) and eta.device == losses.device
-            and losses.layout == torch.strided and _backend.native_for_tensor(losses)):
-        # The op checks the tensors itself, with the same errors; only the Python numbers are checked here.
-        spec, lam, scale = checked_scalars(divergence, alpha, k, lam, scale)
-    else:
-        spec, eta, lam, scale = _checked_args(losses, eta, lam, divergence, alpha, k, scale)
-        if not _backend.native_for(losses.device.type):
-            return _fallback_dro_loss(losses, eta, lam, spec, scale)
+    if (losses.__class__ is torch.Tensor and isinstance(eta, torch.Tensor) and losses.layout is torch.strided
+            and eta.device == losses.device and _backend.native_for_tensor(losses)):
+        # The op checks the tensors itself, with the same errors; the Python numbers were checked when first seen.
+        # (A training step's call: a few microseconds, where every check here shows.)
+        return _dro_loss_op(losses, eta, *op_scalars(divergence, alpha, k, lam, scale))[0]
+    spec, eta, lam, scale = _checked_args(losses, eta, lam, divergence, alpha, k, scale)
+    if not _backend.native_for(losses.device.type):
+        return _fallback_dro_loss(losses, eta, lam, spec, scale)
     return _dro_loss_op(losses, eta, lam, spec.name, spec.alpha, spec.k, scale)[0]
 
 

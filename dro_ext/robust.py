@@ -36,7 +36,7 @@ from dro_ext._divergences import (
     check_losses,
     check_positive,
     fixed_order_sum,
-    robust_op_scalars,
+    op_scalars,
 )
 from dro_ext.group_reduction import check_groups, check_num_groups
 from dro_ext.ops import dro_weights
@@ -161,7 +161,7 @@ def robust_objective(
             and _backend.native_for_tensor(losses)):
         # The sample-level call on the native op, which checks the losses itself with the same errors; the Python
         # numbers were checked when first seen. (This call is a few microseconds: every check here shows.)
-        return _robust_objective_op(losses, *robust_op_scalars(divergence, alpha, k, lam))
+        return _robust_objective_op(losses, *op_scalars(divergence, alpha, k, lam))
     if group is not None and groups is None and num_groups is None:
         return _distributed().robust_objective(losses, lam, divergence, alpha=alpha, k=k, group=group)
     spec = check_divergence(divergence, alpha, k)

@@ -409,6 +409,23 @@ def test_dro_loss_module(backend):
         dro_ext.DROLoss("chi2", lam=0.0)
 
 
+def test_dro_loss_module_reads_eta_and_its_settings_on_every_call(backend):
+    """forward reads eta from the module's parameters directly (not through nn.Module.__getattr__): a parameter
+    swapped in by torch.func.functional_call (or FSDP) is the one used and differentiated, and settings changed on
+    the module after construction are the ones the next call uses."""
+    module = dro_ext.DROLoss("chi2", lam=0.5, eta_init=0.3).double()
+    losses = random_losses(17, torch.float64)
+    swapped = torch.tensor(1.25, dtype=torch.float64, requires_grad=True)
+    value = torch.func.functional_call(module, {"eta": swapped}, (losses,))
+    reference_eta = torch.tensor(1.25, dtype=torch.float64, requires_grad=True)
+    expected = ref.dro_loss(losses, reference_eta, 0.5, "chi2")
+    torch.testing.assert_close(value, expected)
+    torch.testing.assert_close(torch.autograd.grad(value, swapped), torch.autograd.grad(expected, reference_eta))
+    assert module.eta.grad is None
+    module.lam, module.scale = 2.0, 3.0
+    torch.testing.assert_close(module(losses), ref.dro_loss(losses, 0.3, 2.0, "chi2", scale=3.0))
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     values=st.lists(st.floats(-50, 50, allow_nan=False), min_size=1, max_size=40),
