@@ -413,14 +413,20 @@ Solution solve_newton(const at::Tensor& x, const DivergenceSpec& spec, double la
     // eta = (sum_A l_i + c lam (|A| - N)) / |A|, evaluated with float64 sums. float64 losses, whose Newton sums are
     // float64 ones, have it from the last pass: its Newton step is that root (eta + c lam (sum_A (1 + t_i/c) - N) /
     // |A|), to the rounding of the same sums of l_i - eta. float32 and half losses sum the pass in float32, so they
-    // take the float64 sums of one more pass.
+    // take the float64 sums of one more pass: select_tail's counting pass over the empty bracket [cut, cut].
     const double n = static_cast<double>(x.numel());
     double exact = kNaN;
     if (x.scalar_type() == at::kDouble && std::isfinite(root.segment_step)) {
       exact = eta + root.segment_step;
     } else {
-      const auto s = solver_kernels(x).sum_above(x, eta - width * lam);
-      if (s[1] > 0.0) exact = (s[0] + width * lam * (s[1] - n)) / s[1];
+      const double cut = eta - width * lam;
+      double sum_above = 0.0;
+      int64_t above = 0;
+      for (const cpu::BracketCounts& chunk : solver_kernels(x).bracket_counts(x, cut, cut)) {
+        sum_above += chunk.sum_above;
+        above += chunk.above;
+      }
+      if (above > 0) exact = (sum_above + width * lam * (static_cast<double>(above) - n)) / static_cast<double>(above);
     }
     // It lies on the same segment as eta once the iteration has converged (at worst a loss within the rounding of
     // eta switches sides, which moves the root by a rounding too).

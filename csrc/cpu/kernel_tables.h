@@ -16,8 +16,8 @@
   namespace dro_ext::cpu {                                                                               \
   const KernelTable& kernels_##build() {                                                                 \
     static const KernelTable table{reduce_impl,         map_derivative_impl, min_max_impl,                \
-                                   sum_above_impl,      exp_shifted_impl,    bracket_counts_impl,         \
-                                   gather_bracket_impl, DRO_EXT_STRINGIFY(build)};                        \
+                                   exp_shifted_impl,    bracket_counts_impl, gather_bracket_impl,         \
+                                   DRO_EXT_STRINGIFY(build)};                                             \
     return table;                                                                                        \
   }                                                                                                      \
   const CrossEntropyKernelTable& cross_entropy_kernels_##build() {                                       \

@@ -56,9 +56,6 @@ struct KernelTable {
       int64_t order);
   // {min x, max x} in float64, both NaN if x holds a NaN. Exact; vectorized (the robust solvers' first pass).
   std::array<double, 2> (*min_max)(const at::Tensor& x);
-  // {sum of the x_i > cut, number of them} (deterministic: fixed blocks summed in acc_t lanes, then in float64
-  // in order).
-  std::array<double, 2> (*sum_above)(const at::Tensor& x, double cut);
   // out_i = exp(x_i - shift) for i < n, 0 where x_i - shift < below (csrc/group_dro_step.h's exp_or_zero, a SIMD
   // register at a time: the online Group DRO step's q over many groups).
   void (*exp_shifted)(const double* x, double shift, double below, double* out, int64_t n);

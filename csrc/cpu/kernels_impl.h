@@ -500,54 +500,6 @@ std::array<double, 2> min_max_impl(const at::Tensor& x) {
   return dispatch_floating(x, [&](auto tag) { return min_max_typed<decltype(tag)>(x); });
 }
 
-// Blocks of this many elements are summed in acc_t lanes (8 or 16 values a lane for float32), then in float64.
-constexpr int64_t kSumAboveBlock = 128;
-
-template <typename scalar_t>
-std::array<double, 2> sum_above_typed(const at::Tensor& x, double cut_d) {
-  using acc_t = at::opmath_type<scalar_t>;
-  using V = Vectorized<acc_t>;
-  const scalar_t* data = x.const_data_ptr<scalar_t>();
-  // x_i (exact in acc_t) > cut_d  <=>  x_i > cut for cut = cut_d rounded down to acc_t.
-  acc_t cut = static_cast<acc_t>(cut_d);
-  if (static_cast<double>(cut) > cut_d) cut = std::nextafter(cut, -std::numeric_limits<acc_t>::infinity());
-  const auto partial = map_chunks<std::array<double, 2>>(x.numel(), [&](int64_t begin, int64_t end) {
-    const V cut_v(cut), zero(acc_t(0)), one(acc_t(1));
-    double sum = 0.0, count = 0.0;
-    for (int64_t block = begin; block < end; block += kSumAboveBlock) {
-      const int64_t block_end = std::min(end, block + kSumAboveBlock);
-      V block_sum(zero), block_count(zero);
-      int64_t i = block;
-      for (; i + V::size() <= block_end; i += V::size()) {
-        const V v = load<acc_t>(data + i, V::size());
-        const V above = v > cut_v;
-        block_sum = block_sum + V::blendv(zero, v, above);
-        block_count = block_count + V::blendv(zero, one, above);
-      }
-      sum += static_cast<double>(horizontal_sum(block_sum));
-      count += static_cast<double>(horizontal_sum(block_count));
-      for (; i < block_end; ++i) {
-        const acc_t v = static_cast<acc_t>(data[i]);
-        if (v > cut) {
-          sum += static_cast<double>(v);
-          count += 1.0;
-        }
-      }
-    }
-    return std::array<double, 2>{sum, count};
-  });
-  std::array<double, 2> total{0.0, 0.0};
-  for (const auto& p : partial) {
-    total[0] += p[0];
-    total[1] += p[1];
-  }
-  return total;
-}
-
-std::array<double, 2> sum_above_impl(const at::Tensor& x, double cut) {
-  return dispatch_floating(x, [&](auto tag) { return sum_above_typed<decltype(tag)>(x, cut); });
-}
-
 void exp_shifted_impl(const double* x, double shift, double below, double* out, int64_t n) {
   using V = Vectorized<double>;
   const V shift_v(shift), below_v(below), zero(0.0);

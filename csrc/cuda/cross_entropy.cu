@@ -121,8 +121,7 @@ __device__ __forceinline__ void zero_row(scalar_t* grad, int64_t num_classes) {
 }
 
 // Per row: lse_i ((shift, log_sum)), w_i (raw), value_term_i (0 on ignored rows); and, when grad != nullptr, the
-// row's gradient
-// inv_count * w_i * (softmax_i - q_i) (grad may alias logits).
+// row's gradient inv_count * w_i * (softmax_i - q_i) (grad may alias logits).
 template <typename scalar_t, typename acc_t, typename Div>
 __global__ void __launch_bounds__(kRowThreads)
 row_forward_kernel(const scalar_t* logits, const int64_t* targets, int64_t num_classes, Div div, TermArgs args,
