@@ -121,6 +121,27 @@ def test_the_native_path_runs_the_fused_ops(monkeypatch):
     assert calls == ["_group_dro_loss_op", "_group_dro_step_op"]
 
 
+class _TaggedTensor(torch.Tensor):
+    """A tensor subclass that changes nothing: GroupDROLoss checks it in Python before its native call."""
+
+
+@native_only
+def test_tensor_subclasses_take_the_checked_call_to_the_same_step():
+    """A plain tensor goes straight to the native op (which checks it); a subclass passes the Python checks first.
+    Both give the same loss, gradient and state, bitwise, step after step."""
+    plain, tagged = dro_ext.GroupDROLoss(5, step_size=0.5), dro_ext.GroupDROLoss(5, step_size=0.5)
+    with _backend.forced_backend("native"):
+        for losses, groups in batches(4, 13, 5):
+            plain_value, plain_grad = run_step(plain, losses, groups, "native")
+            tagged_value, tagged_grad = run_step(tagged, losses.as_subclass(_TaggedTensor), groups, "native")
+            assert torch.equal(plain_value, tagged_value) and torch.equal(plain_grad, tagged_grad)
+            assert_same_state(plain, tagged, 0.0, 0.0)
+        with pytest.raises(TypeError, match="groups must be a torch.Tensor"):
+            plain(losses, groups.tolist())
+        with pytest.raises(TypeError, match="update must be a bool"):
+            plain(losses, groups, update=1)
+
+
 @native_only
 @pytest.mark.parametrize("backend_name", ["native", "python"])
 def test_nan_and_inf_losses_spread_as_in_the_composition(backend_name):
