@@ -426,6 +426,25 @@ def test_dro_loss_module_reads_eta_and_its_settings_on_every_call(backend):
     torch.testing.assert_close(module(losses), ref.dro_loss(losses, 0.3, 2.0, "chi2", scale=3.0))
 
 
+class _TaggedTensor(torch.Tensor):
+    """A tensor subclass that changes nothing: dro_loss checks it in Python before its native call."""
+
+
+def test_a_tensor_subclass_takes_the_checked_call_to_the_same_loss(backend):
+    """Plain tensors go straight to the native op (which checks them); a subclass passes the Python checks first:
+    the same value and gradients, bitwise."""
+    losses, eta = random_losses(19, torch.float32), torch.tensor(0.25)
+    results = []
+    for make in (lambda t: t, lambda t: t.as_subclass(_TaggedTensor)):
+        l, e = make(losses).requires_grad_(), eta.clone().requires_grad_()
+        value = dro_ext.dro_loss(l, e, 0.5, "kl_cvar", alpha=0.3, scale=2.0)
+        results.append((value, *torch.autograd.grad(value, (l, e))))
+    for plain, tagged in zip(*results):
+        assert torch.equal(plain, tagged)
+    with pytest.raises(TypeError, match="losses must be a torch.Tensor"):
+        dro_ext.dro_loss(losses.tolist(), eta, 0.5)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     values=st.lists(st.floats(-50, 50, allow_nan=False), min_size=1, max_size=40),
