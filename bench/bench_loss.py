@@ -196,9 +196,9 @@ NOTE = ("Forward + backward of the loss at lam = 0.5, float32. `x floor` is the 
         "measurable inside a compiled graph; on CUDA the JSON also has the peak allocated memory of a "
         "forward + backward, `cuda_peak_bytes`). `mean` is ERM's losses.mean() forward + backward, the floor any loss "
         "pays (8 bytes per sample). `module` is the fused op called through `DROLoss` (its forward and nn.Module's "
-        "call): its `x fused` is what the module adds. On CUDA, `fused (graph)`, `eager (graph)` and `mean (graph)` are the same forward + "
-        "backward replayed from a CUDA graph: the kernels' own time, without the host's work of launching them; "
-        "their `x fused` is over `fused (graph)`.")
+        "call): its `x fused` is what the module adds. On CUDA, `fused (graph)`, `eager (graph)` and `mean (graph)` "
+        "are the same forward + backward replayed from a CUDA graph: the kernels' own time, without the host's work "
+        "of launching them; their `x fused` is over `fused (graph)`.")
 
 
 def main(argv=None) -> dict:

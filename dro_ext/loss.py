@@ -68,7 +68,7 @@ class DROLoss(nn.Module):
     def forward(self, losses: torch.Tensor, groups: torch.Tensor | None = None, *,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         # What self.eta resolves to, without nn.Module.__getattr__'s search (half a microsecond of a call of a few).
-        eta = self._parameters["eta"]
+        eta: nn.Parameter = self._parameters["eta"]  # type: ignore[assignment]  # registered in __init__, never None
         if self.num_groups is None and groups is None and mask is None and self.group is None:
             return dro_loss(losses, eta, self.lam, self.divergence, alpha=self.alpha, k=self.k, scale=self.scale)
         check_forward_groups("DROLoss", self.num_groups, groups, "losses, groups", mask)
@@ -78,6 +78,7 @@ class DROLoss(nn.Module):
             return group_dro_loss(losses, groups, self.num_groups, eta, self.lam, self.divergence,
                                   weighting=weighting, alpha=self.alpha, k=self.k, scale=self.scale, group=self.group,
                                   mask=mask)
+        assert self.group is not None  # the sample-level call without a process group returned above
         value = dro_loss(losses, eta, self.lam, self.divergence, alpha=self.alpha, k=self.k, scale=self.scale)
         from dro_ext.distributed import batch_scale
 
