@@ -58,6 +58,9 @@ constexpr int kMaxIterations = 200;
 // still unresolved by then spans binades (a loss of -1e30 beside losses near 1), which halving the width would take
 // ~100 more steps to cross. Every other input converges long before, on the same steps as always.
 constexpr int kWidthHalvings = 48;
+// At most this many floats stepped up from a final eta where a weight overflows (newton_root): the stop leaves it
+// within a few of them (a tolerance of 4 roundings of the bracket's ends), so the cap is never reached in practice.
+constexpr int kMaxOverflowSteps = 64;
 // The float64 reductions below use the fixed chunks of cpu/chunks.h, so their results do not depend on the
 // thread count.
 using cpu::for_each_chunk;
@@ -310,6 +313,7 @@ Root newton_root(const at::Tensor& x, const DivergenceSpec& spec, double lam, do
   int iterations = 0;
   bool converged = false;
   double segment_step = kNaN;
+  bool lower_overflows = false;  // g = +inf at a: a weight overflows there
   while (iterations < kMaxIterations) {
     ++iterations;
     const auto s = kernels.reduce(x, spec, cpu::Affine{eta, 1.0 / lam}, cpu::Sums::Newton);
@@ -319,7 +323,12 @@ Root newton_root(const at::Tensor& x, const DivergenceSpec& spec, double lam, do
       converged = true;
       break;
     }
-    if (g > 0.0) a = eta; else b = eta;
+    if (g > 0.0) {
+      a = eta;
+      lower_overflows = g == kInf;
+    } else {
+      b = eta;
+    }
     // Converged when eta is known to a few roundings of what it can be resolved to: the kernel forms l - eta in the
     // accumulate type, which moves the Newton step by roundings of |eta| and of the psi*''-weighted mean |l| (at
     // most |eta| + that mean of |l - eta|: the losses the slope comes from; g itself keeps its relative precision
@@ -397,6 +406,16 @@ Root newton_root(const at::Tensor& x, const DivergenceSpec& spec, double lam, do
       converged = true;
       break;
     }
+  }
+  // lam far finer than the losses' float spacing: below the root a weight overflows (cressie_read's u^(1/(k-1)) at
+  // t ~ 1e50), and a stop within tol can leave eta a few floats below a root that lies within a few lam of max l,
+  // where worst_case_weights would divide inf by inf. Step up through those floats, one pass each, to the first
+  // where every weight is finite: the float nearest the root as far as the weights can tell (max l itself when
+  // the root rounds to it, where the weights are exact).
+  for (int steps = 0; lower_overflows && steps < kMaxOverflowSteps && eta < hi; ++steps, ++iterations) {
+    if (kernels.reduce(x, spec, cpu::Affine{eta, 1.0 / lam}, cpu::Sums::Newton)[0] != kInf) break;
+    eta = std::nextafter(eta, kInf);
+    segment_step = kNaN;  // no longer the step from eta's own pass
   }
   return {eta, converged, iterations, segment_step};
 }
@@ -554,9 +573,21 @@ at::Tensor robust_weights_cpu(
   }
   // psi*'(t_i) / sum_j psi*'(t_j): the sum is N at eta* up to rounding; dividing by it makes q sum to one
   // even when eta* was rounded to float32.
-  const at::Tensor xs = x.scalar_type() != at::kDouble && !cpu::float32_forms_t(lam) ? x.to(at::kDouble) : x;
-  const double total = solver_kernels(xs).reduce(xs, spec, cpu::Affine{eta, 1.0 / lam}, cpu::Sums::Weight)[0];
-  cpu::map_derivative(x, out, spec, eta, lam, 1.0 / total, 1, cpu::kAvx512MinValuesSolver);
+  at::Tensor xs = x.scalar_type() != at::kDouble && !cpu::float32_forms_t(lam) ? x.to(at::kDouble) : x;
+  double total = solver_kernels(xs).reduce(xs, spec, cpu::Affine{eta, 1.0 / lam}, cpu::Sums::Weight)[0];
+  if (!std::isfinite(total) && xs.scalar_type() != at::kDouble) {
+    // A float32 t overflowed though the weights need not (|l - eta*| / lam beyond float32's range at a tiny lam,
+    // cressie_read's u^(1/(k-1)) then inf/inf): the float64 copy forms them, as penalized_mean's second pass does.
+    xs = x.to(at::kDouble);
+    total = solver_kernels(xs).reduce(xs, spec, cpu::Affine{eta, 1.0 / lam}, cpu::Sums::Weight)[0];
+  }
+  if (xs.scalar_type() == x.scalar_type()) {
+    cpu::map_derivative(x, out, spec, eta, lam, 1.0 / total, 1, cpu::kAvx512MinValuesSolver);
+  } else {
+    at::Tensor wide_out = at::empty_like(xs);
+    cpu::map_derivative(xs, wide_out, spec, eta, lam, 1.0 / total, 1, cpu::kAvx512MinValuesSolver);
+    out.copy_(wide_out);
+  }
   return out;
 }
 

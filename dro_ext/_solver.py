@@ -55,6 +55,8 @@ _MAX_ITERATIONS = 200
 # still unresolved by then spans binades (a loss of -1e30 beside losses near 1), which halving the width would
 # take ~100 more steps to cross. Every other input converges long before, on the same steps as always.
 _WIDTH_HALVINGS = 48
+# The most floats find_eta steps up from a final eta where a weight overflows (newton_root's kMaxOverflowSteps).
+_MAX_OVERFLOW_STEPS = 64
 
 
 class Reducer(Protocol):
@@ -143,6 +145,7 @@ def find_eta(newton_sums: Callable[[float], list[float]], segment_sums: Callable
     previous_active, previous_g, last_was_newton, converged = -1.0, math.nan, False, False
     probing, probe_origin, probe_origin_g = False, math.nan, math.nan
     halvings, by_order = 0, False
+    lower_overflows = False  # g = +inf at a: a weight overflows there
     for _ in range(_MAX_ITERATIONS):
         s1, s2, s3 = newton_sums(eta)
         g = s1 / n
@@ -152,7 +155,7 @@ def find_eta(newton_sums: Callable[[float], list[float]], segment_sums: Callable
             converged = True
             break
         if g > 0.0:
-            a = eta
+            a, lower_overflows = eta, g == math.inf
         else:
             b = eta
         # eta to a few roundings of |eta| and of the psi*''-weighted mean |l| (the bracket's ends without a slope).
@@ -205,6 +208,12 @@ def find_eta(newton_sums: Callable[[float], list[float]], segment_sums: Callable
                             or (abs(last_step) <= tol and (converging if use_newton else not by_order))):
             converged = True
             break
+    # lam far finer than the losses' float spacing: a stop within tol can leave eta a few floats below the root,
+    # where a weight overflows; step up to the first float where none does (csrc/robust_objective.cpp's newton_root).
+    for _ in range(_MAX_OVERFLOW_STEPS if lower_overflows else 0):
+        if eta >= hi or newton_sums(eta)[0] != math.inf:
+            break
+        eta = math.nextafter(eta, math.inf)
     if linear and converged:
         sum_active, count = segment_sums(eta - width * lam)
         if count > 0:

@@ -115,6 +115,30 @@ def test_matches_scalar_minimization(backend, name, kw, lam, n):
     assert abs(dual(l, lam, name, kw)(eta.item()) - ref) <= 1e-10 * (1.0 + abs(ref))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("k", [1.001, 1.1, 3.0, 30.0])
+@pytest.mark.parametrize("lam", [1e-65, 2.8e-38, 1e-20])
+def test_worst_case_weights_at_a_lam_far_below_the_float_spacing(backend, k, lam, dtype):
+    """lam far finer than the losses' float spacing (|l| / lam up to 1e68, inside the documented range): the weights
+    are a distribution, and where the root lies within a rounding of max l (k near 1 at the smallest lam: it is
+    max l - lam (N^(k-1) - 1)/(k-1)) all the mass is on the largest loss. The solver used to stop a few floats below
+    max l, where cressie_read's u^(1/(k-1)) overflows (inf/inf: NaN weights, for about two thirds of such inputs
+    at k near 1), and float32 sums formed t = (l - eta*)/lam as inf at lam = 2.8e-38, where 1/lam is still a
+    float32 (NaN weights at k = 30)."""
+    gen = torch.Generator().manual_seed(int(1e6 * k) + int(-math.log10(lam)))
+    for _ in range(4):
+        x = (torch.rand(61, generator=gen, dtype=torch.float64) * 4000 - 2000).to(dtype)
+        value, eta = dro_ext.robust_objective(x, lam, "cressie_read", k=k)
+        q = dro_ext.worst_case_weights(x, lam, "cressie_read", k=k).double()
+        assert torch.isfinite(q).all() and (q >= 0).all(), (k, lam, dtype, q)
+        assert abs(float(q.sum()) - 1.0) <= 64 * torch.finfo(dtype).eps, (k, lam, dtype, float(q.sum()))
+        assert float(x.min()) <= float(eta) <= float(x.max()) and float(value) <= float(x.max())
+        if lam == 1e-65 and k <= 1.1:
+            top = int(x.argmax())
+            assert abs(float(q[top]) - 1.0) <= 4 * torch.finfo(dtype).eps and int((q != 0).sum()) == 1, (k, q[top])
+            assert float(x.max()) - float(value) <= 4 * torch.finfo(dtype).eps * abs(float(x.max()))
+
+
 # (-1e300 is -inf in float32, where Psi is NaN by definition.)
 @pytest.mark.parametrize("dtype,far", [(torch.float64, -1e30), (torch.float64, -1e300), (torch.float32, -1e30)],
                          ids=["f64-1e30", "f64-1e300", "f32-1e30"])
