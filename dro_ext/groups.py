@@ -486,22 +486,24 @@ class GroupDROLoss(nn.Module):
 
     def forward(self, losses: torch.Tensor, groups: torch.Tensor, update: bool = True, *,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        if (mask is None and self.group is None and update.__class__ is bool and losses.__class__ is torch.Tensor
-                and groups.__class__ is torch.Tensor and losses.layout is torch.strided
-                and groups.layout is torch.strided and self.mode == "eg" and _backend.native_for_tensor(losses)):
-            # A training step's call: group_sums and the step in one native call (csrc/group_dro.cpp), which checks
-            # the tensors itself with the same errors as below. (The step is a few microseconds on the CPU at a
-            # few thousand losses: every check here shows.)
-            validate = _ids_checked_by_the_op(groups, self.num_groups)
-            return _group_dro_loss_op(losses, groups, self.num_groups, *self._native_step_state(update), validate)
-        check_losses(losses, allow_empty=True)
-        check_groups(groups, losses)
-        if not isinstance(update, bool):
-            raise TypeError(f"dro_ext: update must be a bool, got {update!r}")
-        if mask is not None:
-            check_mask(mask, losses)
-        fused = self.mode == "eg" and _backend.native_for(losses.device.type)
-        if fused and mask is None and self.group is None:  # tensor subclasses: the same call, after the checks
+        # A training step's call with plain dense tensors goes straight to the native step (group_sums and the update
+        # in one call, csrc/group_dro.cpp), which checks them itself with the same errors as the checks below. (The
+        # step is a few microseconds on the CPU at a few thousand losses: every check here shows.)
+        one_call = (mask is None and self.group is None and update.__class__ is bool
+                    and losses.__class__ is torch.Tensor and groups.__class__ is torch.Tensor
+                    and losses.layout is torch.strided and groups.layout is torch.strided and self.mode == "eg"
+                    and _backend.native_for_tensor(losses))
+        fused = one_call
+        if not one_call:  # tensor subclasses, masks, process groups, greedy_cvar, the fallback
+            check_losses(losses, allow_empty=True)
+            check_groups(groups, losses)
+            if not isinstance(update, bool):
+                raise TypeError(f"dro_ext: update must be a bool, got {update!r}")
+            if mask is not None:
+                check_mask(mask, losses)
+            fused = self.mode == "eg" and _backend.native_for(losses.device.type)
+            one_call = fused and mask is None and self.group is None
+        if one_call:
             validate = _ids_checked_by_the_op(groups, self.num_groups)
             return _group_dro_loss_op(losses, groups, self.num_groups, *self._native_step_state(update), validate)
         sums, counts = _reduced_group_sums(losses, groups, self.num_groups, self.group, "GroupDROLoss", mask)
