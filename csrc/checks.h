@@ -155,4 +155,11 @@ inline at::ScalarType accumulate_type(at::ScalarType t) {
   return t == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// Whether float32 kernels can form t = (x - shift) / lam as (x - shift) * inv_lam: 1/lam a normal float32. Else t is
+// +-inf or 0 for every loss (NaN where x == shift); the callers (CPU and CUDA) then run the float64 kernels on a
+// copy of x.
+inline bool float32_forms_t(double lam) {
+  return std::isnormal(static_cast<float>(1.0 / lam));
+}
+
 }  // namespace dro_ext

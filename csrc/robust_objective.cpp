@@ -479,7 +479,7 @@ double warm_start(const at::Tensor& x, const DivergenceSpec& spec, double lam, d
 // more than 1/256 per rounding of eta), and 1/lam a normal float32 (else t is inf or 0 for every loss). Where they
 // do not, the iterative solvers run on a float64 copy of the losses.
 bool float32_resolves(const at::Tensor& x, double lam, double largest) {
-  return lam >= 256.0 * machine_epsilon(x) * largest && cpu::float32_forms_t(lam);
+  return lam >= 256.0 * machine_epsilon(x) * largest && float32_forms_t(lam);
 }
 
 // Where Newton over all N starts. float64 losses of a divergence with exponential weights (kl_cvar, smoothed_cvar)
@@ -573,7 +573,7 @@ at::Tensor robust_weights_cpu(
   }
   // psi*'(t_i) / sum_j psi*'(t_j): the sum is N at eta* up to rounding; dividing by it makes q sum to one
   // even when eta* was rounded to float32.
-  at::Tensor xs = x.scalar_type() != at::kDouble && !cpu::float32_forms_t(lam) ? x.to(at::kDouble) : x;
+  at::Tensor xs = x.scalar_type() != at::kDouble && !float32_forms_t(lam) ? x.to(at::kDouble) : x;
   double total = solver_kernels(xs).reduce(xs, spec, cpu::Affine{eta, 1.0 / lam}, cpu::Sums::Weight)[0];
   if (!std::isfinite(total) && xs.scalar_type() != at::kDouble) {
     // A float32 t overflowed though the weights need not (|l - eta*| / lam beyond float32's range at a tiny lam,
@@ -581,13 +581,7 @@ at::Tensor robust_weights_cpu(
     xs = x.to(at::kDouble);
     total = solver_kernels(xs).reduce(xs, spec, cpu::Affine{eta, 1.0 / lam}, cpu::Sums::Weight)[0];
   }
-  if (xs.scalar_type() == x.scalar_type()) {
-    cpu::map_derivative(x, out, spec, eta, lam, 1.0 / total, 1, cpu::kAvx512MinValuesSolver);
-  } else {
-    at::Tensor wide_out = at::empty_like(xs);
-    cpu::map_derivative(xs, wide_out, spec, eta, lam, 1.0 / total, 1, cpu::kAvx512MinValuesSolver);
-    out.copy_(wide_out);
-  }
+  cpu::map_derivative_over(xs, out, spec, eta, lam, 1.0 / total, 1, cpu::kAvx512MinValuesSolver);
   return out;
 }
 

@@ -72,6 +72,36 @@ def test_cuda_matches_cpu_kernels(name, params, dtype):
     torch.testing.assert_close(g_eta.cpu(), g_eta_cpu, **ref.tolerances(torch.float32))
 
 
+@pytest.mark.parametrize("lam", [1e-39, 1e-44])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_a_lam_with_no_float32_reciprocal_matches_cpu(name, params, dtype, lam):
+    """1/lam is no normal float32, so float32 kernels would form every t = (l - eta)/lam as +-inf or 0 (NaN at
+    l = eta): the ops run the float64 kernels on a copy of the losses, as the CPU kernels do. The losses lie within
+    a few lam of eta (t of order 10), scaled out before comparing."""
+    scale = 1000.0 * lam
+    losses = (make_losses(10_001, torch.float64, "contiguous", spread=0.01) * scale).to(dtype)
+    eta = torch.tensor(scale, device=DEVICE)
+    args = (lam, name, params.get("alpha"), params.get("k"), 1.0)
+    tol = ref.tolerances(dtype)
+    value, mean_w = torch.ops.dro_ext.dro_loss(losses, eta, *args)
+    value_cpu, mean_w_cpu = torch.ops.dro_ext.dro_loss(losses.cpu(), eta.cpu(), *args)
+    assert torch.isfinite(value_cpu) and torch.isfinite(mean_w_cpu)
+    torch.testing.assert_close(value.cpu().double() / scale, value_cpu.double() / scale, **tol)
+    torch.testing.assert_close(mean_w.cpu(), mean_w_cpu, **ref.tolerances(torch.float32))
+    n = losses.numel()
+    grad = torch.tensor(1.7, device=DEVICE)
+    g_l, g_eta = torch.ops.dro_ext.dro_loss_backward(grad, losses, eta, mean_w, *args)
+    g_l_cpu, g_eta_cpu = torch.ops.dro_ext.dro_loss_backward(grad.cpu(), losses.cpu(), eta.cpu(), mean_w_cpu, *args)
+    torch.testing.assert_close(g_l.cpu().double() * n, g_l_cpu.double() * n, **tol)
+    torch.testing.assert_close(g_eta.cpu(), g_eta_cpu, **ref.tolerances(torch.float32))
+    for order in (0, 1, 2):
+        multiplier = torch.tensor(lam if order == 2 else 1.0, dtype=torch.float64, device=DEVICE)
+        terms = torch.ops.dro_ext.psi_star_terms(losses, eta, multiplier, *args, order)
+        want = torch.ops.dro_ext.psi_star_terms(losses.cpu(), eta.cpu(), multiplier.cpu(), *args, order)
+        torch.testing.assert_close(terms.cpu(), want, **tol)
+
+
 @pytest.mark.parametrize("order", [0, 1, 2])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)

@@ -170,6 +170,28 @@ def test_extreme_lambda_and_spread_match_cpu(name, params, lam):
     torch.testing.assert_close(got_eta.cpu(), want_eta, **eta_tolerance(torch.float64, lam))
 
 
+@pytest.mark.parametrize("lam", [1e-39, 1e-44])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_a_lam_with_no_float32_reciprocal_matches_cpu(name, params, dtype, lam):
+    """1/lam is no normal float32, so float32 kernels would form every t = (l - eta)/lam as +-inf or 0 (NaN at
+    l = eta): the solver and the weights run the float64 kernels on a copy of the losses, as the CPU does. The
+    losses lie within a few lam of each other (t of order 10), scaled out before comparing."""
+    scale = 1000.0 * lam
+    losses = (make_losses(10_001, torch.float64, "contiguous", spread=0.01) * scale).to(dtype)
+    value, eta = dro_ext.robust_objective(losses, lam, name, **params)
+    want_value, want_eta = dro_ext.robust_objective(losses.cpu(), lam, name, **params)
+    assert torch.isfinite(want_value) and torch.isfinite(want_eta)
+    assert value.dtype == want_value.dtype and eta.dtype == want_eta.dtype
+    tol = ref.tolerances(dtype)
+    torch.testing.assert_close(value.cpu().double() / scale, want_value.double() / scale, **tol)
+    torch.testing.assert_close(eta.cpu().double() / scale, want_eta.double() / scale, **tol)
+    n = losses.numel()
+    q = dro_ext.worst_case_weights(losses, lam, name, **params)
+    want_q = dro_ext.worst_case_weights(losses.cpu(), lam, name, **params)
+    torch.testing.assert_close(q.cpu().double() * n, want_q.double() * n, **tol)
+
+
 @pytest.mark.parametrize("dtype,far", [(torch.float64, -1e30), (torch.float64, -1e300), (torch.float32, -1e30)],
                          ids=["f64-1e30", "f64-1e300", "f32-1e30"])
 @pytest.mark.parametrize("bulk", ["above-0", "up-to-0"])

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <vector>
 
+#include "checks.h"
 #include "divergences.h"
 
 namespace dro_ext::cpu {
@@ -96,12 +97,6 @@ const KernelTable& kernels_avx512();  // likewise
 // passes.
 const KernelTable& cpu_kernels(int64_t values, int64_t avx512_min_values);
 
-// Whether float32 kernels can form t = (x - shift) / lam as (x - shift) * inv_lam: 1/lam a normal float32. Else t is
-// +-inf or 0 for every loss (NaN where x == shift); the callers then run the float64 kernels on a copy of x.
-inline bool float32_forms_t(double lam) {
-  return std::isnormal(static_cast<float>(1.0 / lam));
-}
-
 // The penalized objective over the contiguous 1-D x and its mean weight, with t_i = (x_i - shift) / lam:
 //   value = mean_i lam psi*(t_i) + shift,  mean_weight = mean_i psi*'(t_i),
 // from one Loss pass (dro_loss, and the robust objective at its eta), each sample's share formed as divergences.h's
@@ -133,19 +128,25 @@ inline PenalizedMean penalized_mean(const at::Tensor& x, const DivergenceSpec& s
   return {value, mean_weight};
 }
 
-// out_i = multiplier * psi*^(order)((x_i - shift) / lam) into out (x's shape and dtype, contiguous), through a
-// float64 copy of x where float32 cannot form t (float32_forms_t).
-inline void map_derivative(const at::Tensor& x, at::Tensor& out, const DivergenceSpec& spec, double shift, double lam,
-                           double multiplier, int64_t order, int64_t avx512_min_values) {
-  if (x.scalar_type() != at::kDouble && !float32_forms_t(lam)) {
-    at::Tensor wide = x.to(at::kDouble);
-    at::Tensor wide_out = at::empty_like(wide);
-    cpu_kernels(wide.numel(), avx512_min_values)
-        .map_derivative(wide, wide_out, spec, Affine{shift, 1.0 / lam}, multiplier, order);
-    out.copy_(wide_out);
+// out_i = multiplier * psi*^(order)((x_i - shift) / lam) over the contiguous x into out (x's shape, contiguous),
+// whose dtype may be narrower than x's: x a float64 copy of out's losses, whose terms go through a float64 buffer.
+inline void map_derivative_over(const at::Tensor& x, at::Tensor& out, const DivergenceSpec& spec, double shift,
+                                double lam, double multiplier, int64_t order, int64_t avx512_min_values) {
+  const KernelTable& kernels = cpu_kernels(x.numel(), avx512_min_values);
+  if (out.scalar_type() == x.scalar_type()) {
+    kernels.map_derivative(x, out, spec, Affine{shift, 1.0 / lam}, multiplier, order);
     return;
   }
-  cpu_kernels(x.numel(), avx512_min_values).map_derivative(x, out, spec, Affine{shift, 1.0 / lam}, multiplier, order);
+  at::Tensor wide_out = at::empty_like(x);
+  kernels.map_derivative(x, wide_out, spec, Affine{shift, 1.0 / lam}, multiplier, order);
+  out.copy_(wide_out);
+}
+
+// The same into out of x's dtype, through a float64 copy of x where float32 cannot form t (float32_forms_t).
+inline void map_derivative(const at::Tensor& x, at::Tensor& out, const DivergenceSpec& spec, double shift, double lam,
+                           double multiplier, int64_t order, int64_t avx512_min_values) {
+  const bool wide = x.scalar_type() != at::kDouble && !float32_forms_t(lam);
+  map_derivative_over(wide ? x.to(at::kDouble) : x, out, spec, shift, lam, multiplier, order, avx512_min_values);
 }
 
 }  // namespace dro_ext::cpu

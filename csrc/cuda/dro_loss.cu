@@ -7,7 +7,8 @@
 //
 // eta, grad, multiplier and mean_weight are read by the kernels (never .item()), everything runs on the
 // current stream, and the only allocations are through the caching allocator, so the ops neither sync
-// nor break a CUDA graph capture.
+// nor break a CUDA graph capture. Where 1/lam is no normal float32, half/bfloat16/float32 losses run through
+// the float64 kernels on a copy (runs_on_float64_copy), as on the CPU.
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -36,6 +37,10 @@ std::tuple<at::Tensor, at::Tensor> dro_loss_cuda(
     std::optional<double> alpha, std::optional<double> k, double scale) {
   const DivergenceSpec spec = check_dro_loss_args(losses, eta, lam, divergence, alpha, k, scale);
   const c10::cuda::CUDAGuard guard(losses.device());
+  if (runs_on_float64_copy(losses, lam)) {
+    const auto [value, mean_weight] = dro_loss_cuda(losses.to(at::kDouble), eta, lam, divergence, alpha, k, scale);
+    return {value.to(losses.scalar_type()), mean_weight.to(accumulate_type(losses.scalar_type()))};
+  }
   const at::Tensor x = losses.contiguous();
   const ShiftRef g_eta{scalar_ref(eta), scale, 0.0};
   at::Tensor partials = derivative_partials_buffer(x);
@@ -62,6 +67,10 @@ at::Tensor psi_star_terms_cuda(
   const DivergenceSpec spec =
       check_psi_star_terms_args(losses, eta, multiplier, lam, divergence, alpha, k, scale, order);
   const c10::cuda::CUDAGuard guard(losses.device());
+  if (runs_on_float64_copy(losses, lam)) {
+    return psi_star_terms_cuda(losses.to(at::kDouble), eta, multiplier, lam, divergence, alpha, k, scale, order)
+        .to(losses.scalar_type());
+  }
   const at::Tensor x = losses.contiguous();
   at::Tensor out = at::empty(x.sizes(), x.options());
   launch_map_derivative(x, out, spec, ShiftRef{scalar_ref(eta), scale, 0.0}, lam, scalar_ref(multiplier), 1.0,
@@ -76,6 +85,11 @@ std::tuple<at::Tensor, at::Tensor> dro_loss_backward_cuda(
   const DivergenceSpec spec =
       check_dro_loss_backward_args(grad, losses, eta, mean_weight, lam, divergence, alpha, k, scale);
   const c10::cuda::CUDAGuard guard(losses.device());
+  if (runs_on_float64_copy(losses, lam)) {
+    const auto [grad_losses, grad_eta] =
+        dro_loss_backward_cuda(grad, losses.to(at::kDouble), eta, mean_weight, lam, divergence, alpha, k, scale);
+    return {grad_losses.to(losses.scalar_type()), grad_eta};
+  }
   const at::Tensor x = losses.contiguous();
   at::Tensor grad_losses = at::empty(x.sizes(), x.options());
   at::Tensor grad_eta = at::empty({}, eta.options());

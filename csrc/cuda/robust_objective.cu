@@ -21,6 +21,8 @@
 //                       between the bracket ends, and chi2 (piecewise linear) solves its final segment exactly.
 //                       The CPU's Newton steps would need ~100 launches of budget to be as sure of converging.
 //                     No host round trip at all: the result stays on the device until the caller reads it.
+//                     Where 1/lam is no normal float32, half/bfloat16/float32 losses are solved on a float64 copy
+//                     (runs_on_float64_copy), as on the CPU.
 //   robust_weights    one reduction (the normalizer, or cvar's counts) and one elementwise pass.
 //   weight_stats      one pass over the weights (sum, sum of squares, max, zeros, NaN and bad-id flags);
 //                     with groups, a radix sort by group id and one block per group summing its segment in
@@ -262,7 +264,12 @@ struct SplitSumsOp {
 };
 
 // eta inside [a, b] by linear interpolation of g between the ends (exact on a linear piece), else the midpoint.
+// g = +inf at a (a weight overflows there: lam far finer than the losses' float spacing, cressie_read near k = 1)
+// gives b, where g is finite: between the two the weights can overflow (inf/inf: NaN worst-case weights), and the
+// root lies within the bracket's few floats of b (max l itself where it rounds to it). The CPU's Newton ends on the
+// first float above where no weight overflows, for the same reason.
 __device__ __forceinline__ double interpolate(double a, double b, double ga, double gb) {
+  if (ga == INFINITY) return b;
   if (isfinite(ga) && isfinite(gb) && ga > gb) return fmin(fmax(a + (b - a) * (ga / (ga - gb)), a), b);
   return 0.5 * (a + b);
 }
@@ -416,6 +423,10 @@ std::tuple<at::Tensor, at::Tensor> robust_objective_cuda(
   check_losses(losses);
   const DivergenceSpec spec = check_divergence_args(lam, divergence, alpha, k);
   const c10::cuda::CUDAGuard guard(losses.device());
+  if (spec.kind != Divergence::CVaR && runs_on_float64_copy(losses, lam)) {  // cvar's selection takes no t
+    const auto [value, eta] = robust_objective_cuda(losses.to(at::kDouble), lam, divergence, alpha, k);
+    return {value.to(losses.scalar_type()), eta.to(accumulate_type(losses.scalar_type()))};
+  }
   const at::Tensor x = losses.contiguous();
   const int64_t n = x.numel();
   const double nd = static_cast<double>(n);
@@ -556,6 +567,10 @@ at::Tensor robust_weights_cuda(
     std::optional<double> alpha, std::optional<double> k) {
   const DivergenceSpec spec = check_robust_weights_args(losses, eta_star, lam, divergence, alpha, k);
   const c10::cuda::CUDAGuard guard(losses.device());
+  if (spec.kind != Divergence::CVaR && runs_on_float64_copy(losses, lam)) {  // cvar's selection takes no t
+    return robust_weights_cuda(losses.to(at::kDouble), eta_star.to(at::kDouble), lam, divergence, alpha, k)
+        .to(losses.scalar_type());
+  }
   const at::Tensor x = losses.contiguous();
   at::Tensor out = at::empty(x.sizes(), x.options());
   const int64_t n = x.numel();
