@@ -115,6 +115,15 @@ def test_cvar_ties_and_fractional_tail_match_cpu(values, alpha):
         torch.testing.assert_close(q.cpu(), dro_ext.worst_case_weights(losses.cpu(), 1.0, "cvar", alpha=alpha))
 
 
+def test_cvar_of_one_boundary_loss_is_not_above_it():
+    """alpha N < 1: the tail is the largest loss alone, and (alpha N * max l) / (alpha N) rounds one ulp above max l
+    here (Psi is never above max l)."""
+    losses = torch.tensor([0.0, 0.0, 0.0, 0.0, 9.401369007415575e-08, 7.277747464928079e-08, -1.0079480274223642e-07,
+                           4.06875845661677e-09], dtype=torch.float64, device=DEVICE)
+    value, eta = dro_ext.robust_objective(losses, 1.9480849281639218e-07, "cvar", alpha=0.01)
+    assert value.item() == losses.max().item() == eta.item()
+
+
 def select_edge_losses(dtype, n_lognormal):
     """Losses that test cvar's radix select on the keys of its floats: both zeros, subnormals and normals of both
     signs, the largest magnitudes, runs of adjacent floats (keys equal but for their last digit), ties, and

@@ -218,7 +218,9 @@ __global__ void __launch_bounds__(kThreads) cvar_finalize_kernel(const Pair<doub
   if (threadIdx.x != 0) return;
   const double eta = *boundary;
   state->eta = eta;
-  state->value = (total.a + (k - total.b) * eta) / k;
+  // Never above max l, which (k eta) / k can round past where the tail is max l alone (alpha N < 1), as the CPU.
+  const double value = (total.a + (k - total.b) * eta) / k;
+  state->value = value > state->hi ? state->hi : value;  // keeps NaN
   state->finished = 1;
 }
 
