@@ -156,10 +156,17 @@ inline at::ScalarType accumulate_type(at::ScalarType t) {
 }
 
 // Whether float32 kernels can form t = (x - shift) / lam as (x - shift) * inv_lam: 1/lam a normal float32. Else t is
-// +-inf or 0 for every loss (NaN where x == shift); the callers (CPU and CUDA) then run the float64 kernels on a
-// copy of x.
+// +-inf or 0 for every loss (NaN where x == shift).
 inline bool float32_forms_t(double lam) {
   return std::isnormal(static_cast<float>(1.0 / lam));
+}
+
+// Whether an op over half/bfloat16/float32 x runs the float64 kernels on a copy of it, its results rounded to the
+// outputs' dtypes: where float32 cannot form t (float32_forms_t), on the CPU and on CUDA alike. lam alone decides, so
+// CUDA needs no host sync for it; float32 overflowing at a normal 1/lam (t past float32's range) needs a look at
+// the losses or the result, which only the CPU kernels take.
+inline bool runs_on_float64_copy(const at::Tensor& x, double lam) {
+  return x.scalar_type() != at::kDouble && !float32_forms_t(lam);
 }
 
 }  // namespace dro_ext

@@ -573,7 +573,7 @@ at::Tensor robust_weights_cpu(
   }
   // psi*'(t_i) / sum_j psi*'(t_j): the sum is N at eta* up to rounding; dividing by it makes q sum to one
   // even when eta* was rounded to float32.
-  at::Tensor xs = x.scalar_type() != at::kDouble && !float32_forms_t(lam) ? x.to(at::kDouble) : x;
+  at::Tensor xs = runs_on_float64_copy(x, lam) ? x.to(at::kDouble) : x;
   double total = solver_kernels(xs).reduce(xs, spec, cpu::Affine{eta, 1.0 / lam}, cpu::Sums::Weight)[0];
   if (!std::isfinite(total) && xs.scalar_type() != at::kDouble) {
     // A float32 t overflowed though the weights need not (|l - eta*| / lam beyond float32's range at a tiny lam,

@@ -112,7 +112,7 @@ struct PenalizedMean {
 };
 inline PenalizedMean penalized_mean(const at::Tensor& x, const DivergenceSpec& spec, double shift, double lam,
                                     int64_t avx512_min_values) {
-  if (x.scalar_type() != at::kDouble && !float32_forms_t(lam)) {
+  if (runs_on_float64_copy(x, lam)) {
     return penalized_mean(x.to(at::kDouble), spec, shift, lam, avx512_min_values);
   }
   const Affine affine{shift, 1.0 / lam};
@@ -145,8 +145,8 @@ inline void map_derivative_over(const at::Tensor& x, at::Tensor& out, const Dive
 // The same into out of x's dtype, through a float64 copy of x where float32 cannot form t (float32_forms_t).
 inline void map_derivative(const at::Tensor& x, at::Tensor& out, const DivergenceSpec& spec, double shift, double lam,
                            double multiplier, int64_t order, int64_t avx512_min_values) {
-  const bool wide = x.scalar_type() != at::kDouble && !float32_forms_t(lam);
-  map_derivative_over(wide ? x.to(at::kDouble) : x, out, spec, shift, lam, multiplier, order, avx512_min_values);
+  const at::Tensor& source = runs_on_float64_copy(x, lam) ? x.to(at::kDouble) : x;
+  map_derivative_over(source, out, spec, shift, lam, multiplier, order, avx512_min_values);
 }
 
 }  // namespace dro_ext::cpu

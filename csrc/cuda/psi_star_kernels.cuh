@@ -137,15 +137,6 @@ __device__ __forceinline__ Pair<at::opmath_type<scalar_t>> thread_derivative_sum
   }
 }
 
-// Whether an op over half/bfloat16/float32 losses runs the float64 kernels on a copy of them, its results rounded
-// to the outputs' dtypes: where 1/lam is no normal float32 (float32_forms_t), float32 would form every
-// t = (l - shift)/lam as +-inf or 0 (NaN at l = shift), as on the CPU. The choice needs lam only, so it costs no host
-// sync; float32 overflowing at a normal 1/lam (t = (l - shift)/lam past float32's range) would need a look at the
-// losses, and stays outside the CUDA kernels' float32 range.
-inline bool runs_on_float64_copy(const at::Tensor& losses, double lam) {
-  return losses.scalar_type() != at::kDouble && !float32_forms_t(lam);
-}
-
 // One partial per block. `skip` (may be null) points to a device flag: when it is set, the kernel does
 // nothing (an iterative solve that has already finished).
 template <int A, int B, typename scalar_t, typename Div>
