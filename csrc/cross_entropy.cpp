@@ -140,10 +140,7 @@ at::Tensor dro_cross_entropy_chunk_cpu(const at::Tensor& logits, const at::Tenso
   const auto sums = cpu::cross_entropy_kernels(logits.numel()).forward(
       logits, y, make_config(spec, eta, lam, scale, ignore_index, label_smoothing), nullptr, nullptr,
       compute_grad ? &grad : nullptr, cpu::read_scalar(inv_count));
-  at::Tensor out = at::empty({2}, logits.options().dtype(accumulate_type(logits.scalar_type())));
-  out[0].fill_(sums[0]);
-  out[1].fill_(sums[1]);
-  return out;
+  return cpu::make_vector(sums, logits.options().dtype(accumulate_type(logits.scalar_type())));
 }
 
 }  // namespace

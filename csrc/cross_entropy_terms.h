@@ -37,26 +37,46 @@ C10_HOST_DEVICE inline acc_t cross_entropy_loss(const ShiftedLogSumExp<acc_t>& l
   return (acc_t(1) - smoothing) * (lse.shift - x_target) + smoothing * (lse.shift - row_mean) + lse.log_sum;
 }
 
-// The scalar constants every row needs.
-template <typename acc_t>
+// The scalar constants every row needs, in the type its DRO terms are formed in (term_t, below).
+template <typename term_t>
 struct DROTermParams {
-  acc_t g_eta;    // G * eta
-  acc_t inv_lam;  // 1 / lam
-  acc_t lam;
+  term_t g_eta;    // G * eta
+  term_t inv_lam;  // 1 / lam
+  term_t lam;
 };
 
 // t_i = (l_i - G eta) / lam.
-template <typename acc_t>
-C10_HOST_DEVICE inline acc_t dro_argument(acc_t loss, const DROTermParams<acc_t>& p) {
+template <typename term_t>
+C10_HOST_DEVICE inline term_t dro_argument(term_t loss, const DROTermParams<term_t>& p) {
   return (loss - p.g_eta) * p.inv_lam;
 }
 
 // Row i's share of the value, lam * psi*(t_i) + G eta, whose mean over the kept rows is the objective
 // (divergences.h's penalized_value: formed as l_i + lam * (psi*(t_i) - t_i), which keeps its precision however
 // large lam is, and +inf for a row whose loss is +inf).
-template <typename acc_t, typename Div>
-C10_HOST_DEVICE inline acc_t value_term(const Div& div, acc_t t, acc_t loss, const DROTermParams<acc_t>& p) {
+template <typename term_t, typename Div>
+C10_HOST_DEVICE inline term_t value_term(const Div& div, term_t t, term_t loss, const DROTermParams<term_t>& p) {
   return penalized_value(div, t, loss, p.lam, p.g_eta);
+}
+
+// A row's weight w_i = psi*'(t_i) and value term.
+template <typename term_t>
+struct RowTerms {
+  term_t weight;
+  term_t value;
+};
+
+// The row's DRO terms from its loss (formed in the logits' accumulate dtype), in term_t, the type of Div and p:
+// the accumulate dtype, or float64 where float32 cannot form them (the CPU always, a scalar per row beside the row's
+// C logits; CUDA where 1/lam is no normal float32, checks.h's runs_on_float64_copy). In float32, t = (l - G eta)/lam
+// is +-inf for every row at lam below about 2.9e-39 (cvar's value then came out inf for losses near 5), lam itself
+// is inf above 3.4e38 (the value NaN), and psi*(t) can overflow where lam psi*(t) does not (cressie_read at
+// lam = 1e-36: inf for 1e18).
+template <typename term_t, typename Div, typename acc_t>
+C10_HOST_DEVICE inline RowTerms<term_t> row_terms(const Div& div, acc_t loss, const DROTermParams<term_t>& p) {
+  const term_t l = static_cast<term_t>(loss);
+  const term_t t = dro_argument(l, p);
+  return {div.first(t), value_term(div, t, l, p)};
 }
 
 // A class's share of the row's gradient, (w_i / n) (softmax_j - q_j) = c r with r = softmax_j - q_j, and 0 where

@@ -257,8 +257,9 @@ def dro_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, eta: torch.Te
     label_smoothing=...)``. Over the n rows whose target is not ``ignore_index``, the value is
     ``mean_i lam*psi*((l_i - scale*eta)/lam) + scale*eta`` (0 when n == 0, with zero gradients). Gradients
     flow to ``logits`` and ``eta``; the native op keeps only the per-row logsumexp (as the row's max and the log
-    of the sum below it) and weight (3N floats) for backward. Sums accumulate in float32 (float64 for float64
-    logits); the result has the logits' dtype.
+    of the sum below it) and weight (3N floats) for backward. Each row's loss is formed in float32 (float64 for
+    float64 logits); its t, weight and value term and their sums in float64 on the CPU and in the fallback, and on
+    CUDA in float32 except where 1/lam is no normal float32. The result has the logits' dtype.
 
     ``groups`` with ``num_groups`` (both or neither): the objective over groups of tokens instead of tokens.
     ``groups`` (int64 or int32 ids in ``[0, num_groups)``) has the shape of ``targets`` (one id per token) or
@@ -316,17 +317,22 @@ def _chunk_fallback_(logits, targets, eta, inv_count, lam, spec, scale, ignore_i
     else:
         row_sum = (x - shift[:, None]).exp_().sum(dim=1)
     lse = torch.stack([shift, row_sum.log()], dim=1)
-    losses = torch.where(keep, losses_from_shifted_lse(lse, target_logit, row_mean, label_smoothing), 0.0)
-    g_eta = scale * eta.to(acc)
+    # The DRO terms (a scalar per row) in the fallback's dtype, as the native kernel forms them in float64: float32
+    # cannot form t = (l - G eta)/lam at a lam below about 2.9e-39 or above 3.4e38, nor psi*(t) where it overflows
+    # though lam psi*(t) does not.
+    terms = fallback_dtype(logits.dtype, logits.device)
+    losses = torch.where(keep, losses_from_shifted_lse(lse, target_logit, row_mean, label_smoothing), 0.0).to(terms)
+    g_eta = scale * eta.to(terms)
     t = (losses - g_eta) / lam
     weights = torch.where(keep, _psi_star_torch(t, spec, 1), 0.0)
-    sums = torch.stack([torch.where(keep, _penalized_value_torch(losses, t, lam, g_eta, spec), 0.0).sum(), weights.sum()])
+    value_sum = torch.where(keep, _penalized_value_torch(losses, t, lam, g_eta, spec), 0.0).sum()
+    sums = torch.stack([value_sum, weights.sum()]).to(acc)
     if compute_grad:
         grad = unnormalized.div_(row_sum[:, None])  # softmax
         grad.sub_(label_smoothing / x.shape[1])
         grad.scatter_add_(1, safe_targets[:, None], torch.full_like(row_sum[:, None], label_smoothing - 1.0))
         unmoved = grad == 0  # _weighted_residual, in place: an overflowed weight times a zero residual is 0
-        grad.mul_((weights * inv_count.to(acc))[:, None]).masked_fill_(unmoved, 0.0)
+        grad.mul_((weights * inv_count.to(terms)).to(acc)[:, None]).masked_fill_(unmoved, 0.0)
         if grad.data_ptr() != logits.data_ptr():
             logits.copy_(grad)
     return sums

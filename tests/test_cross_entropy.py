@@ -279,6 +279,102 @@ def test_infinite_row_loss_makes_the_objective_infinite(backend, name, params):
     assert float(value.detach()) == math.inf
 
 
+# lam where float32 cannot form a row's DRO terms: 1/lam beyond float32's normal range (1e-44, 1e-39), lam itself
+# beyond it (1e39), and psi*(t) overflowing where lam psi*(t) does not (cressie_read, chi2 at 1e-36).
+LAMS_BEYOND_FLOAT32 = [1e-44, 1e-39, 1e-36, 1e39]
+
+
+def exact_objective(logits64, targets, eta, lam, name, params, scale=SCALE):
+    """(value, dL/dlogits, dL/deta) from float64 logits, each row's lam psi*(t) + G eta and psi*'(t) taken exactly
+    (reference.mp_conjugate, at 120 digits around it): the float64 formulas fail at these t (psi*(t) rounds to 0
+    against lam = 1e39, e^t overflows at t = 1e39 where smoothed_cvar's value does not). A row whose weight float64
+    cannot hold gets an infinite gradient (NaN where its residual is 0, which the comparison leaves out)."""
+    keep = targets != -100
+    losses = F.cross_entropy(logits64, targets, reduction="none")
+    n = int(keep.sum())
+    weights = torch.zeros_like(losses)
+    with ref.mp.workdps(120):
+        shift, lam_mp = ref.mp.mpf(scale) * ref.mp.mpf(float(eta)), ref.mp.mpf(lam)
+        total = ref.mp.mpf(0)
+        for i in torch.nonzero(keep).flatten().tolist():
+            value, weight, _ = ref.mp_conjugate((ref.mp.mpf(float(losses[i])) - shift) / lam_mp, name,
+                                                params.get("alpha"), params.get("k"))
+            total += lam_mp * value + shift
+            weights[i] = float(weight)
+        value = float(total / n)
+    residual = torch.softmax(logits64, dim=1) - F.one_hot(torch.where(keep, targets, 0), logits64.shape[1])
+    grad_logits = torch.where(keep[:, None], weights[:, None] / n * residual, 0.0)
+    return value, grad_logits, float(scale * (1 - weights.sum() / n)), weights / n
+
+
+def assert_rows_match_where_weights_fit(got, want, row_weights, tol, nan_free=True):
+    """got (any dtype) against the float64 want, on the rows whose weight w_i/n float32 holds, relative to the
+    largest of them: a row whose weight overflows the accumulate dtype has an infinite gradient (documented), and
+    none may be NaN (nan_free; a hidden state's gradient, that row's logits' +-inf times the weight matrix, is)."""
+    fits = row_weights.abs() <= torch.finfo(torch.float32).max
+    assert not (got if nan_free else got[fits]).isnan().any()
+    # The entries beyond got's dtype are its infinities; the rest compare relative to the largest.
+    got, want = got[fits].double(), want[fits].to(got.dtype).double()
+    beyond = want.isinf()
+    assert torch.equal(got[beyond], want[beyond])
+    got, want = got[~beyond], want[~beyond]
+    size = float(want.abs().max()) if want.numel() else 0.0
+    if size > 0:
+        torch.testing.assert_close(got / size, want / size, **tol)
+
+
+@pytest.mark.parametrize("lam", LAMS_BEYOND_FLOAT32, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("path", ["logits", "linear"])
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_a_lam_beyond_float32_matches_the_exact_objective(backend, name, params, path, dtype, lam):
+    """Where float32 cannot form t = (l - G eta)/lam or psi*(t), the row terms are formed in float64, on both
+    backends. They were not: cvar's value came out inf for losses near 5 at lam = 1e-39, every divergence's NaN at
+    lam = 1e39, cressie_read's inf for 1e18 at lam = 1e-36."""
+    check_lam_beyond_float32(name, params, path, dtype, lam, "cpu")
+
+
+def check_lam_beyond_float32(name, params, path, dtype, lam, device):
+    """The value is the exact one rounded to the dtype (inf where that overflows); the gradients are compared on
+    the rows whose weight float32 holds."""
+    torch.manual_seed(0)
+    n, c = 13, 7
+    targets = torch.randint(0, c, (n,))
+    targets[::4] = -100
+    eta = torch.tensor(1.5, device=device, requires_grad=True)
+    if path == "logits":
+        logits = torch.randn(n, c, dtype=torch.float64).to(dtype).to(device).requires_grad_()
+        value = dro_ext.dro_cross_entropy(logits, targets.to(device), eta, lam, name, scale=SCALE, **params)
+        inputs = [logits, eta]
+        logits64 = logits.detach().cpu().double()
+    else:
+        hidden = torch.randn(n, 5, dtype=torch.float64).to(dtype).to(device).requires_grad_()
+        weight = torch.randn(c, 5, dtype=torch.float64).to(dtype).to(device).requires_grad_()
+        value = dro_ext.dro_linear_cross_entropy(hidden, weight, targets.to(device), eta, lam, name, scale=SCALE,
+                                                 chunk_size=4, **params)
+        inputs = [hidden, weight, eta]
+        logits64 = F.linear(hidden.detach(), weight.detach()).cpu().double()  # as the op's matmul rounds them
+    grads = [g.cpu() for g in torch.autograd.grad(value, inputs)]
+    exact, grad_logits, grad_eta, row_weights = exact_objective(logits64, targets, 1.5, lam, name, params)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else ref.tolerances(dtype)
+    torch.testing.assert_close(value.cpu(), torch.tensor(exact, dtype=torch.float64).to(dtype), **tol)
+    if path == "logits":
+        assert_rows_match_where_weights_fit(grads[0], grad_logits, row_weights, tol)
+    else:
+        hidden64, weight64 = (t.detach().cpu().double() for t in inputs[:2])
+        fits = (row_weights.abs() <= torch.finfo(torch.float32).max)[:, None]
+        assert_rows_match_where_weights_fit(grads[0], torch.where(fits, grad_logits, 0.0) @ weight64, row_weights,
+                                            tol, nan_free=False)
+        # The weight's gradient where no row's weight overflows and the matmul's float32 sums cannot on the way
+        # (their terms' magnitudes sum within float32).
+        magnitudes = torch.where(fits, grad_logits.abs(), math.inf).t() @ hidden64.abs()
+        bounded = (magnitudes <= torch.finfo(torch.float32).max).flatten()
+        if bool(bounded.any()):
+            assert_close_to_scale(grads[1].double().flatten()[bounded],
+                                  (grad_logits.t() @ hidden64).flatten()[bounded], tol)
+    torch.testing.assert_close(grads[-1], torch.tensor(grad_eta, dtype=torch.float32), rtol=1e-4, atol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------------
 # dro_linear_cross_entropy
 # ---------------------------------------------------------------------------------------------------

@@ -90,6 +90,19 @@ def test_cuda_infinite_row_loss_makes_the_objective_infinite(name, params):
     assert float(value) == math.inf
 
 
+@pytest.mark.parametrize("lam", [1e-44, 1e-39, 1e39], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("path", ["logits", "linear"])
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_cuda_a_lam_with_no_float32_reciprocal_matches_the_exact_objective(name, params, path, dtype, lam):
+    """1/lam is no normal float32, so float32 would form every row's t as +-inf or NaN (lam = 1e39: lam itself
+    inf): the row terms are formed in float64 (lam alone decides, no host sync), as the loss ops run on a float64
+    copy there. The case psi*(t) overflowing at a normal 1/lam is the CUDA float32 range limit (README)."""
+    from test_cross_entropy import check_lam_beyond_float32
+
+    check_lam_beyond_float32(name, params, path, dtype, lam, DEVICE)
+
+
 @needs_cuda
 def test_cuda_bitwise_repeatable_and_no_host_sync():
     logits = torch.randn(4097, 3001, device=DEVICE)

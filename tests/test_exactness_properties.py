@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 import dro_ext
 from dro_ext import _backend
-from reference import DTYPES
+from reference import DTYPES, mp_conjugate
 
 mp = mpmath.mp
 MP_DIGITS = 80
@@ -60,51 +60,8 @@ MAX_T = 1e150
 
 
 # --------------------------------------------------------------------------------------------------
-# The reference: the README's table, literally, at 80 digits.
+# The reference: the README's table, literally, at 80 digits (reference.mp_conjugate), and what bounds each result.
 # --------------------------------------------------------------------------------------------------
-
-
-def mp_conjugate(t, name, alpha=None, k=None):
-    """(psi*(t), psi*'(t), psi*''(t)) to 80 digits (psi*'' at a kink: its right limit). The literal formulas cancel
-    near t = 0 (and for alpha or k - 1 near 0 or 1), so the working precision grows by the digits they lose."""
-    t = mp.mpf(t)
-    extra = 0
-    for small in (abs(t), alpha, None if alpha is None else 1 - alpha, None if k is None else k - 1):
-        if small is not None and small != 0:
-            extra += max(0, int(-mpmath.log10(small)) + 1)
-    with mp.workdps(80 + extra):
-        return tuple(+v for v in _mp_conjugate(t, name, alpha, k))
-
-
-def _mp_conjugate(t, name, alpha, k):
-    if name == "chi2":
-        u = max(t + 2, mp.mpf(0))
-        return u * u / 4 - 1, u / 2, mp.mpf(0.5) if u > 0 else mp.mpf(0)
-    if name == "kl":
-        e = mp.exp(t)
-        return mp.expm1(t), e, e
-    if name == "cvar":
-        a = mp.mpf(alpha)
-        return max(t, mp.mpf(0)) / a, (1 / a if t > 0 else mp.mpf(0)), mp.mpf(0)
-    if name == "kl_cvar":
-        a = mp.mpf(alpha)
-        cut = -mp.log(a)
-        if t <= cut:
-            e = mp.exp(t)
-            return mp.expm1(t), e, e
-        return (1 + t + mp.log(a)) / a - 1, 1 / a, mp.mpf(0)
-    if name == "cressie_read":
-        k = mp.mpf(k)
-        u = (k - 1) * t + 1
-        if u <= 0:
-            return -1 / k, mp.mpf(0), mp.mpf(0)
-        return (u ** (k / (k - 1)) - 1) / k, u ** (1 / (k - 1)), u ** ((2 - k) / (k - 1))
-    if name == "smoothed_cvar":
-        a = mp.mpf(alpha)
-        d = 1 - a + a * mp.exp(t)
-        p = a * mp.exp(t) / d
-        return mp.log(d) / a, p / a, p * (1 - p) / a
-    raise AssertionError(name)
 
 
 def spec_kwargs(name, alpha, k):

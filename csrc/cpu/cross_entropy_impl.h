@@ -146,15 +146,15 @@ std::array<double, 2> forward_typed(const at::Tensor& logits, const at::Tensor& 
   scalar_t* grad = grad_out ? grad_out->data_ptr<scalar_t>() : nullptr;
   const acc_t smoothing = static_cast<acc_t>(cfg.label_smoothing);
   const bool smoothed = cfg.label_smoothing != 0.0;
-  const DROTermParams<acc_t> params{static_cast<acc_t>(cfg.g_eta), static_cast<acc_t>(1.0 / cfg.lam),
-                                    static_cast<acc_t>(cfg.lam)};
-  const acc_t scale = static_cast<acc_t>(inv_count);
+  // The DRO terms of every row and their sums in float64 (cross_entropy_terms.h's row_terms): a scalar per row beside
+  // the row's C logits, and the range of the loss ops, which redo a float32 pass in float64 where it overflows.
+  const DROTermParams<double> params{cfg.g_eta, 1.0 / cfg.lam, cfg.lam};
   const int64_t groups = (rows + kRowsPerGroup - 1) / kRowsPerGroup;
-  std::vector<acc_t> group_value(groups), group_weight(groups);
-  visit_divergence<acc_t>(cfg.spec, [&](const auto& div) {
+  std::vector<double> group_value(groups), group_weight(groups);
+  visit_divergence<double>(cfg.spec, [&](const auto& div) {
     at::parallel_for(0, groups, group_grain(num_classes), [&](int64_t group_begin, int64_t group_end) {
       for (int64_t g = group_begin; g < group_end; ++g) {
-        acc_t value_sum = 0, weight_sum = 0;
+        double value_sum = 0, weight_sum = 0;
         for (int64_t i = g * kRowsPerGroup; i < std::min(rows, (g + 1) * kRowsPerGroup); ++i) {
           const scalar_t* row = x + i * num_classes;
           const int64_t target = y[i];
@@ -167,26 +167,26 @@ std::array<double, 2> forward_typed(const at::Tensor& logits, const at::Tensor& 
           const RowStats<acc_t> stats = row_stats<acc_t>(row, num_classes, smoothed);
           const acc_t loss = cross_entropy_loss(stats.lse, static_cast<acc_t>(row[target]),
                                                 stats.total / static_cast<acc_t>(num_classes), smoothing);
-          const acc_t t = dro_argument(loss, params);
-          const acc_t w = div.first(t);
-          value_sum += value_term(div, t, loss, params);
-          weight_sum += w;
+          const RowTerms<double> terms = row_terms(div, loss, params);
+          const acc_t scaled_weight = static_cast<acc_t>(inv_count * terms.weight);
+          value_sum += terms.value;
+          weight_sum += terms.weight;
           if (lse) lse[i] = stats.lse;
-          if (row_weight) row_weight[i] = scale * w;
-          if (grad) write_row_gradient<acc_t>(row, grad + i * num_classes, num_classes, target, stats.lse, scale * w,
-                                              smoothing);
+          if (row_weight) row_weight[i] = scaled_weight;
+          if (grad) write_row_gradient<acc_t>(row, grad + i * num_classes, num_classes, target, stats.lse,
+                                              scaled_weight, smoothing);
         }
         group_value[g] = value_sum;
         group_weight[g] = weight_sum;
       }
     });
   });
-  acc_t value = 0, weight = 0;
+  double value = 0, weight = 0;
   for (int64_t g = 0; g < groups; ++g) {
     value += group_value[g];
     weight += group_weight[g];
   }
-  return {static_cast<double>(value), static_cast<double>(weight)};
+  return {value, weight};
 }
 
 template <typename scalar_t>

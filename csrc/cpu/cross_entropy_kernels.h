@@ -21,13 +21,13 @@ struct CrossEntropyConfig {
 
 struct CrossEntropyKernelTable {
   // One pass over the rows of the contiguous (N, C) logits, in parallel over fixed groups of rows. Per row:
-  // the logsumexp (blockwise online), the cross-entropy l_i as F.cross_entropy computes it, t_i and
-  // w_i = psi*'(t_i). Writes, for each output that is defined (all of them in the accumulate dtype, except
-  // grad, which is (N, C) in the logits' dtype and may be the logits themselves):
+  // the logsumexp (blockwise online), the cross-entropy l_i as F.cross_entropy computes it, then t_i,
+  // w_i = psi*'(t_i) and the value term in float64. Writes, for each output that is defined (all of them in the
+  // accumulate dtype, except grad, which is (N, C) in the logits' dtype and may be the logits themselves):
   //   lse (N, 2): row i's (shift, log_sum) (cross_entropy_terms.h's ShiftedLogSumExp; 0 for ignored rows);
   //   row_weight_i = inv_count * w_i (0 for ignored rows);
   //   grad_i = inv_count * w_i * (softmax_i - q_i) (0 for ignored rows), q_i the smoothed one-hot target.
-  // Returns {sum over kept rows of value_term, sum over kept rows of w_i}, deterministic whatever the
+  // Returns {sum over kept rows of value_term, sum over kept rows of w_i} (float64 sums), deterministic whatever the
   // thread count (fixed groups combined in order).
   std::array<double, 2> (*forward)(const at::Tensor& logits, const at::Tensor& targets, const CrossEntropyConfig& cfg,
                                    at::Tensor* lse, at::Tensor* row_weight, at::Tensor* grad, double inv_count);

@@ -7,6 +7,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <array>
+
 namespace dro_ext::cpu {
 
 // The value of a 0-d floating CPU tensor, as a double.
@@ -19,11 +21,27 @@ inline double read_scalar(const at::Tensor& t) {
   return out;
 }
 
+// Writes n doubles into a new contiguous floating CPU tensor of n elements, each rounded to its dtype: inf past the
+// dtype's range, where fill_ would refuse a double it cannot hold.
+inline void write_rounded(at::Tensor& out, const double* values, size_t n) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "dro_ext_write_rounded", [&] {
+    scalar_t* data = out.mutable_data_ptr<scalar_t>();
+    for (size_t i = 0; i < n; ++i) data[i] = static_cast<scalar_t>(values[i]);
+  });
+}
+
 // A new 0-d tensor holding value, with the given (CPU, floating) options.
 inline at::Tensor make_scalar(double value, const at::TensorOptions& options) {
   at::Tensor out = at::empty({}, options);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "dro_ext_make_scalar",
-                                  [&] { *out.mutable_data_ptr<scalar_t>() = static_cast<scalar_t>(value); });
+  write_rounded(out, &value, 1);
+  return out;
+}
+
+// A new 1-d tensor holding values, with the given (CPU, floating) options.
+template <size_t N>
+inline at::Tensor make_vector(const std::array<double, N>& values, const at::TensorOptions& options) {
+  at::Tensor out = at::empty({static_cast<int64_t>(N)}, options);
+  write_rounded(out, values.data(), N);
   return out;
 }
 

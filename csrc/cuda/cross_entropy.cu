@@ -2,10 +2,11 @@
 //
 // One block per row: each thread keeps an online logsumexp (running max and rescaled sum of exponentials) over
 // its strided share of the row, and CUB's BlockReduce merges the threads' pairs in a fixed order. Thread 0 then
-// forms the row's loss, t, w and value term (csrc/cross_entropy_terms.h, the same code as the CPU), and the block
-// writes the row's gradient when asked. The DRO sums over rows are a second, single-block pass with a fixed
-// summation order: no float atomics, bitwise repeatable. eta, the upstream gradient and inv_count are read on the
-// device (no .item(), no host sync), everything runs on the current stream, so the ops are graph-capturable.
+// forms the row's loss, t, w and value term (csrc/cross_entropy_terms.h, the same code as the CPU; in float64 where
+// 1/lam is no normal float32), and the block writes the row's gradient when asked. The DRO sums over rows are a
+// second, single-block pass with a fixed summation order: no float atomics, bitwise repeatable. eta, the upstream
+// gradient and inv_count are read on the device (no .item(), no host sync), everything runs on the current stream,
+// so the ops are graph-capturable.
 // Targets out of range trip a device assertion, as PyTorch's own nll_loss does.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -22,6 +23,7 @@
 #include <climits>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "checks.h"
 #include "cross_entropy_checks.h"
@@ -121,12 +123,14 @@ __device__ __forceinline__ void zero_row(scalar_t* grad, int64_t num_classes) {
 }
 
 // Per row: lse_i ((shift, log_sum)), w_i (raw), value_term_i (0 on ignored rows); and, when grad != nullptr, the
-// row's gradient inv_count * w_i * (softmax_i - q_i) (grad may alias logits).
-template <typename scalar_t, typename acc_t, typename Div>
+// row's gradient inv_count * w_i * (softmax_i - q_i) (grad may alias logits). w_i and the value term are formed and
+// kept in term_t, Div's type (cross_entropy_terms.h's row_terms): a raw w_i beyond float32 (chi2 at lam = 1e-39)
+// may still give a w_i / n within it.
+template <typename scalar_t, typename acc_t, typename term_t, typename Div>
 __global__ void __launch_bounds__(kRowThreads)
 row_forward_kernel(const scalar_t* logits, const int64_t* targets, int64_t num_classes, Div div, TermArgs args,
-                   cuda::ScalarRef eta, cuda::ScalarRef inv_count, ShiftedLogSumExp<acc_t>* lse_out, acc_t* weight_out,
-                   acc_t* value_out, scalar_t* grad) {
+                   cuda::ScalarRef eta, cuda::ScalarRef inv_count, ShiftedLogSumExp<acc_t>* lse_out,
+                   term_t* weight_out, term_t* value_out, scalar_t* grad) {
   const int64_t i = blockIdx.x;
   const scalar_t* row = logits + i * num_classes;
   const int64_t target = targets[i];
@@ -152,15 +156,14 @@ row_forward_kernel(const scalar_t* logits, const int64_t* targets, int64_t num_c
   if (threadIdx.x == 0) {
     const acc_t loss =
         cross_entropy_loss(lse, shared_x_target, total / static_cast<acc_t>(num_classes), smoothing);
-    const acc_t g_eta = static_cast<acc_t>(args.scale * eta.read());
-    const DROTermParams<acc_t> params{g_eta, static_cast<acc_t>(1.0 / args.lam), static_cast<acc_t>(args.lam)};
-    const acc_t t = dro_argument(loss, params);
-    const acc_t w = div.first(t);
+    const DROTermParams<term_t> params{static_cast<term_t>(args.scale * eta.read()),
+                                       static_cast<term_t>(1.0 / args.lam), static_cast<term_t>(args.lam)};
+    const RowTerms<term_t> terms = row_terms(div, loss, params);
     if (lse_out) lse_out[i] = lse;
-    weight_out[i] = w;
-    value_out[i] = value_term(div, t, loss, params);
+    weight_out[i] = terms.weight;
+    value_out[i] = terms.value;
     shared_lse = lse;
-    shared_c = static_cast<acc_t>(inv_count.read()) * w;
+    shared_c = static_cast<acc_t>(static_cast<term_t>(inv_count.read()) * terms.weight);
   }
   if (grad == nullptr) return;
   __syncthreads();
@@ -168,17 +171,18 @@ row_forward_kernel(const scalar_t* logits, const int64_t* targets, int64_t num_c
                                       shared_c, smoothing);
 }
 
-// One block: the DRO sums over the rows in a fixed order. Each thread sums rows tid, tid + T, ... in order and
-// BlockReduce combines the threads in a fixed tree. Then either
-//  - (finalize) value = sum value_term / n (0 if n == 0), mean_weight = sum w / n (1 if n == 0), and the
-//    raw weights are scaled in place to w_i / n; or
+// One block: the DRO sums over the rows in a fixed order, in term_t. Each thread sums rows tid, tid + T, ... in order
+// and BlockReduce combines the threads in a fixed tree. Then either
+//  - (finalize) value = sum value_term / n (0 if n == 0), mean_weight = sum w / n (1 if n == 0), and
+//    scaled_weights_i = w_i / n (scaled_weights may be the raw weights themselves where term_t is acc_t); or
 //  - (sums) sums[0] = sum value_term, sums[1] = sum w, for the chunk op.
-template <typename scalar_t, typename acc_t>
+template <typename scalar_t, typename acc_t, typename term_t>
 __global__ void __launch_bounds__(kReduceThreads)
-reduce_rows_kernel(const int64_t* targets, int64_t rows, int64_t ignore_index, const acc_t* value_terms,
-                   acc_t* weights, scalar_t* value_out, acc_t* mean_weight_out, acc_t* sums_out) {
-  __shared__ acc_t shared_inv_count;
-  acc_t value_sum = 0, weight_sum = 0;
+reduce_rows_kernel(const int64_t* targets, int64_t rows, int64_t ignore_index, const term_t* value_terms,
+                   const term_t* weights, acc_t* scaled_weights, scalar_t* value_out, acc_t* mean_weight_out,
+                   acc_t* sums_out) {
+  __shared__ term_t shared_inv_count;
+  term_t value_sum = 0, weight_sum = 0;
   int64_t kept = 0;
   for (int64_t i = threadIdx.x; i < rows; i += kReduceThreads) {
     if (targets[i] == ignore_index) continue;
@@ -186,25 +190,25 @@ reduce_rows_kernel(const int64_t* targets, int64_t rows, int64_t ignore_index, c
     weight_sum += weights[i];
     ++kept;
   }
-  const acc_t total_value = cuda::block_reduce<kReduceThreads>(value_sum, cuda::Sum());
-  const acc_t total_weight = cuda::block_reduce<kReduceThreads>(weight_sum, cuda::Sum());
+  const term_t total_value = cuda::block_reduce<kReduceThreads>(value_sum, cuda::Sum());
+  const term_t total_weight = cuda::block_reduce<kReduceThreads>(weight_sum, cuda::Sum());
   const int64_t total_kept = cuda::block_reduce<kReduceThreads>(kept, cuda::Sum());
   if (sums_out != nullptr) {
     if (threadIdx.x == 0) {
-      sums_out[0] = total_value;
-      sums_out[1] = total_weight;
+      sums_out[0] = static_cast<acc_t>(total_value);
+      sums_out[1] = static_cast<acc_t>(total_weight);
     }
     return;
   }
   if (threadIdx.x == 0) {
-    const acc_t inv = total_kept > 0 ? acc_t(1) / static_cast<acc_t>(total_kept) : acc_t(0);
-    *value_out = static_cast<scalar_t>(total_kept > 0 ? total_value * inv : acc_t(0));
-    *mean_weight_out = total_kept > 0 ? total_weight * inv : acc_t(1);
+    const term_t inv = total_kept > 0 ? term_t(1) / static_cast<term_t>(total_kept) : term_t(0);
+    *value_out = static_cast<scalar_t>(total_kept > 0 ? total_value * inv : term_t(0));
+    *mean_weight_out = static_cast<acc_t>(total_kept > 0 ? total_weight * inv : term_t(1));
     shared_inv_count = inv;
   }
   __syncthreads();
-  const acc_t inv = shared_inv_count;
-  for (int64_t i = threadIdx.x; i < rows; i += kReduceThreads) weights[i] *= inv;
+  const term_t inv = shared_inv_count;
+  for (int64_t i = threadIdx.x; i < rows; i += kReduceThreads) scaled_weights[i] = static_cast<acc_t>(weights[i] * inv);
 }
 
 template <typename scalar_t, typename acc_t>
@@ -234,34 +238,50 @@ void check_row_count(int64_t rows) {
   TORCH_CHECK(rows <= INT_MAX, "dro_cross_entropy: at most 2^31 - 1 rows (logits.size(0)) on CUDA, got ", rows);
 }
 
-// Launches the row pass and the row reduction. finalize: value/mean_weight outputs and weights scaled to w_i / n;
-// otherwise the chunk's two sums into sums_out.
+// Launches the row pass and the row reduction. finalize: value/mean_weight outputs and scaled_weights = w_i / n;
+// otherwise (scaled_weights null) the chunk's two sums into sums_out.
 void launch_forward(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& eta,
                     const at::Tensor* inv_count, const DivergenceSpec& spec, const TermArgs& args, at::Tensor* lse,
-                    at::Tensor& weights, at::Tensor& value_terms, bool write_grad, at::Tensor* value,
-                    at::Tensor* mean_weight, at::Tensor* sums) {
+                    at::Tensor* scaled_weights, bool write_grad, at::Tensor* value, at::Tensor* mean_weight,
+                    at::Tensor* sums) {
   const int64_t rows = logits.size(0), num_classes = logits.size(1);
   check_row_count(rows);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dro_cross_entropy_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    if (rows > 0) {
-      cuda::launch_for_divergence<acc_t>(spec, [&](auto div) {
-        row_forward_kernel<scalar_t, acc_t, decltype(div)><<<rows, kRowThreads, 0, stream>>>(
-            logits.const_data_ptr<scalar_t>(), targets.const_data_ptr<int64_t>(), num_classes, div, args,
-            cuda::scalar_ref(eta), inv_count ? cuda::scalar_ref(*inv_count) : cuda::scalar_ref(eta),
-            lse ? reinterpret_cast<ShiftedLogSumExp<acc_t>*>(lse->mutable_data_ptr<acc_t>()) : nullptr,
-            weights.mutable_data_ptr<acc_t>(),
-            value_terms.mutable_data_ptr<acc_t>(), write_grad ? logits.data_ptr<scalar_t>() : nullptr);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
+    // The row terms and their sums in term_t: the accumulate dtype, or float64 where 1/lam is no normal float32 (lam
+    // alone decides: no host sync), as the loss ops run on a float64 copy there.
+    const auto launch = [&](auto term_zero) {
+      using term_t = decltype(term_zero);
+      const auto term_options = logits.options().dtype(c10::CppTypeToScalarType<term_t>::value);
+      // The raw weights are scaled in place where the output has their type.
+      at::Tensor raw_weights = scaled_weights != nullptr && std::is_same_v<term_t, acc_t>
+                                   ? *scaled_weights : at::empty({rows}, term_options);
+      at::Tensor value_terms = at::empty({rows}, term_options);
+      if (rows > 0) {
+        cuda::launch_for_divergence<term_t>(spec, [&](auto div) {
+          row_forward_kernel<scalar_t, acc_t, term_t, decltype(div)><<<rows, kRowThreads, 0, stream>>>(
+              logits.const_data_ptr<scalar_t>(), targets.const_data_ptr<int64_t>(), num_classes, div, args,
+              cuda::scalar_ref(eta), inv_count ? cuda::scalar_ref(*inv_count) : cuda::scalar_ref(eta),
+              lse ? reinterpret_cast<ShiftedLogSumExp<acc_t>*>(lse->mutable_data_ptr<acc_t>()) : nullptr,
+              raw_weights.mutable_data_ptr<term_t>(), value_terms.mutable_data_ptr<term_t>(),
+              write_grad ? logits.data_ptr<scalar_t>() : nullptr);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+      }
+      reduce_rows_kernel<scalar_t, acc_t, term_t><<<1, kReduceThreads, 0, stream>>>(
+          targets.const_data_ptr<int64_t>(), rows, args.ignore_index, value_terms.const_data_ptr<term_t>(),
+          raw_weights.const_data_ptr<term_t>(), scaled_weights ? scaled_weights->mutable_data_ptr<acc_t>() : nullptr,
+          value ? value->mutable_data_ptr<scalar_t>() : nullptr,
+          mean_weight ? mean_weight->mutable_data_ptr<acc_t>() : nullptr,
+          sums ? sums->mutable_data_ptr<acc_t>() : nullptr);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (runs_on_float64_copy(logits, args.lam)) {
+      launch(0.0);
+    } else {
+      launch(acc_t(0));
     }
-    reduce_rows_kernel<scalar_t, acc_t><<<1, kReduceThreads, 0, stream>>>(
-        targets.const_data_ptr<int64_t>(), rows, args.ignore_index, value_terms.const_data_ptr<acc_t>(),
-        weights.mutable_data_ptr<acc_t>(), value ? value->mutable_data_ptr<scalar_t>() : nullptr,
-        mean_weight ? mean_weight->mutable_data_ptr<acc_t>() : nullptr,
-        sums ? sums->mutable_data_ptr<acc_t>() : nullptr);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
@@ -276,10 +296,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dro_cross_entropy_cud
   const auto acc_options = logits.options().dtype(accumulate_type(logits.scalar_type()));
   const int64_t rows = x.size(0);
   at::Tensor lse = at::empty({rows, 2}, acc_options), row_weight = at::empty({rows}, acc_options);
-  at::Tensor value_terms = at::empty({rows}, acc_options);
   at::Tensor value = at::empty({}, logits.options()), mean_weight = at::empty({}, acc_options);
-  launch_forward(x, y, eta, nullptr, spec, TermArgs{scale, lam, ignore_index, label_smoothing}, &lse, row_weight,
-                 value_terms, false, &value, &mean_weight, nullptr);
+  launch_forward(x, y, eta, nullptr, spec, TermArgs{scale, lam, ignore_index, label_smoothing}, &lse, &row_weight,
+                 false, &value, &mean_weight, nullptr);
   return {value, mean_weight, lse, row_weight};
 }
 
@@ -291,12 +310,9 @@ at::Tensor dro_cross_entropy_chunk_cuda(const at::Tensor& logits, const at::Tens
                                                              k, scale, label_smoothing);
   const c10::cuda::CUDAGuard guard(logits.device());
   const at::Tensor y = targets.contiguous();
-  const auto acc_options = logits.options().dtype(accumulate_type(logits.scalar_type()));
-  at::Tensor weights = at::empty({logits.size(0)}, acc_options), value_terms = at::empty({logits.size(0)}, acc_options);
-  at::Tensor sums = at::empty({2}, acc_options);
-  at::Tensor x = logits;
-  launch_forward(x, y, eta, &inv_count, spec, TermArgs{scale, lam, ignore_index, label_smoothing}, nullptr, weights,
-                 value_terms, compute_grad, nullptr, nullptr, &sums);
+  at::Tensor sums = at::empty({2}, logits.options().dtype(accumulate_type(logits.scalar_type())));
+  launch_forward(logits, y, eta, &inv_count, spec, TermArgs{scale, lam, ignore_index, label_smoothing}, nullptr,
+                 nullptr, compute_grad, nullptr, nullptr, &sums);
   return sums;
 }
 
