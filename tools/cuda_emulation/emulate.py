@@ -62,6 +62,9 @@ class Kernel:
     tests: tuple
     large: str = ""  # -k expression deselecting the tests with very large N, for --quick
     deselect_simd_repeats: bool = True
+    # -k expression deselecting the CPU tests of a range the README says the CUDA kernels do not have (they never
+    # redo a float32 pass in float64 after looking at its result), from the default runs.
+    beyond_cuda_range: str = ""
 
 
 KERNELS = {
@@ -77,7 +80,9 @@ KERNELS = {
                      large="not test_float32_large and not test_cvar_large_matches_full_sort and not 524291 "
                            "and not test_linear_exact_segment_large"),
     "cross_entropy": Kernel("cross_entropy.cu", ("common.cuh", "divergence_dispatch.cuh"),
-                            ("tests/test_cross_entropy.py",)),
+                            ("tests/test_cross_entropy.py",),
+                            # psi*(t) past float32 where 1/lam is a normal float32 (chi2, cressie_read)
+                            beyond_cuda_range="not (lam_beyond_float32 and 1e-36)"),
     # One block per group part, 256 std::threads each: the cases with tens of thousands of groups take minutes.
     "groups": Kernel("group_sums.cu", ("common.cuh",), ("tests/test_group_sums.py", "tests/test_cuda_group_sums.py"),
                      large="not G_above_N and not 5000"),
@@ -181,6 +186,8 @@ def build(kernel: Kernel, device_scalars: bool = True) -> pathlib.Path:
 
 def default_tests(kernel, quick):
     selection = [SIMD_REPEATS] if kernel.deselect_simd_repeats else []
+    if kernel.beyond_cuda_range:
+        selection.append(kernel.beyond_cuda_range)
     if kernel.large and quick:
         selection.append(kernel.large)
     return ["-q", *kernel.tests, *(["-k", " and ".join(selection)] if selection else [])]
