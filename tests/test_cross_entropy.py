@@ -353,7 +353,8 @@ def check_lam_beyond_float32(name, params, path, dtype, lam, device):
         value = dro_ext.dro_linear_cross_entropy(hidden, weight, targets.to(device), eta, lam, name, scale=SCALE,
                                                  chunk_size=4, **params)
         inputs = [hidden, weight, eta]
-        logits64 = F.linear(hidden.detach(), weight.detach()).cpu().double()  # as the op's matmul rounds them
+        # As the op's matmuls round them: a chunk of 4 rows at a time.
+        logits64 = torch.cat([torch.mm(h, weight.detach().t()) for h in hidden.detach().split(4)]).cpu().double()
     grads = [g.cpu() for g in torch.autograd.grad(value, inputs)]
     exact, grad_logits, grad_eta, row_weights = exact_objective(logits64, targets, 1.5, lam, name, params)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else ref.tolerances(dtype)
