@@ -307,11 +307,10 @@ def exact_objective(logits64, targets, eta, lam, name, params, scale=SCALE):
     return value, grad_logits, float(scale * (1 - weights.sum() / n)), weights / n
 
 
-def assert_rows_match_where_weights_fit(got, want, row_weights, tol, nan_free=True):
-    """got (any dtype) against the float64 want, on the rows whose weight w_i/n float32 holds, relative to the
+def assert_rows_match_where_weights_fit(got, want, fits, tol, nan_free=True):
+    """got (any dtype) against the float64 want, on the rows whose weight w_i/n float32 holds (fits), relative to the
     largest of them: a row whose weight overflows the accumulate dtype has an infinite gradient (documented), and
     none may be NaN (nan_free; a hidden state's gradient, that row's logits' +-inf times the weight matrix, is)."""
-    fits = row_weights.abs() <= torch.finfo(torch.float32).max
     assert not (got if nan_free else got[fits]).isnan().any()
     # The entries beyond got's dtype are its infinities; the rest compare relative to the largest.
     got, want = got[fits].double(), want[fits].to(got.dtype).double()
@@ -341,7 +340,8 @@ def check_lam_beyond_float32(name, params, path, dtype, lam, device):
     n, c = 13, 7
     targets = torch.randint(0, c, (n,))
     targets[::4] = -100
-    eta = torch.tensor(1.5, device=device, requires_grad=True)
+    eta_value = 1.5
+    eta = torch.tensor(eta_value, device=device, requires_grad=True)
     if path == "logits":
         logits = torch.randn(n, c, dtype=torch.float64).to(dtype).to(device).requires_grad_()
         value = dro_ext.dro_cross_entropy(logits, targets.to(device), eta, lam, name, scale=SCALE, **params)
@@ -356,20 +356,21 @@ def check_lam_beyond_float32(name, params, path, dtype, lam, device):
         # As the op's matmuls round them: a chunk of 4 rows at a time.
         logits64 = torch.cat([torch.mm(h, weight.detach().t()) for h in hidden.detach().split(4)]).cpu().double()
     grads = [g.cpu() for g in torch.autograd.grad(value, inputs)]
-    exact, grad_logits, grad_eta, row_weights = exact_objective(logits64, targets, 1.5, lam, name, params)
+    exact, grad_logits, grad_eta, row_weights = exact_objective(logits64, targets, eta_value, lam, name, params)
+    float32_max = torch.finfo(torch.float32).max
+    fits = row_weights.abs() <= float32_max  # the rows whose weight w_i/n float32 holds
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else ref.tolerances(dtype)
     torch.testing.assert_close(value.cpu(), torch.tensor(exact, dtype=torch.float64).to(dtype), **tol)
     if path == "logits":
-        assert_rows_match_where_weights_fit(grads[0], grad_logits, row_weights, tol)
+        assert_rows_match_where_weights_fit(grads[0], grad_logits, fits, tol)
     else:
         hidden64, weight64 = (t.detach().cpu().double() for t in inputs[:2])
-        fits = (row_weights.abs() <= torch.finfo(torch.float32).max)[:, None]
-        assert_rows_match_where_weights_fit(grads[0], torch.where(fits, grad_logits, 0.0) @ weight64, row_weights,
+        assert_rows_match_where_weights_fit(grads[0], torch.where(fits[:, None], grad_logits, 0.0) @ weight64, fits,
                                             tol, nan_free=False)
         # The weight's gradient where no row's weight overflows and the matmul's float32 sums cannot on the way
         # (their terms' magnitudes sum within float32).
-        magnitudes = torch.where(fits, grad_logits.abs(), math.inf).t() @ hidden64.abs()
-        bounded = (magnitudes <= torch.finfo(torch.float32).max).flatten()
+        magnitudes = torch.where(fits[:, None], grad_logits.abs(), math.inf).t() @ hidden64.abs()
+        bounded = (magnitudes <= float32_max).flatten()
         if bool(bounded.any()):
             assert_close_to_scale(grads[1].double().flatten()[bounded],
                                   (grad_logits.t() @ hidden64).flatten()[bounded], tol)
