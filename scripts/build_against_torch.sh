@@ -87,10 +87,8 @@ DRO_EXT_CUDA=1 "$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider tests/tes
   tests/test_compile_and_opcheck.py "$@" 2>&1 | tee "$OUT_DIR/tests.log"
 # The torch.compile(fullgraph=True) tests of the Python layer (modules, optimizer, group and cross-entropy wrappers):
 # what Dynamo can trace changes between releases (2.11 cannot trace bool() of a list, which 2.14 can), and the GPU
-# machines run this torch. Once on the compiled ops and once on the fallback: the runs pinned to the other SIMD builds
-# of the CPU kernels (native-default, native-avx2) trace the same Python code, and switch only the kernel it calls.
-DRO_EXT_CUDA=1 "$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider \
-  -k "compile and not native-default and not native-avx2" tests/test_optim.py \
+# machines run this torch.
+DRO_EXT_CUDA=1 "$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider -k compile tests/test_optim.py \
   tests/test_robust.py tests/test_groups.py tests/test_group_sums.py tests/test_group_dro_step.py \
   tests/test_group_evaluation.py tests/test_cross_entropy.py tests/test_cross_entropy_groups.py \
   tests/test_distributed.py 2>&1 | tee -a "$OUT_DIR/tests.log"
