@@ -52,12 +52,18 @@ void group_dro_step_kernel(const GroupDROStepOperands<sums_t, state_t>& op, int6
       }
     }
     // x_g and e_g = exp(x_g - shift) = q_g * sum_h e_h; the state is written only once every group's old state is
-    // read.
+    // read. e holds the step scores until exp_shifted writes it.
     std::vector<double> x(num_groups), e(num_groups);
-    double max_x = -INFINITY;
+    double max_score = -INFINITY;
     for (int64_t g = 0; g < num_groups; ++g) {
       const GroupInputs in = op.inputs(g);
-      x[g] = in.log_weight(in.score(in.mean(), args.stale), score_total, args);
+      e[g] = in.step_score(in.score(in.mean(), args.stale), score_total, args);
+      max_score = e[g] > max_score ? e[g] : max_score;
+    }
+    const double shift_by = score_shift(max_score);
+    double max_x = -INFINITY;
+    for (int64_t g = 0; g < num_groups; ++g) {
+      x[g] = op.inputs(g).log_weight(e[g], shift_by, args);
       max_x = x[g] > max_x ? x[g] : max_x;
     }
     const double shift = logsumexp_shift(max_x);

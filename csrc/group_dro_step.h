@@ -10,6 +10,7 @@
 //   a_g     = (stale ? last_g : m_g) + C_g / sqrt(N_g)      divided by sum_h a_h when normalize_loss (and it is != 0)
 //   x_g     = log q_g + step_size a_g            (-inf for a disabled group)
 //   log q_g <- x_g - logsumexp(x)
+// (x_g is formed as log q_g + step_size (a_g - max_h a_h): the same log q, see score_shift below)
 // and the loss sum_g q_g m_g with its gradient d loss / d s_g = q_g / max(n_g, 1) (q detached).
 //
 // Everything is computed in double from the inputs' values and rounded once where it is stored; the sums over the
@@ -56,14 +57,29 @@ struct GroupInputs {
   }
   // a_g before normalize_loss.
   C10_HOST_DEVICE double score(double m, bool stale) const { return (stale ? new_last(m) : m) + adjustment; }
-  // x_g, given the sum of the scores (used with normalize_loss only; a zero sum leaves the scores as they are, a
-  // NaN one makes them NaN, as the division would).
-  C10_HOST_DEVICE double log_weight(double a, double score_total, const GroupDROStepArgs& args) const {
+  // a_g as step_size multiplies it, given the sum of the scores (used with normalize_loss only; a zero sum leaves
+  // the scores as they are, a NaN one makes them NaN, as the division would); -inf for a disabled group.
+  C10_HOST_DEVICE double step_score(double a, double score_total, const GroupDROStepArgs& args) const {
+    if (!active) return -INFINITY;
+    return args.normalize_loss && score_total != 0.0 ? a / score_total : a;
+  }
+  // x_g - step_size * shift, from step_score's value (shift: score_shift's).
+  C10_HOST_DEVICE double log_weight(double step_score, double shift, const GroupDROStepArgs& args) const {
     if (!active) return -INFINITY;  // a disabled group stays at q = 0 exactly, whatever its score
-    const double scaled = args.normalize_loss && score_total != 0.0 ? a / score_total : a;
-    return log_q + args.step_size * scaled;
+    return log_q + args.step_size * (step_score - shift);
   }
 };
+
+// What the step subtracts from every step_score before multiplying by step_size: the largest active score
+// max_score where it is finite, else 0. The log-sum-exp takes the same constant step_size * max_score off every x_g,
+// so log q is mathematically the same; in floats x_g then stays near log q_g for the groups of the largest score
+// whatever step_size * a_g is: it cannot overflow to inf - inf = NaN (step_size * a_g beyond the double range), nor
+// absorb log q_g (groups tied at the largest score keep their shares of q when step_size * a_g is large against
+// log q_g). An infinite score (an infinite loss) leaves the scores as they are: its group's log q is NaN, as in
+// torch.logsumexp; a NaN score makes every log q NaN.
+C10_HOST_DEVICE inline double score_shift(double max_score) {
+  return max_score > -INFINITY && max_score < INFINITY ? max_score : 0.0;
+}
 
 template <typename T>
 struct StridedVector {  // a 1-D tensor's elements, any stride

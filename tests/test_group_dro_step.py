@@ -158,6 +158,30 @@ def test_nan_and_inf_losses_spread_as_in_the_composition(backend_name):
 
 
 @native_only
+@pytest.mark.parametrize("backend_name", ["native", "python"])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float64], ids=str)
+def test_a_step_beyond_the_range_puts_q_on_the_largest_scores(backend_name, state_dtype):
+    """step_size * a_g overflows from finite scores (float64: 1e300 * 2e30, beyond the native step's double range;
+    float32: 1e30 * 2e20, beyond the float32 composition's range): q_g exp(step_size a_g) / sum_h q_h exp(step_size
+    a_h) in the limit, q on the groups of the largest score shared as their q was, a disabled group kept at 0,
+    where inf - inf gave NaN. The same again on the next step, from that q."""
+    q_init = torch.tensor([0.1, 0.2, 0.6, 0.1, 0.0])
+    step_size, scale = (1e300, 1e30) if state_dtype == torch.float64 else (1e30, 1e20)
+    module = dro_ext.GroupDROLoss(5, step_size, q_init=q_init).to(state_dtype)
+    prior = module.q[1:3] / module.q[1:3].sum()  # as the state holds it
+    # group means (1, 2, 2, 2e-30, 3) * scale, the largest that of the disabled group 4
+    losses = torch.tensor([1.0, 2.0, 1.5, 2.5, 2e-30, 3.0], dtype=state_dtype) * scale
+    groups = torch.tensor([0, 1, 2, 2, 3, 4])
+    zero = torch.zeros(1, dtype=state_dtype)
+    for _ in range(2):
+        value, grad = run_step(module, losses, groups, backend_name)
+        torch.testing.assert_close(module.q, torch.cat([zero, prior, zero, zero]), rtol=1e-6, atol=0.0)
+        torch.testing.assert_close(value, torch.tensor(2 * scale, dtype=state_dtype), rtol=1e-6, atol=0.0)
+        torch.testing.assert_close(grad, torch.cat([zero, prior[:1], prior[1:] / 2, prior[1:] / 2, zero, zero]),
+                                   rtol=1e-6, atol=0.0)
+
+
+@native_only
 @pytest.mark.parametrize("dtype,log_q", [(torch.float32, -50.0), (torch.float64, -700.0)], ids=["float32", "float64"])
 def test_negligible_q_weigh_nothing_but_keep_their_log(dtype, log_q):
     """A group whose q lies below the dtype's normals (after the division by the counts) gets weight 0 in the loss
