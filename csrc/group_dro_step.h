@@ -8,10 +8,10 @@
 //   ema_g  <- (1 - gamma) ema_g + gamma m_g      once seen before, m_g at its first batch; kept while absent
 //   last_g <- m_g                                kept while absent
 //   a_g     = (stale ? last_g : m_g) + C_g / sqrt(N_g)      divided by sum_h a_h when normalize_loss (and it is != 0)
-//   x_g     = log q_g + step_size a_g            (-inf for a disabled group)
+//   x_g     = log q_g + step_size a_g            (-inf for a disabled group, and for one at log q = -inf)
 //   log q_g <- x_g - logsumexp(x)
-// (x_g is formed as log q_g + step_size (a_g - max_h a_h): the same log q, see score_shift below)
-// and the loss sum_g q_g m_g with its gradient d loss / d s_g = q_g / max(n_g, 1) (q detached).
+// (x_g is formed as log q_g + step_size (a_g - max_h a_h), h over the groups of x_h > -inf: the same log q, see
+// score_shift below) and the loss sum_g q_g m_g with its gradient d loss / d s_g = q_g / max(n_g, 1) (q detached).
 //
 // Everything is computed in double from the inputs' values and rounded once where it is stored; the sums over the
 // groups are in a fixed order (group order on the CPU, a fixed block tree on CUDA), so a step is bitwise
@@ -57,26 +57,30 @@ struct GroupInputs {
   }
   // a_g before normalize_loss.
   C10_HOST_DEVICE double score(double m, bool stale) const { return (stale ? new_last(m) : m) + adjustment; }
+  // Whether q_g can be above 0 after the step: not for a disabled group, nor for one whose q is exactly 0 (log q =
+  // -inf, an underflow), which q_g exp(step_size a_g) keeps at 0 whatever its score.
+  C10_HOST_DEVICE bool live() const { return active && log_q != -INFINITY; }
   // a_g as step_size multiplies it, given the sum of the scores (used with normalize_loss only; a zero sum leaves
-  // the scores as they are, a NaN one makes them NaN, as the division would); -inf for a disabled group.
+  // the scores as they are, a NaN one makes them NaN, as the division would); -inf for a group that is not live.
   C10_HOST_DEVICE double step_score(double a, double score_total, const GroupDROStepArgs& args) const {
-    if (!active) return -INFINITY;
+    if (!live()) return -INFINITY;
     return args.normalize_loss && score_total != 0.0 ? a / score_total : a;
   }
   // x_g - step_size * shift, from step_score's value (shift: score_shift's).
   C10_HOST_DEVICE double log_weight(double step_score, double shift, const GroupDROStepArgs& args) const {
-    if (!active) return -INFINITY;  // a disabled group stays at q = 0 exactly, whatever its score
+    if (!live()) return -INFINITY;  // q = 0 stays 0 exactly, whatever the score (-inf + inf would be NaN)
     return log_q + args.step_size * (step_score - shift);
   }
 };
 
-// What the step subtracts from every step_score before multiplying by step_size: the largest active score
+// What the step subtracts from every step_score before multiplying by step_size: the largest score of a live group
 // max_score where it is finite, else 0. The log-sum-exp takes the same constant step_size * max_score off every x_g,
-// so log q is mathematically the same; in floats x_g then stays near log q_g for the groups of the largest score
-// whatever step_size * a_g is: it cannot overflow to inf - inf = NaN (step_size * a_g beyond the double range), nor
-// absorb log q_g (groups tied at the largest score keep their shares of q when step_size * a_g is large against
-// log q_g). An infinite score (an infinite loss) leaves the scores as they are: its group's log q is NaN, as in
-// torch.logsumexp; a NaN score makes every log q NaN.
+// so log q is mathematically the same; in floats x_g then stays near log q_g for the live groups of the largest
+// score whatever step_size * a_g is: it cannot overflow to inf - inf = NaN (step_size * a_g beyond the double
+// range), nor absorb log q_g (groups tied at the largest score keep their shares of q when step_size * a_g is large
+// against log q_g), and at least one x_g is finite (the largest score's, were every other x_g to underflow to
+// -inf). An infinite score (an infinite loss) leaves the scores as they are: its group's log q is NaN, as in
+// torch.logsumexp; a NaN score of a live group makes every log q NaN.
 C10_HOST_DEVICE inline double score_shift(double max_score) {
   return max_score > -INFINITY && max_score < INFINITY ? max_score : 0.0;
 }

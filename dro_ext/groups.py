@@ -541,13 +541,14 @@ class GroupDROLoss(nn.Module):
             if self.normalize_loss:
                 total = score.sum()
                 score = torch.where(total != 0, score / total, score)
-            # Disabled groups stay at log q = -inf exactly (also when their score is infinite or NaN). The scores
-            # less the largest (csrc/group_dro_step.h's score_shift): the same log q, without step_size * score
-            # overflowing or absorbing log q.
-            score = torch.where(self.active, score, -math.inf)
+            # Groups at q = 0 (disabled, or log q = -inf) stay there exactly, whatever their score (infinite or NaN
+            # included); the live groups' scores less their largest (csrc/group_dro_step.h's score_shift): the
+            # same log q, without step_size * score overflowing or absorbing log q.
+            live = self.active & (log_q != -math.inf)
+            score = torch.where(live, score, -math.inf)
             top = score.max()
             shift = torch.where(top.isfinite(), top, 0.0)
-            log_q = torch.where(self.active, log_q + self.step_size * (score - shift), -math.inf)
+            log_q = torch.where(live, log_q + self.step_size * (score - shift), -math.inf)
             log_q = log_q - torch.logsumexp(log_q, 0)
         else:
             if self.population_shares is not None:

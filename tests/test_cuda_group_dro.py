@@ -73,19 +73,22 @@ def test_any_number_of_groups_matches_the_cpu(num_groups):
 def test_a_step_beyond_the_double_range_matches_the_cpu():
     """step_size * a_g overflows from finite scores (the largest x_g is +inf): the device's extra reductions over
     the scores give the CPU's finite q, loss and gradient, with the largest score tied between a group of the block's
-    first round of threads and one of its second."""
+    first round of threads and one of its second; on the last step a group at q = 0 has the largest score."""
     num_groups = 300
     q_init = torch.rand(num_groups, generator=torch.Generator().manual_seed(1)) + 0.5
     on_device = dro_ext.GroupDROLoss(num_groups, 1e300, q_init=q_init).to(DEVICE, torch.float64)
     on_cpu = dro_ext.GroupDROLoss(num_groups, 1e300, q_init=q_init).to("cpu", torch.float64)
     shares = on_cpu.q[[20, 280]] / on_cpu.q[[20, 280]].sum()  # of q as the state holds it
     gen = torch.Generator().manual_seed(num_groups)
-    for _ in range(3):
+    for i in range(3):
         losses, groups = batch(4 * num_groups + 7, num_groups, gen, torch.float64)
         losses = losses.abs() * 1e30
         groups[(groups == 20) | (groups == 280)] = 21
         groups[:4] = torch.tensor([20, 280, 280, 20], device=groups.device)  # the mean of each exactly 1e40
         losses[:4] = 1e40
+        if i == 2:
+            groups[4] = 100
+            losses[groups == 100] = 1e41  # q_100 = 0 since the first step
         got, got_grad = step(on_device, losses, groups, "native")
         want, want_grad = step(on_cpu, losses.cpu(), groups.cpu(), "native")
         torch.testing.assert_close(on_cpu.q[[20, 280]], shares, rtol=1e-12, atol=0.0)

@@ -164,7 +164,8 @@ def test_a_step_beyond_the_range_puts_q_on_the_largest_scores(backend_name, stat
     """step_size * a_g overflows from finite scores (float64: 1e300 * 2e30, beyond the native step's double range;
     float32: 1e30 * 2e20, beyond the float32 composition's range): q_g exp(step_size a_g) / sum_h q_h exp(step_size
     a_h) in the limit, q on the groups of the largest score shared as their q was, a disabled group kept at 0,
-    where inf - inf gave NaN. The same again on the next step, from that q."""
+    where inf - inf gave NaN. The same again on the next step, from that q, and on a step where a group now at
+    q = 0 has the largest score (q = 0 stays 0: the live groups' x_g no longer all underflow to -inf)."""
     q_init = torch.tensor([0.1, 0.2, 0.6, 0.1, 0.0])
     step_size, scale = (1e300, 1e30) if state_dtype == torch.float64 else (1e30, 1e20)
     module = dro_ext.GroupDROLoss(5, step_size, q_init=q_init).to(state_dtype)
@@ -179,6 +180,30 @@ def test_a_step_beyond_the_range_puts_q_on_the_largest_scores(backend_name, stat
         torch.testing.assert_close(value, torch.tensor(2 * scale, dtype=state_dtype), rtol=1e-6, atol=0.0)
         torch.testing.assert_close(grad, torch.cat([zero, prior[:1], prior[1:] / 2, prior[1:] / 2, zero, zero]),
                                    rtol=1e-6, atol=0.0)
+    # group 0 (now at q = 0) the largest, 9 * scale: the live groups 1 and 2 keep q; the value counts their losses
+    value, grad = run_step(module, torch.cat([losses[:1] * 9, losses[1:]]), groups, backend_name)
+    torch.testing.assert_close(module.q, torch.cat([zero, prior, zero, zero]), rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(value, torch.tensor(2 * scale, dtype=state_dtype), rtol=1e-6, atol=0.0)
+
+
+@native_only
+@pytest.mark.parametrize("backend_name", ["native", "python"])
+def test_a_group_at_q_zero_stays_there_and_its_nan_loss_reaches_the_value(backend_name):
+    """A live group whose q is exactly 0 (log q = -inf) keeps it whatever its score, infinite or NaN included (its
+    -inf + step_size * a_g is never formed), while the value sum_g q_g m_g still carries a NaN m_g (0 * NaN)."""
+    with _backend.forced_backend(backend_name):
+        module = dro_ext.GroupDROLoss(3, 0.5).double()
+        with torch.no_grad():
+            module.log_q.copy_(torch.tensor([-math.inf, math.log(0.25), math.log(0.75)], dtype=torch.float64))
+        for bad in (math.inf, math.nan, 1e300):
+            value = module(torch.tensor([bad, 1.0, 1.0], dtype=torch.float64), torch.tensor([0, 1, 2]))
+            assert module.q[0] == 0 and torch.isfinite(module.log_q[1:]).all()
+            torch.testing.assert_close(module.q[1:], torch.tensor([0.25, 0.75], dtype=torch.float64), rtol=1e-12,
+                                       atol=0.0)
+            if bad == 1e300:
+                assert math.isclose(float(value), 1.0, rel_tol=1e-15)  # 0 * 1e300 + 0.25 + 0.75
+            else:
+                assert math.isnan(float(value))
 
 
 @native_only
