@@ -70,11 +70,11 @@ void group_dro_step_kernel(const GroupDROStepOperands<sums_t, state_t>& op, int6
     kernels.exp_shifted(x.data(), shift, negligible_log_q<out_t>(), e.data(), num_groups);
     double total = 0.0;
     for (int64_t g = 0; g < num_groups; ++g) total += e[g];  // in group order, whatever the SIMD width
-    const double log_total = std::log(total) + shift;
+    const double log_total = std::log(total);
     for (int64_t g = 0; g < num_groups; ++g) {
       const GroupInputs in = op.inputs(g);
       const double m = in.mean(), q = e[g] / total;
-      op.write(g, in, m, x[g] - log_total, args.ema_gamma);
+      op.write(g, in, m, normalized_log_q(x[g], shift, log_total), args.ema_gamma);
       loss += q * m;
       weights[g] = static_cast<out_t>(q * in.inverse_count());
     }

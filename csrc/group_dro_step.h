@@ -145,6 +145,13 @@ C10_HOST_DEVICE inline double logsumexp_shift(double max_x) {
   return max_x == INFINITY || max_x == -INFINITY ? 0.0 : max_x;
 }
 
+// log q_g = x_g - logsumexp(x), from e_g = exp(x_g - shift) summed to exp_total: (x_g - shift) - log(exp_total), in
+// that order. x_g - (log(exp_total) + shift) would lose log(exp_total) to a shift past 2^53 of it (x_g ~ -1e17 after
+// large steps), storing log q_g = 0 for two groups of q_g = 1/2: a q summing to 2.
+C10_HOST_DEVICE inline double normalized_log_q(double x, double shift, double log_exp_total) {
+  return (x - shift) - log_exp_total;
+}
+
 // q_g is taken as 0 in the loss and its gradient weights (never in log q, which keeps every group's value) where
 // log q_g (or x_g - shift, before the division by sum_h e_h <= G) lies below negligible_log_q<out_t>(): every q_g,
 // q_g / n_g and q_g m_g then stays a normal number of out_t for n_g, G < 2^31 (which take off at most e^-43).

@@ -188,6 +188,22 @@ def test_a_step_beyond_the_range_puts_q_on_the_largest_scores(backend_name, stat
 
 @native_only
 @pytest.mark.parametrize("backend_name", ["native", "python"])
+def test_log_q_stays_normalized_after_steps_far_past_its_float_spacing(backend_name):
+    """x = (0, -1e17) + 1e17 * (scores less their largest) ties at -1e17: q = (1/2, 1/2), log q = -log 2 each. The
+    log-sum-exp formed as shift + log(sum), -1e17 + log 2, loses the log 2 and stored log q = 0 twice (q summing to
+    2); formed as (x - shift) - log(sum) it keeps it."""
+    with _backend.forced_backend(backend_name):
+        module = dro_ext.GroupDROLoss(2, 1e17).double()
+        with torch.no_grad():
+            module.log_q.copy_(torch.tensor([0.0, -1e17], dtype=torch.float64))
+        value = module(torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([0, 1]))
+    torch.testing.assert_close(module.log_q, torch.full((2,), -math.log(2.0), dtype=torch.float64), rtol=1e-15,
+                               atol=0.0)
+    assert math.isclose(float(value), 1.5, rel_tol=1e-15)
+
+
+@native_only
+@pytest.mark.parametrize("backend_name", ["native", "python"])
 def test_a_group_at_q_zero_stays_there_and_its_nan_loss_reaches_the_value(backend_name):
     """A live group whose q is exactly 0 (log q = -inf) keeps it whatever its score, infinite or NaN included (its
     -inf + step_size * a_g is never formed), while the value sum_g q_g m_g still carries a NaN m_g (0 * NaN)."""

@@ -67,13 +67,12 @@ __global__ void __launch_bounds__(kThreads) group_dro_step_kernel(GroupDROStepOp
     for (int64_t g = threadIdx.x; g < num_groups; g += kThreads) {
       exp_part += exp_or_zero(log_weight(op.inputs(g)) - shift, negligible_log_q<out_t>());
     }
-    const double exp_total = block_sum_to_all(exp_part);
-    const double log_total = ::log(exp_total) + shift;
+    const double exp_total = block_sum_to_all(exp_part), log_exp_total = ::log(exp_total);
     for (int64_t g = threadIdx.x; g < num_groups; g += kThreads) {
       const GroupInputs in = op.inputs(g);
       const double m = in.mean(), x = log_weight(in);
       const double q = exp_or_zero(x - shift, negligible_log_q<out_t>()) / exp_total;
-      op.write(g, in, m, x - log_total, args.ema_gamma);
+      op.write(g, in, m, normalized_log_q(x, shift, log_exp_total), args.ema_gamma);
       part += q * m;
       weights[g] = static_cast<out_t>(q * in.inverse_count());
     }
