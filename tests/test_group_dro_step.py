@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import dro_ext
 from dro_ext import _backend
@@ -184,6 +186,36 @@ def test_a_step_beyond_the_range_puts_q_on_the_largest_scores(backend_name, stat
     value, grad = run_step(module, torch.cat([losses[:1] * 9, losses[1:]]), groups, backend_name)
     torch.testing.assert_close(module.q, torch.cat([zero, prior, zero, zero]), rtol=1e-6, atol=0.0)
     torch.testing.assert_close(value, torch.tensor(2 * scale, dtype=state_dtype), rtol=1e-6, atol=0.0)
+
+
+@native_only
+@settings(max_examples=150, deadline=None)
+@given(num_groups=st.integers(1, 8), log10_step=st.floats(-3, 305), log10_scale=st.floats(-5, 35),
+       normalize_loss=st.booleans(), stale=st.booleans(), disabled=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_native_and_fallback_steps_agree_and_stay_a_distribution_at_any_scale(num_groups, log10_step, log10_scale,
+                                                                              normalize_loss, stale, disabled, seed):
+    """Three float64 steps at step sizes up to 1e305 and losses up to 1e35 (step_size * a_g far past the double
+    range), some groups absent, one disabled: the native step and the composition give the same finite value and
+    q, a distribution, however far the step size takes log q."""
+    gen = torch.Generator().manual_seed(seed)
+    q_init = torch.ones(num_groups, dtype=torch.float64)
+    if disabled and num_groups > 1:
+        q_init[0] = 0.0
+    kwargs = dict(normalize_loss=normalize_loss, missing="stale" if stale else "zero", q_init=q_init)
+    modules = {b: dro_ext.GroupDROLoss(num_groups, 10.0 ** log10_step, **kwargs).double() for b in ("native", "python")}
+    for _ in range(3):
+        n = int(torch.randint(1, 3 * num_groups + 2, (), generator=gen))
+        groups = torch.randint(num_groups, (n,), generator=gen)
+        losses = torch.rand(n, generator=gen, dtype=torch.float64) * 10.0 ** log10_scale
+        values = {}
+        for backend_name, module in modules.items():
+            with _backend.forced_backend(backend_name):
+                values[backend_name] = module(losses, groups)
+        q = modules["native"].q
+        assert torch.isfinite(values["native"]) and torch.isfinite(q).all(), (values, q)
+        assert math.isclose(float(q.sum()), 1.0, rel_tol=1e-12), q
+        torch.testing.assert_close(q, modules["python"].q, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(values["native"], values["python"], rtol=1e-9, atol=0.0)
 
 
 @native_only
