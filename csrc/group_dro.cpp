@@ -60,13 +60,13 @@ void group_dro_step_kernel(const GroupDROStepOperands<sums_t, state_t>& op, int6
       e[g] = in.step_score(in.score(in.mean(), args.stale), score_total, args);
       max_score = e[g] > max_score ? e[g] : max_score;
     }
-    const double shift_by = score_shift(max_score);
+    const double shift_by = shift_from_max(max_score);
     double max_x = -INFINITY;
     for (int64_t g = 0; g < num_groups; ++g) {
       x[g] = op.inputs(g).log_weight(e[g], shift_by, args);
       max_x = x[g] > max_x ? x[g] : max_x;
     }
-    const double shift = logsumexp_shift(max_x);
+    const double shift = shift_from_max(max_x);
     kernels.exp_shifted(x.data(), shift, negligible_log_q<out_t>(), e.data(), num_groups);
     double total = 0.0;
     for (int64_t g = 0; g < num_groups; ++g) total += e[g];  // in group order, whatever the SIMD width

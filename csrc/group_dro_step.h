@@ -11,7 +11,7 @@
 //   x_g     = log q_g + step_size a_g            (-inf for a disabled group, and for one at log q = -inf)
 //   log q_g <- x_g - logsumexp(x)
 // (x_g is formed as log q_g + step_size (a_g - max_h a_h), h over the groups of x_h > -inf: the same log q, see
-// score_shift below) and the loss sum_g q_g m_g with its gradient d loss / d s_g = q_g / max(n_g, 1) (q detached).
+// GroupInputs::log_weight) and the loss sum_g q_g m_g with its gradient d loss / d s_g = q_g / max(n_g, 1) (q detached).
 //
 // Everything is computed in double from the inputs' values and rounded once where it is stored; the sums over the
 // groups are in a fixed order (group order on the CPU, a fixed block tree on CUDA), so a step is bitwise
@@ -66,24 +66,19 @@ struct GroupInputs {
     if (!live()) return -INFINITY;
     return args.normalize_loss && score_total != 0.0 ? a / score_total : a;
   }
-  // x_g - step_size * shift, from step_score's value (shift: score_shift's).
+  // x_g - step_size * shift, from step_score's value. The step takes for shift the largest score of a live group
+  // (shift_from_max: 0 where it is infinite). The log-sum-exp takes the same constant step_size * shift off every
+  // x_g, so log q is mathematically the same; in floats x_g then stays near log q_g for the live groups of the
+  // largest score whatever step_size * a_g is: it cannot overflow to inf - inf = NaN (step_size * a_g beyond the
+  // double range), nor absorb log q_g (groups tied at the largest score keep their shares of q when step_size * a_g
+  // is large against log q_g), and at least one x_g is finite (the largest score's, were every other x_g to
+  // underflow to -inf). An infinite score (an infinite loss) leaves the scores as they are: its group's log q is
+  // NaN, as in torch.logsumexp; a NaN score of a live group makes every log q NaN.
   C10_HOST_DEVICE double log_weight(double step_score, double shift, const GroupDROStepArgs& args) const {
     if (!live()) return -INFINITY;  // q = 0 stays 0 exactly, whatever the score (-inf + inf would be NaN)
     return log_q + args.step_size * (step_score - shift);
   }
 };
-
-// What the step subtracts from every step_score before multiplying by step_size: the largest score of a live group
-// max_score where it is finite, else 0. The log-sum-exp takes the same constant step_size * max_score off every x_g,
-// so log q is mathematically the same; in floats x_g then stays near log q_g for the live groups of the largest
-// score whatever step_size * a_g is: it cannot overflow to inf - inf = NaN (step_size * a_g beyond the double
-// range), nor absorb log q_g (groups tied at the largest score keep their shares of q when step_size * a_g is large
-// against log q_g), and at least one x_g is finite (the largest score's, were every other x_g to underflow to
-// -inf). An infinite score (an infinite loss) leaves the scores as they are: its group's log q is NaN, as in
-// torch.logsumexp; a NaN score of a live group makes every log q NaN.
-C10_HOST_DEVICE inline double score_shift(double max_score) {
-  return max_score > -INFINITY && max_score < INFINITY ? max_score : 0.0;
-}
 
 template <typename T>
 struct StridedVector {  // a 1-D tensor's elements, any stride
@@ -139,10 +134,11 @@ GroupDROStepOperands<sums_t, state_t> group_dro_step_operands(const at::Tensor& 
           strided_vector<const bool>(active),     strided_vector<const double>(adjustment)};
 }
 
-// The shift of a log-sum-exp: the largest x_g, or 0 where that is infinite (as torch.logsumexp: an infinite x_g then
-// makes the sum infinite, and log q NaN for that group; a NaN x_g makes the sum NaN).
-C10_HOST_DEVICE inline double logsumexp_shift(double max_x) {
-  return max_x == INFINITY || max_x == -INFINITY ? 0.0 : max_x;
+// The shift taken from a largest value (of the x_g for the log-sum-exp, of the live groups' scores for x_g): that
+// value, or 0 where it is infinite (as torch.logsumexp: an infinite x_g then makes the sum infinite, and log q NaN
+// for that group; a NaN x_g makes the sum NaN).
+C10_HOST_DEVICE inline double shift_from_max(double max_value) {
+  return max_value == INFINITY || max_value == -INFINITY ? 0.0 : max_value;
 }
 
 // log q_g = x_g - logsumexp(x), from e_g = exp(x_g - shift) summed to exp_total: (x_g - shift) - log(exp_total), in

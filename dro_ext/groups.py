@@ -542,18 +542,17 @@ class GroupDROLoss(nn.Module):
                 total = score.sum()
                 score = torch.where(total != 0, score / total, score)
             # Groups at q = 0 (disabled, or log q = -inf) stay there exactly, whatever their score (infinite or NaN
-            # included); the live groups' scores less their largest (csrc/group_dro_step.h's score_shift): the
-            # same log q, without step_size * score overflowing or absorbing log q. The largest score's product is
-            # 0 also where step_size itself overflows the dtype (float32 past 3.4e38: inf * 0 would be NaN).
+            # included); the live groups' scores less their largest (csrc/group_dro_step.h's log_weight): the same
+            # log q, without step_size * score overflowing or absorbing log q. The largest score's product is 0
+            # also where step_size itself overflows the dtype (float32 past 3.4e38: inf * 0 would be NaN).
             live = self.active & (log_q != -math.inf)
-            score = torch.where(live, score, -math.inf)
-            top = score.max()
-            below_top = score - torch.where(top.isfinite(), top, 0.0)
+            below_top = torch.where(live, score, -math.inf)
+            below_top = below_top - _shift_from_max(below_top)
             step = torch.where(below_top == 0, 0.0, self.step_size * below_top)
             log_q = torch.where(live, log_q + step, -math.inf)
             # x - logsumexp(x) as (x - shift) - log(sum exp(x - shift)) (csrc/group_dro_step.h's normalized_log_q):
             # torch.logsumexp's shift + log-sum would lose the log-sum to a shift past 2^53 of it.
-            log_q = log_q - log_q.amax().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+            log_q = log_q - _shift_from_max(log_q)
             log_q = log_q - torch.logsumexp(log_q, 0)
         else:
             if self.population_shares is not None:
@@ -577,6 +576,12 @@ class GroupDROLoss(nn.Module):
         mode = f"mode={self.mode!r}" + (f", alpha={self.alpha}" if self.alpha is not None else "")
         return (f"num_groups={self.num_groups}, step_size={self.step_size}, {mode}, missing={self.missing!r}, "
                 f"normalize_loss={self.normalize_loss}, ema_gamma={self.ema_gamma}")
+
+
+def _shift_from_max(values: torch.Tensor) -> torch.Tensor:
+    """The largest of the values, or 0 where it is infinite or NaN (csrc/group_dro_step.h's shift_from_max; there the
+    maxima skip a NaN, here it gives 0: either way the NaN value itself makes the log-sum-exp NaN)."""
+    return values.amax().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _finite_vector(name: str, value: Any, num_groups: int) -> torch.Tensor:

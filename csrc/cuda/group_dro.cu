@@ -59,10 +59,10 @@ __global__ void __launch_bounds__(kThreads) group_dro_step_kernel(GroupDROStepOp
       for (int64_t g = threadIdx.x; g < num_groups; g += kThreads) max = Max()(value(op.inputs(g)), max);
       return block_max_to_all(max);
     };
-    const double shift_by = score_shift(largest(step_score));
+    const double shift_by = shift_from_max(largest(step_score));
     const auto log_weight = [&](const GroupInputs& in) { return in.log_weight(step_score(in), shift_by, args); };
     const double max_x = largest(log_weight);
-    const double shift = logsumexp_shift(max_x);
+    const double shift = shift_from_max(max_x);
     double exp_part = 0.0;
     for (int64_t g = threadIdx.x; g < num_groups; g += kThreads) {
       exp_part += exp_or_zero(log_weight(op.inputs(g)) - shift, negligible_log_q<out_t>());
