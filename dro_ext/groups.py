@@ -395,8 +395,9 @@ class GroupDROLoss(nn.Module):
     place, the loss and one autograd node; ``group_dro_step_`` over the sums with a mask or a process group). It
     computes in float64 and rounds once into the state, and takes a group's ``q`` as 0 in the loss and its
     gradient (never in ``log_q``) below ``e^-44`` (float32 loss) or ``e^-660`` (float64), where the products would
-    be subnormal numbers; the fallback composes the same rules of PyTorch ops in the wider of the state's and the
-    losses' accumulate dtype. ``greedy_cvar`` is composed of PyTorch ops on either backend.
+    be subnormal numbers; the fallback composes the same rules of PyTorch ops, the update in float64 (where the
+    device has it) rounded once into the state, and the loss in the wider of the state's and the losses' accumulate
+    dtype. ``greedy_cvar`` is composed of PyTorch ops on either backend, its update in float64 likewise.
     """
 
     # The state and configuration buffers (registered in __init__), declared for the type checker: nn.Module's
@@ -515,7 +516,12 @@ class GroupDROLoss(nn.Module):
         m, present = _group_means(sums, counts, dtype)
         if update:
             with torch.no_grad():
-                self._update(m.detach(), present, counts.to(dtype))
+                # The update in float64 (where the device has it), rounded once into the state, as the native step
+                # does: in a float32 state's dtype a step_size past 3.4e38 would act as infinite and send groups to
+                # q = 0 for good where float64 keeps them.
+                step_dtype = fallback_dtype(self.log_q.dtype, m.device)
+                step_m, _ = _group_means(sums.detach(), counts, step_dtype)
+                self._update(step_m, present, counts.to(step_dtype))
         q = self.log_q.to(dtype).exp()
         return fixed_order_sum(q * m).to(losses.dtype)
 

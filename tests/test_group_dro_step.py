@@ -189,6 +189,23 @@ def test_a_step_beyond_the_range_puts_q_on_the_largest_scores(backend_name, stat
 
 
 @native_only
+def test_a_float32_state_takes_a_step_size_past_float32_as_the_native_step_does():
+    """step_size 1e39 (no float32) on a float32 state: the step is formed in float64 on both backends and rounded once
+    into the state, so a group 1e-3 below the largest score goes to log q ~ -1e36 (a float32) and comes back when it
+    leads by 1e-2 on the next step. Formed in float32, the fallback's step_size was inf: the group went to q = 0 for
+    good and the two backends disagreed from the second step on."""
+    modules = {b: dro_ext.GroupDROLoss(2, 1e39) for b in ("native", "python")}
+    groups = torch.tensor([0, 1])
+    for losses, expected_q in (([1.0, 1.001], [0.0, 1.0]), ([1.01, 1.0], [1.0, 0.0])):
+        for backend_name, module in modules.items():
+            value, _ = run_step(module, torch.tensor(losses), groups, backend_name)
+            assert module.log_q.dtype == torch.float32
+            torch.testing.assert_close(module.q, torch.tensor(expected_q), rtol=0.0, atol=0.0, msg=backend_name)
+            torch.testing.assert_close(value, torch.tensor(max(losses)), msg=backend_name)
+        torch.testing.assert_close(modules["python"].log_q, modules["native"].log_q, rtol=1e-6, atol=0.0)
+
+
+@native_only
 @settings(max_examples=150, deadline=None)
 @given(num_groups=st.integers(1, 8), log10_step=st.floats(-3, 305), log10_scale=st.floats(-5, 35),
        normalize_loss=st.booleans(), stale=st.booleans(), disabled=st.booleans(), seed=st.integers(0, 2**31 - 1))
