@@ -304,8 +304,14 @@ def _foreach_momentum_(grads: list[torch.Tensor], momenta: list[torch.Tensor], s
     take = (-1.0 if maximize else 1.0) * (1.0 - momentum * started)
     if grad_scale is not None:
         take = take / grad_scale.to(device=started.device, dtype=torch.float64)
-    torch._foreach_mul_(momenta, momentum)
-    torch._foreach_addcmul_(momenta, grads, list(take.to(acc).unbind()))
+    # float16/bfloat16: m = beta m + take g in float32, rounded once, as the fused kernels form it. Rounded after
+    # each op, 0.999 m would round back to m in bfloat16 (its spacing is 2^-8 of m): a momentum that never decays.
+    wide = acc != momenta[0].dtype
+    targets = [m.to(acc) for m in momenta] if wide else momenta
+    torch._foreach_mul_(targets, momentum)
+    torch._foreach_addcmul_(targets, [g.to(acc) for g in grads] if wide else grads, list(take.to(acc).unbind()))
+    if wide:
+        torch._foreach_copy_(momenta, targets)
     torch._foreach_add_(steps, 1.0)
 
 

@@ -105,6 +105,24 @@ def test_mixed_dtypes_share_one_global_norm(backend):
         assert opt.state[p]["momentum_buffer"].dtype == p.dtype
 
 
+@pytest.mark.parametrize(("dtype", "momentum"), [(torch.bfloat16, 0.999), (torch.float16, 0.9998)], ids=str)
+def test_a_half_momentum_is_rounded_once_a_step(backend, dtype, momentum):
+    """m = beta m + (1 - beta) g formed wide and rounded once into the half momentum (the float64 formula rounded
+    once, here exactly), on both implementations. From m = 1 with g = -1, bfloat16 at beta = 0.999: 0.998 rounds to
+    0.99609375. Rounded after each op, 0.999 m came back as 1 and 1 - 0.001 as 1 again: a momentum stuck at 1."""
+    param = torch.nn.Parameter(torch.zeros(5, dtype=dtype))
+    opt = NormalizedSGD([param], lr=0.1, momentum=momentum)
+    expected = torch.ones(5, dtype=dtype)
+    param.grad = torch.ones(5, dtype=dtype)
+    opt.step()
+    for _ in range(20):
+        param.grad = -torch.ones(5, dtype=dtype)
+        opt.step()
+        expected = (momentum * expected.double() - (1.0 - momentum)).to(dtype)
+        torch.testing.assert_close(opt.state[param]["momentum_buffer"], expected, rtol=0.0, atol=0.0)
+    assert float(expected[0]) < 0.995  # it decays
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_each_step_moves_the_group_by_lr(backend, dtype):
     check_each_step_moves_the_group_by_lr(dtype, "cpu")
