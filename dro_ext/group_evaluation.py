@@ -102,7 +102,12 @@ class _WeightedGroupObjective(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, means: torch.Tensor, present: torch.Tensor, p: torch.Tensor, lam: float,
                 spec: Spec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x, w = means.detach().to(torch.float64)[present], p.to(torch.float64)[present]
+        # A group of weight 0 is dropped (solved without, q = 0): kept, its mean would still set the kl shift and
+        # enter the Newton sums and q as 0 * psi*'(t), NaN where psi*' overflows at a mean far above the others'.
+        # A NaN mean there is kept: it makes the solution NaN, as any NaN loss does (NaN is never dropped).
+        means64 = means.detach().to(torch.float64)
+        present = present & ((p != 0) | torch.isnan(means64))
+        x, w = means64[present], p.to(torch.float64)[present]
         acc = means.dtype
         if x.numel() == 0 or not bool(w.sum() > 0):
             # No weight on any present group: p renormalized over them is 0/0, as group_dro_loss gives it.

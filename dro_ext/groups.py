@@ -258,7 +258,8 @@ def group_dro_loss(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
 
     over the groups present in the batch, ``p`` renormalized over them: ``weighting="batch"`` takes ``p_g``
     proportional to the batch count ``n_g``, ``"population"`` to ``group_counts[g]`` (required then, every count
-    > 0), and a tensor of ``num_groups`` weights (>= 0) to those weights. ``divergence``, ``lam``, ``alpha``, ``k``
+    > 0), and a tensor of ``num_groups`` weights (>= 0) to those weights (a group of weight 0 counts as absent; a
+    NaN mean there still makes the value NaN). ``divergence``, ``lam``, ``alpha``, ``k``
     and ``scale`` are those of :func:`dro_ext.dro_loss`, which this equals when every group holds one sample
     (batch weighting). ``groups`` is an int64 or int32 tensor of ids in ``[0, num_groups)``, one per loss.
     Gradients flow to ``losses`` (``p_g psi*'(t_g) / n_g`` for each sample of group g) and to ``eta``.
@@ -297,9 +298,12 @@ def _penalized_group_sums(m: torch.Tensor, present: torch.Tensor, p: torch.Tenso
     """(sum_g p_g (lam psi*(t_g) + G eta), sum_g p_g) over the groups present, t_g = (m_g - G eta)/lam: the value of
     the objective over groups is their ratio (the one place it is formed, for group_dro_loss and the grouped
     cross-entropy of dro_ext/cross_entropy_groups.py)."""
-    # An absent group is evaluated at m = scale*eta (t = 0, finite whatever eta), then weighted by exactly 0: its
-    # term adds nothing to the value and a zero gradient.
-    x = torch.where(present, m, g_eta)
+    # An absent group, and a group of weight 0, is evaluated at m = scale*eta (t = 0, finite whatever eta), then
+    # weighted by exactly 0: its term adds nothing to the value and a zero gradient. (At its own mean, 0 * psi*(t)
+    # would be NaN where psi*(t) overflows, at a mean far above the others'.) A NaN mean of weight 0 is kept, and
+    # makes the value NaN, as any NaN loss does.
+    counted = present & ((p != 0) | torch.isnan(m))
+    x = torch.where(counted, m, g_eta)
     terms = penalized_value(x, (x - g_eta) / lam, lam, g_eta, spec)
     p = torch.where(present, p, 0.0)
     # Sums in group order, as dro_loss sums in sample order: with one sample per group (ids in sample order) the

@@ -261,6 +261,32 @@ def test_weighted_without_weight_on_the_present_groups_is_nan(backend):
     assert math.isnan(value.item()) and math.isnan(eta.item())
 
 
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_a_group_of_weight_zero_is_dropped_whatever_its_mean(backend, name, params):
+    """Psi, eta* and q with a group of weight 0 are those of the batch without it (q = 0 there, its losses a zero
+    gradient), also where its mean lies far above the others': kept in the solve, it set kl's shift (every weighted
+    exp underflowed: a math domain error) and psi*' overflowed in the Newton sums and q (0 * inf = NaN). A NaN mean
+    of weight 0 still makes the solution NaN."""
+    kw = dict(weighting=torch.tensor([1.0, 3.0, 0.0], dtype=torch.float64), **case_kwargs(params))
+    losses = torch.tensor([1.0, 2.0, 1.5, 1e3, 3e3], dtype=torch.float64)
+    groups = torch.tensor([0, 1, 1, 2, 2])
+    l = losses.clone().requires_grad_()
+    value, eta = dro_ext.robust_objective(l, 1e-3, name, groups=groups, num_groups=3, **kw)
+    (grad,) = torch.autograd.grad(value, l)
+    l_kept = losses[:3].clone().requires_grad_()
+    expected, expected_eta = dro_ext.robust_objective(l_kept, 1e-3, name, groups=groups[:3], num_groups=3, **kw)
+    (expected_grad,) = torch.autograd.grad(expected, l_kept)
+    assert torch.isfinite(expected)
+    assert value.item() == expected.item() and eta.item() == expected_eta.item()
+    assert torch.equal(grad, torch.cat([expected_grad, torch.zeros(2, dtype=torch.float64)]))
+    q = dro_ext.worst_case_weights(losses, 1e-3, name, groups=groups, num_groups=3, **kw)
+    assert torch.equal(q, dro_ext.worst_case_weights(losses[:3], 1e-3, name, groups=groups[:3], num_groups=3, **kw))
+    assert q[2] == 0
+    losses[3] = math.nan
+    value, eta = dro_ext.robust_objective(losses, 1e-3, name, groups=groups, num_groups=3, **kw)
+    assert math.isnan(value.item())
+
+
 # ---------------------------------------------------------------------------------------------------
 # Special structures
 # ---------------------------------------------------------------------------------------------------

@@ -107,6 +107,30 @@ def test_group_dro_loss_matches_float64_reference(backend, name, params, weighti
     torch.testing.assert_close(grad_eta.double(), exp_eta, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_a_group_of_weight_zero_is_dropped_whatever_its_mean(backend, name, params):
+    """A group of weight 0 counts as absent: the value is that of the batch without its losses and they get a zero
+    gradient, even where its mean lies so far above the others that psi*(t) overflows (0 * inf gave NaN). A NaN
+    mean of weight 0 still makes the value NaN."""
+    losses = torch.tensor([1.0, 2.0, 1.5, 1e300, 3e300], dtype=torch.float64)
+    groups = torch.tensor([0, 1, 1, 2, 2])
+    weights = torch.tensor([1.0, 3.0, 0.0], dtype=torch.float64)
+    eta = torch.tensor(1.2, dtype=torch.float64, requires_grad=True)
+    options = dict(weighting=weights, **case_kwargs(params))
+    l = losses.clone().requires_grad_()
+    value = dro_ext.group_dro_loss(l, groups, 3, eta, 1e-3, name, **options)
+    grad_l, grad_eta = torch.autograd.grad(value, (l, eta))
+    l_kept = losses[:3].clone().requires_grad_()
+    expected = dro_ext.group_dro_loss(l_kept, groups[:3], 3, eta, 1e-3, name, **options)
+    exp_l, exp_eta = torch.autograd.grad(expected, (l_kept, eta))
+    assert torch.isfinite(expected)
+    torch.testing.assert_close(value, expected, rtol=1e-15, atol=0.0)
+    torch.testing.assert_close(grad_l, torch.cat([exp_l, torch.zeros(2, dtype=torch.float64)]), rtol=1e-15, atol=0.0)
+    torch.testing.assert_close(grad_eta, exp_eta, rtol=1e-15, atol=0.0)
+    losses[3] = math.nan
+    assert math.isnan(dro_ext.group_dro_loss(losses, groups, 3, eta, 1e-3, name, **options).item())
+
+
 DRO_LOSS_DTYPES = [torch.float16, torch.float32, torch.float64]
 
 
