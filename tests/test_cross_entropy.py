@@ -181,12 +181,14 @@ def test_empty_batch_gives_zero(backend):
 
 def masked_batch(dtype=torch.float32):
     """Logits with masked classes (-inf), as a vocabulary mask or a constrained decoder gives: a masked prefix
-    longer than a CUDA row block's threads, single masked columns, and a row masked everywhere but its target.
-    Targets are never masked (that loss is +inf)."""
-    n, c = 6, 600
+    longer than a CUDA row block's threads and than the CPU kernel's block of a row (2048 logits, whose running
+    sum came out NaN from an all-masked first block), single masked columns, and a row masked everywhere but its
+    target. Targets are never masked (that loss is +inf)."""
+    n, c = 6, 2100
     logits = torch.randn(n, c, dtype=torch.float64).to(dtype)
     targets = torch.randint(300, c, (n,))
-    logits[0, :300] = -math.inf
+    logits[0, :2060] = -math.inf
+    targets[0] = 2070
     logits[1, ::7] = -math.inf
     logits[2, :] = -math.inf
     logits[2, targets[2]] = 0.5

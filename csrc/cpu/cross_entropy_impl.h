@@ -70,6 +70,12 @@ RowStats<acc_t> row_stats(const scalar_t* x, int64_t num_classes, bool want_tota
     if (j < n) vmax = at::vec::maximum(vmax, V::set(V(neg_inf), load<acc_t>(p + j, n - j), n - j));
     const acc_t block_max = lane_max(at::vec::maximum(vmax, vmax2));
     const acc_t new_max = (block_max > running_max || std::isnan(block_max)) ? block_max : running_max;
+    if (new_max == neg_inf) {
+      // Every logit so far is -inf (masked): they add exp(-inf) = 0 to the sum, and the row's sum is -inf, while
+      // x - max would be -inf - -inf = NaN and turn a row with a later finite logit NaN.
+      if (want_total) total = neg_inf;
+      continue;
+    }
     running_sum *= std::exp(running_max - new_max);  // 0 * 0 on the first block
     running_max = new_max;
     const V shift(new_max), zero(acc_t(0));
