@@ -22,8 +22,9 @@
 //       the row's own loss and eta, so the gradient is final as soon as the row's loss is known.
 //   logsumexp_columns(matrix (R, C)) -> lse (C, 2)
 //       logsumexp_r matrix_rc as (shift, log_sum) pairs in the accumulate dtype, shift 0 where the column's max is
-//       infinite: the per-row logsumexp of logits formed transposed,
-//       which the first pass of the grouped linear cross-entropy does on the CPU (dro_ext/cross_entropy_groups.py).
+//       -inf, NaN where it is +inf (as F.cross_entropy gives that row): the per-row logsumexp of logits formed
+//       transposed, which the first pass of the grouped linear cross-entropy does on the CPU
+//       (dro_ext/cross_entropy_groups.py).
 //       On CUDA, where that pass keeps the row layout, it is composed of ATen ops.
 //
 // Autograd is registered in Python (dro_ext/cross_entropy.py): each call moves N x C logits, so the
@@ -121,8 +122,8 @@ at::Tensor logsumexp_columns_composite(const at::Tensor& matrix) {
   check_logsumexp_columns_args(matrix);
   const at::Tensor x = matrix.to(accumulate_type(matrix.scalar_type()));
   const at::Tensor max = x.amax({0});
-  const at::Tensor infinite = max.abs().eq(std::numeric_limits<double>::infinity());
-  const at::Tensor shift = at::where(infinite, at::zeros_like(max), max);  // keeps NaN
+  // 0 where the max is -inf (no -inf - -inf); a +inf max gives NaN, as F.cross_entropy does. Keeps NaN.
+  const at::Tensor shift = at::where(max.eq(-std::numeric_limits<double>::infinity()), at::zeros_like(max), max);
   const at::Tensor log_sum = x.sub(shift).exp().sum(0).log();
   return at::stack({shift, log_sum}, 1);
 }

@@ -11,7 +11,7 @@
 
 namespace dro_ext {
 
-// A row's logsumexp as shift + log_sum: shift is the row's max (the column kernel's: 0 where that max is infinite)
+// A row's logsumexp as shift + log_sum: shift is the row's max (the column kernel's: 0 where that max is -inf)
 // and log_sum = log sum_j exp(x_j - shift), at most log C. Kept in two parts because their sum, rounded at the
 // logits' magnitude, would carry that rounding into every softmax_j and every loss: at logits near 64 in float32,
 // 64 roundings of the residual 1 - p_y of a confident row, where the shifted form keeps it to one or two.

@@ -107,8 +107,9 @@ def _row_losses(x, targets, ignore_index, label_smoothing):
 
 def _row_shift(x):
     """The shift of each row's logsumexp (csrc/cross_entropy_terms.h's ShiftedLogSumExp): its max, or 0 where that is
-    infinite or NaN (the column kernel's choice: no inf - inf; a NaN row stays NaN through its sum)."""
-    return x.amax(dim=1).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    -inf or NaN (the column kernel's choice: no -inf - -inf; a NaN row stays NaN through its sum). A +inf max stays:
+    the row's loss is then NaN (inf - inf), as F.cross_entropy and the native kernels give it."""
+    return x.amax(dim=1).nan_to_num_(nan=0.0, posinf=math.inf, neginf=0.0)
 
 
 def shifted_logsumexp(x):

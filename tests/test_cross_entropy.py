@@ -600,7 +600,7 @@ def test_logsumexp_columns_matches_float64_logsumexp(dtype, shape):
 def test_logsumexp_columns_infinities_nan_and_empty():
     matrix = torch.randn(150, 9, dtype=torch.float64)
     matrix[:, 1] = -math.inf              # every term 0: -inf
-    matrix[70, 2] = math.inf              # inf
+    matrix[70, 2] = math.inf              # NaN (inf - inf), as F.cross_entropy gives a row with a +inf logit
     matrix[3, 3] = math.nan               # NaN is never dropped
     matrix[:80, 4], matrix[80:, 4] = -1e300, -math.inf  # a finite max after an empty first slab
     matrix[:, 5] = 1e300                  # huge but finite
@@ -609,8 +609,9 @@ def test_logsumexp_columns_infinities_nan_and_empty():
     for dtype in (torch.float64, torch.float32):
         got = torch.ops.dro_ext.logsumexp_columns(matrix.to(dtype))
         expected = torch.logsumexp(matrix.to(dtype), dim=0)
+        expected[torch.isposinf(matrix.to(dtype)).any(dim=0)] = math.nan  # column 2; 5 too in float32 (1e300 is inf)
         torch.testing.assert_close(got.sum(dim=1), expected, equal_nan=True)
-        assert got[1, 0] == 0 and got[2, 0] == 0  # an infinite max is no shift: no inf - inf
+        assert got[1, 0] == 0  # a -inf max is no shift: no -inf - -inf
     empty = torch.ops.dro_ext.logsumexp_columns(torch.empty(0, 4))
     assert torch.equal(empty, torch.tensor([[0.0, -math.inf]] * 4))
 
@@ -825,3 +826,26 @@ def test_native_ops_check_their_arguments():
     with pytest.raises(ValueError, match="dro_cross_entropy_backward_ overwrites logits in place"):
         torch.ops.dro_ext.dro_cross_entropy_backward_(torch.tensor(1.0), torch.randn(5, 4).T, targets,
                                                       torch.zeros(4, 2), torch.zeros(4), -100, 0.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_positive_infinite_logit_gives_nan_as_f_cross_entropy(backend, dtype):
+    """A +inf logit off the target makes its row's loss NaN in F.cross_entropy (inf - inf in log_softmax), and so on
+    every path here: per-row losses and the objective, per token and over groups, from logits and from an LM head
+    whose bias is +inf (the grouped linear op's column logsumexp). The fallback's shift and the column kernels took 0
+    for a +inf max and gave +inf there, so the grouped value came out +inf with finite gradients on the fallback."""
+    n, c, h = 5, 7, 3
+    hidden = torch.randn(n, h, dtype=torch.float64).to(dtype)
+    weight = torch.randn(c, h, dtype=torch.float64).to(dtype)
+    bias = torch.zeros(c, dtype=dtype)
+    bias[0] = math.inf
+    targets = torch.randint(1, c, (n,))
+    logits = (hidden.double() @ weight.double().t() + bias.double()).to(dtype)
+    assert torch.isnan(F.cross_entropy(logits.double(), targets, reduction="none")).all()
+    assert torch.isnan(dro_ext.cross_entropy_losses(logits, targets)).all()
+    assert torch.isnan(dro_ext.linear_cross_entropy_losses(hidden, weight, targets, bias=bias)).all()
+    groups = dict(groups=torch.tensor([0, 1, 0, 1, 1]), num_groups=2)
+    for by_group in ({}, groups):
+        assert math.isnan(dro_ext.dro_cross_entropy(logits, targets, 0.5, LAM, "chi2", **by_group).item())
+        assert math.isnan(dro_ext.dro_linear_cross_entropy(hidden, weight, targets, 0.5, LAM, "chi2", bias=bias,
+                                                           **by_group).item())

@@ -238,8 +238,7 @@ void logsumexp_columns_typed(const at::Tensor& matrix, at::Tensor& out_lse) {
   const int64_t rows = matrix.size(0), cols = matrix.size(1);
   const scalar_t* x = matrix.const_data_ptr<scalar_t>();
   auto* lse = reinterpret_cast<ShiftedLogSumExp<acc_t>*>(out_lse.mutable_data_ptr<acc_t>());
-  const V zero(acc_t(0)), neg_inf(-std::numeric_limits<acc_t>::infinity()),
-      inf(std::numeric_limits<acc_t>::infinity());
+  const V zero(acc_t(0)), neg_inf(-std::numeric_limits<acc_t>::infinity());
   at::parallel_for(0, (cols + kBlockColumns - 1) / kBlockColumns, 1, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
       const int64_t first = block * kBlockColumns;
@@ -264,10 +263,11 @@ void logsumexp_columns_typed(const at::Tensor& matrix, at::Tensor& out_lse) {
         }
         for (int64_t k = 0; k < vectors; ++k) {
           running_max[k] = at::vec::maximum(running_max[k], slab_max[k]);
-          // Exponentials are taken relative to the max, or to 0 where the max is infinite: a column of -inf then
-          // sums to 0 (lse -inf), one with +inf to inf, without inf - inf. The sum so far is rescaled to the new
-          // shift; the factor is capped at 1, which is only reached from an empty sum (first slab) or an inf max.
-          const V new_shift = V::blendv(running_max[k], zero, running_max[k].abs() == inf);
+          // Exponentials are taken relative to the max, or to 0 where the max is -inf: a column of -inf then sums
+          // to 0 (lse -inf), without -inf - -inf. A column with +inf comes out NaN (inf - inf), as F.cross_entropy
+          // gives its row. The sum so far is rescaled to the new shift; the factor is capped at 1, which is only
+          // reached from an empty sum (first slab) or an infinite max.
+          const V new_shift = V::blendv(running_max[k], zero, running_max[k] == neg_inf);
           sum[k] = sum[k] * M::exp(at::vec::minimum(shift[k] - new_shift, zero));
           shift[k] = new_shift;
         }
