@@ -304,9 +304,12 @@ def weight_stats(w: torch.Tensor, groups: torch.Tensor | None, num_groups: int,
         raise ValueError("dro_ext.weight_stats: the weights of every rank together are empty")
     if nans > 0:
         largest = math.nan  # the MAX all-reduce of gloo and NCCL need not propagate NaN
-    make = lambda v: torch.tensor(v, dtype=acc, device=w.device)  # noqa: E731
+    # Divided as tensors: every weight 0 gives NaN statistics, as the single-process call does (Python floats
+    # would raise ZeroDivisionError).
+    ratios = (torch.tensor([total * total, largest, zeros], dtype=torch.float64)
+              / torch.tensor([total_sq, total, n], dtype=torch.float64)).to(device=w.device, dtype=acc)
     group_mass = (sums[5:] / total).to(acc) if groups is not None else None
-    return WeightStats(make(total * total / total_sq), make(largest / total), make(zeros / n), group_mass)
+    return WeightStats(ratios[0], ratios[1], ratios[2], group_mass)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 
-from dro_ext._divergences import Divergence, check_divergence, check_positive, real_number
+from dro_ext._divergences import Divergence, check_divergence, check_losses, check_positive, real_number
 from dro_ext.group_reduction import check_forward_groups
 from dro_ext.groups import _group_weights, check_num_groups, group_dro_loss
 from dro_ext.ops import dro_loss
@@ -79,7 +79,15 @@ class DROLoss(nn.Module):
                                   weighting=weighting, alpha=self.alpha, k=self.k, scale=self.scale, group=self.group,
                                   mask=mask)
         assert self.group is not None  # the sample-level call without a process group returned above
-        value = dro_loss(losses, eta, self.lam, self.divergence, alpha=self.alpha, k=self.k, scale=self.scale)
+        if isinstance(losses, torch.Tensor) and losses.numel() == 0:
+            # A rank without samples: its share of the concatenated batch's objective is 0 (batch_scale below is
+            # 0), with zero gradients to the losses and to eta (which the graph still reaches, as DDP expects of
+            # every parameter); it still takes part in batch_scale's collective, where raising (dro_loss takes no
+            # empty batch) would leave the other ranks waiting.
+            check_losses(losses, allow_empty=True)
+            value = losses.sum() + 0.0 * eta.to(losses.dtype)
+        else:
+            value = dro_loss(losses, eta, self.lam, self.divergence, alpha=self.alpha, k=self.k, scale=self.scale)
         from dro_ext.distributed import batch_scale
 
         return value * batch_scale(losses.shape[0], self.group, losses.device).to(value.dtype)

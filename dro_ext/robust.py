@@ -284,6 +284,11 @@ def weight_stats(
                 raise ValueError("dro_ext: weight_stats with losses needs lam > 0, got lam=None")
             if eta is None:
                 w = worst_case_weights(losses, lam, divergence, alpha=alpha, k=k, group=group)
+            elif group is not None and isinstance(losses, torch.Tensor) and losses.numel() == 0:
+                # A rank without samples has no weights of its own (dro_weights takes no empty batch), and still
+                # takes part in the collectives below; raising here would leave the other ranks waiting in them.
+                check_losses(losses, allow_empty=True)
+                w = losses.detach()
             else:
                 w = dro_weights(losses.detach(), eta, lam, divergence, alpha=alpha, k=k, scale=scale)
         w = w.detach()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import sys
 import time
@@ -371,10 +372,9 @@ def job_robust(rank, world):
                 ids = split(ids_all, sizes, rank)
                 stats = dro_ext.weight_stats(losses=x, lam=lam, divergence=divergence, groups=ids, num_groups=4,
                                              group=group, **params)
-                stats_at = None
-                if min(sizes) > 0:  # dro_weights needs losses on every rank
-                    stats_at = dro_ext.weight_stats(losses=x, eta=0.7, lam=lam, divergence=divergence, group=group,
-                                                    **params)
+                # (an empty rank included: it has no weights of its own and still takes part)
+                stats_at = dro_ext.weight_stats(losses=x, eta=0.7, lam=lam, divergence=divergence, group=group,
+                                                **params)
                 for backend in BACKENDS:
                     what = f"{backend} {divergence} {case} {dtype} lam={lam}"
                     with _backend.forced_backend(backend):
@@ -397,9 +397,37 @@ def job_robust(rank, world):
                         continue  # zero_fraction counts float32 underflows, which depend on the rounding of eta*
                     for field, a, b in zip(ref_stats._fields, stats, ref_stats):
                         close(a, b, f"{what}: weight_stats {field}", **tol)
-                    if stats_at is not None:
-                        for field, a, b in zip(ref_stats._fields[:3], stats_at, ref_stats_at):
-                            close(a, b, f"{what}: weight_stats at eta {field}", **tol)
+                    for field, a, b in zip(ref_stats._fields[:3], stats_at, ref_stats_at):
+                        close(a, b, f"{what}: weight_stats at eta {field}", **tol)
+
+    # Every weight 0 (cvar at an eta above every loss): NaN statistics, as in one process (ZeroDivisionError before).
+    for sizes in ((37, 20), (23, 0)):
+        x_all = base[:sum(sizes)]
+        x, ids = split(x_all, sizes, rank), split(group_ids_all[:sum(sizes)], sizes, rank)
+        at = dict(eta=float(x_all.max()) + 1.0, lam=0.5, divergence="cvar", alpha=0.3)
+        ref = dro_ext.weight_stats(losses=x_all, **at)
+        assert math.isnan(ref.ess) and math.isnan(ref.max_weight) and ref.zero_fraction == 1, ref
+        for stats in (dro_ext.weight_stats(losses=x, group=group, **at),
+                      dro_ext.weight_stats(losses=x, groups=ids, num_groups=4, over="groups", group=group, **at)):
+            assert math.isnan(stats.ess) and math.isnan(stats.max_weight) and stats.zero_fraction == 1, stats
+
+    # DROLoss(group=) with an empty rank: its share is 0, and the ranks' gradients averaged (as DDP averages them)
+    # are the single-process gradients on the concatenated batch (dro_loss raised on the empty rank before, and
+    # the other rank waited in batch_scale's all-reduce).
+    for divergence in dro_ext.DIVERGENCES:
+        params = PARAMS.get(divergence, {})
+        x_all = base[:23]
+        criterion = dro_ext.DROLoss(divergence, 0.5, eta_init=0.8, group=group, **params).double()
+        x = split(x_all, (23, 0), rank).clone().requires_grad_(True)
+        value = criterion(x)
+        grad_x, grad_eta = torch.autograd.grad(value, (x, criterion.eta))
+        grad_eta = grad_eta.clone()
+        dist.all_reduce(grad_eta)
+        reference = dro_ext.DROLoss(divergence, 0.5, eta_init=0.8, **params).double()
+        x_ref = x_all.clone().requires_grad_(True)
+        ref_grad_x, ref_grad_eta = torch.autograd.grad(reference(x_ref), (x_ref, reference.eta))
+        close(grad_x / world, split(ref_grad_x, (23, 0), rank), f"DROLoss empty rank {divergence}: grad")
+        close(grad_eta / world, ref_grad_eta, f"DROLoss empty rank {divergence}: grad eta")
 
     # evaluate: each rank its own loader (rank 1's loader holds nothing in the second round).
     torch.manual_seed(3)  # the same model on every rank
