@@ -37,7 +37,13 @@ import torch
 from dro_ext import _solver
 from dro_ext._divergences import accumulate_dtype, check_losses, fixed_order_sum
 from dro_ext.group_reduction import check_groups, check_num_groups
-from dro_ext.groups import _GlobalValueLocalGradient, _group_sums, _group_weights, _reduced_group_sums
+from dro_ext.groups import (
+    _counted_groups,
+    _GlobalValueLocalGradient,
+    _group_sums,
+    _group_weights,
+    _reduced_group_sums,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -102,11 +108,10 @@ class _WeightedGroupObjective(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, means: torch.Tensor, present: torch.Tensor, p: torch.Tensor, lam: float,
                 spec: Spec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # A group of weight 0 is dropped (solved without, q = 0): kept, its mean would still set the kl shift and
-        # enter the Newton sums and q as 0 * psi*'(t), NaN where psi*' overflows at a mean far above the others'.
-        # A NaN mean there is kept: it makes the solution NaN, as any NaN loss does (NaN is never dropped).
+        # Solved over the groups that count (q = 0 for the others): a group of weight 0 kept in the solve would still
+        # set kl's shift and enter the Newton sums.
         means64 = means.detach().to(torch.float64)
-        present = present & ((p != 0) | torch.isnan(means64))
+        present = _counted_groups(present, p, means64)
         x, w = means64[present], p.to(torch.float64)[present]
         acc = means.dtype
         if x.numel() == 0 or not bool(w.sum() > 0):

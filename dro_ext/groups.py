@@ -293,17 +293,22 @@ def group_dro_loss(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
     return (weighted_sum / total).to(losses.dtype)
 
 
+def _counted_groups(present: torch.Tensor, p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The groups that enter the objective over groups (penalized or exact): those present with a weight p_g != 0. A
+    group of weight 0 counts as absent: at its own mean, 0 * psi*(t) (or 0 * psi*'(t)) is NaN where that overflows, at
+    a mean far above the others'. A NaN mean counts whatever its weight: it makes the value NaN, as any NaN loss
+    does (NaN is never dropped)."""
+    return present & ((p != 0) | torch.isnan(m))
+
+
 def _penalized_group_sums(m: torch.Tensor, present: torch.Tensor, p: torch.Tensor, g_eta: torch.Tensor, lam: float,
                           spec: Spec) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum_g p_g (lam psi*(t_g) + G eta), sum_g p_g) over the groups present, t_g = (m_g - G eta)/lam: the value of
     the objective over groups is their ratio (the one place it is formed, for group_dro_loss and the grouped
     cross-entropy of dro_ext/cross_entropy_groups.py)."""
-    # An absent group, and a group of weight 0, is evaluated at m = scale*eta (t = 0, finite whatever eta), then
-    # weighted by exactly 0: its term adds nothing to the value and a zero gradient. (At its own mean, 0 * psi*(t)
-    # would be NaN where psi*(t) overflows, at a mean far above the others'.) A NaN mean of weight 0 is kept, and
-    # makes the value NaN, as any NaN loss does.
-    counted = present & ((p != 0) | torch.isnan(m))
-    x = torch.where(counted, m, g_eta)
+    # A group that does not count is evaluated at m = scale*eta (t = 0, finite whatever eta), then weighted by
+    # exactly 0: its term adds nothing to the value and a zero gradient.
+    x = torch.where(_counted_groups(present, p, m), m, g_eta)
     terms = penalized_value(x, (x - g_eta) / lam, lam, g_eta, spec)
     p = torch.where(present, p, 0.0)
     # Sums in group order, as dro_loss sums in sample order: with one sample per group (ids in sample order) the
