@@ -78,7 +78,11 @@ def extensions():
     # these kernels' templates took longer to write than the code (the AVX-512 kernels: 83 s with it, 46 s without)
     # and made the library four times larger (112 MB against 26 MB); function names stay in the symbol table.
     release = [] if debug else ["-g0"]
-    cxx_flags = opt + release + ["-std=c++20", "-fopenmp", "-Wno-unknown-pragmas", "-Wno-psabi"]
+    # -ffp-contract=off: GCC fuses a multiply and an add into one FMA where it sees fit, and may fuse in one inlined
+    # copy of a function and not in another: at::parallel_for's body is compiled twice (called directly on one
+    # thread, from the OpenMP region on several), and the same chunk of a reduction summed to other last bits on
+    # one thread than on two. The kernels ask for their FMAs by name (csrc/cpu/simd_float.h).
+    cxx_flags = opt + release + ["-std=c++20", "-fopenmp", "-ffp-contract=off", "-Wno-unknown-pragmas", "-Wno-psabi"]
     common = dict(
         name="dro_ext._C",
         include_dirs=[os.path.join(ROOT, "csrc")],

@@ -174,13 +174,25 @@ _SUM_CHUNK = 16384
 
 
 def fixed_order_sum(x: torch.Tensor) -> torch.Tensor:
-    """x.sum() of a 1-D tensor, the same bits whatever the thread count (as the native kernels' sums): beyond what one
-    thread sums, fixed chunks (rows of a 2-D view, each summed by one thread) and then their sums."""
+    """x.sum(), the same bits whatever the thread count (as the native kernels' sums): beyond what one thread sums,
+    fixed chunks of the flattened x (rows of a 2-D view, each summed by one thread) and then their sums."""
+    x = x.reshape(-1)
     n = x.shape[0]
     if n <= _SINGLE_THREAD_SUM:
         return x.sum()
     padded = torch.nn.functional.pad(x, (0, -n % _SUM_CHUNK))  # zeros: they leave every chunk's sum alone
     return padded.reshape(-1, _SUM_CHUNK).sum(dim=1).sum()
+
+
+def fixed_order_broadcast(s: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """A 0-d s broadcast to shape (as s.expand(shape)), whose gradient autograd sums as fixed_order_sum does: the
+    gradient of an expand is a torch.sum of the whole, split by the thread count beyond what one thread sums. Here
+    it is two expands, each summed in one reduction of its own: the chunks' rows (one thread a row), then the rows."""
+    n = math.prod(shape)
+    if n <= _SINGLE_THREAD_SUM:
+        return s.expand(shape)
+    rows = -(-n // _SUM_CHUNK)
+    return s.reshape(1, 1).expand(rows, 1).expand(rows, _SUM_CHUNK).reshape(-1)[:n].reshape(shape)
 
 
 def fallback_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

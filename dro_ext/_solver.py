@@ -44,7 +44,7 @@ from typing import Callable, NamedTuple, Protocol
 
 import torch
 
-from dro_ext._divergences import Spec, required
+from dro_ext._divergences import Spec, fixed_order_sum, required
 from dro_ext._divergences import excess_first as _excess_first
 from dro_ext._divergences import penalized_value as _penalized_value
 from dro_ext._divergences import psi_star as _psi_star
@@ -87,7 +87,7 @@ class LocalReducer:
         top = torch.topk(x, j).values
         eta = top[-1].item()
         above = top[top > eta]
-        return eta, above.sum().item(), float(above.numel())
+        return eta, fixed_order_sum(above).item(), float(above.numel())
 
 
 LOCAL = LocalReducer()
@@ -232,7 +232,7 @@ def weighted_tail_split(x: torch.Tensor, w: torch.Tensor, tail: float) -> tuple[
     j = int(reached.to(torch.int8).argmax()) if bool(reached.any()) else int(torch.nonzero(w[order] > 0).max())
     eta = x[order[j]].item()
     above = x > eta
-    return eta, (w * x)[above].sum().item(), w[above].sum().item()
+    return eta, fixed_order_sum((w * x)[above]).item(), fixed_order_sum(w[above]).item()
 
 
 def solve(x: torch.Tensor, lam: float, spec: Spec, reducer: Reducer = LOCAL,
@@ -266,7 +266,7 @@ def solve(x: torch.Tensor, lam: float, spec: Spec, reducer: Reducer = LOCAL,
     if n == 0:
         raise ValueError(f"dro_ext.{reducer.where}: the losses of every rank together are empty")
     if w is not None:
-        n = w.sum().item()  # the total weight takes the count's place in every mean below
+        n = fixed_order_sum(w).item()  # the total weight takes the count's place in every mean below
     if nan_count > 0 or lo == -math.inf:  # -inf has no dual optimum
         return Solution(math.nan, math.nan, n)
     if hi == math.inf:
@@ -275,7 +275,8 @@ def solve(x: torch.Tensor, lam: float, spec: Spec, reducer: Reducer = LOCAL,
         return Solution(lo, lo, n)
     if spec.name == "kl":
         t = (x - hi) / lam
-        sum_exp, sum_expm1 = totals(reducer, weighted(torch.exp(t)).sum(), weighted(torch.expm1(t)).sum())
+        sum_exp, sum_expm1 = totals(reducer, fixed_order_sum(weighted(torch.exp(t))),
+                                     fixed_order_sum(weighted(torch.expm1(t))))
         # Near 1, log loses the digits of mean exp - 1 that lam multiplies; log1p of the mean expm1 keeps them.
         eta = hi + lam * (math.log1p(sum_expm1 / n) if sum_exp / n > 0.5 else math.log(sum_exp / n))
         return Solution(eta, eta, n)
@@ -291,16 +292,17 @@ def solve(x: torch.Tensor, lam: float, spec: Spec, reducer: Reducer = LOCAL,
     def newton_sums(eta: float) -> list[float]:
         t = (x - eta) / lam
         second = _psi_star(t, spec, 2)
-        return totals(reducer, weighted(_excess_first(t, spec)).sum(), weighted(second).sum(),
-                      weighted(second * (x - eta).abs()).sum())
+        return totals(reducer, fixed_order_sum(weighted(_excess_first(t, spec))), fixed_order_sum(weighted(second)),
+                      fixed_order_sum(weighted(second * (x - eta).abs())))
 
     def segment_sums(cut: float) -> list[float]:
         active = x > cut
-        return totals(reducer, weighted(x)[active].sum(), active.sum() if w is None else w[active].sum())
+        weight = active.sum() if w is None else fixed_order_sum(w[active])
+        return totals(reducer, fixed_order_sum(weighted(x)[active]), weight)
 
     eta = find_eta(newton_sums, segment_sums, n, lo, hi, lam, spec)
     g_eta = torch.tensor(eta, dtype=x.dtype, device=x.device)
-    (sum_value,) = totals(reducer, weighted(_penalized_value(x, (x - g_eta) / lam, lam, g_eta, spec)).sum())
+    (sum_value,) = totals(reducer, fixed_order_sum(weighted(_penalized_value(x, (x - g_eta) / lam, lam, g_eta, spec))))
     # Psi <= L(max l) <= max l: where lam is below float64's resolution of the losses, L at the rounded eta* is not.
     return Solution(min(sum_value / n, hi), eta, n)
 
@@ -316,11 +318,11 @@ def weights(x: torch.Tensor, eta: torch.Tensor, n: float, lam: float, spec: Spec
     if spec.name == "cvar":
         tail = tail_size(required(spec.alpha), n)
         above, at = x > eta, x == eta
-        n_above, n_at = reducer.sum(torch.stack([(one * above).sum(), (one * at).sum()])).unbind()
+        n_above, n_at = reducer.sum(torch.stack([fixed_order_sum(one * above), fixed_order_sum(one * at)])).unbind()
         # (the weight at eta*: a count without w, a sum of weights that may be below one with it)
         share_at = torch.clamp(1.0 - n_above / tail, min=0.0) / torch.where(n_at > 0, n_at, 1.0)
         boundary = torch.where(n_at > 0, share_at, 0.0)
         # The last branch is reached only when x or eta is NaN, and x + eta is NaN then.
         return one * torch.where(above, 1.0 / tail, torch.where(at, boundary, torch.where(x < eta, 0.0, x + eta)))
     q = _psi_star((x - eta) / lam, spec, 1) if w is None else w * _psi_star((x - eta) / lam, spec, 1)
-    return q / reducer.sum(q.sum().reshape(1))[0]
+    return q / reducer.sum(fixed_order_sum(q).reshape(1))[0]

@@ -27,7 +27,7 @@ from dro_ext import _backend
 from dro_ext.group_reduction import check_forward_groups, check_num_groups
 from dro_ext._divergences import (
     Divergence, Spec, accumulate_dtype, as_eta, check_dense, check_divergence, check_positive, fallback_dtype,
-    real_number,
+    fixed_order_sum, real_number,
 )
 from dro_ext._divergences import penalized_value as _penalized_value_torch
 from dro_ext._divergences import psi_star as _psi_star_torch
@@ -217,7 +217,7 @@ class _FallbackCrossEntropy(torch.autograd.Function):
         losses = torch.where(keep, _row_losses(x, targets, ignore_index, label_smoothing), g_eta)
         t = (losses - g_eta) / lam
         count = keep.sum().clamp(min=1).to(acc)
-        total = torch.where(keep, _penalized_value_torch(losses, t, lam, g_eta, spec), 0.0).sum()
+        total = fixed_order_sum(torch.where(keep, _penalized_value_torch(losses, t, lam, g_eta, spec), 0.0))
         weights = torch.where(keep, _psi_star_torch(t, spec, 1), 0.0)
         ctx.save_for_backward(logits, targets, eta, weights, count)
         ctx.args = (scale, ignore_index, label_smoothing, keep.sum())
@@ -239,7 +239,7 @@ class _FallbackCrossEntropy(torch.autograd.Function):
             residual = torch.where(keep[:, None], torch.softmax(x, dim=1) - q, 0.0)
             grad_logits = _weighted_residual(c, residual).to(logits.dtype)
         if ctx.needs_input_grad[2]:
-            grad_eta = (grad * scale * (kept - weights.sum()) / count).to(eta.dtype)
+            grad_eta = (grad * scale * (kept - fixed_order_sum(weights)) / count).to(eta.dtype)
         return grad_logits, None, grad_eta, None, None, None, None, None
 
 
@@ -326,8 +326,8 @@ def _chunk_fallback_(logits, targets, eta, inv_count, lam, spec, scale, ignore_i
     g_eta = scale * eta.to(terms)
     t = (losses - g_eta) / lam
     weights = torch.where(keep, _psi_star_torch(t, spec, 1), 0.0)
-    value_sum = torch.where(keep, _penalized_value_torch(losses, t, lam, g_eta, spec), 0.0).sum()
-    sums = torch.stack([value_sum, weights.sum()]).to(acc)
+    value_sum = fixed_order_sum(torch.where(keep, _penalized_value_torch(losses, t, lam, g_eta, spec), 0.0))
+    sums = torch.stack([value_sum, fixed_order_sum(weights)]).to(acc)
     if compute_grad:
         grad = unnormalized.div_(row_sum[:, None])  # softmax
         grad.sub_(label_smoothing / x.shape[1])

@@ -30,7 +30,9 @@ import torch
 import torch.distributed as dist
 
 from dro_ext import _solver
-from dro_ext._divergences import Divergence, Spec, accumulate_dtype, check_divergence, check_losses, check_positive
+from dro_ext._divergences import (
+    Divergence, Spec, accumulate_dtype, check_divergence, check_losses, check_positive, fixed_order_sum,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -108,7 +110,7 @@ class _GroupReducer:
     def tail_split(self, x: torch.Tensor, j: int, lo: float, hi: float) -> tuple[float, float, float]:
         eta = _kth_largest(x, j, lo, hi, self)
         above = x > eta
-        sum_above, n_above = _solver.totals(self, x[above].sum(), above.sum())
+        sum_above, n_above = _solver.totals(self, fixed_order_sum(x[above]), above.sum())
         return eta, sum_above, n_above
 
 
@@ -290,7 +292,7 @@ def weight_stats(w: torch.Tensor, groups: torch.Tensor | None, num_groups: int,
     width = int(num_groups) if groups is not None else 0
     sums = torch.zeros(5 + width, dtype=torch.float64, device=x.device)
     if x.numel():
-        sums[0], sums[1] = x.sum(), (x * x).sum()
+        sums[0], sums[1] = fixed_order_sum(x), fixed_order_sum(x * x)
         sums[2], sums[3], sums[4] = (x == 0).sum(), x.numel(), torch.isnan(x).sum()
         if groups is not None:
             if int(groups.min()) < 0 or int(groups.max()) >= width:

@@ -32,6 +32,7 @@ from dro_ext._divergences import (
     check_losses,
     check_positive,
     fallback_dtype,
+    fixed_order_broadcast,
     fixed_order_sum,
     penalized_value,
     real_number,
@@ -308,6 +309,7 @@ def _penalized_group_sums(m: torch.Tensor, present: torch.Tensor, p: torch.Tenso
     cross-entropy of dro_ext/cross_entropy_groups.py)."""
     # A group that does not count is evaluated at m = scale*eta (t = 0, finite whatever eta), then weighted by
     # exactly 0: its term adds nothing to the value and a zero gradient.
+    g_eta = fixed_order_broadcast(g_eta, m.shape)  # eta's gradient: a fixed-order sum over the groups
     x = torch.where(_counted_groups(present, p, m), m, g_eta)
     terms = penalized_value(x, (x - g_eta) / lam, lam, g_eta, spec)
     p = torch.where(present, p, 0.0)
@@ -345,7 +347,7 @@ def _greedy_cvar_weights(ranking: torch.Tensor, shares: torch.Tensor, alpha: flo
     sorted_shares = shares[order].to(torch.float64)
     before = torch.cumsum(sorted_shares, 0) - sorted_shares
     taken = torch.clamp(torch.minimum(sorted_shares, alpha - before), min=0.0)
-    return torch.zeros_like(taken).scatter(0, order, taken / taken.sum()).to(shares.dtype)
+    return torch.zeros_like(taken).scatter(0, order, taken / fixed_order_sum(taken)).to(shares.dtype)
 
 
 class GroupDROLoss(nn.Module):
@@ -466,7 +468,7 @@ class GroupDROLoss(nn.Module):
             adjust = c / counts.sqrt()
         q0 = (torch.full((num_groups,), 1.0 / num_groups, dtype=torch.float64) if q_init is None
               else check_group_vector("q_init", q_init, num_groups, positive=False))
-        q0 = q0 / q0.sum()
+        q0 = q0 / fixed_order_sum(q0)
         active = q0 > 0
         dtype = torch.get_default_dtype()
         # The state: persistent buffers, saved by state_dict.
@@ -481,7 +483,7 @@ class GroupDROLoss(nn.Module):
         shares = None
         if counts is not None:
             shares = torch.where(active, counts, 0.0)
-            shares = shares / shares.sum()
+            shares = shares / fixed_order_sum(shares)
         self.register_buffer("population_shares", shares, persistent=False)
         if group is not None:
             from dro_ext.distributed import check_group
@@ -554,7 +556,7 @@ class GroupDROLoss(nn.Module):
         if self.mode == "eg":
             score = (m if self.missing == "zero" else last) + adjust
             if self.normalize_loss:
-                total = score.sum()
+                total = fixed_order_sum(score)
                 score = torch.where(total != 0, score / total, score)
             # Groups at q = 0 (disabled, or log q = -inf) stay there exactly, whatever their score (infinite or NaN
             # included); the live groups' scores less their largest (csrc/group_dro_step.h's log_weight): the same
@@ -575,7 +577,7 @@ class GroupDROLoss(nn.Module):
                 usable = torch.ones((), dtype=torch.bool, device=m.device)
             else:
                 shares = torch.where(self.active, counts, 0.0)
-                total = shares.sum()
+                total = fixed_order_sum(shares)
                 usable = total > 0
                 shares = shares / torch.where(usable, total, 1.0)
             assert self.alpha is not None  # greedy_cvar mode always has one (checked in __init__)

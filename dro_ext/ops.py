@@ -25,6 +25,7 @@ from dro_ext._divergences import (
     check_losses,
     checked_scalars,
     fallback_dtype,
+    fixed_order_broadcast,
     fixed_order_sum,
     op_scalars,
 )
@@ -74,7 +75,7 @@ if _backend.native_available():
 def _fallback_dro_loss(losses: torch.Tensor, eta: torch.Tensor, lam: float, spec: Spec, scale: float) -> torch.Tensor:
     acc = fallback_dtype(losses.dtype, losses.device)
     x = losses.to(acc).contiguous()  # a strided view would be summed in another order than its copy
-    g_eta = scale * eta.to(acc)
+    g_eta = fixed_order_broadcast(scale * eta.to(acc), x.shape)  # eta's gradient: a fixed-order sum
     t = (x - g_eta) / lam
     value = fixed_order_sum(_penalized_value_torch(x, t, lam, g_eta, spec)) / x.shape[0]
     return value.to(losses.dtype)
@@ -83,7 +84,7 @@ def _fallback_dro_loss(losses: torch.Tensor, eta: torch.Tensor, lam: float, spec
 def _fallback_terms(losses: torch.Tensor, eta: torch.Tensor, lam: float, spec: Spec, scale: float,
                     order: int) -> torch.Tensor:
     acc = fallback_dtype(losses.dtype, losses.device)
-    t = (losses.to(acc) - scale * eta.to(acc)) / lam
+    t = (losses.to(acc) - fixed_order_broadcast(scale * eta.to(acc), losses.shape)) / lam
     return _psi_star_torch(t, spec, order).to(losses.dtype)
 
 

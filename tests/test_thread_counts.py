@@ -1,0 +1,105 @@
+"""Every CPU build of the native kernels gives the same bits at any thread count, chunk for chunk.
+
+The reductions cut their input into fixed chunks (csrc/cpu/chunks.h) and add the chunks' sums in chunk order, so a
+result can depend on the thread count only if one chunk sums differently on one thread than on another. That happened:
+at::parallel_for compiles its body twice (a direct call when one thread runs every chunk, an OpenMP region otherwise),
+and where the compiler fused a multiply and an add into one FMA in one copy and not in the other, the same chunk of
+losses summed to different last bits. The inputs here are two copies of one chunk, so that each copy's sum is
+computed by a different thread at two threads and both by the calling thread at one; the sums must agree exactly.
+"""
+import pytest
+import torch
+
+import dro_ext
+from reference import CASE_IDS, CASES, case_kwargs
+
+CHUNK = 16384  # csrc/cpu/chunks.h: kReductionChunk
+
+
+@pytest.fixture
+def two_threads():
+    """Runs fn at one thread and at two; restores the thread count."""
+    threads = torch.get_num_threads()
+
+    def run(fn):
+        results = []
+        try:
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                results.append(fn())
+        finally:
+            torch.set_num_threads(threads)
+        return results
+    return run
+
+
+def _two_copies_of_a_chunk(dtype, seed):
+    chunk = torch.rand(CHUNK, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return torch.cat([chunk, chunk, chunk[:1]])  # a third, partial chunk after the two whole ones
+
+
+def _assert_same_bits(one, two):
+    for a, b in zip(one, two):
+        assert torch.equal(a, b), f"1 thread: {a.flatten()[:3].tolist()}, 2 threads: {b.flatten()[:3].tolist()}"
+
+
+# The FMA that one copy of a chunk's sum fused and the other did not changed its last bit only now and then (a few
+# calls in a hundred): the objective and its weights are compared over many lam.
+LAMS = [0.01 * 10 ** (i / 4) for i in range(17)]  # 0.01 to 100
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name, params", CASES, ids=CASE_IDS)
+def test_the_robust_objective_and_its_weights(backend, two_threads, name, params, dtype):
+    losses = 3 * _two_copies_of_a_chunk(dtype, 342)
+    kw = case_kwargs(params)
+
+    def run():
+        results = []
+        for lam in LAMS:
+            value, eta = dro_ext.robust_objective(losses, lam, name, **kw)
+            results += [value, eta, dro_ext.worst_case_weights(losses, lam, name, **kw)]
+        return results
+    _assert_same_bits(*two_threads(run))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name, params", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("seed", [342, 7])
+def test_the_loss_its_gradients_and_weights(backend, two_threads, name, params, dtype, seed):
+    losses = _two_copies_of_a_chunk(dtype, seed)
+    kw = case_kwargs(params)
+
+    def run():
+        x = losses.clone().requires_grad_()
+        eta = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+        value = dro_ext.dro_loss(x, eta, 0.3, name, **kw)
+        weights = dro_ext.dro_weights(losses, 0.5, 0.3, name, **kw)
+        return [value.detach(), *torch.autograd.grad(value, (x, eta)), weights]
+    _assert_same_bits(*two_threads(run))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_weight_statistics_and_group_sums(backend, two_threads, dtype):
+    values = _two_copies_of_a_chunk(dtype, 11)
+    groups = torch.cat([torch.arange(CHUNK) % 5, torch.arange(CHUNK) % 5, torch.zeros(1, dtype=torch.long)])
+
+    def run():
+        stats = dro_ext.weight_stats(values, groups=groups, num_groups=5)
+        return [stats.ess, stats.max_weight, stats.group_mass, dro_ext.group_sums(values, groups, 5)[0]]
+    _assert_same_bits(*two_threads(run))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name, params", CASES, ids=CASE_IDS)
+def test_the_fused_cross_entropy(backend, two_threads, name, params, dtype):
+    rows = torch.randn(CHUNK // 8, 8, dtype=torch.float64).to(dtype)
+    logits = torch.cat([rows, rows, rows[:1]])
+    target_rows = torch.randint(0, 8, (CHUNK // 8,))
+    targets = torch.cat([target_rows, target_rows, target_rows[:1]])
+
+    def run():
+        x = logits.clone().requires_grad_()
+        value = dro_ext.dro_cross_entropy(x, targets, torch.tensor(1.5, dtype=dtype), 0.3, name, **case_kwargs(params))
+        return [value.detach(), *torch.autograd.grad(value, x)]
+    _assert_same_bits(*two_threads(run))
