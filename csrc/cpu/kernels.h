@@ -105,14 +105,37 @@ const KernelTable& cpu_kernels(int64_t values, int64_t avx512_min_values);
 // Where float32 intermediates overflow though the result need not (t = (x - shift) / lam, t^2 or the sums, at a
 // tiny lam), a half/bfloat16/float32 x is summed again in float64: the value and the mean weight are then the
 // float64 ones, which the caller rounds to its dtype (inf only where the exact result overflows it). So is every x
-// where float32 cannot form t at all (float32_forms_t).
+// where float32 cannot form t at all (float32_forms_t), or would move it rounding the shift (shift_rounding_moves_t).
 struct PenalizedMean {
   double value;
   double mean_weight;
 };
+
+// How far, in units of t, rounding the shift to float32 may move t = (x - shift) / lam before a float32 x is summed
+// in float64 instead: the float32 kernels subtract the shift in float32, and a shift that float32 does not hold (G eta
+// of a float64 eta, or a scale that rounds G eta) moved every t by up to ulp(shift) / (2 lam), which is anything at a
+// lam below the float32 spacing of the shift (float32 losses 1e6 + 1, eta 1e6 + 0.96 in float64, lam 1e-3: t 62.5
+// where it is 40). At the usual scales (a float32 eta, or |G eta| / lam below about 4000) it stays under this limit
+// and the float32 kernels run.
+constexpr double kMaxShiftRoundingInT = 1.0 / 4096;
+
+// Whether the float32 kernels would move t by more than kMaxShiftRoundingInT rounding the shift (never for float64 x).
+inline bool shift_rounding_moves_t(const at::Tensor& x, double shift, double lam) {
+  if (x.scalar_type() == at::kDouble) return false;
+  const double rest = shift - static_cast<double>(static_cast<float>(shift));
+  return std::isfinite(rest) && std::abs(rest) > kMaxShiftRoundingInT * lam;
+}
+
+// Whether the loss ops over x run the float64 kernels on a copy: where float32 cannot form t (runs_on_float64_copy,
+// CUDA too), or where rounding the shift to float32 would move it (shift_rounding_moves_t: the CPU, which reads the
+// shift on the host; CUDA reads it on the device and rounds it).
+inline bool loss_runs_on_float64_copy(const at::Tensor& x, double shift, double lam) {
+  return runs_on_float64_copy(x, lam) || shift_rounding_moves_t(x, shift, lam);
+}
+
 inline PenalizedMean penalized_mean(const at::Tensor& x, const DivergenceSpec& spec, double shift, double lam,
                                     int64_t avx512_min_values) {
-  if (runs_on_float64_copy(x, lam)) {
+  if (loss_runs_on_float64_copy(x, shift, lam)) {
     return penalized_mean(x.to(at::kDouble), spec, shift, lam, avx512_min_values);
   }
   const Affine affine{shift, 1.0 / lam};
@@ -142,10 +165,11 @@ inline void map_derivative_over(const at::Tensor& x, at::Tensor& out, const Dive
   out.copy_(wide_out);
 }
 
-// The same into out of x's dtype, through a float64 copy of x where float32 cannot form t (float32_forms_t).
+// The same into out of x's dtype, through a float64 copy of x where float32 cannot form t (float32_forms_t) or would
+// move it rounding the shift (shift_rounding_moves_t).
 inline void map_derivative(const at::Tensor& x, at::Tensor& out, const DivergenceSpec& spec, double shift, double lam,
                            double multiplier, int64_t order, int64_t avx512_min_values) {
-  const at::Tensor& source = runs_on_float64_copy(x, lam) ? x.to(at::kDouble) : x;
+  const at::Tensor& source = loss_runs_on_float64_copy(x, shift, lam) ? x.to(at::kDouble) : x;
   map_derivative_over(source, out, spec, shift, lam, multiplier, order, avx512_min_values);
 }
 
