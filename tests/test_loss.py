@@ -152,6 +152,34 @@ def test_infinite_loss_gives_the_limit_not_nan(backend, name, params, bad, dtype
     ref.assert_matches_one_infinite(value, grads, losses, eta, lam, name, 17, scale=scale, **case_kwargs(params))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("k", [1.5, 3.0, 5.0])
+def test_a_t_past_float32_with_a_weight_within_it(backend, k, dtype):
+    # t = 1e10 / 1e-30 = 1e40 is no float32, but cressie_read's weight (1 + (k - 1) t)^(1/(k - 1)) is for k > 2
+    # (about 1.4e20 at k = 3): the CPU map formed t in float32 and wrote inf; it now redoes the map in float64, as
+    # the loss's sums are redone where float32 overflows (at k = 1.5 the weight overflows float32 itself: inf).
+    lam = 1e-30
+    losses = torch.tensor([1e10, 0.0, 3.0, 1e9], dtype=dtype).requires_grad_()
+    eta = torch.tensor(0.0, requires_grad=True)
+    value = dro_ext.dro_loss(losses, eta, lam, "cressie_read", k=k)
+    grad_l, grad_eta = torch.autograd.grad(value, (losses, eta))
+    weights = dro_ext.dro_weights(losses, eta, lam, "cressie_read", k=k)
+
+    e64 = eta.detach().double().requires_grad_()
+    expected = ref.dro_loss(losses.detach().double(), e64, lam, "cressie_read", k=k)
+    (expected_grad_eta,) = torch.autograd.grad(expected, e64)
+    t = (losses.detach().double() - e64.detach()) / lam
+    tt = t.clone().requires_grad_()
+    (expected_w,) = torch.autograd.grad(ref.psi_star(tt, "cressie_read", k=k).sum(), tt)
+    expected_w = expected_w.to(dtype).double()  # what the dtype holds: inf where the weight itself overflows it
+    assert torch.equal(torch.isinf(weights.double()), torch.isinf(expected_w))
+    tol = ref.tolerances(dtype)
+    torch.testing.assert_close(weights.double(), expected_w, **tol)
+    torch.testing.assert_close(grad_l.double() * 4, expected_w, **tol)
+    torch.testing.assert_close(value.double(), expected.detach().to(dtype).double(), **tol)
+    torch.testing.assert_close(grad_eta.double(), expected_grad_eta.float().double(), **tol)
+
+
 def test_psi_star_and_weights_at_infinity(backend):
     t = torch.tensor([-math.inf, math.inf], dtype=torch.float64, requires_grad=True)
     for name, params in ref.CASES:

@@ -51,8 +51,9 @@ struct KernelTable {
   // Deterministic: the partial sums are taken over fixed chunks and combined in order, whatever the number
   // of threads.
   std::array<double, 3> (*reduce)(const at::Tensor& x, const DivergenceSpec& spec, Affine affine, Sums sums);
-  // out_i = multiplier * psi*^(order)(t_i); out has x's shape and dtype.
-  void (*map_derivative)(
+  // out_i = multiplier * psi*^(order)(t_i); out has x's shape and dtype. Returns whether a float32 t overflowed
+  // (the caller then redoes it on a float64 copy).
+  bool (*map_derivative)(
       const at::Tensor& x, at::Tensor& out, const DivergenceSpec& spec, Affine affine, double multiplier,
       int64_t order);
   // {min x, max x} in float64, both NaN if x holds a NaN. Exact; vectorized (the robust solvers' first pass).
@@ -153,15 +154,20 @@ inline PenalizedMean penalized_mean(const at::Tensor& x, const DivergenceSpec& s
 
 // out_i = multiplier * psi*^(order)((x_i - shift) / lam) over the contiguous x into out (x's shape, contiguous),
 // whose dtype may be narrower than x's: x a float64 copy of out's losses, whose terms go through a float64 buffer.
+// Where a float32 t overflowed (t = (x - shift) / lam past float32's range at a tiny lam, though the term need not
+// be: cressie_read's weight grows as t^(1/(k-1))), the map is redone on a float64 copy of x, as penalized_mean redoes
+// its sums.
 inline void map_derivative_over(const at::Tensor& x, at::Tensor& out, const DivergenceSpec& spec, double shift,
                                 double lam, double multiplier, int64_t order, int64_t avx512_min_values) {
   const KernelTable& kernels = cpu_kernels(x.numel(), avx512_min_values);
   if (out.scalar_type() == x.scalar_type()) {
-    kernels.map_derivative(x, out, spec, Affine{shift, 1.0 / lam}, multiplier, order);
+    if (kernels.map_derivative(x, out, spec, Affine{shift, 1.0 / lam}, multiplier, order)) {
+      map_derivative_over(x.to(at::kDouble), out, spec, shift, lam, multiplier, order, avx512_min_values);
+    }
     return;
   }
   at::Tensor wide_out = at::empty_like(x);
-  kernels.map_derivative(x, wide_out, spec, Affine{shift, 1.0 / lam}, multiplier, order);
+  kernels.map_derivative(x, wide_out, spec, Affine{shift, 1.0 / lam}, multiplier, order);  // x is float64 here
   out.copy_(wide_out);
 }
 

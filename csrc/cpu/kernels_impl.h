@@ -10,6 +10,9 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/irange.h>
 
+#include <algorithm>
+#include <atomic>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -242,14 +245,20 @@ std::array<double, 3> reduce_terms(const scalar_t* x, int64_t n, const Div& div,
 // and a streaming store skips the read-for-ownership a cached store of a cold line costs.
 constexpr int64_t kStreamingBytes = int64_t(8) << 20;
 
+// Returns whether some t = (x - shift) / lam overflowed float32 (never for float64): its term is then inf or NaN
+// where it need not be (cressie_read's weight ~ t^(1/(k-1)) fits float32 long after t does), and the caller redoes
+// the map on a float64 copy, as the reductions redo a pass whose float32 result overflowed. Each vector's |d| against
+// FLT_MAX lam, kept as a running maximum: a compare and a blend a vector, no pass of its own.
 template <int64_t ORDER, typename scalar_t, typename Div>
-void map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affine affine, double multiplier) {
+bool map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affine affine, double multiplier) {
   using acc_t = at::opmath_type<scalar_t>;
   using V = Vectorized<acc_t>;
+  constexpr bool kCheck = !std::is_same_v<acc_t, double>;
   const V shift(static_cast<acc_t>(affine.shift));
   const V inv_lam(static_cast<acc_t>(affine.inv_lam));
   const V mult(static_cast<acc_t>(multiplier));
   [[maybe_unused]] const bool streaming = n * static_cast<int64_t>(sizeof(scalar_t)) >= kStreamingBytes;
+  std::atomic<bool> overflowed{false};
   at::parallel_for(0, n, kMapGrain, [&](int64_t begin, int64_t end) {
     // Local copies of everything the loop reads: the compiler cannot keep values reached through the
     // closure in registers across the stores to out (which may alias them as far as it knows), and would
@@ -258,7 +267,15 @@ void map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affi
     const Div div_v = div;
     const scalar_t* const x_v = x;
     scalar_t* const out_v = out;
-    auto term = [&](const V& xs) { return mult_v * derivative<ORDER>(div_v, (xs - shift_v) * inv_lam_v); };
+    V largest(acc_t(0));  // the largest |x - shift| seen (a NaN compares false and is passed over)
+    auto term = [&](const V& xs) {
+      const V d = xs - shift_v;
+      if constexpr (kCheck) {
+        const V size = d.abs();
+        largest = V::blendv(largest, size, size > largest);
+      }
+      return mult_v * derivative<ORDER>(div_v, d * inv_lam_v);
+    };
     int64_t i = begin;
 #if defined(DRO_EXT_SIMD_FLOAT)
     if constexpr (std::is_same_v<scalar_t, acc_t>) {
@@ -281,7 +298,17 @@ void map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affi
       store<acc_t>(out_v + i, term(load<acc_t>(x_v + i, V::size())), V::size());
     }
     if (i < end) store<acc_t>(out_v + i, term(load<acc_t>(x_v + i, end - i)), end - i);
+    if constexpr (kCheck) {
+      // (A partial vector's unused lanes hold the load's zeros, |d| = |shift|: at worst a false alarm, a redo.)
+      acc_t lanes[V::size()];
+      largest.store(lanes);
+      const acc_t peak = *std::max_element(lanes, lanes + V::size());
+      if (static_cast<double>(peak) * affine.inv_lam > static_cast<double>(std::numeric_limits<acc_t>::max())) {
+        overflowed.store(true, std::memory_order_relaxed);
+      }
+    }
   });
+  return overflowed.load();
 }
 
 // The Loss sums of a divergence with a coarse value (see csrc/divergences.h): {sum a, sum b, sum excess_first}
@@ -405,9 +432,10 @@ std::array<double, 3> reduce_impl(const at::Tensor& x, const DivergenceSpec& spe
   return out;
 }
 
-void map_derivative_impl(
+bool map_derivative_impl(
     const at::Tensor& x, at::Tensor& out, const DivergenceSpec& spec, Affine affine, double multiplier,
     int64_t order) {
+  bool overflowed = false;
   TORCH_INTERNAL_ASSERT(x.is_contiguous() && out.is_contiguous() && x.numel() == out.numel());
   TORCH_INTERNAL_ASSERT(order >= 0 && order <= 2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_map", [&] {
@@ -416,20 +444,22 @@ void map_derivative_impl(
     scalar_t* result = out.mutable_data_ptr<scalar_t>();
     visit_divergence<acc_t>(spec, [&](const auto& div) {
       switch (order) {
-        case 0: map_order<0>(data, result, x.numel(), div, affine, multiplier); break;
+        case 0: overflowed = map_order<0>(data, result, x.numel(), div, affine, multiplier); break;
         case 1:
           if constexpr (requires { div.coarse_first_scale(); }) {
             if (div.coarse_ok()) {
-              map_order<kUnscaledFirst>(data, result, x.numel(), div, affine, multiplier * div.coarse_first_scale());
+              overflowed = map_order<kUnscaledFirst>(data, result, x.numel(), div, affine,
+                                                     multiplier * div.coarse_first_scale());
               break;
             }
           }
-          map_order<1>(data, result, x.numel(), div, affine, multiplier);
+          overflowed = map_order<1>(data, result, x.numel(), div, affine, multiplier);
           break;
-        default: map_order<2>(data, result, x.numel(), div, affine, multiplier); break;
+        default: overflowed = map_order<2>(data, result, x.numel(), div, affine, multiplier); break;
       }
     });
   });
+  return overflowed;
 }
 
 template <typename scalar_t>
