@@ -24,6 +24,7 @@
 
 #include "autograd_node.h"
 #include "checks.h"
+#include "cpu/chunks.h"
 
 namespace dro_ext {
 namespace {
@@ -188,11 +189,13 @@ class PsiStarTermsFunction : public torch::autograd::Function<PsiStarTermsFuncti
       const at::Tensor slope = args.terms(losses, eta, multiplier / args.lam, order + 1);
       const at::Tensor grad_slope = grad * slope;
       if (ctx->needs_input_grad(0)) grad_losses = grad_slope;
-      if (ctx->needs_input_grad(1)) grad_eta = (-args.scale * at::sum(grad_slope, acc)).to(eta.scalar_type());
+      if (ctx->needs_input_grad(1)) {
+        grad_eta = (-args.scale * cpu::fixed_order_sum(grad_slope, acc)).to(eta.scalar_type());
+      }
     }
     if (ctx->needs_input_grad(2)) {
       const at::Tensor terms = args.terms(losses, eta, at::ones({}, multiplier.options()), order);
-      grad_multiplier = at::sum(grad * terms, acc).to(multiplier.scalar_type());
+      grad_multiplier = cpu::fixed_order_sum(grad * terms, acc).to(multiplier.scalar_type());
     }
     return {grad_losses, grad_eta, grad_multiplier, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor()};

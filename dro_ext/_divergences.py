@@ -184,6 +184,16 @@ def fixed_order_sum(x: torch.Tensor) -> torch.Tensor:
     return padded.reshape(-1, _SUM_CHUNK).sum(dim=1).sum()
 
 
+def fixed_order_sums(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x.sum(dim, dtype=dtype) of a 2-D x, the same bits whatever the thread count: torch sums each output on one
+    thread where there are several, but splits the sum of a single output between threads (beyond 32768 elements),
+    and that one sum takes fixed_order_sum here (a one-row chunk of logits, a one-class vocabulary)."""
+    if x.shape[1 - dim] != 1:
+        return x.sum(dim, dtype=dtype)
+    line = x.select(1 - dim, 0)
+    return fixed_order_sum(line if dtype is None else line.to(dtype)).reshape(1)
+
+
 def fixed_order_broadcast(s: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
     """A 0-d s broadcast to shape (as s.expand(shape)), whose gradient autograd sums as fixed_order_sum does: the
     gradient of an expand is a torch.sum of the whole, split by the thread count beyond what one thread sums. Here

@@ -27,7 +27,7 @@ from dro_ext import _backend
 from dro_ext.group_reduction import check_forward_groups, check_num_groups
 from dro_ext._divergences import (
     Divergence, Spec, accumulate_dtype, as_eta, check_dense, check_divergence, check_positive, fallback_dtype,
-    fixed_order_sum, real_number,
+    fixed_order_sum, fixed_order_sums, real_number,
 )
 from dro_ext._divergences import penalized_value as _penalized_value_torch
 from dro_ext._divergences import psi_star as _psi_star_torch
@@ -116,6 +116,8 @@ def shifted_logsumexp(x):
     """Each row's logsumexp of the (N, C) x as (N, 2) (shift, log_sum) pairs, in x's dtype: the layout the native
     cross-entropy ops save and take."""
     shift = _row_shift(x)
+    if x.shape[0] == 1:  # torch.logsumexp's one sum would be split between threads: the same form, in fixed order
+        return torch.stack([shift, fixed_order_sums(torch.exp(x - shift[:, None]), 1).log()], dim=1)
     return torch.stack([shift, torch.logsumexp(x - shift[:, None], dim=1)], dim=1)
 
 
@@ -310,13 +312,13 @@ def _chunk_fallback_(logits, targets, eta, inv_count, lam, spec, scale, ignore_i
     # dtype, nothing chunk-sized is allocated (torch.logsumexp and F.cross_entropy would each allocate a chunk-sized
     # temporary).
     target_logit = x.gather(1, safe_targets[:, None]).squeeze(1)
-    row_mean = x.mean(dim=1) if label_smoothing else None
+    row_mean = fixed_order_sums(x, 1) / x.shape[1] if label_smoothing else None  # x.mean(dim=1)'s bits
     shift = _row_shift(x)
     if compute_grad:
         unnormalized = x.sub_(shift[:, None]).exp_()  # exp(x - shift): overwrites the logits (or their cast-up copy)
-        row_sum = unnormalized.sum(dim=1)
+        row_sum = fixed_order_sums(unnormalized, 1)
     else:
-        row_sum = (x - shift[:, None]).exp_().sum(dim=1)
+        row_sum = fixed_order_sums((x - shift[:, None]).exp_(), 1)
     lse = torch.stack([shift, row_sum.log()], dim=1)
     # The DRO terms (a scalar per row) in the fallback's dtype, as the native kernel forms them in float64: float32
     # cannot form t = (l - G eta)/lam at a lam below about 2.9e-39 or above 3.4e38, nor psi*(t) where it overflows
@@ -442,7 +444,7 @@ def _linear_cross_entropy_chunks(hidden, weight, bias, targets, eta, lam, diverg
                 else:
                     grad_weight.addmm_(logits.t(), h)
             if grad_bias_needed:
-                grad_bias += logits.sum(0, dtype=acc)
+                grad_bias += fixed_order_sums(logits, 0, dtype=acc)
         del logits
     any_kept = kept > 0
     value = torch.where(any_kept, sums[0] * inv_count, 0.0).to(hidden.dtype)

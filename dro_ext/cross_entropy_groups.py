@@ -29,7 +29,7 @@ import torch
 
 from dro_ext import _backend
 from dro_ext import groups as _groups
-from dro_ext._divergences import accumulate_dtype, fallback_dtype
+from dro_ext._divergences import accumulate_dtype, fallback_dtype, fixed_order_sums
 from dro_ext.cross_entropy import (_check_float_tensor, _check_ignore_index, _check_label_smoothing,
                                    _check_linear_args, _check_target_range, _check_targets,
                                    _weighted_residual, chunk_logits, logits_buffer, losses_from_shifted_lse,
@@ -67,7 +67,7 @@ def _losses_from_lse(x, targets, lse, ignore_index: int, label_smoothing: float)
     lse's dtype; 0 on ignored rows. Reads N target logits, and (eps > 0) the logits once more for their row means."""
     keep = targets != ignore_index
     target_logit = x.gather(1, torch.where(keep, targets, 0)[:, None]).squeeze(1).to(lse.dtype)
-    row_mean = x.mean(dim=1, dtype=lse.dtype) if label_smoothing else None
+    row_mean = fixed_order_sums(x, 1, dtype=lse.dtype) / x.shape[1] if label_smoothing else None  # x.mean(dim=1)
     return torch.where(keep, losses_from_shifted_lse(lse, target_logit, row_mean, label_smoothing), 0.0)
 
 
@@ -114,6 +114,7 @@ def _logits_gradient(x, targets, lse, row_weight, ignore_index: int, label_smoot
 def _cross_entropy_row_losses(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
                               label_smoothing: float, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(losses, lse) of the (N, C) logits, (N,) and (N, 2) (_row_lse) in the accumulate dtype, 0 on ignored rows."""
+    logits = logits.contiguous()  # a strided view's row means would be summed in another order than its copy's
     lse = _row_lse(logits, targets, ignore_index, native)
     return _losses_from_lse(logits, targets, lse, ignore_index, label_smoothing), lse
 
@@ -169,6 +170,7 @@ def _linear_row_losses(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     """(losses, lse), (N,) and (N, 2) (_row_lse) in the accumulate dtype, of logits = hidden @ weight.T + bias, a
     chunk of rows at a time: each chunk's logits are freed before the next are formed."""
     rows = hidden.shape[0]
+    hidden, weight = hidden.contiguous(), weight.contiguous()  # strided operands would be multiplied in other orders
     acc = accumulate_dtype(hidden.dtype)
     losses = torch.empty((rows,), dtype=acc, device=hidden.device)
     lse = torch.empty((rows, 2), dtype=acc, device=hidden.device)

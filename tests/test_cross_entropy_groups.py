@@ -215,6 +215,21 @@ def test_batch_shaped_and_non_contiguous_inputs(backend):
     assert grad.shape == logits.shape
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_strided_logits_and_weight_give_their_copies_bits(backend, dtype):
+    # A strided input is made contiguous first, so it is summed in the same order as its copy: the row means of
+    # label smoothing were taken over the strided view, and the linear op multiplied a transposed weight as it was.
+    logits = torch.randn(4, 300, 74, dtype=dtype)[..., ::2]
+    targets = torch.randint(0, 37, (4, 300))
+    strided = dro_ext.cross_entropy_losses(logits, targets, label_smoothing=0.2)
+    assert torch.equal(strided, dro_ext.cross_entropy_losses(logits.contiguous(), targets, label_smoothing=0.2))
+    hidden = torch.randn(900, 16, dtype=dtype)
+    weight = 0.3 * torch.randn(16, 500, dtype=dtype).t()  # (500, 16), not contiguous
+    y = torch.randint(0, 500, (900,))
+    strided = dro_ext.linear_cross_entropy_losses(hidden, weight, y, chunk_size=256)
+    assert torch.equal(strided, dro_ext.linear_cross_entropy_losses(hidden, weight.contiguous(), y, chunk_size=256))
+
+
 # ---------------------------------------------------------------------------------------------------
 # Empty batches, every token ignored, NaN
 # ---------------------------------------------------------------------------------------------------

@@ -103,3 +103,35 @@ def test_the_fused_cross_entropy(backend, two_threads, name, params, dtype):
         value = dro_ext.dro_cross_entropy(x, targets, torch.tensor(1.5, dtype=dtype), 0.3, name, **case_kwargs(params))
         return [value.detach(), *torch.autograd.grad(value, x)]
     _assert_same_bits(*two_threads(run))
+
+
+@pytest.mark.parametrize("name, params", CASES, ids=CASE_IDS)
+def test_the_weights_gradient_to_eta(backend, two_threads, name, params):
+    # The autograd formula of dro_weights summed eta's gradient with at::sum, split by the thread count past 32768.
+    losses = torch.rand(65537, dtype=torch.float64, generator=torch.Generator().manual_seed(5)).exp().float()
+    kw = case_kwargs(params)
+
+    def run():
+        eta = torch.tensor(1.4641875936090947, requires_grad=True)
+        weights = dro_ext.dro_weights(losses, eta, 3.0, name, **kw)
+        return list(torch.autograd.grad(weights, eta, torch.ones_like(weights)))
+    _assert_same_bits(*two_threads(run))
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
+def test_a_one_row_chunk_of_a_wide_vocabulary(backend, two_threads, label_smoothing):
+    # A chunk of one row had its logits' sums (and label smoothing's mean) as one torch reduction, which torch splits
+    # between threads past 32768 elements.
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 8, generator=generator)
+    weight = 0.3 * torch.randn(50000, 8, generator=generator)
+    targets = torch.randint(0, 50000, (3,), generator=generator)
+
+    def run():
+        h = hidden.clone().requires_grad_()
+        value = dro_ext.dro_linear_cross_entropy(h, weight, targets, 0.5, 0.3, "chi2", chunk_size=1,
+                                                 label_smoothing=label_smoothing)
+        logits = (h @ weight.t()).detach()
+        losses = dro_ext.cross_entropy_losses(logits[:1], targets[:1], label_smoothing=label_smoothing)
+        return [value.detach(), *torch.autograd.grad(value, h), losses]
+    _assert_same_bits(*two_threads(run))

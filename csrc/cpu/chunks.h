@@ -2,6 +2,9 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/sum.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -45,6 +48,25 @@ std::vector<Result> map_chunks(int64_t n, const F& chunk_result) {
   std::vector<Result> results((n + kReductionChunk - 1) / kReductionChunk);
   for_each_chunk(n, [&](int64_t c, int64_t begin, int64_t end) { results[c] = chunk_result(begin, end); });
   return results;
+}
+
+// at::sum splits a CPU tensor of more than this many elements between threads (ATen's grain size, at::internal::
+// GRAIN_SIZE in TensorIterator.h), in as many parts as it has threads: the rounding then depends on the thread count.
+constexpr int64_t kSingleThreadSum = 32768;
+
+// The sum of every element of x in the accumulate dtype `acc`, the same bits whatever the thread count: at::sum of
+// a CPU tensor longer than kSingleThreadSum is split between threads, so a longer one is summed as rows of
+// kReductionChunk (each row by one thread, zeros padding the last) and then the rows (the fallback's fixed_order_sum,
+// dro_ext/_divergences.py). CUDA's sums take a tree fixed by the size: at::sum as it is. (The autograd formulas'
+// sums over the losses.)
+inline at::Tensor fixed_order_sum(const at::Tensor& x, at::ScalarType acc) {
+  // (A traced call with symbolic sizes, torch.compile's, takes at::sum: its graph's reductions are the compiler's.)
+  if (!x.is_cpu() || x.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || x.numel() <= kSingleThreadSum) {
+    return at::sum(x, acc);
+  }
+  const at::Tensor flat = x.reshape({-1});
+  const int64_t padding = (kReductionChunk - flat.numel() % kReductionChunk) % kReductionChunk;
+  return at::sum(at::sum(at::constant_pad_nd(flat, {0, padding}).view({-1, kReductionChunk}), {1}, false, acc));
 }
 
 }  // namespace dro_ext::cpu

@@ -248,7 +248,7 @@ constexpr int64_t kStreamingBytes = int64_t(8) << 20;
 // Returns whether some t = (x - shift) / lam overflowed float32 (never for float64): its term is then inf or NaN
 // where it need not be (cressie_read's weight ~ t^(1/(k-1)) fits float32 long after t does), and the caller redoes
 // the map on a float64 copy, as the reductions redo a pass whose float32 result overflowed. Each vector's |d| against
-// FLT_MAX lam, kept as a running maximum: a compare and a blend a vector, no pass of its own.
+// FLT_MAX lam, kept as a running minimum of -|d|: two instructions a vector, no pass of its own.
 template <int64_t ORDER, typename scalar_t, typename Div>
 bool map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affine affine, double multiplier) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -267,12 +267,16 @@ bool map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affi
     const Div div_v = div;
     const scalar_t* const x_v = x;
     scalar_t* const out_v = out;
-    V largest(acc_t(0));  // the largest |x - shift| seen (a NaN compares false and is passed over)
+    V lowest(acc_t(0));  // the lowest -|x - shift| seen, a NaN passed over
     auto term = [&](const V& xs) {
       const V d = xs - shift_v;
       if constexpr (kCheck) {
-        const V size = d.abs();
-        largest = V::blendv(largest, size, size > largest);
+#if defined(DRO_EXT_SIMD_FLOAT)
+        lowest = V(cpu::simd::min(cpu::simd::set_sign(d), lowest));  // min gives its second operand for a NaN
+#else
+        const V size = -d.abs();
+        lowest = V::blendv(lowest, size, size < lowest);
+#endif
       }
       return mult_v * derivative<ORDER>(div_v, d * inv_lam_v);
     };
@@ -301,8 +305,8 @@ bool map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affi
     if constexpr (kCheck) {
       // (A partial vector's unused lanes hold the load's zeros, |d| = |shift|: at worst a false alarm, a redo.)
       acc_t lanes[V::size()];
-      largest.store(lanes);
-      const acc_t peak = *std::max_element(lanes, lanes + V::size());
+      lowest.store(lanes);
+      const acc_t peak = -*std::min_element(lanes, lanes + V::size());
       if (static_cast<double>(peak) * affine.inv_lam > static_cast<double>(std::numeric_limits<acc_t>::max())) {
         overflowed.store(true, std::memory_order_relaxed);
       }
