@@ -66,8 +66,7 @@ def ref_psi(losses, groups, num_groups, lam, name, alpha=None, k=None, weights=N
 def ref_group_weights(losses, groups, num_groups, eta, lam, name, alpha=None, k=None, weights=None):
     """q_g = p_g psi*'((m_g - eta)/lam) over all num_groups groups (0 for an absent one), float64."""
     m, p, present = ref_means(losses, groups, num_groups, weights)
-    t = torch.from_numpy((m - eta) / lam).requires_grad_()
-    (slope,) = torch.autograd.grad(ref.psi_star(t, name, alpha, k).sum(), t)
+    slope = ref.psi_star_first(torch.from_numpy((m - eta) / lam), name, alpha, k)
     q = np.zeros(num_groups)
     q[present] = p * slope.numpy()
     return q
