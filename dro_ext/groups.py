@@ -568,9 +568,10 @@ class GroupDROLoss(nn.Module):
             step = torch.where(below_top == 0, 0.0, self.step_size * below_top)
             log_q = torch.where(live, log_q + step, -math.inf)
             # x - logsumexp(x) as (x - shift) - log(sum exp(x - shift)) (csrc/group_dro_step.h's normalized_log_q):
-            # torch.logsumexp's shift + log-sum would lose the log-sum to a shift past 2^53 of it.
+            # torch.logsumexp's shift + log-sum would lose the log-sum to a shift past 2^53 of it, and its sum splits
+            # between threads past 32768 groups (fixed_order_sum does not).
             log_q = log_q - _shift_from_max(log_q)
-            log_q = log_q - torch.logsumexp(log_q, 0)
+            log_q = log_q - torch.log(fixed_order_sum(log_q.exp()))
         else:
             if self.population_shares is not None:
                 shares = self.population_shares.to(dtype)

@@ -135,3 +135,19 @@ def test_a_one_row_chunk_of_a_wide_vocabulary(backend, two_threads, label_smooth
         losses = dro_ext.cross_entropy_losses(logits[:1], targets[:1], label_smoothing=label_smoothing)
         return [value.detach(), *torch.autograd.grad(value, h), losses]
     _assert_same_bits(*two_threads(run))
+
+
+def test_group_dro_updates_over_more_groups_than_one_thread_sums(backend, two_threads):
+    # The fallback's update normalized log q with torch.logsumexp, whose sum over the groups torch splits between
+    # threads past 32768 of them (it differed in 5 of 8 seeds of this case).
+    num_groups = 70001
+    groups = torch.arange(2 * num_groups) % num_groups
+
+    def run():
+        results = []
+        for seed in range(4):
+            losses = 3 * torch.randn(2 * num_groups, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+            module = dro_ext.GroupDROLoss(num_groups, step_size=2.0).double()
+            results += [module(losses, groups), module(losses, groups), module.log_q.clone()]
+        return results
+    _assert_same_bits(*two_threads(run))
