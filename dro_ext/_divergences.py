@@ -234,6 +234,16 @@ def _neg_abs(t: torch.Tensor) -> torch.Tensor:
     return torch.where(t > 0, -t, t)
 
 
+def _sigmoid(s: torch.Tensor) -> torch.Tensor:
+    """torch.sigmoid(s), the same bits whatever the thread count: ATen's sigmoid takes Sleef's exp in its vector loop
+    and the libm's in the scalar loop of a range's tail, and the thread count moves where a thread's range ends, so an
+    element's last bit depended on it (float64, 1 in 40001). exp itself takes the vector function to the last
+    element. From q = e^-|s| (never overflowing) as 1/(1 + q) or q/(1 + q); _neg_abs's branch gives the derivative
+    at 0, 1/4."""
+    q = torch.exp(_neg_abs(s))
+    return torch.where(s > 0, 1.0 / (1.0 + q), q / (1.0 + q))
+
+
 def _expm1(z: torch.Tensor) -> torch.Tensor:
     """e^z - 1 whose autograd gradient is e^z to a few roundings of its own size, however small.
 
@@ -387,7 +397,7 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
         if _smoothed_cvar_shortcuts(alpha):
             s = t + (math.log(alpha) - math.log1p(-alpha))
             # sigmoid(s) sigmoid(-s): no 1 - p to lose the small side's digits.
-            return torch.sigmoid(s) / alpha if order == 1 else torch.sigmoid(s) * torch.sigmoid(-s) / alpha
+            return _sigmoid(s) / alpha if order == 1 else _sigmoid(s) * _sigmoid(-s) / alpha
         # e^t / (1 - alpha + alpha e^t) and its derivative from q = e^-|t|, without t + log(alpha/(1 - alpha)).
         q = torch.exp(_neg_abs(t))
         _, total = _smoothed_cvar_parts(t, alpha)

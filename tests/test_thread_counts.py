@@ -151,3 +151,20 @@ def test_group_dro_updates_over_more_groups_than_one_thread_sums(backend, two_th
             results += [module(losses, groups), module(losses, groups), module.log_q.clone()]
         return results
     _assert_same_bits(*two_threads(run))
+
+
+def test_smoothed_cvar_weights_where_a_range_of_the_thread_split_ends(backend, two_threads):
+    # The fallback's smoothed_cvar weight was torch.sigmoid, whose float64 kernel takes Sleef's exp in its vector loop
+    # and libm's in the scalar loop of a range's tail: the thread count moved element 40000 of these between the two
+    # (one rounding apart).
+    n = 40001
+    losses = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(n)).mul(0.7).exp()
+
+    def run():
+        x = losses.clone().requires_grad_()
+        value, eta = dro_ext.robust_objective(x, 0.4, "smoothed_cvar", alpha=0.1)
+        eta = eta.detach().requires_grad_()
+        weights = dro_ext.dro_weights(losses, eta, 0.4, "smoothed_cvar", alpha=0.1)
+        return [dro_ext.worst_case_weights(losses, 0.4, "smoothed_cvar", alpha=0.1), *torch.autograd.grad(value, x),
+                weights, *torch.autograd.grad(weights, eta, torch.ones_like(weights))]
+    _assert_same_bits(*two_threads(run))
