@@ -111,8 +111,11 @@ struct DROLossBackward final : public torch::autograd::Node {
       const auto acc = saved_mean_weight.scalar_type();
       const at::Tensor weights =
           args.terms(saved_losses, saved_eta, at::ones({}, saved_losses.options().dtype(acc)), 1);
-      grad_losses = weights * (grad.to(acc) / static_cast<double>(saved_losses.size(0)));
-      grad_eta = grad.to(acc) * (args.scale * (1.0 - weights.mean(acc)));
+      // Both reductions in a fixed order, so that a second backward does not depend on the thread count: the mean
+      // weight, and the sum that the product's backward takes over the broadcast grad / N.
+      const double n = static_cast<double>(saved_losses.size(0));
+      grad_losses = weights * cpu::fixed_order_broadcast(grad.to(acc) / n, weights);
+      grad_eta = grad.to(acc) * (args.scale * (1.0 - cpu::fixed_order_sum(weights, acc) / n));
       grad_losses = grad_losses.to(saved_losses.scalar_type());
     }
     if (should_compute_output(0)) out[0] = std::move(grad_losses);

@@ -168,3 +168,26 @@ def test_smoothed_cvar_weights_where_a_range_of_the_thread_split_ends(backend, t
         return [dro_ext.worst_case_weights(losses, 0.4, "smoothed_cvar", alpha=0.1), *torch.autograd.grad(value, x),
                 weights, *torch.autograd.grad(weights, eta, torch.ones_like(weights))]
     _assert_same_bits(*two_threads(run))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name, params", CASES, ids=CASE_IDS)
+def test_the_loss_gradients_that_a_second_backward_differentiates(backend, two_threads, name, params, dtype):
+    # With create_graph=True the native loss's backward forms its gradients from differentiable ops: eta's from the
+    # mean weight, the losses' from the weights times the broadcast upstream gradient, whose own gradient is a sum over
+    # the losses. Both were plain ATen reductions, which torch splits between threads past 32768 elements.
+    n = 65537
+    losses = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(n)).mul(0.7).exp().to(dtype)
+    direction = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    kw = case_kwargs(params)
+
+    def run():
+        x = losses.clone().requires_grad_()
+        eta = torch.tensor(0.9, dtype=dtype, requires_grad=True)
+        c = torch.tensor(1.3, dtype=dtype, requires_grad=True)
+        grad_x, grad_eta = torch.autograd.grad(dro_ext.dro_loss(x, eta, 0.4, name, **kw) * c, (x, eta),
+                                               create_graph=True)
+        return [grad_x.detach(), grad_eta.detach(),
+                *torch.autograd.grad(grad_x, (c, eta, x), direction, retain_graph=True),
+                *torch.autograd.grad(grad_eta, (c, eta, x))]
+    _assert_same_bits(*two_threads(run))

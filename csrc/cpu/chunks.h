@@ -69,4 +69,18 @@ inline at::Tensor fixed_order_sum(const at::Tensor& x, at::ScalarType acc) {
   return at::sum(at::sum(at::constant_pad_nd(flat, {0, padding}).view({-1, kReductionChunk}), {1}, false, acc));
 }
 
+// A 0-d s broadcast over the 1-D `like` (s.expand(like.sizes())), whose gradient autograd sums as fixed_order_sum
+// does: the backward of one expand over n elements is an at::sum over n, split between threads past
+// kSingleThreadSum; here it is two expands, a row of kReductionChunk per element of a column and the column per s,
+// each of whose backward sums keeps every output on one thread (the fallback's fixed_order_broadcast). For the
+// autograd formulas that a double backward differentiates.
+inline at::Tensor fixed_order_broadcast(const at::Tensor& s, const at::Tensor& like) {
+  if (!like.is_cpu() || like.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || like.numel() <= kSingleThreadSum) {
+    return s.expand(like.sizes());
+  }
+  const int64_t n = like.numel();
+  const int64_t rows = (n + kReductionChunk - 1) / kReductionChunk;
+  return s.reshape({1, 1}).expand({rows, 1}).expand({rows, kReductionChunk}).reshape({-1}).narrow(0, 0, n);
+}
+
 }  // namespace dro_ext::cpu
