@@ -190,6 +190,41 @@ def tolerances(dtype: torch.dtype) -> dict:
     }[dtype]
 
 
+# float32 losses exact at 1e6 + j/16 (float32's spacing there), and a shift float32 does not hold: a float64 eta, or a
+# float32 eta times a scale that rounds (3 * 333333.40625 = 1e6 + 7/32). LAM_BELOW_THE_SHIFTS_SPACING lies below that
+# spacing, where rounding G eta to float32 moved every t by up to 0.6.
+SHIFTS_FLOAT32_DOES_NOT_HOLD = [(torch.float64, 1e6 + 0.3, 1.0), (torch.float32, 333333.40625, 3.0)]
+SHIFT_IDS = ["float64-eta", "scale-3"]
+LAM_BELOW_THE_SHIFTS_SPACING = 0.05
+
+
+def losses_near_a_shift_float32_does_not_hold(n: int = 24) -> torch.Tensor:
+    """n float32 losses 1e6 + j/16, each exact in float32."""
+    return (1e6 + torch.arange(n, dtype=torch.float64) / 16).float()
+
+
+def assert_exact_at_a_shift_float32_does_not_hold(what, value, weights, grad_eta, losses, eta, name, scale,
+                                                  alpha=None, k=None):
+    """value, the weights w_i (what names how they were read) and dL/deta of the DRO objective over the float32
+    losses, against float64 with t = (l_i - G eta)/lam formed from G eta as given. The value rounds to float32 at
+    G eta's magnitude (about 1e6): the value less G eta is compared within two of its roundings (CUDA's float32
+    sums of l_i/lam add a rounding or two), which rounding G eta itself would not reach; the weights, whose t a
+    rounded G eta moves by up to 0.6, are compared to float32 precision."""
+    lam = LAM_BELOW_THE_SHIFTS_SPACING
+    losses = losses.detach().double()
+    e64 = eta.detach().double().requires_grad_()
+    expected = dro_loss(losses, e64, lam, name, alpha=alpha, k=k, scale=scale)
+    (expected_grad_eta,) = torch.autograd.grad(expected, e64)
+    t = (losses - scale * e64.detach()) / lam
+    expected_w = psi_star_first(t, name, alpha=alpha, k=k)
+    g_eta = scale * float(eta.detach())
+    value_spacing = 2 * torch.finfo(torch.float32).eps * abs(g_eta)
+    torch.testing.assert_close(value.detach().double() - g_eta, expected.detach() - g_eta, rtol=1e-5,
+                               atol=value_spacing)
+    assert_within(f"{name}: {what}", weights.detach().double(), expected_w, 1e-5 * (1 + expected_w.abs()), "t", t)
+    torch.testing.assert_close(grad_eta.double(), expected_grad_eta, rtol=1e-5, atol=1e-5)
+
+
 def shifted_lse(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """The logsumexp of x along dim as (shift, log_sum) pairs (..., 2), the layout the cross-entropy ops save: the
     max (0 where it is not finite) and the logsumexp of x minus it."""

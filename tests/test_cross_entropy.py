@@ -379,6 +379,40 @@ def check_lam_beyond_float32(name, params, path, dtype, lam, device):
     torch.testing.assert_close(grads[-1], torch.tensor(grad_eta, dtype=torch.float32), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("eta_dtype, eta_value, scale", ref.SHIFTS_FLOAT32_DOES_NOT_HOLD, ids=ref.SHIFT_IDS)
+@pytest.mark.parametrize("path", ["logits", "linear"])
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_a_shift_float32_does_not_hold_is_not_rounded_to_it(backend, name, params, path, eta_dtype, eta_value, scale):
+    """Each row's t = (l_i - G eta)/lam is formed from G eta as given, not from its float32 rounding (CUDA rounded
+    it, moving every t by up to 0.6 here)."""
+    check_shift_float32_does_not_hold(name, params, path, eta_dtype, eta_value, scale, "cpu")
+
+
+def check_shift_float32_does_not_hold(name, params, path, eta_dtype, eta_value, scale, device):
+    """Rows whose cross-entropy is ref.losses_near_a_shift_float32_does_not_hold() exactly, in any precision: two
+    classes, logits 0 and -(1e6 + j/16) at the target (the linear path through an identity weight). The target's
+    softmax is then e^-(1e6 + j/16) = 0, the other's 1, so the target logit's gradient is -w_i / N."""
+    rows, classes = 24, 2
+    targets = torch.arange(rows) % classes
+    losses = ref.losses_near_a_shift_float32_does_not_hold(rows)
+    logits = torch.zeros(rows, classes)
+    logits[torch.arange(rows), targets] = -losses
+    assert torch.equal(F.cross_entropy(logits.double(), targets, reduction="none"), losses.double())
+    logits = logits.to(device).requires_grad_()
+    eta = torch.tensor(eta_value, dtype=eta_dtype, device=device, requires_grad=True)
+    lam, kw = ref.LAM_BELOW_THE_SHIFTS_SPACING, ref.case_kwargs(params)
+    if path == "logits":
+        value = dro_ext.dro_cross_entropy(logits, targets.to(device), eta, lam, name, scale=scale, **kw)
+    else:
+        identity = torch.eye(classes, device=device)
+        value = dro_ext.dro_linear_cross_entropy(logits, identity, targets.to(device), eta, lam, name, scale=scale,
+                                                 chunk_size=7, **kw)
+    grad_logits, grad_eta = torch.autograd.grad(value, (logits, eta))
+    weights = -grad_logits.cpu()[torch.arange(rows), targets] * rows
+    ref.assert_exact_at_a_shift_float32_does_not_hold("w", value.cpu(), weights, grad_eta.cpu(), losses, eta.cpu(),
+                                                      name, scale, **kw)
+
+
 # ---------------------------------------------------------------------------------------------------
 # dro_linear_cross_entropy
 # ---------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import dro_ext
 import reference as ref
 from cuda_cases import DEVICE, SKIP_WITHOUT_CUDA, native_backend, needs_cuda  # noqa: F401 (an autouse fixture)
+from test_cross_entropy import LAMS_BEYOND_FLOAT32, check_lam_beyond_float32, check_shift_float32_does_not_hold
 
 pytestmark = SKIP_WITHOUT_CUDA
 
@@ -90,17 +91,23 @@ def test_cuda_infinite_row_loss_makes_the_objective_infinite(name, params):
     assert float(value) == math.inf
 
 
-@pytest.mark.parametrize("lam", [1e-44, 1e-39, 1e39], ids=str)
+@pytest.mark.parametrize("lam", LAMS_BEYOND_FLOAT32, ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("path", ["logits", "linear"])
 @pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
-def test_cuda_a_lam_with_no_float32_reciprocal_matches_the_exact_objective(name, params, path, dtype, lam):
-    """1/lam is no normal float32, so float32 would form every row's t as +-inf or NaN (lam = 1e39: lam itself
-    inf): the row terms are formed in float64 (lam alone decides, no host sync), as the loss ops run on a float64
-    copy there. The case psi*(t) overflowing at a normal 1/lam is the CUDA float32 range limit (README)."""
-    from test_cross_entropy import check_lam_beyond_float32
-
+def test_cuda_a_lam_beyond_float32_matches_the_exact_objective(name, params, path, dtype, lam):
+    """The row terms are formed in float64 on CUDA as on the CPU: float32 would form every row's t as +-inf or NaN
+    where 1/lam is no normal float32 (lam = 1e39: lam itself inf), and psi*(t) as inf at lam = 1e-36."""
     check_lam_beyond_float32(name, params, path, dtype, lam, DEVICE)
+
+
+@pytest.mark.parametrize("eta_dtype, eta_value, scale", ref.SHIFTS_FLOAT32_DOES_NOT_HOLD, ids=ref.SHIFT_IDS)
+@pytest.mark.parametrize("path", ["logits", "linear"])
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_cuda_a_shift_float32_does_not_hold_is_not_rounded_to_it(name, params, path, eta_dtype, eta_value, scale):
+    """Each row's t = (l_i - G eta)/lam is formed in float64 from G eta as given (float32 rounded G eta and moved
+    every t by up to 0.6 here)."""
+    check_shift_float32_does_not_hold(name, params, path, eta_dtype, eta_value, scale, DEVICE)
 
 
 @needs_cuda

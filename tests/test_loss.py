@@ -361,35 +361,17 @@ def test_mixed_eta_dtype_and_double_losses(backend):
     assert grads[0].dtype == torch.float64 and grads[1].dtype == torch.float32
 
 
-# float32 losses exact at 1e6 + j/16 (float32's spacing there), and a shift float32 does not hold: a float64 eta, or a
-# float32 eta times a scale that rounds. lam = 0.05 lies below that spacing, where rounding G eta to float32 moved
-# every t by up to 0.6 (3 * 333333.40625 = 1e6 + 7/32).
-SHIFTS_FLOAT32_DOES_NOT_HOLD = [(torch.float64, 1e6 + 0.3, 1.0), (torch.float32, 333333.40625, 3.0)]
-
-
-@pytest.mark.parametrize("eta_dtype, eta_value, scale", SHIFTS_FLOAT32_DOES_NOT_HOLD, ids=["float64-eta", "scale-3"])
+@pytest.mark.parametrize("eta_dtype, eta_value, scale", ref.SHIFTS_FLOAT32_DOES_NOT_HOLD, ids=ref.SHIFT_IDS)
 @pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
 def test_a_shift_float32_does_not_hold_is_not_rounded_to_it(backend, name, params, eta_dtype, eta_value, scale):
     kw = case_kwargs(params)
-    losses = (1e6 + torch.arange(24, dtype=torch.float64) / 16).float().requires_grad_()
+    losses = ref.losses_near_a_shift_float32_does_not_hold().requires_grad_()
     eta = torch.tensor(eta_value, dtype=eta_dtype, requires_grad=True)
-    lam = 0.05
-    value = dro_ext.dro_loss(losses, eta, lam, name, scale=scale, **kw)
+    value = dro_ext.dro_loss(losses, eta, ref.LAM_BELOW_THE_SHIFTS_SPACING, name, scale=scale, **kw)
     grad_l, grad_eta = torch.autograd.grad(value, (losses, eta))
-    weights = dro_ext.dro_weights(losses, eta, lam, name, scale=scale, **kw)
-
-    e64 = eta.detach().double().requires_grad_()
-    expected = ref.dro_loss(losses.detach().double(), e64, lam, name, scale=scale, **kw)
-    (expected_grad_eta,) = torch.autograd.grad(expected, e64)
-    t = (losses.detach().double() - scale * e64.detach()) / lam
-    expected_w = ref.psi_star_first(t, name, **kw)
-    # The value less G eta (about 1e6, which float32 holds to 0.06) carries the divergence's part.
-    g_eta = scale * float(eta.detach())
-    torch.testing.assert_close(value.double() - g_eta, expected.detach() - g_eta, rtol=1e-5, atol=0.07)
-    ref.assert_within(f"{name}: w", weights.double(), expected_w, 1e-5 * (1 + expected_w.abs()), "t", t)
-    ref.assert_within(f"{name}: N dL/dl", grad_l.double() * losses.numel(), expected_w, 1e-5 * (1 + expected_w.abs()),
-                      "t", t)
-    torch.testing.assert_close(grad_eta.double(), expected_grad_eta, rtol=1e-5, atol=1e-5)
+    weights = dro_ext.dro_weights(losses, eta, ref.LAM_BELOW_THE_SHIFTS_SPACING, name, scale=scale, **kw)
+    for what, w in (("w", weights), ("N dL/dl", grad_l * losses.numel())):
+        ref.assert_exact_at_a_shift_float32_does_not_hold(what, value, w, grad_eta, losses, eta, name, scale, **kw)
 
 
 BAD_INPUTS = [

@@ -129,12 +129,32 @@ inline ScalarOut scalar_out(at::Tensor& t) {
   return ScalarOut{t.mutable_data_ptr(), scalar_kind(t)};
 }
 
+// A double shift s as hi + lo in the accumulate dtype, for t = (l - s) / lam over losses of that dtype:
+// deviation(l) = (l - hi) - lo misses l - s by a rounding of lo and of the difference, where (l - hi) alone would
+// miss it by hi's rounding of s, ulp(s) / 2, which a tiny lam turns into a large error in t (float32 losses near
+// 1e6, a float64 eta, lam = 1e-3: t off by 30). l - hi is exact where l is within a factor 2 of hi, which is where
+// the difference is small. lo is 0 where hi is no finite number (s NaN or beyond the dtype): t is then +-inf or
+// NaN as it was, never inf - inf.
+template <typename acc_t>
+struct SplitShift {
+  acc_t hi;
+  acc_t lo;
+  __device__ __forceinline__ acc_t deviation(acc_t l) const { return (l - hi) - lo; }
+};
+
 // shift = scale * (*ref) + offset, in double, read once per thread (the CPU kernels form G*eta in double too).
 struct ShiftRef {
   ScalarRef ref;
   double scale;
   double offset;
   __device__ __forceinline__ double read() const { return scale * ref.read() + offset; }
+  template <typename acc_t>
+  __device__ __forceinline__ SplitShift<acc_t> split() const {
+    const double s = read();
+    const acc_t hi = static_cast<acc_t>(s);
+    const double rest = s - static_cast<double>(hi);
+    return {hi, isfinite(rest) ? static_cast<acc_t>(rest) : acc_t(0)};
+  }
 };
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -2,8 +2,8 @@
 //
 // One block per row: each thread keeps an online logsumexp (running max and rescaled sum of exponentials) over
 // its strided share of the row, and CUB's BlockReduce merges the threads' pairs in a fixed order. Thread 0 then
-// forms the row's loss, t, w and value term (csrc/cross_entropy_terms.h, the same code as the CPU; in float64 where
-// 1/lam is no normal float32), and the block writes the row's gradient when asked. The DRO sums over rows are a
+// forms the row's loss, t, w and value term (csrc/cross_entropy_terms.h, the same code as the CPU, in float64 as
+// there), and the block writes the row's gradient when asked. The DRO sums over rows are a
 // second, single-block pass with a fixed summation order: no float atomics, bitwise repeatable. eta, the upstream
 // gradient and inv_count are read on the device (no .item(), no host sync), everything runs on the current stream,
 // so the ops are graph-capturable.
@@ -38,6 +38,12 @@ namespace {
 // Threads per block of the row kernels (one block per row) and of the one-block reduction over the rows.
 constexpr int kRowThreads = 256;
 constexpr int kReduceThreads = 512;
+
+// The type of each row's t, weight and value term and of their sums over the rows: float64, as on the CPU (a scalar
+// per row beside the row's C logits). With it the CUDA ops have the CPU's range: t formed from G eta as given, where
+// float32 would round G eta and move every t by up to ulp(G eta) / (2 lam), and t and psi*(t) beyond float32 at a
+// tiny lam, which float32 would meet only row by row on the device, too late to redo the pass.
+using term_t = double;
 
 // The parameters of the DRO terms, before eta is known (it is read on the device).
 struct TermArgs {
@@ -126,7 +132,7 @@ __device__ __forceinline__ void zero_row(scalar_t* grad, int64_t num_classes) {
 // row's gradient inv_count * w_i * (softmax_i - q_i) (grad may alias logits). w_i and the value term are formed and
 // kept in term_t, Div's type (cross_entropy_terms.h's row_terms): a raw w_i beyond float32 (chi2 at lam = 1e-39)
 // may still give a w_i / n within it.
-template <typename scalar_t, typename acc_t, typename term_t, typename Div>
+template <typename scalar_t, typename acc_t, typename Div>
 __global__ void __launch_bounds__(kRowThreads)
 row_forward_kernel(const scalar_t* logits, const int64_t* targets, int64_t num_classes, Div div, TermArgs args,
                    cuda::ScalarRef eta, cuda::ScalarRef inv_count, ShiftedLogSumExp<acc_t>* lse_out,
@@ -176,7 +182,7 @@ row_forward_kernel(const scalar_t* logits, const int64_t* targets, int64_t num_c
 //  - (finalize) value = sum value_term / n (0 if n == 0), mean_weight = sum w / n (1 if n == 0), and
 //    scaled_weights_i = w_i / n (scaled_weights may be the raw weights themselves where term_t is acc_t); or
 //  - (sums) sums[0] = sum value_term, sums[1] = sum w, for the chunk op.
-template <typename scalar_t, typename acc_t, typename term_t>
+template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kReduceThreads)
 reduce_rows_kernel(const int64_t* targets, int64_t rows, int64_t ignore_index, const term_t* value_terms,
                    const term_t* weights, acc_t* scaled_weights, scalar_t* value_out, acc_t* mean_weight_out,
@@ -249,39 +255,29 @@ void launch_forward(const at::Tensor& logits, const at::Tensor& targets, const a
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dro_cross_entropy_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    // The row terms and their sums in term_t: the accumulate dtype, or float64 where 1/lam is no normal float32 (lam
-    // alone decides: no host sync), as the loss ops run on a float64 copy there.
-    const auto launch = [&](auto term_zero) {
-      using term_t = decltype(term_zero);
-      const auto term_options = logits.options().dtype(c10::CppTypeToScalarType<term_t>::value);
-      // The raw weights are scaled in place where the output has their type.
-      at::Tensor raw_weights = scaled_weights != nullptr && std::is_same_v<term_t, acc_t>
-                                   ? *scaled_weights : at::empty({rows}, term_options);
-      at::Tensor value_terms = at::empty({rows}, term_options);
-      if (rows > 0) {
-        cuda::launch_for_divergence<term_t>(spec, [&](auto div) {
-          row_forward_kernel<scalar_t, acc_t, term_t, decltype(div)><<<rows, kRowThreads, 0, stream>>>(
-              logits.const_data_ptr<scalar_t>(), targets.const_data_ptr<int64_t>(), num_classes, div, args,
-              cuda::scalar_ref(eta), inv_count ? cuda::scalar_ref(*inv_count) : cuda::scalar_ref(eta),
-              lse ? reinterpret_cast<ShiftedLogSumExp<acc_t>*>(lse->mutable_data_ptr<acc_t>()) : nullptr,
-              raw_weights.mutable_data_ptr<term_t>(), value_terms.mutable_data_ptr<term_t>(),
-              write_grad ? logits.data_ptr<scalar_t>() : nullptr);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        });
-      }
-      reduce_rows_kernel<scalar_t, acc_t, term_t><<<1, kReduceThreads, 0, stream>>>(
-          targets.const_data_ptr<int64_t>(), rows, args.ignore_index, value_terms.const_data_ptr<term_t>(),
-          raw_weights.const_data_ptr<term_t>(), scaled_weights ? scaled_weights->mutable_data_ptr<acc_t>() : nullptr,
-          value ? value->mutable_data_ptr<scalar_t>() : nullptr,
-          mean_weight ? mean_weight->mutable_data_ptr<acc_t>() : nullptr,
-          sums ? sums->mutable_data_ptr<acc_t>() : nullptr);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (runs_on_float64_copy(logits, args.lam)) {
-      launch(0.0);
-    } else {
-      launch(acc_t(0));
+    const auto term_options = logits.options().dtype(c10::CppTypeToScalarType<term_t>::value);
+    // The raw weights are scaled in place where the output has their type.
+    at::Tensor raw_weights = scaled_weights != nullptr && std::is_same_v<term_t, acc_t>
+                                 ? *scaled_weights : at::empty({rows}, term_options);
+    at::Tensor value_terms = at::empty({rows}, term_options);
+    if (rows > 0) {
+      cuda::launch_for_divergence<term_t>(spec, [&](auto div) {
+        row_forward_kernel<scalar_t, acc_t, decltype(div)><<<rows, kRowThreads, 0, stream>>>(
+            logits.const_data_ptr<scalar_t>(), targets.const_data_ptr<int64_t>(), num_classes, div, args,
+            cuda::scalar_ref(eta), inv_count ? cuda::scalar_ref(*inv_count) : cuda::scalar_ref(eta),
+            lse ? reinterpret_cast<ShiftedLogSumExp<acc_t>*>(lse->mutable_data_ptr<acc_t>()) : nullptr,
+            raw_weights.mutable_data_ptr<term_t>(), value_terms.mutable_data_ptr<term_t>(),
+            write_grad ? logits.data_ptr<scalar_t>() : nullptr);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
     }
+    reduce_rows_kernel<scalar_t, acc_t><<<1, kReduceThreads, 0, stream>>>(
+        targets.const_data_ptr<int64_t>(), rows, args.ignore_index, value_terms.const_data_ptr<term_t>(),
+        raw_weights.const_data_ptr<term_t>(), scaled_weights ? scaled_weights->mutable_data_ptr<acc_t>() : nullptr,
+        value ? value->mutable_data_ptr<scalar_t>() : nullptr,
+        mean_weight ? mean_weight->mutable_data_ptr<acc_t>() : nullptr,
+        sums ? sums->mutable_data_ptr<acc_t>() : nullptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 

@@ -1,6 +1,7 @@
 // The two kernels over the losses that the loss ops and the robust objective share, with their launchers:
 //  - derivative_partials: per-block sums of (psi*^(A)(t_i), psi*^(B)(t_i)), t_i = (l_i - shift) / lam, the
-//    shift read on the device; one launch, one partial per block (combined by a one-block second stage);
+//    shift read on the device in float64 and taken as hi + lo in the accumulate dtype (ShiftRef::split, so that its
+//    rounding moves no t); one launch, one partial per block (combined by a one-block second stage);
 //  - map_derivative: out_i = multiplier * psi*^(order)(t_i), the multiplier read on the device;
 // and the per-thread sums of psi* terms behind the first (the loss value's coarse-or-accurate choice included).
 // The math comes from csrc/divergences.h (its functors, picked by launch_for_divergence); nothing here knows a formula.
@@ -62,7 +63,7 @@ __device__ __forceinline__ T value_term(const Div& div, T t, T l, T shift, T inv
 // thread's fixed order: deterministic.
 template <typename scalar_t, typename Div>
 __device__ __forceinline__ Pair<at::opmath_type<scalar_t>> thread_loss_sums_coarse(
-    const scalar_t* __restrict__ x, int64_t n, const Div& div, at::opmath_type<scalar_t> shift,
+    const scalar_t* __restrict__ x, int64_t n, const Div& div, SplitShift<at::opmath_type<scalar_t>> shift,
     at::opmath_type<scalar_t> inv_lam) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr bool kProduct = requires { requires Div::kCoarseValueAsProduct; };
@@ -76,7 +77,7 @@ __device__ __forceinline__ Pair<at::opmath_type<scalar_t>> thread_loss_sums_coar
     acc_t abs_t = 0;
 #pragma unroll
     for (int j = 0; j < K; ++j) {
-      t[j] = (l[j] - shift) * inv_lam;
+      t[j] = shift.deviation(l[j]) * inv_lam;
       abs_t += ::fmin(::fabs(t[j]), acc_t(1));  // fmin returns 1 for a NaN |t|: the NaN is in t and first
       first += div.first(t[j]);
     }
@@ -101,14 +102,14 @@ __device__ __forceinline__ Pair<at::opmath_type<scalar_t>> thread_loss_sums_coar
       }
     } else {
 #pragma unroll
-      for (int j = 0; j < K; ++j) accurate += value_term(div, t[j], l[j], shift, inv_lam);
+      for (int j = 0; j < K; ++j) accurate += value_term(div, t[j], l[j], shift.hi, inv_lam);
     }
   });
   if constexpr (kProduct) {
     coarse = static_cast<acc_t>(div.coarse_scale()) *
              (coarse + (log_product + ::log(product)) + coarse_count * static_cast<acc_t>(div.coarse_offset()));
   }
-  return Pair<acc_t>{accurate + (coarse + coarse_count * (shift * inv_lam)), first};
+  return Pair<acc_t>{accurate + (coarse + coarse_count * (shift.hi * inv_lam)), first};
 }
 
 // Per-thread partial sums of (derivative A, derivative B) of psi* at t_i = (x_i - shift) * inv_lam over the
@@ -116,7 +117,7 @@ __device__ __forceinline__ Pair<at::opmath_type<scalar_t>> thread_loss_sums_coar
 // divergence has one: thread_loss_sums_coarse).
 template <int A, int B, typename scalar_t, typename Div>
 __device__ __forceinline__ Pair<at::opmath_type<scalar_t>> thread_derivative_sums(
-    const scalar_t* __restrict__ x, int64_t n, const Div& div, at::opmath_type<scalar_t> shift,
+    const scalar_t* __restrict__ x, int64_t n, const Div& div, SplitShift<at::opmath_type<scalar_t>> shift,
     at::opmath_type<scalar_t> inv_lam) {
   using acc_t = at::opmath_type<scalar_t>;
   if constexpr (A == 0 && B == 1 && requires { requires Div::kHasCoarseValue; }) {
@@ -125,9 +126,9 @@ __device__ __forceinline__ Pair<at::opmath_type<scalar_t>> thread_derivative_sum
   {
     Pair<acc_t> s{acc_t(0), acc_t(0)};
     for_each_element<acc_t>(x, n, [&](acc_t l) {
-      const acc_t t = (l - shift) * inv_lam;
+      const acc_t t = shift.deviation(l) * inv_lam;
       if constexpr (A == 0) {
-        s.a += value_term(div, t, l, shift, inv_lam);
+        s.a += value_term(div, t, l, shift.hi, inv_lam);
       } else {
         s.a += derivative<A>(div, t);
       }
@@ -145,7 +146,7 @@ __global__ void __launch_bounds__(kThreads) derivative_partials_kernel(
     const int* skip, Pair<at::opmath_type<scalar_t>>* __restrict__ partials) {
   using acc_t = at::opmath_type<scalar_t>;
   if (skip != nullptr && *skip) return;
-  const acc_t shift = static_cast<acc_t>(shift_ref.read());
+  const SplitShift<acc_t> shift = shift_ref.split<acc_t>();
   const Pair<acc_t> s = thread_derivative_sums<A, B>(x, n, div, shift, static_cast<acc_t>(inv_lam));
   const Pair<acc_t> block = block_reduce(s, PairSum());
   if (threadIdx.x == 0) partials[blockIdx.x] = block;
@@ -195,14 +196,14 @@ __global__ void __launch_bounds__(kThreads) map_derivative_kernel(
     const scalar_t* __restrict__ x, scalar_t* __restrict__ out, int64_t n, Div div, ShiftRef shift_ref,
     double inv_lam, ScalarRef mult, double divisor, int order, EtaGradient eta_grad) {
   using acc_t = at::opmath_type<scalar_t>;
-  const acc_t shift = static_cast<acc_t>(shift_ref.read());
+  const SplitShift<acc_t> shift = shift_ref.split<acc_t>();
   const acc_t multiplier = static_cast<acc_t>(mult.read() / divisor);
   const acc_t inv = static_cast<acc_t>(inv_lam);
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   if (eta_grad.enabled && tid == 0) eta_grad.write();
   auto term = [&](scalar_t l) {
-    return static_cast<scalar_t>(multiplier * derivative(div, (static_cast<acc_t>(l) - shift) * inv, order));
+    return static_cast<scalar_t>(multiplier * derivative(div, shift.deviation(static_cast<acc_t>(l)) * inv, order));
   };
   int64_t done = 0;
   if constexpr (VECTORIZED) {
