@@ -107,16 +107,9 @@ def test_a_lam_with_no_float32_reciprocal_matches_cpu(name, params, dtype, lam):
 def test_cuda_a_shift_float32_does_not_hold_is_not_rounded_to_it(name, params, eta_dtype, eta_value, scale):
     """The kernels read G eta on the device in float64 and form t = ((l - hi) - lo)/lam from its float32 parts
     hi + lo: rounding G eta to float32 moved every t by up to 0.6 here."""
-    kw = case_kwargs(params)
-    losses = ref.losses_near_a_shift_float32_does_not_hold().to(DEVICE).requires_grad_()
-    eta = torch.tensor(eta_value, dtype=eta_dtype, device=DEVICE, requires_grad=True)
-    lam = ref.LAM_BELOW_THE_SHIFTS_SPACING
-    value = dro_ext.dro_loss(losses, eta, lam, name, scale=scale, **kw)
-    grad_l, grad_eta = torch.autograd.grad(value, (losses, eta))
-    weights = dro_ext.dro_weights(losses, eta, lam, name, scale=scale, **kw)
-    for what, w in (("w", weights), ("N dL/dl", grad_l * losses.numel())):
-        ref.assert_exact_at_a_shift_float32_does_not_hold(what, value.cpu(), w.cpu(), grad_eta.cpu(), losses.cpu(),
-                                                          eta.cpu(), name, scale, **kw)
+    from test_loss import check_shift_float32_does_not_hold
+
+    check_shift_float32_does_not_hold(name, params, eta_dtype, eta_value, scale, DEVICE)
 
 
 @pytest.mark.parametrize("order", [0, 1, 2])

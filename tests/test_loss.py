@@ -364,14 +364,20 @@ def test_mixed_eta_dtype_and_double_losses(backend):
 @pytest.mark.parametrize("eta_dtype, eta_value, scale", ref.SHIFTS_FLOAT32_DOES_NOT_HOLD, ids=ref.SHIFT_IDS)
 @pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
 def test_a_shift_float32_does_not_hold_is_not_rounded_to_it(backend, name, params, eta_dtype, eta_value, scale):
+    check_shift_float32_does_not_hold(name, params, eta_dtype, eta_value, scale, "cpu")
+
+
+def check_shift_float32_does_not_hold(name, params, eta_dtype, eta_value, scale, device):
+    """The value, the weights and both gradients over ref.losses_near_a_shift_float32_does_not_hold()."""
     kw = case_kwargs(params)
-    losses = ref.losses_near_a_shift_float32_does_not_hold().requires_grad_()
-    eta = torch.tensor(eta_value, dtype=eta_dtype, requires_grad=True)
+    losses = ref.losses_near_a_shift_float32_does_not_hold().to(device).requires_grad_()
+    eta = torch.tensor(eta_value, dtype=eta_dtype, device=device, requires_grad=True)
     value = dro_ext.dro_loss(losses, eta, ref.LAM_BELOW_THE_SHIFTS_SPACING, name, scale=scale, **kw)
     grad_l, grad_eta = torch.autograd.grad(value, (losses, eta))
     weights = dro_ext.dro_weights(losses, eta, ref.LAM_BELOW_THE_SHIFTS_SPACING, name, scale=scale, **kw)
     for what, w in (("w", weights), ("N dL/dl", grad_l * losses.numel())):
-        ref.assert_exact_at_a_shift_float32_does_not_hold(what, value, w, grad_eta, losses, eta, name, scale, **kw)
+        ref.assert_exact_at_a_shift_float32_does_not_hold(what, value.cpu(), w.cpu(), grad_eta.cpu(), losses.cpu(),
+                                                          eta.cpu(), name, scale, **kw)
 
 
 BAD_INPUTS = [
