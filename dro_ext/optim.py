@@ -253,10 +253,16 @@ class _GroupPlan:
                 and self.settings == _settings(group))
 
     def lists(self) -> _TensorLists | None:
-        """(grads, momenta, steps) of the plan's params as they are now; None where a param has lost its gradient or
-        its state entries since (the plan no longer holds)."""
+        """(grads, momenta, steps) of the plan's params as they are now; None where the plan no longer holds: a param
+        of the group replaced in its list, a state entry replaced or removed (``optimizer.state.clear()``,
+        ``del optimizer.state[p]``: that param starts over, m = g, as torch.optim.SGD's does), or a param's gradient
+        or momentum gone."""
         states = self.states
         if states is None:  # a plan that is not kept (it has no lists to give)
+            return None
+        # The group's params as they are now (the list valid_for checked), each with the state entry the plan holds:
+        # one pass in C over both, a few ns a param.
+        if not all(map(operator.is_, map(self.state.get, self.group_params), states)):
             return None
         grads = [p.grad for p in self.params]
         if not all(map(operator.is_not, grads, repeat(None))):

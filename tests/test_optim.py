@@ -346,6 +346,7 @@ def test_cached_step_lists_follow_every_change_to_the_optimizer(backend, monkeyp
         torch.manual_seed(0)
         params = make_params(SHAPES[:3])
         extra = torch.nn.Parameter(torch.randn(5))
+        swapped_in = torch.nn.Parameter(torch.randn(SHAPES[0]))
         opt = NormalizedSGD(params, lr=0.1, momentum=0.8)
         rebuilt = []
         init_group = opt._init_group
@@ -364,15 +365,29 @@ def test_cached_step_lists_follow_every_change_to_the_optimizer(backend, monkeyp
             lambda: None,
             lambda: opt.state[params[0]].__setitem__("momentum_buffer", torch.zeros_like(params[0])),
             lambda: opt.state[params[2]].clear(),  # a param that starts over (m = g)
+            lambda: None,
+            lambda: opt.state.pop(params[1]),  # del opt.state[p]: p starts over
+            lambda: None,
+            lambda: opt.state.clear(),  # every param starts over
+            lambda: None,
+            lambda: opt.state.__setitem__(params[0], {}),  # a state entry replaced by an empty one
+            lambda: None,
             lambda: opt.load_state_dict(copy.deepcopy(opt.state_dict())),
             lambda: opt.add_param_group({"params": [extra], "lr": 0.3}),
             lambda: opt.param_groups[0].__setitem__("lr", 0.05),
             lambda: opt.param_groups[0].__setitem__("foreach", True),
             lambda: None,
+            lambda: opt.param_groups[0].__setitem__("foreach", None),
+            lambda: None,
+            # A param of the group replaced in its list: the new one steps, the old one no longer (last: the old
+            # one's state entry, no longer any group's, is what torch's state_dict cannot save)
+            lambda: (opt.param_groups[0]["params"].__setitem__(0, swapped_in),
+                     setattr(swapped_in, "grad", torch.randn_like(swapped_in))),
+            lambda: None,
         ]
         for _ in range(len(changes)):
             step()
-        return [p.detach().clone() for p in params + [extra]], opt, len(rebuilt)
+        return [p.detach().clone() for p in params + [extra, swapped_in]], opt, len(rebuilt)
 
     with monkeypatch.context() as patch:
         patch.setattr(optim._GroupPlan, "valid_for", lambda self, optimizer, group: False)
