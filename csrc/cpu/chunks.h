@@ -54,14 +54,20 @@ std::vector<Result> map_chunks(int64_t n, const F& chunk_result) {
 // GRAIN_SIZE in TensorIterator.h), in as many parts as it has threads: the rounding then depends on the thread count.
 constexpr int64_t kSingleThreadSum = 32768;
 
+// Whether at::sum over every element of x (or the backward of an expand over it) depends on the thread count: a CPU
+// tensor past kSingleThreadSum. A traced call with symbolic sizes, torch.compile's, counts as not: its graph's
+// reductions are the compiler's.
+inline bool sums_split_by_thread_count(const at::Tensor& x) {
+  return x.is_cpu() && !x.unsafeGetTensorImpl()->has_symbolic_sizes_strides() && x.numel() > kSingleThreadSum;
+}
+
 // The sum of every element of x in the accumulate dtype `acc`, the same bits whatever the thread count: at::sum of
 // a CPU tensor longer than kSingleThreadSum is split between threads, so a longer one is summed as rows of
 // kReductionChunk (each row by one thread, zeros padding the last) and then the rows (the fallback's fixed_order_sum,
 // dro_ext/_divergences.py). CUDA's sums take a tree fixed by the size: at::sum as it is. (The autograd formulas'
 // sums over the losses.)
 inline at::Tensor fixed_order_sum(const at::Tensor& x, at::ScalarType acc) {
-  // (A traced call with symbolic sizes, torch.compile's, takes at::sum: its graph's reductions are the compiler's.)
-  if (!x.is_cpu() || x.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || x.numel() <= kSingleThreadSum) {
+  if (!sums_split_by_thread_count(x)) {
     return at::sum(x, acc);
   }
   const at::Tensor flat = x.reshape({-1});
@@ -75,7 +81,7 @@ inline at::Tensor fixed_order_sum(const at::Tensor& x, at::ScalarType acc) {
 // each of whose backward sums keeps every output on one thread (the fallback's fixed_order_broadcast). For the
 // autograd formulas that a double backward differentiates.
 inline at::Tensor fixed_order_broadcast(const at::Tensor& s, const at::Tensor& like) {
-  if (!like.is_cpu() || like.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || like.numel() <= kSingleThreadSum) {
+  if (!sums_split_by_thread_count(like)) {
     return s.expand(like.sizes());
   }
   const int64_t n = like.numel();
