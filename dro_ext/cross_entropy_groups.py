@@ -372,10 +372,7 @@ def grouped_objective(losses, keep, token_groups, num_groups: int, eta, lam: flo
     sums, counts = _groups._masked_group_sums(losses, token_groups, num_groups, keep)
     acc = fallback_dtype(losses.dtype, losses.device)
     m, present = _groups._group_means(sums, counts, acc)
-    weighted_sum, total = _groups._penalized_group_sums(m, present, counts.to(acc), scale * eta.to(acc), lam, spec)
-    # With no kept row every p_g is 0: the weighted sum is exactly 0, and a denominator of 1 keeps it (and its
-    # gradients) at 0 instead of 0/0.
-    return (weighted_sum / torch.where(total > 0, total, 1.0)).to(dtype)
+    return _groups._penalized_group_objective(m, present, counts.to(acc), scale * eta.to(acc), lam, spec).to(dtype)
 
 
 def grouped_dro_cross_entropy(x, y, token_groups, num_groups, eta, lam, spec, scale, ignore_index, label_smoothing):

@@ -267,12 +267,15 @@ def group_dro_loss(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
 
     ``group`` (a process group): the objective of the concatenated batch of its ranks, the same value on every
     rank; the per-group sums and counts are all-reduced once, and the gradients of the local losses are scaled
-    so that DDP's average over the ranks is the gradient of that objective. A rank may then hold no losses (if
-    no rank holds any, the value is NaN).
+    so that DDP's average over the ranks is the gradient of that objective. A rank may then hold no losses.
 
     ``mask`` (a bool tensor of the losses' shape), as :class:`GroupDROLoss` takes it: only the True samples count,
     in sums and counts, and only their ids are read (padding tokens), without the boolean indexing that would read
     the mask on the host; the others get a zero gradient.
+
+    Where no group counts (an all-False mask; with ``group``, no sample on any rank; weights of 0 on every group
+    present) the value is 0 with zero gradients, as :class:`GroupDROLoss` and the fused cross-entropy give for a
+    batch of padding alone: a micro-batch of it then adds nothing to an accumulated gradient.
     """
     spec = check_divergence(divergence, alpha, k)
     lam, scale = check_positive("lam", lam), check_positive("scale", scale)
@@ -290,8 +293,7 @@ def group_dro_loss(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
     acc = fallback_dtype(losses.dtype, losses.device)
     m, present = _group_means(sums, counts, acc)
     p = counts.to(acc) if weights is None else torch.where(present, weights.to(acc), 0.0)
-    weighted_sum, total = _penalized_group_sums(m, present, p, scale * eta.to(acc), lam, spec)
-    return (weighted_sum / total).to(losses.dtype)
+    return _penalized_group_objective(m, present, p, scale * eta.to(acc), lam, spec).to(losses.dtype)
 
 
 def _counted_groups(present: torch.Tensor, p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -302,11 +304,14 @@ def _counted_groups(present: torch.Tensor, p: torch.Tensor, m: torch.Tensor) -> 
     return present & ((p != 0) | torch.isnan(m))
 
 
-def _penalized_group_sums(m: torch.Tensor, present: torch.Tensor, p: torch.Tensor, g_eta: torch.Tensor, lam: float,
-                          spec: Spec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum_g p_g (lam psi*(t_g) + G eta), sum_g p_g) over the groups present, t_g = (m_g - G eta)/lam: the value of
-    the objective over groups is their ratio (the one place it is formed, for group_dro_loss and the grouped
-    cross-entropy of dro_ext/cross_entropy_groups.py)."""
+def _penalized_group_objective(m: torch.Tensor, present: torch.Tensor, p: torch.Tensor, g_eta: torch.Tensor,
+                               lam: float, spec: Spec) -> torch.Tensor:
+    """sum_g p_g (lam psi*(t_g) + G eta) / sum_g p_g over the groups present, t_g = (m_g - G eta)/lam: the value of
+    the objective over groups (the one place it is formed, for group_dro_loss and the grouped cross-entropy of
+    dro_ext/cross_entropy_groups.py). 0 with zero gradients where no group counts (an all-False mask, a batch of
+    padding tokens, a weight of 0 on every group present), as GroupDROLoss and dro_cross_entropy give for an
+    empty batch: every p_g of the weighted sum is then 0, and a denominator of 1 keeps it at 0 instead of 0/0 (a
+    NaN mean still makes it NaN)."""
     # A group that does not count is evaluated at m = scale*eta (t = 0, finite whatever eta), then weighted by
     # exactly 0: its term adds nothing to the value and a zero gradient.
     g_eta = fixed_order_broadcast(g_eta, m.shape)  # eta's gradient: a fixed-order sum over the groups
@@ -315,7 +320,8 @@ def _penalized_group_sums(m: torch.Tensor, present: torch.Tensor, p: torch.Tenso
     p = torch.where(present, p, 0.0)
     # Sums in group order, as dro_loss sums in sample order: with one sample per group (ids in sample order) the
     # two are the same sums, term for term.
-    return fixed_order_sum(p * terms), fixed_order_sum(p)
+    weighted_sum, total = fixed_order_sum(p * terms), fixed_order_sum(p)
+    return weighted_sum / torch.where(total > 0, total, 1.0)
 
 
 # ---------------------------------------------------------------------------------------------------

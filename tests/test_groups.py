@@ -260,6 +260,37 @@ def test_group_dro_loss_mask_is_the_kept_samples_alone(backend, weighting):
         dro_ext.DROLoss("kl", lam=0.4)(losses, mask=keep)
 
 
+@pytest.mark.parametrize("divergence,params", [("chi2", {}), ("kl", {}), ("cvar", {"alpha": 0.3})])
+def test_group_dro_loss_where_no_group_counts_is_zero_with_zero_gradients(backend, divergence, params):
+    # A batch of padding alone (an all-False mask), or weights of 0 on every group present: nothing counts, and the
+    # value is 0 with zero gradients, as GroupDROLoss and the fused grouped cross-entropy give (not 0/0 = NaN, which
+    # would poison eta's gradient in an accumulated step).
+    losses, groups = random_batch(17, 4, absent=(3,))
+    nothing = torch.zeros(17, dtype=torch.bool)
+    weights = torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=torch.float64)  # all on the group absent from the batch
+    for dtype in (torch.float32, torch.float64):
+        for kwargs in ({"mask": nothing}, {"weighting": weights}, {"mask": nothing, "weighting": weights}):
+            x = losses.to(dtype).requires_grad_()
+            eta = torch.tensor(0.3, dtype=dtype, requires_grad=True)
+            value = dro_ext.group_dro_loss(x, groups, 4, eta, 0.5, divergence, **params, **kwargs)
+            grad, grad_eta = torch.autograd.grad(value, (x, eta))
+            assert value.dtype == dtype and value.item() == 0.0, kwargs
+            assert bool((grad == 0).all()) and grad_eta.item() == 0.0, kwargs
+        module = dro_ext.DROLoss(divergence, lam=0.5, num_groups=4, **params).to(dtype)
+        x = losses.to(dtype).requires_grad_()
+        value = module(x, groups, mask=nothing)
+        value.backward()
+        assert value.item() == 0.0 and bool((x.grad == 0).all()) and module.eta.grad.item() == 0.0
+    # A NaN loss still makes the value NaN where its group counts, and one kept sample is a batch again.
+    x = losses.clone()
+    x[3] = math.nan
+    assert math.isnan(dro_ext.group_dro_loss(x, groups, 4, 0.3, 0.5, divergence, **params).item())
+    one = nothing.clone()
+    one[5] = True
+    torch.testing.assert_close(dro_ext.group_dro_loss(losses, groups, 4, 0.3, 0.5, divergence, **params, mask=one),
+                               dro_ext.dro_loss(losses[5:6], 0.3, 0.5, divergence, **params), rtol=1e-14, atol=0)
+
+
 def test_group_dro_loss_compiles_fullgraph(backend):
     losses, groups = random_batch(17, 5, torch.float32, absent=(1,))
     losses.requires_grad_()
