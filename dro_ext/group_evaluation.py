@@ -36,7 +36,7 @@ import torch
 
 from dro_ext import _solver
 from dro_ext._divergences import accumulate_dtype, check_losses, fixed_order_sum
-from dro_ext.group_reduction import check_groups, check_num_groups
+from dro_ext.group_reduction import check_groups, check_num_groups, gather_by_group
 from dro_ext.groups import (
     _counted_groups,
     _GlobalValueLocalGradient,
@@ -99,7 +99,7 @@ def sample_group_means(losses: torch.Tensor, groups: torch.Tensor,
     losses, so the means are not rounded to half before the solve); differentiable to the losses."""
     sums, counts = _group_sums(losses, groups, num_groups)
     means = sums / torch.clamp(counts, min=1.0)
-    return means[groups.long()], sums, counts
+    return gather_by_group(means, groups), sums, counts
 
 
 class _WeightedGroupObjective(torch.autograd.Function):
@@ -115,7 +115,9 @@ class _WeightedGroupObjective(torch.autograd.Function):
         x, w = means64[present], p.to(torch.float64)[present]
         acc = means.dtype
         if x.numel() == 0 or not bool(w.sum() > 0):
-            # No weight on any present group: p renormalized over them is 0/0, as group_dro_loss gives it.
+            # No weight on any present group: p renormalized over them is 0/0, and the worst case over no
+            # distribution is undefined. (The training objective, group_dro_loss, takes 0 there instead, so that a
+            # micro-batch of padding adds nothing to a gradient.)
             solution, q = _solver.Solution(math.nan, math.nan, 0), torch.full_like(x, math.nan)
         else:
             solution = _solver.solve(x, lam, spec, w=w)
@@ -178,7 +180,9 @@ def worst_case_weights(losses: torch.Tensor, groups: torch.Tensor, num_groups: i
         q = _weighted(losses.detach(), groups, num_groups, lam, spec, weights, group, "worst_case_weights")[2]
         return q.to(losses.dtype)
     q_samples = sample_weights(losses.detach(), groups, num_groups, lam, spec)
-    q, _ = _group_sums(q_samples, groups, num_groups)
+    # Summed in float64: a group's sample weights are alike (every sample of a group has its mean), and added one
+    # after another in float32 each add rounds the same way (8e-6 relative at 2^18 samples a group).
+    q, _ = _group_sums(q_samples.double(), groups, num_groups)
     # Renormalized over the G groups: exactly one for a single group, whatever the roundings of N terms.
     return (q / fixed_order_sum(q)).to(losses.dtype)
 

@@ -387,6 +387,30 @@ def test_gradient_is_the_group_distribution_over_the_counts(backend, name, param
     torch.testing.assert_close(grad, 2.0 * (q / counts.clamp(min=1))[groups], rtol=1e-12, atol=1e-15)
 
 
+@pytest.mark.parametrize("name,params", [("chi2", {}), ("kl", {}), ("cvar", {"alpha": 0.4})])
+def test_float32_gradient_and_weights_of_many_samples_a_group(backend, name, params):
+    # 2^18 samples a group: each sample's gradient is its group's weight over the count, so a group's gradient is
+    # 2^18 alike float32 terms, and worst_case_weights sums 2^18 alike sample weights a group. Summed one after
+    # another in float32 (indexing's backward; the fallback's and the native op's float32 group sums) the gradient
+    # drifted 9e-4 and the weights 8e-6 from the float64 solution.
+    torch.manual_seed(0)
+    n, num_groups, lam = 2**20 + 1, 4, 0.5
+    losses = torch.rand(n) * 2
+    groups = torch.randint(0, num_groups, (n,))
+    kw = dict(groups=groups, num_groups=num_groups, **params)
+    x = losses.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(dro_ext.robust_objective(x, lam, name, **kw)[0], x)
+    x64 = losses.double().requires_grad_()
+    (want_grad,) = torch.autograd.grad(dro_ext.robust_objective(x64, lam, name, **kw)[0], x64)
+    # (Relative to the largest: a group of cvar may have weight 0.)
+    rel = ((grad.double() - want_grad).abs().max() / want_grad.abs().max()).item()
+    assert rel <= 2e-6, rel
+    q = dro_ext.worst_case_weights(losses, lam, name, **kw).double()
+    want_q = dro_ext.worst_case_weights(losses.double(), lam, name, **kw)
+    rel = ((q - want_q).abs().max() / want_q.max()).item()
+    assert rel <= 1e-6, rel
+
+
 @pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
 def test_gradcheck(backend, name, params):
     kw = case_kwargs(params)

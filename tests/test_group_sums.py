@@ -110,6 +110,41 @@ def test_empty_batch_gives_zero_sums_and_counts(backend, dtype):
     assert grad.shape == (0,) and grad.dtype == dtype
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_the_gathers_adjoint_sums_alike_terms_within_a_rounding(backend, dtype):
+    # The gather (group_sums' backward) has the group sums of its incoming gradient as its own backward, and a
+    # gradient that reaches a gather is often alike within each group (every sample's equal share of its group's
+    # weight). Added one after another in float32 each add rounds the same way (a group's sum of 2^18 drifted by
+    # 1e-5); summed in float64 and rounded once, each sum is within one float32 rounding of the exact one.
+    n, num_groups = 2**20 + 5, 4
+    groups = torch.randint(0, num_groups, (n,))
+    share = torch.tensor([1 / 3, 2 / 7, 1e-6 / 3, 5.0], dtype=torch.float64)
+    alike = share[groups].to(dtype)
+    losses = torch.randn(n, dtype=dtype, requires_grad=True)
+    grad_sums = torch.randn(num_groups, dtype=sum_dtype(dtype), requires_grad=True)
+    sums, _ = dro_ext.group_sums(losses, groups, num_groups)
+    (gathered,) = torch.autograd.grad(sums, losses, grad_outputs=grad_sums, create_graph=True)
+    (got,) = torch.autograd.grad(gathered, grad_sums, grad_outputs=alike)
+    want, _, _ = reference(alike, groups, num_groups)
+    err = (got.double() - want).abs()
+    assert got.dtype == sum_dtype(dtype) and bool((err <= torch.finfo(torch.float32).eps * want.abs()).all()), (
+        (err / want.abs()).tolist())
+
+
+def test_the_fallbacks_float32_sums_are_formed_in_float64():
+    # The fallback's index_add_ adds a group's samples one after another: in float32 a group's sum of 2^18 alike terms
+    # drifted by 1e-5 (and 50x the native op's error on random ones); it adds in float64 and rounds once.
+    from dro_ext.group_reduction import _fallback_group_sums
+    n, num_groups = 2**20 + 5, 4
+    groups = torch.randint(0, num_groups, (n,))
+    alike = torch.tensor([1 / 3, 2 / 7, 1e-6 / 3, 5.0])[groups]
+    for validate in (True, False):
+        sums, counts = _fallback_group_sums(alike, groups, num_groups, validate)
+        want, want_counts, _ = reference(alike, groups, num_groups)
+        assert sums.dtype == torch.float32 and torch.equal(counts.double(), want_counts)
+        assert bool(((sums.double() - want).abs() <= torch.finfo(torch.float32).eps * want.abs()).all())
+
+
 def test_absent_groups_have_zero_sum_and_count(backend):
     losses = torch.tensor([1.5, -2.0, 4.0, 0.25])
     sums, counts = dro_ext.group_sums(losses, torch.tensor([3, 0, 3, 0]), 6)
