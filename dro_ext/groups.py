@@ -136,7 +136,7 @@ def check_group_vector(name: str, value: Any, num_groups: int, *, positive: bool
         tensor = value.detach().to(torch.float64)
     else:
         try:
-            tensor = torch.tensor([real_number(name, v) for v in value], dtype=torch.float64)
+            tensor = torch.tensor([real_number(name, v) for v in value], dtype=torch.float64, device="cpu")
         except TypeError as exc:
             raise TypeError(f"dro_ext: {name} must be a tensor or a sequence of {num_groups} numbers "
                             f"({exc})") from None
@@ -356,7 +356,28 @@ def _greedy_cvar_weights(ranking: torch.Tensor, shares: torch.Tensor, alpha: flo
     return torch.zeros_like(taken).scatter(0, order, taken / fixed_order_sum(taken)).to(shares.dtype)
 
 
-class GroupDROLoss(nn.Module):
+class _Float64Configuration(nn.Module):
+    """A loss module's configuration tensors (group weights, adjustment terms, population shares): float64 buffers
+    outside the state_dict that follow the module's device moves and keep their values under its dtype casts, from
+    the checked values kept on the host (module.half() would round population counts past 65504 to inf, every weight
+    to 11 bits; to_empty() after a construction on the meta device would leave them uninitialized)."""
+
+    def _register_configuration(self, name: str, value: torch.Tensor | None) -> None:
+        if "_configuration" not in self.__dict__:
+            self._configuration: dict[str, torch.Tensor | None] = {}
+        self._configuration[name] = None if value is None else value.detach().to("cpu", torch.float64)
+        self.register_buffer(name, None if value is None else value.detach().clone(), persistent=False)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # nn.Module's own signature
+        super()._apply(fn, recurse)
+        for name, value in self.__dict__.get("_configuration", {}).items():
+            moved = self._buffers.get(name)
+            if value is not None and moved is not None:
+                self._buffers[name] = value.to(moved.device)
+        return self
+
+
+class GroupDROLoss(_Float64Configuration):
     """Online Group DRO (Sagawa, Koh, Hashimoto, Liang, ICLR 2020): ``forward(losses, groups)`` returns
     ``sum_g q_g m_g``, with ``m_g`` the mean loss of group g in the batch (0 for a group absent from it) and ``q`` a
     distribution over the ``num_groups`` groups that the module keeps and updates from each batch.
@@ -460,7 +481,7 @@ class GroupDROLoss(nn.Module):
             self.alpha = None
         counts = None if group_counts is None else check_group_vector("group_counts", group_counts, num_groups,
                                                                       positive=True)
-        adjust = torch.zeros(num_groups, dtype=torch.float64)
+        adjust = torch.zeros(num_groups, dtype=torch.float64, device="cpu")
         if adjustment is not None:
             if counts is None:
                 raise ValueError("dro_ext: adjustment needs group_counts (the N_g of C_g / sqrt(N_g)), got "
@@ -468,34 +489,46 @@ class GroupDROLoss(nn.Module):
             if isinstance(adjustment, torch.Tensor) or not isinstance(adjustment, (int, float)):
                 c = _finite_vector("adjustment", adjustment, num_groups)
             else:
-                c = torch.full((num_groups,), real_number("adjustment", adjustment), dtype=torch.float64)
+                c = torch.full((num_groups,), real_number("adjustment", adjustment), dtype=torch.float64,
+                               device="cpu")
                 if not math.isfinite(float(c[0])):
                     raise ValueError(f"dro_ext: adjustment must be finite, got adjustment={adjustment}")
             adjust = c / counts.sqrt()
-        q0 = (torch.full((num_groups,), 1.0 / num_groups, dtype=torch.float64) if q_init is None
+        q0 = (torch.full((num_groups,), 1.0 / num_groups, dtype=torch.float64, device="cpu") if q_init is None
               else check_group_vector("q_init", q_init, num_groups, positive=False))
-        q0 = q0 / fixed_order_sum(q0)
-        active = q0 > 0
+        self._q_init = q0 / fixed_order_sum(q0)  # host float64, for reset_parameters
+        active = self._q_init > 0
         dtype = torch.get_default_dtype()
-        # The state: persistent buffers, saved by state_dict.
-        self.register_buffer("log_q", torch.log(q0).to(dtype))
-        self.register_buffer("ema_loss", torch.zeros(num_groups, dtype=dtype))
-        self.register_buffer("last_loss", torch.zeros(num_groups, dtype=dtype))
-        self.register_buffer("seen", torch.zeros(num_groups, dtype=torch.bool))
+        # The state: persistent buffers, saved by state_dict (set by reset_parameters below).
+        self.register_buffer("log_q", torch.empty(num_groups, dtype=dtype))
+        self.register_buffer("ema_loss", torch.empty(num_groups, dtype=dtype))
+        self.register_buffer("last_loss", torch.empty(num_groups, dtype=dtype))
+        self.register_buffer("seen", torch.empty(num_groups, dtype=torch.bool))
         # The configuration: buffers (they follow the module to its device) outside the state_dict, in float64 so
-        # that a float64 state (module.double()) gets them unrounded.
-        self.register_buffer("active", active, persistent=False)
-        self.register_buffer("adjustment_term", adjust, persistent=False)
+        # that a float64 state (module.double()) gets them unrounded, whatever dtype the module is cast to.
+        self.register_buffer("active", active.clone(), persistent=False)
+        self._register_configuration("adjustment_term", adjust)
         shares = None
         if counts is not None:
             shares = torch.where(active, counts, 0.0)
             shares = shares / fixed_order_sum(shares)
-        self.register_buffer("population_shares", shares, persistent=False)
+        self._register_configuration("population_shares", shares)
+        self.reset_parameters()
         if group is not None:
             from dro_ext.distributed import check_group
 
             check_group(group, "GroupDROLoss")
         self.group = group
+
+    def reset_parameters(self) -> None:
+        """The state as constructed: q = q_init (uniform without it), no EMA, no group seen. (As BatchNorm's resets
+        its running statistics; also what a construction on the meta device followed by to_empty() needs.)"""
+        with torch.no_grad():
+            self.log_q.copy_(torch.log(self._q_init))
+            self.ema_loss.zero_()
+            self.last_loss.zero_()
+            self.seen.fill_(False)
+            self.active.copy_(self._q_init > 0)
 
     @property
     def q(self) -> torch.Tensor:
@@ -609,7 +642,8 @@ def _shift_from_max(values: torch.Tensor) -> torch.Tensor:
 
 
 def _finite_vector(name: str, value: Any, num_groups: int) -> torch.Tensor:
-    tensor = torch.as_tensor(value if isinstance(value, torch.Tensor) else [real_number(name, v) for v in value])
+    tensor = (value if isinstance(value, torch.Tensor)
+              else torch.tensor([real_number(name, v) for v in value], dtype=torch.float64, device="cpu"))
     tensor = tensor.detach().to("cpu", torch.float64)
     if tensor.shape != (num_groups,):
         raise ValueError(f"dro_ext: {name} must be a number or have shape ({num_groups},), got {tuple(tensor.shape)}")

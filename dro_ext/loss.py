@@ -1,6 +1,7 @@
 """DROLoss: the penalized DRO objective as an nn.Module that owns its dual variable eta."""
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
@@ -9,14 +10,14 @@ from torch import nn
 
 from dro_ext._divergences import Divergence, check_divergence, check_losses, check_positive, real_number
 from dro_ext.group_reduction import check_forward_groups
-from dro_ext.groups import _group_weights, check_num_groups, group_dro_loss
+from dro_ext.groups import _Float64Configuration, _group_weights, check_num_groups, group_dro_loss
 from dro_ext.ops import dro_loss
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 
-class DROLoss(nn.Module):
+class DROLoss(_Float64Configuration):
     """``forward(losses) = mean_i lam * psi*((l_i - scale*eta)/lam) + scale*eta``.
 
     ``eta`` is a 0-d ``nn.Parameter``: put the module's parameters in the optimizer beside the model's,
@@ -53,7 +54,11 @@ class DROLoss(nn.Module):
         self.divergence, self.alpha, self.k = spec
         self.lam = check_positive("lam", lam)
         self.scale = check_positive("scale", scale)
-        self.eta = nn.Parameter(torch.tensor(real_number("eta_init", eta_init)))
+        self.eta_init = real_number("eta_init", eta_init)
+        if not math.isfinite(self.eta_init):
+            raise ValueError(f"dro_ext: eta_init must be finite, got eta_init={self.eta_init}")
+        self.eta = nn.Parameter(torch.empty(()))
+        self.reset_parameters()
         self.group = group
         self.num_groups: int | None = None
         if num_groups is None:
@@ -62,8 +67,12 @@ class DROLoss(nn.Module):
             return
         self.num_groups = check_num_groups(num_groups)
         # Checked here once, and kept outside the state_dict (which stays {"eta"}): None for batch weighting.
-        self.register_buffer("group_weights", _group_weights(weighting, group_counts, self.num_groups, "cpu"),
-                             persistent=False)
+        self._register_configuration("group_weights", _group_weights(weighting, group_counts, self.num_groups, "cpu"))
+
+    def reset_parameters(self) -> None:
+        """eta = eta_init (what a construction on the meta device followed by to_empty() needs)."""
+        with torch.no_grad():
+            self.eta.fill_(self.eta_init)
 
     def forward(self, losses: torch.Tensor, groups: torch.Tensor | None = None, *,
                 mask: torch.Tensor | None = None) -> torch.Tensor:

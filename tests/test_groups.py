@@ -614,6 +614,67 @@ def test_state_dict_resumes_bitwise(backend, config):
         assert torch.equal(resumed.state_dict()[name], buffer), name
 
 
+@pytest.mark.parametrize("config", ["adjusted", "disabled", "greedy-population"])
+def test_modules_built_on_the_meta_device_are_as_constructed_after_to_empty(backend, config):
+    # The recipe for large models: build on the meta device, to_empty(), then reset_parameters() where a module has
+    # it. The loss modules' state and configuration must come back as constructed, not as uninitialized memory.
+    kwargs = EG_CONFIGS[config]
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.online = dro_ext.GroupDROLoss(5, **kwargs)
+            self.penalized = dro_ext.DROLoss("kl", lam=0.4, eta_init=0.25, num_groups=5, weighting="population",
+                                             group_counts=[70000.0, 30000.0, 5.0, 1.0, 2.0])
+
+    torch.manual_seed(0)
+    junk = torch.full((1 << 16,), 3.0e27)  # freed memory that to_empty may hand back
+    del junk
+    with torch.device("meta"):
+        lazy = Model()
+    lazy.to_empty(device="cpu")
+    for module in lazy.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    built = Model()
+    for (name, a), (_, b) in zip(lazy.named_buffers(), built.named_buffers()):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert torch.equal(lazy.penalized.eta, built.penalized.eta) and lazy.penalized.eta.item() == 0.25
+    for losses, groups in batches(3, 9, 5, torch.float32):
+        assert torch.equal(lazy.online(losses, groups), built.online(losses, groups))
+        assert torch.equal(lazy.penalized(losses, groups), built.penalized(losses, groups))
+
+
+@pytest.mark.parametrize("cast", ["half", "bfloat16", "double"])
+def test_dtype_casts_keep_the_float64_configuration(backend, cast):
+    # module.half() casts every floating buffer: population counts past 65504 became inf (a ValueError naming a
+    # `weighting` the caller never passed) and every weight lost its digits. The configuration stays float64; the
+    # state (eta, q) takes the cast.
+    counts = [70000.0, 30000.0, 3.0]
+    losses, groups = random_batch(11, 3)
+    penalized = getattr(dro_ext.DROLoss("chi2", lam=0.5, num_groups=3, weighting="population",
+                                        group_counts=counts), cast)()
+    assert penalized.group_weights.dtype == torch.float64 and penalized.group_weights.tolist() == counts
+    dtype = penalized.eta.dtype
+    assert dtype == getattr(torch, {"half": "float16", "bfloat16": "bfloat16", "double": "float64"}[cast])
+    want = dro_ext.group_dro_loss(losses, groups, 3, 0.0, 0.5, "chi2", weighting="population", group_counts=counts)
+    got = penalized(losses.to(dtype), groups)
+    torch.testing.assert_close(got.double(), want, rtol=2 * torch.finfo(dtype).eps * 8, atol=0)
+    online = getattr(dro_ext.GroupDROLoss(3, step_size=0.5, group_counts=counts, adjustment=1.0), cast)()
+    assert online.log_q.dtype == dtype
+    assert online.adjustment_term.dtype == online.population_shares.dtype == torch.float64
+    reference = dro_ext.GroupDROLoss(3, step_size=0.5, group_counts=counts, adjustment=1.0).double()
+    torch.testing.assert_close(online(losses.to(dtype), groups).double(), reference(losses, groups),
+                               rtol=16 * torch.finfo(dtype).eps, atol=0)
+    torch.testing.assert_close(online.q.double(), reference.q, rtol=16 * torch.finfo(dtype).eps, atol=0)
+
+
+def test_eta_init_must_be_finite():
+    for bad in (math.nan, math.inf, -math.inf):
+        with pytest.raises(ValueError, match="eta_init must be finite"):
+            dro_ext.DROLoss("chi2", eta_init=bad)
+
+
 def test_group_dro_gradcheck(backend):
     losses, groups = random_batch(9, 4, absent=(2,))
     for kwargs in (dict(step_size=0.7, missing="stale"), dict(mode="greedy_cvar", alpha=0.3)):
