@@ -11,6 +11,7 @@ tensor alone (``norm="tensor"``). Two implementations compute this: the fused na
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from itertools import repeat
 from typing import Any, Callable, Literal, cast, overload
@@ -55,10 +56,10 @@ def _check_number(name: str, value: object, *, low: float, high: float | None = 
             raise ValueError(f"dro_ext.NormalizedSGD: {name} as a Tensor must hold one element, got shape "
                              f"{tuple(value.shape)}")
         number = float(value.detach().cpu())
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):  # numpy's scalars too, as torch's SGD
         number = float(value)
     else:
-        raise ValueError(f"dro_ext.NormalizedSGD: {name} must be a number, got {value!r}")
+        raise TypeError(f"dro_ext.NormalizedSGD: {name} must be a number, got {value!r} ({type(value).__name__})")
     allowed = f"in [{low}, {high})" if high is not None else f">= {low}"
     if not math.isfinite(number) or number < low or (high is not None and number >= high):
         raise ValueError(f"dro_ext.NormalizedSGD: {name} must be a finite number {allowed}, got {name}={number}")
@@ -107,18 +108,14 @@ class NormalizedSGD(Optimizer):
         self._plans: dict[int, _GroupPlan] = {}  # id(group) -> the _GroupPlan kept for the group's next step (_plan)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        # Checked per group, so a group that overrides a default gets the same errors as the constructor.
+        # Checked per group, so a group that overrides a default gets the same errors as the constructor; a group
+        # that fails is taken out again (a caller that catches the error must not step it).
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        _check_number("lr", group["lr"], low=0.0)
-        _check_number("momentum", group["momentum"], low=0.0, high=1.0)
-        _check_number("eps", group["eps"], low=0.0)
-        _check_number("weight_decay", group["weight_decay"], low=0.0)
-        if group["norm"] not in _NORMS:
-            raise ValueError(f"dro_ext.NormalizedSGD: norm must be one of {_NORMS}, got {group['norm']!r}")
-        for p in group["params"]:
-            if not p.is_floating_point():
-                raise ValueError(f"dro_ext.NormalizedSGD: parameters must be floating point, got {p.dtype}")
+        try:
+            _check_group(self.param_groups[-1])
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # load_state_dict comes here too, with the new state and groups
@@ -275,6 +272,19 @@ class _GroupPlan:
             return None
 
 
+def _check_group(group: dict[str, Any]) -> None:
+    """A param group's options, as the constructor and add_param_group take them."""
+    _check_number("lr", group["lr"], low=0.0)
+    _check_number("momentum", group["momentum"], low=0.0, high=1.0)
+    _check_number("eps", group["eps"], low=0.0)
+    _check_number("weight_decay", group["weight_decay"], low=0.0)
+    if group["norm"] not in _NORMS:
+        raise ValueError(f"dro_ext.NormalizedSGD: norm must be one of {_NORMS}, got {group['norm']!r}")
+    for p in group["params"]:
+        if not p.is_floating_point():
+            raise ValueError(f"dro_ext.NormalizedSGD: parameters must be floating point, got {p.dtype}")
+
+
 def _settings(group: dict[str, Any]) -> tuple[bool | None, bool | None, bool]:
     return group["fused"], group["foreach"], _backend.use_native()
 
@@ -325,6 +335,8 @@ def _foreach_step(params: list[torch.Tensor], grads: list[torch.Tensor], momenta
                   steps: list[torch.Tensor], *, lr: float | torch.Tensor, momentum: float, eps: float,
                   weight_decay: float, norm: str, maximize: bool, grad_scale: torch.Tensor | None,
                   found_inf: torch.Tensor | None) -> None:
+    if not 0.0 <= momentum < 1.0:  # set on a group after construction: the fused op raises the same
+        raise ValueError(f"dro_ext: momentum must be in [0, 1), got {momentum}")
     if found_inf is not None and bool(found_inf.ne(0).any()):
         return
     buckets = _group_by_device_and_dtype([params, grads, momenta, steps])

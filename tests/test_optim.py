@@ -472,6 +472,44 @@ def test_bad_param_group_override():
     opt = NormalizedSGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     with pytest.raises(ValueError, match="momentum"):
         opt.add_param_group(dict(params=[torch.nn.Parameter(torch.zeros(2))], momentum=1.5))
+    # The refused group is not kept: a caller that catches the error must not step it (with lr=-1, uphill).
+    bad = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="lr"):
+        opt.add_param_group(dict(params=[bad], lr=-1.0))
+    assert len(opt.param_groups) == 1
+    bad.grad = torch.ones(2)
+    opt.step()
+    assert torch.equal(bad.detach(), torch.ones(2))
+
+
+def test_numbers_of_any_real_type_and_a_clear_type_error(backend):
+    # numpy's scalars are numbers, as torch.optim.SGD and dro_loss take them; a string is a TypeError naming lr.
+    import numpy as np
+
+    def run(lr, momentum):
+        p = torch.nn.Parameter(torch.arange(3.0))
+        opt = NormalizedSGD([p], lr=lr, momentum=momentum)
+        for g in ([1.0, 0.0, 2.0], [0.5, -1.0, 0.0]):
+            p.grad = torch.tensor(g)
+            opt.step()
+        return p.detach()
+
+    want = run(0.25, 0.5)
+    assert torch.equal(run(np.float32(0.25), np.float64(0.5)), want)
+    assert torch.equal(run(np.float16(0.25), np.float32(0.5)), want)
+    assert torch.equal(run(np.int64(1), 0.5), run(1.0, 0.5))
+    with pytest.raises(TypeError, match="lr must be a number"):
+        NormalizedSGD([torch.nn.Parameter(torch.zeros(2))], lr="0.1")
+
+
+def test_a_momentum_set_after_construction_is_checked_at_the_step(backend):
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = NormalizedSGD([p], lr=0.1)
+    opt.param_groups[0]["momentum"] = 1.5
+    p.grad = torch.ones(2)
+    with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\)"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(2))
 
 
 def test_native_op_rejects_mismatched_lists():
