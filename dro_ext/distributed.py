@@ -280,8 +280,10 @@ def weight_stats(w: torch.Tensor, groups: torch.Tensor | None, num_groups: int,
                  group: dist.ProcessGroup) -> WeightStats:
     """:class:`dro_ext.robust.WeightStats` of the weights of every rank (``w``: this rank's, checked).
 
-    One all-reduce (sum) of ``[sum w, sum w^2, #zeros, n, #NaN, per-group sums...]`` and one (max) of the
-    largest weight. NaN anywhere gives NaN statistics everywhere.
+    One all-reduce (sum) of ``[sum w, sum w^2, #zeros, n, #NaN, #negative, #bad ids, per-group sums...]`` and one
+    (max) of the largest weight. NaN anywhere gives NaN statistics everywhere. A negative weight (``negative``:
+    given weights, not computed ones) or an id outside ``[0, num_groups)`` on any rank raises on every rank, after
+    the collectives: a rank that raised before them would leave the others waiting there.
     """
     from dro_ext.robust import WeightStats
 
@@ -290,18 +292,23 @@ def weight_stats(w: torch.Tensor, groups: torch.Tensor | None, num_groups: int,
     acc = accumulate_dtype(w.dtype)
     x = w.detach().to(torch.float64)
     width = int(num_groups) if groups is not None else 0
-    sums = torch.zeros(5 + width, dtype=torch.float64, device=x.device)
+    sums = torch.zeros(_STATS + width, dtype=torch.float64, device=x.device)
     if x.numel():
         sums[0], sums[1] = fixed_order_sum(x), fixed_order_sum(x * x)
-        sums[2], sums[3], sums[4] = (x == 0).sum(), x.numel(), torch.isnan(x).sum()
+        sums[2], sums[3], sums[4], sums[5] = (x == 0).sum(), x.numel(), torch.isnan(x).sum(), (x < 0).sum()
         if groups is not None:
-            if int(groups.min()) < 0 or int(groups.max()) >= width:
-                raise IndexError(f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={width}")
-            sums[5:].index_add_(0, groups.long(), x)
+            bad = ((groups < 0) | (groups >= width)).sum()
+            sums[6] = bad
+            if not bool(bad):
+                sums[_STATS:].index_add_(0, groups.long(), x)
     local_max = x.max().item() if x.numel() else -math.inf
     sums = reducer.sum(sums)
     largest = reducer.max(torch.tensor([local_max], dtype=torch.float64, device=x.device)).item()
-    total, total_sq, zeros, n, nans = sums[:5].tolist()
+    total, total_sq, zeros, n, nans, negative, bad_ids = sums[:_STATS].tolist()
+    if bad_ids > 0:
+        raise IndexError(f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={width} (on some rank)")
+    if negative > 0:
+        raise ValueError(f"dro_ext: weights must be >= 0, got {int(negative)} negative weights (on some rank)")
     if n == 0:
         raise ValueError("dro_ext.weight_stats: the weights of every rank together are empty")
     if nans > 0:
@@ -310,8 +317,11 @@ def weight_stats(w: torch.Tensor, groups: torch.Tensor | None, num_groups: int,
     # would raise ZeroDivisionError).
     ratios = (torch.tensor([total * total, largest, zeros], dtype=torch.float64)
               / torch.tensor([total_sq, total, n], dtype=torch.float64)).to(device=w.device, dtype=acc)
-    group_mass = (sums[5:] / total).to(acc) if groups is not None else None
+    group_mass = (sums[_STATS:] / total).to(acc) if groups is not None else None
     return WeightStats(ratios[0], ratios[1], ratios[2], group_mass)
+
+
+_STATS = 7  # the statistics before the per-group sums in weight_stats' all-reduce
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -241,7 +241,8 @@ def weight_stats(
 ) -> WeightStats:
     """Effective sample size, max weight, zero fraction and per-group mass of a sample weighting.
 
-    Give either ``weights`` (any non-negative 1-D tensor; it is normalized to sum to one) or ``losses`` and
+    Give either ``weights`` (any non-negative 1-D tensor; it is normalized to sum to one; a negative weight raises
+    ValueError, from one host read of them: a sync on CUDA; NaN gives NaN statistics) or ``losses`` and
     ``lam`` (with ``divergence``, ``alpha``, ``k``): then the weights are ``dro_weights(losses, eta, ...)``
     at the given ``eta`` (e.g. the trained ``DROLoss.eta``), or the worst-case distribution when ``eta`` is
     None. ``groups`` is an optional integer tensor of group ids in ``[0, num_groups)``, one per sample; ids
@@ -276,6 +277,8 @@ def weight_stats(
             if losses is not None or eta is not None:
                 raise ValueError("dro_ext: give either weights or losses (+ eta), not both")
             check_losses(weights, "weights", allow_empty=group is not None)
+            if group is None and bool((weights < 0).any()):  # (with group=, every rank raises after its reduction)
+                raise ValueError(f"dro_ext: weights must be >= 0, got {int((weights < 0).sum())} negative weights")
             w = weights
         else:
             if losses is None:

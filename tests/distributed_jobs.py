@@ -411,6 +411,22 @@ def job_robust(rank, world):
                       dro_ext.weight_stats(losses=x, groups=ids, num_groups=4, over="groups", group=group, **at)):
             assert math.isnan(stats.ess) and math.isnan(stats.max_weight) and stats.zero_fraction == 1, stats
 
+    # A negative weight or a bad group id on one rank only: every rank raises, after the collectives (the rank that
+    # raised before them left the other waiting there), and the next collective still pairs up.
+    w = torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)
+    for bad_w, ids, exc in ((torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64), None, ValueError),
+                            (w, torch.tensor([0, 5, 1]), IndexError)):
+        mine = bad_w if rank == 1 else w
+        try:
+            dro_ext.weight_stats(mine, groups=None if ids is None else (ids if rank == 0 else torch.tensor([0, 1, 1])),
+                                 num_groups=None if ids is None else 3, group=group)
+        except exc as error:
+            assert "weights must be >= 0" in str(error) or "outside [0, num_groups)" in str(error), error
+        else:
+            raise AssertionError(f"rank {rank}: weight_stats with a bad input on one rank did not raise {exc}")
+    close(dro_ext.weight_stats(w, group=group).ess, dro_ext.weight_stats(torch.cat([w, w])).ess,
+          "weight_stats after the errors", rtol=1e-15, atol=0)
+
     # DROLoss(group=) with an empty rank: its share is 0, and the ranks' gradients averaged (as DDP averages them)
     # are the single-process gradients on the concatenated batch (dro_loss raised on the empty rank before, and
     # the other rank waited in batch_scale's all-reduce).

@@ -655,6 +655,9 @@ def test_weight_stats_bad_inputs():
         dro_ext.weight_stats(torch.ones(4, dtype=torch.long))
     with pytest.raises(TypeError, match="weights must be a dense"):
         dro_ext.weight_stats(torch.ones(4).to_sparse())
+    with pytest.raises(ValueError, match="weights must be >= 0, got 1 negative"):
+        dro_ext.weight_stats(torch.tensor([1.0, -1.0, 0.0, 2.0]))
+    assert math.isnan(dro_ext.weight_stats(torch.tensor([1.0, math.nan, 2.0])).ess)  # NaN is not dropped
     with pytest.raises(TypeError, match="losses must be a dense"):
         dro_ext.robust_objective(torch.ones(4).to_sparse(), 0.1)
 
