@@ -221,20 +221,37 @@ def _reduced_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: 
     Over ranks, (sums, counts) are all-reduced together (one collective of 2G numbers) so every rank holds the
     same values; the sums' gradient goes to the local samples times the world size, which DDP's averaging of the
     gradients over the ranks divides out again: the averaged gradient is the one of the concatenated batch."""
-    sums, counts = _masked_group_sums(losses, groups, num_groups, mask)
     if process_group is None:
-        return sums, counts
+        return _masked_group_sums(losses, groups, num_groups, mask)
     import torch.distributed as dist
     from torch.distributed import _functional_collectives as funcol
 
     from dro_ext.distributed import _collective_device, check_group
 
     check_group(process_group, where)
+    # An id out of range on one rank only must raise on every rank, after the collective: raised before it, it left
+    # the other ranks waiting there. On the CPU (a host read of the ids costs no sync) the bad ids among the kept
+    # samples are counted and dropped, and the count travels with the sums; on a device the asynchronous assertion
+    # of _check_group_ids stands (no host sync; a bad id fails its rank at the next sync).
+    counted = groups.device.type == "cpu" and not torch.compiler.is_compiling()
+    extra: list[torch.Tensor] = []
+    if counted:
+        keep = (groups >= 0) & (groups < num_groups)
+        bad = ~keep if mask is None else mask & ~keep
+        if mask is not None:
+            keep = keep & mask
+        sums, counts = group_sums(losses, torch.where(keep, groups, -1), num_groups, validate=False)
+        extra = [bad.sum().to(counts.dtype).reshape(1)]
+    else:
+        sums, counts = _masked_group_sums(losses, groups, num_groups, mask)
     device = _collective_device(process_group, losses.device)
-    both = torch.cat([sums.detach(), counts]).to(device)
+    both = torch.cat([sums.detach(), counts, *extra]).to(device)
     both = funcol.all_reduce(both, "sum", process_group).to(losses.device)
+    if counted and bool(both[2 * num_groups] > 0):
+        raise IndexError(f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={num_groups} (on "
+                         f"{int(both[2 * num_groups])} samples of the ranks of the process group)")
     world = float(dist.get_world_size(process_group))
-    return _GlobalValueLocalGradient.apply(both[:num_groups], sums, world), both[num_groups:]
+    return _GlobalValueLocalGradient.apply(both[:num_groups], sums, world), both[num_groups:2 * num_groups]
 
 
 def _group_means(sums: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

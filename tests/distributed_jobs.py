@@ -474,6 +474,31 @@ def job_robust(rank, world):
         stats = dro_ext.weight_stats(losses=x, eta=0.5, lam=0.5, divergence=divergence, group=group, **params)
         assert all(torch.isnan(s) for s in stats[:2]), f"rank {rank} {divergence}: stats {stats}"
 
+    # A group id out of range on one rank only: every rank raises IndexError, after the all-reduce (raised before it
+    # on its rank, the other rank waited there), for each function that reduces over the ranks; then the next
+    # collective still pairs up.
+    losses = torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)
+    ids = torch.tensor([0, 7, 1]) if rank == 0 else torch.tensor([0, 1, 1])
+    calls = {
+        "group_dro_loss": lambda: dro_ext.group_dro_loss(losses, ids, 3, 0.5, 0.5, "kl", group=group),
+        "group_dro_loss with a mask": lambda: dro_ext.group_dro_loss(
+            losses, ids, 3, 0.5, 0.5, "kl", group=group, mask=torch.tensor([True, True, False])),
+        "GroupDROLoss": lambda: dro_ext.GroupDROLoss(3, group=group)(losses, ids),
+        "DROLoss": lambda: dro_ext.DROLoss("chi2", 0.5, num_groups=3, group=group)(losses, ids),
+        "robust_objective": lambda: dro_ext.robust_objective(losses, 0.5, "kl", groups=ids, num_groups=3, group=group),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+        except IndexError as exc:
+            assert "outside [0, num_groups)" in str(exc), (name, exc)
+        else:
+            raise AssertionError(f"rank {rank}: {name} with a bad id on rank 0 did not raise")
+    # A bad id where the mask drops the sample is never read.
+    masked = dro_ext.group_dro_loss(losses, ids, 3, 0.5, 0.5, "kl", group=group, mask=ids < 3)
+    close(masked, dro_ext.group_dro_loss(torch.cat([losses[[0, 2]], losses]), torch.tensor([0, 1, 0, 1, 1]), 3, 0.5,
+                                         0.5, "kl"), "a masked bad id", rtol=1e-14, atol=0)
+
     # Errors name the argument.
     try:
         dro_ext.robust_objective(torch.ones(3), 0.5, group="world")
