@@ -10,7 +10,7 @@ import torch
 import dro_ext
 from cuda_cases import (DEVICE, DTYPES, ON_CUDA, SKIP_WITHOUT_CUDA, make_losses, native_backend,  # noqa: F401
                         needs_cuda, on_test_device)
-from test_group_sums import assert_sums_close, sum_dtype
+from test_group_sums import assert_sums_close, check_gather_adjoint_sums_alike_terms, sum_dtype
 
 pytestmark = SKIP_WITHOUT_CUDA
 
@@ -58,6 +58,11 @@ def test_gradient_and_means_composition(dtype):
     assert grad.dtype == dtype and on_test_device(grad)
     want = (q / counts.clamp_min(1))[groups.long()].to(dtype)
     assert torch.equal(grad, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_the_gathers_adjoint_sums_alike_terms_within_a_rounding(dtype):
+    check_gather_adjoint_sums_alike_terms(dtype, DEVICE)
 
 
 def test_gradcheck_and_gradgradcheck_float64():

@@ -112,21 +112,25 @@ def test_empty_batch_gives_zero_sums_and_counts(backend, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_the_gathers_adjoint_sums_alike_terms_within_a_rounding(backend, dtype):
+    check_gather_adjoint_sums_alike_terms(dtype, "cpu")
+
+
+def check_gather_adjoint_sums_alike_terms(dtype, device):
     # The gather (group_sums' backward) has the group sums of its incoming gradient as its own backward, and a
     # gradient that reaches a gather is often alike within each group (every sample's equal share of its group's
     # weight). Added one after another in float32 each add rounds the same way (a group's sum of 2^18 drifted by
     # 1e-5); summed in float64 and rounded once, each sum is within one float32 rounding of the exact one.
     n, num_groups = 2**20 + 5, 4
-    groups = torch.randint(0, num_groups, (n,))
-    share = torch.tensor([1 / 3, 2 / 7, 1e-6 / 3, 5.0], dtype=torch.float64)
+    groups = torch.randint(0, num_groups, (n,), device=device)
+    share = torch.tensor([1 / 3, 2 / 7, 1e-6 / 3, 5.0], dtype=torch.float64, device=device)
     alike = share[groups].to(dtype)
-    losses = torch.randn(n, dtype=dtype, requires_grad=True)
-    grad_sums = torch.randn(num_groups, dtype=sum_dtype(dtype), requires_grad=True)
+    losses = torch.randn(n, dtype=dtype, device=device, requires_grad=True)
+    grad_sums = torch.randn(num_groups, dtype=sum_dtype(dtype), device=device, requires_grad=True)
     sums, _ = dro_ext.group_sums(losses, groups, num_groups)
     (gathered,) = torch.autograd.grad(sums, losses, grad_outputs=grad_sums, create_graph=True)
     (got,) = torch.autograd.grad(gathered, grad_sums, grad_outputs=alike)
     want, _, _ = reference(alike, groups, num_groups)
-    err = (got.double() - want).abs()
+    err = (got.cpu().double() - want).abs()
     assert got.dtype == sum_dtype(dtype) and bool((err <= torch.finfo(torch.float32).eps * want.abs()).all()), (
         (err / want.abs()).tolist())
 
