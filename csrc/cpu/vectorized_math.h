@@ -49,6 +49,14 @@ struct Math<at::vec::Vectorized<S>> {
   }
   // log(x) for x > 0 (smoothed_cvar's log of a sum of positive terms, away from 1).
   static inline V log(const V& x) { return x.log(); }
+  // a b + c (see Math<T>::fmadd): one FMA in the SIMD builds, two roundings in the portable one.
+  static inline V fmadd(const V& a, const V& b, const V& c) {
+#if defined(DRO_EXT_SIMD_FLOAT)
+    return V(cpu::simd::fmadd(a, b, c));
+#else
+    return a * b + c;
+#endif
+  }
   // a / b for b bounded away from 0 and infinity (see Math<T>::divide).
   static inline V divide(const V& a, const V& b) {
 #if defined(DRO_EXT_SIMD_FLOAT)
