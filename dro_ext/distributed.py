@@ -119,13 +119,20 @@ class _GroupReducer:
 # ---------------------------------------------------------------------------------------------------
 
 
-def batch_scale(num_local: int, group: dist.ProcessGroup, device: torch.device | str) -> torch.Tensor:
-    """``world_size * n_local / N`` as a 0-d float64 tensor on ``device``: one all-reduce of a scalar.
+def batch_scale(num_local: int, group: dist.ProcessGroup, device: torch.device | str, *,
+                refused: bool = False) -> torch.Tensor:
+    """``world_size * n_local / N`` as a 0-d float64 tensor on ``device``: one all-reduce of two numbers.
 
     The DRO objective of the concatenated batch is the sample-weighted mean of the local objectives,
     ``L = sum_r (n_r/N) L_r`` (the ``scale*eta`` term included, since the weights sum to one), so scaling
     each rank's loss by ``R n_r / N`` makes DDP's (or FSDP2's) average over the R ranks the gradient of
-    ``L``, for the model and for ``eta`` alike. With equal local batches the factor is 1.
+    ``L``, for the model and for ``eta`` alike. With equal local batches the factor is 1; with no sample on any rank
+    it is 0 (the loss and its gradients 0, as group_dro_loss gives them; 0/0 before).
+
+    ``refused``: this rank's losses were refused (it raises its own error after this call): it still joins the
+    all-reduce, contributing NaN and one refusal, so that the other ranks neither wait for it nor pair their
+    collective with its next one. On the CPU they then raise too; on a device (where reading the count would be a
+    host sync) their factor, and so their loss, is NaN.
 
     The all-reduce is a functional collective (``torch.distributed._functional_collectives``), which
     ``torch.compile`` traces; the factor carries no gradient.
@@ -134,10 +141,15 @@ def batch_scale(num_local: int, group: dist.ProcessGroup, device: torch.device |
 
     check_group(group, "DROLoss")
     coll_device = _collective_device(group, torch.device(device))
-    count = torch.full((), float(num_local), dtype=torch.float64, device=coll_device)
+    count = torch.tensor([math.nan if refused else float(num_local), float(refused)], dtype=torch.float64,
+                         device=coll_device)
     total = funcol.all_reduce(count, "sum", group)
+    if (not refused and coll_device.type == "cpu" and not torch.compiler.is_compiling()
+            and bool(total[1] > 0)):
+        raise ValueError("dro_ext.DROLoss: another rank of the process group refused its losses (its own error says "
+                         "why); every rank raises, so that none waits in a collective")
     world = dist.get_world_size(group)
-    return (count * world / total).to(device)
+    return torch.where(total[0] > 0, count[0] * world / total[0], 0.0).to(device)
 
 
 def average_gradients(params: Iterable[torch.Tensor], group: dist.ProcessGroup) -> None:

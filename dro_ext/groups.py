@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import nn
@@ -218,40 +218,79 @@ def _reduced_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: 
                         mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sums, counts) of the batch, or, with a process group, of the concatenated batch of its ranks.
 
-    Over ranks, (sums, counts) are all-reduced together (one collective of 2G numbers) so every rank holds the
-    same values; the sums' gradient goes to the local samples times the world size, which DDP's averaging of the
-    gradients over the ranks divides out again: the averaged gradient is the one of the concatenated batch."""
+    Over ranks, (sums, counts) are all-reduced together (one collective of 2G numbers, and two counts below) so every
+    rank holds the same values; the sums' gradient goes to the local samples times the world size, which DDP's
+    averaging of the gradients over the ranks divides out again: the averaged gradient is the one of the concatenated
+    batch. The collective is in float64 whatever each rank's dtype (an empty rank's torch.empty(0) is float32 beside
+    another's float64: gloo aborted the process on the differing sizes)."""
     if process_group is None:
         return _masked_group_sums(losses, groups, num_groups, mask)
-    import torch.distributed as dist
+    # An id out of range on one rank only must raise on every rank, after the collective: raised before it, it left
+    # the other ranks waiting there, or pairing their collective with its next one. On the CPU (a host read of the
+    # ids costs no sync) the bad ids among the kept samples are counted and dropped, and the count travels with the
+    # sums; on a device the asynchronous assertion of _check_group_ids stands (no host sync; a bad id fails its rank
+    # at the next sync).
+    counted = groups.device.type == "cpu" and not torch.compiler.is_compiling()
+    bad = torch.zeros((), dtype=torch.float64, device=losses.device)
+    if counted:
+        keep = (groups >= 0) & (groups < num_groups)
+        bad = (~keep if mask is None else mask & ~keep).sum().to(torch.float64)
+        if mask is not None:
+            keep = keep & mask
+        sums, counts = group_sums(losses, torch.where(keep, groups, -1), num_groups, validate=False)
+    else:
+        sums, counts = _masked_group_sums(losses, groups, num_groups, mask)
+    refused = torch.zeros((), dtype=torch.float64, device=losses.device)
+    both = _all_reduce_group_sums(torch.cat([sums.detach().to(torch.float64), counts.to(torch.float64),
+                                             bad.reshape(1), refused.reshape(1)]), num_groups, process_group, where)
+    if counted and bool(both[2 * num_groups] > 0):
+        raise IndexError(f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={num_groups} (on "
+                         f"{int(both[2 * num_groups])} samples of the ranks of the process group)")
+    world = float(torch.distributed.get_world_size(process_group))
+    return (_GlobalValueLocalGradient.apply(both[:num_groups].to(sums.dtype), sums, world),
+            both[num_groups:2 * num_groups].to(counts.dtype))
+
+
+def _all_reduce_group_sums(both: torch.Tensor, num_groups: int, process_group: ProcessGroup,
+                           where: str) -> torch.Tensor:
+    """The all-reduce of _reduced_group_sums' vector [sums, counts, bad ids, refused ranks] (float64, 2G + 2), back on
+    the vector's device. Where a rank refused its inputs (_refuse_on_every_rank) a rank on the CPU raises (the count
+    is read without a sync); on a device the refusing rank's NaN sums make every rank's result NaN instead."""
     from torch.distributed import _functional_collectives as funcol
 
     from dro_ext.distributed import _collective_device, check_group
 
     check_group(process_group, where)
-    # An id out of range on one rank only must raise on every rank, after the collective: raised before it, it left
-    # the other ranks waiting there. On the CPU (a host read of the ids costs no sync) the bad ids among the kept
-    # samples are counted and dropped, and the count travels with the sums; on a device the asynchronous assertion
-    # of _check_group_ids stands (no host sync; a bad id fails its rank at the next sync).
-    counted = groups.device.type == "cpu" and not torch.compiler.is_compiling()
-    extra: list[torch.Tensor] = []
-    if counted:
-        keep = (groups >= 0) & (groups < num_groups)
-        bad = ~keep if mask is None else mask & ~keep
-        if mask is not None:
-            keep = keep & mask
-        sums, counts = group_sums(losses, torch.where(keep, groups, -1), num_groups, validate=False)
-        extra = [bad.sum().to(counts.dtype).reshape(1)]
-    else:
-        sums, counts = _masked_group_sums(losses, groups, num_groups, mask)
-    device = _collective_device(process_group, losses.device)
-    both = torch.cat([sums.detach(), counts, *extra]).to(device)
-    both = funcol.all_reduce(both, "sum", process_group).to(losses.device)
-    if counted and bool(both[2 * num_groups] > 0):
-        raise IndexError(f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={num_groups} (on "
-                         f"{int(both[2 * num_groups])} samples of the ranks of the process group)")
-    world = float(dist.get_world_size(process_group))
-    return _GlobalValueLocalGradient.apply(both[:num_groups], sums, world), both[num_groups:2 * num_groups]
+    device = _collective_device(process_group, both.device)
+    reduced = funcol.all_reduce(both.to(device), "sum", process_group).to(both.device)
+    if reduced.device.type == "cpu" and not torch.compiler.is_compiling() and bool(reduced[2 * num_groups + 1] > 0):
+        raise ValueError(f"dro_ext.{where}: another rank of the process group refused its inputs (its own error says "
+                         "why); every rank raises, so that none waits in a collective")
+    return reduced
+
+
+def _refuse_on_every_rank(error: Exception, num_groups: int, process_group: ProcessGroup | None, where: str,
+                          device: torch.device) -> NoReturn:
+    """Raises ``error`` (this rank's inputs refused) after joining the all-reduce that the other ranks of the process
+    group make in _reduced_group_sums, so that they raise too instead of waiting for this rank (or pairing their
+    collective with its next one): this rank contributes NaN sums and one refusal."""
+    if process_group is not None and isinstance(num_groups, int) and num_groups >= 1:
+        vector = torch.cat([torch.full((num_groups,), torch.nan, dtype=torch.float64, device=device),
+                            torch.zeros(num_groups + 1, dtype=torch.float64, device=device),
+                            torch.ones(1, dtype=torch.float64, device=device)])
+        try:
+            _all_reduce_group_sums(vector, num_groups, process_group, where)
+        except ValueError:
+            pass  # the other ranks' view of this refusal: this rank raises its own error below
+    raise error
+
+
+def _input_device(*values: object) -> torch.device:
+    """The device of the first tensor among values (the CPU without one): where a refusing rank's vector goes."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
 
 
 def _group_means(sums: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,15 +335,16 @@ def group_dro_loss(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
     """
     spec = check_divergence(divergence, alpha, k)
     lam, scale = check_positive("lam", lam), check_positive("scale", scale)
-    if group is None:
-        check_losses(losses)
-    else:
-        check_losses(losses, allow_empty=True)  # a rank may hold no samples; the concatenated batch must hold some
     num_groups = check_num_groups(num_groups)
-    check_groups(groups, losses)
-    if mask is not None:
-        check_mask(mask, losses)
-    eta = as_eta(eta, losses)
+    try:
+        # a rank may hold no samples (with group); the concatenated batch must hold some
+        check_losses(losses, allow_empty=group is not None)
+        check_groups(groups, losses)
+        if mask is not None:
+            check_mask(mask, losses)
+        eta = as_eta(eta, losses)
+    except (TypeError, ValueError) as error:
+        _refuse_on_every_rank(error, num_groups, group, "group_dro_loss", _input_device(losses, groups))
     weights = _group_weights(weighting, group_counts, num_groups, losses.device)
     sums, counts = _reduced_group_sums(losses, groups, num_groups, group, "group_dro_loss", mask)
     acc = fallback_dtype(losses.dtype, losses.device)
@@ -563,12 +603,15 @@ class GroupDROLoss(_Float64Configuration):
                     and _backend.native_for_tensor(losses))
         fused = one_call
         if not one_call:  # tensor subclasses, masks, process groups, greedy_cvar, the fallback
-            check_losses(losses, allow_empty=True)
-            check_groups(groups, losses)
-            if not isinstance(update, bool):
-                raise TypeError(f"dro_ext: update must be a bool, got {update!r}")
-            if mask is not None:
-                check_mask(mask, losses)
+            try:
+                check_losses(losses, allow_empty=True)
+                check_groups(groups, losses)
+                if not isinstance(update, bool):
+                    raise TypeError(f"dro_ext: update must be a bool, got {update!r}")
+                if mask is not None:
+                    check_mask(mask, losses)
+            except (TypeError, ValueError) as error:
+                _refuse_on_every_rank(error, self.num_groups, self.group, "GroupDROLoss", _input_device(losses, groups))
             fused = self.mode == "eg" and _backend.native_for(losses.device.type)
             one_call = fused and mask is None and self.group is None
         if one_call:

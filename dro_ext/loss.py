@@ -10,7 +10,13 @@ from torch import nn
 
 from dro_ext._divergences import Divergence, check_divergence, check_losses, check_positive, real_number
 from dro_ext.group_reduction import check_forward_groups
-from dro_ext.groups import _Float64Configuration, _group_weights, check_num_groups, group_dro_loss
+from dro_ext.groups import (
+    _Float64Configuration,
+    _group_weights,
+    _refuse_on_every_rank,
+    check_num_groups,
+    group_dro_loss,
+)
 from dro_ext.ops import dro_loss
 
 if TYPE_CHECKING:
@@ -80,7 +86,20 @@ class DROLoss(_Float64Configuration):
         eta: nn.Parameter = self._parameters["eta"]  # type: ignore[assignment]  # registered in __init__, never None
         if self.num_groups is None and groups is None and mask is None and self.group is None:
             return dro_loss(losses, eta, self.lam, self.divergence, alpha=self.alpha, k=self.k, scale=self.scale)
-        check_forward_groups("DROLoss", self.num_groups, groups, "losses, groups", mask)
+        try:
+            check_forward_groups("DROLoss", self.num_groups, groups, "losses, groups", mask)
+            if self.group is not None and self.num_groups is None:
+                check_losses(losses, allow_empty=True)  # a rank may hold no samples
+        except (TypeError, ValueError) as error:
+            # Refused on this rank only, perhaps: raised after the collective the other ranks make, which they then
+            # raise after too (neither waiting for this rank nor pairing with its next collective).
+            if self.group is not None and self.num_groups is not None:
+                _refuse_on_every_rank(error, self.num_groups, self.group, "DROLoss", eta.device)
+            if self.group is not None:
+                from dro_ext.distributed import batch_scale
+
+                batch_scale(0, self.group, eta.device, refused=True)
+            raise
         if self.num_groups is not None:
             assert groups is not None  # given with num_groups (check_forward_groups)
             weighting = "batch" if self.group_weights is None else self.group_weights
@@ -88,12 +107,11 @@ class DROLoss(_Float64Configuration):
                                   weighting=weighting, alpha=self.alpha, k=self.k, scale=self.scale, group=self.group,
                                   mask=mask)
         assert self.group is not None  # the sample-level call without a process group returned above
-        if isinstance(losses, torch.Tensor) and losses.numel() == 0:
+        if losses.numel() == 0:
             # A rank without samples: its share of the concatenated batch's objective is 0 (batch_scale below is
             # 0), with zero gradients to the losses and to eta (which the graph still reaches, as DDP expects of
             # every parameter); it still takes part in batch_scale's collective, where raising (dro_loss takes no
             # empty batch) would leave the other ranks waiting.
-            check_losses(losses, allow_empty=True)
             value = losses.sum() + 0.0 * eta.to(losses.dtype)
         else:
             value = dro_loss(losses, eta, self.lam, self.divergence, alpha=self.alpha, k=self.k, scale=self.scale)

@@ -494,6 +494,47 @@ def job_robust(rank, world):
             assert "outside [0, num_groups)" in str(exc), (name, exc)
         else:
             raise AssertionError(f"rank {rank}: {name} with a bad id on rank 0 did not raise")
+    # Inputs refused on one rank only (a 0-d loss from .squeeze() of a one-sample batch, float ids from an empty
+    # rank's torch.tensor([]), a mask of another shape, groups not passed): the refusing rank raises its own error
+    # after joining the collective, the other rank raises too, and the next collective still pairs up.
+    one = torch.tensor([1.5], dtype=torch.float64)
+    refusals = {
+        "DROLoss": (lambda: dro_ext.DROLoss("chi2", 0.5, group=group)(one.squeeze() if rank == 1 else one),
+                    "1-D"),
+        "group_dro_loss": (lambda: dro_ext.group_dro_loss(
+            torch.empty(0) if rank == 1 else losses, torch.tensor([]) if rank == 1 else ids.clamp(max=2), 3, 0.5,
+            0.5, "kl", group=group), "int32 or int64"),
+        "GroupDROLoss": (lambda: dro_ext.GroupDROLoss(3, group=group, mode="greedy_cvar", alpha=0.5)(
+            losses, ids.clamp(max=2), mask=torch.ones(2 if rank == 0 else 3, dtype=torch.bool)), "mask"),
+        "DROLoss(num_groups)": (lambda: dro_ext.DROLoss("chi2", 0.5, num_groups=3, group=group)(
+            losses, ids.clamp(max=2) if rank == 0 else None), "groups is required"),
+    }
+    for name, (call, word) in refusals.items():
+        try:
+            call()
+        except (TypeError, ValueError) as exc:
+            want = word if rank == (0 if name == "GroupDROLoss" else 1) else "another rank"
+            assert want in str(exc), (name, rank, exc)
+        else:
+            raise AssertionError(f"rank {rank}: {name} with inputs refused on one rank did not raise")
+    close(dro_ext.weight_stats(w, group=group).ess, dro_ext.weight_stats(torch.cat([w, w])).ess,
+          "weight_stats after the refusals", rtol=1e-15, atol=0)
+    # An empty rank's float32 torch.empty(0) beside float64 losses: the reduction is in float64 (gloo aborted the
+    # process on the differing sizes), and the answer is the concatenated batch's.
+    mine, mine_ids = (losses, ids.clamp(max=2)) if rank == 0 else (torch.empty(0), torch.empty(0, dtype=torch.long))
+    want_ids = torch.tensor([0, 2, 1])
+    rtol = 1e-15 if rank == 0 else 1e-6  # each rank's value in its losses' dtype
+    close(dro_ext.group_dro_loss(mine, mine_ids, 3, 0.5, 0.5, "kl", group=group).double(),
+          dro_ext.group_dro_loss(losses, want_ids, 3, 0.5, 0.5, "kl"), "an empty float32 rank", rtol=rtol, atol=0)
+    close(dro_ext.GroupDROLoss(3, group=group)(mine, mine_ids).double(),
+          dro_ext.GroupDROLoss(3)(losses, want_ids), "GroupDROLoss beside an empty float32 rank", rtol=rtol, atol=0)
+    # No sample on any rank: DROLoss(group=)'s loss and gradients are 0 (0/0 = NaN before), as group_dro_loss's.
+    criterion = dro_ext.DROLoss("chi2", 0.5, eta_init=0.3, group=group).double()
+    nothing = torch.zeros(0, dtype=torch.float64, requires_grad=True)
+    value = criterion(nothing)
+    value.backward()
+    assert value.item() == 0.0 and criterion.eta.grad.item() == 0.0, (value, criterion.eta.grad)
+
     # A bad id where the mask drops the sample is never read.
     masked = dro_ext.group_dro_loss(losses, ids, 3, 0.5, 0.5, "kl", group=group, mask=ids < 3)
     close(masked, dro_ext.group_dro_loss(torch.cat([losses[[0, 2]], losses]), torch.tensor([0, 1, 0, 1, 1]), 3, 0.5,
