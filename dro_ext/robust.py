@@ -242,7 +242,8 @@ def weight_stats(
     """Effective sample size, max weight, zero fraction and per-group mass of a sample weighting.
 
     Give either ``weights`` (any non-negative 1-D tensor; it is normalized to sum to one; a negative weight raises
-    ValueError, from one host read of them: a sync on CUDA; NaN gives NaN statistics) or ``losses`` and
+    ValueError on the CPU, and fails an asynchronous device assertion on CUDA (a RuntimeError at the next sync, with
+    no host read here); NaN gives NaN statistics) or ``losses`` and
     ``lam`` (with ``divergence``, ``alpha``, ``k``): then the weights are ``dro_weights(losses, eta, ...)``
     at the given ``eta`` (e.g. the trained ``DROLoss.eta``), or the worst-case distribution when ``eta`` is
     None. ``groups`` is an optional integer tensor of group ids in ``[0, num_groups)``, one per sample; ids
@@ -277,8 +278,8 @@ def weight_stats(
             if losses is not None or eta is not None:
                 raise ValueError("dro_ext: give either weights or losses (+ eta), not both")
             check_losses(weights, "weights", allow_empty=group is not None)
-            if group is None and bool((weights < 0).any()):  # (with group=, every rank raises after its reduction)
-                raise ValueError(f"dro_ext: weights must be >= 0, got {int((weights < 0).sum())} negative weights")
+            if group is None:  # (with group=, every rank raises after its reduction)
+                _check_nonnegative_weights(weights)
             w = weights
         else:
             if losses is None:
@@ -331,6 +332,17 @@ def weight_stats(
             group_mass.index_add_(0, groups.long(), w.to(torch.float64))
             group_mass = (group_mass / total.to(torch.float64)).to(w.dtype)
         return WeightStats(ess, max_weight, zero_fraction, group_mass)
+
+
+def _check_nonnegative_weights(weights: torch.Tensor) -> None:
+    """weights >= 0 (NaN passes, to give NaN statistics): ValueError on the CPU, where reading them costs no sync; an
+    asynchronous device assertion elsewhere and while compiling (no host read)."""
+    negative = weights < 0
+    if weights.device.type == "cpu" and not torch.compiler.is_compiling():
+        if bool(negative.any()):
+            raise ValueError(f"dro_ext: weights must be >= 0, got {int(negative.sum())} negative weights")
+    else:
+        torch._assert_async(~negative.any(), "dro_ext: weights must be >= 0, got a negative weight")
 
 
 def _distributed() -> ModuleType:
