@@ -288,6 +288,9 @@ def worst_case_weights(losses: torch.Tensor, lam: float, divergence: Divergence 
     return _weights(x, solution, lam, spec, reducer).to(losses.dtype)
 
 
+_STATS = 7  # the statistics before the per-group sums in weight_stats' all-reduce
+
+
 def weight_stats(w: torch.Tensor, groups: torch.Tensor | None, num_groups: int,
                  group: dist.ProcessGroup) -> WeightStats:
     """:class:`dro_ext.robust.WeightStats` of the weights of every rank (``w``: this rank's, checked).
@@ -332,8 +335,6 @@ def weight_stats(w: torch.Tensor, groups: torch.Tensor | None, num_groups: int,
     group_mass = (sums[_STATS:] / total).to(acc) if groups is not None else None
     return WeightStats(ratios[0], ratios[1], ratios[2], group_mass)
 
-
-_STATS = 7  # the statistics before the per-group sums in weight_stats' all-reduce
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -231,7 +231,6 @@ def _reduced_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: 
     # sums; on a device the asynchronous assertion of _check_group_ids stands (no host sync; a bad id fails its rank
     # at the next sync).
     counted = groups.device.type == "cpu" and not torch.compiler.is_compiling()
-    bad = torch.zeros((), dtype=torch.float64, device=losses.device)
     if counted:
         keep = (groups >= 0) & (groups < num_groups)
         bad = (~keep if mask is None else mask & ~keep).sum().to(torch.float64)
@@ -240,9 +239,11 @@ def _reduced_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: 
         sums, counts = group_sums(losses, torch.where(keep, groups, -1), num_groups, validate=False)
     else:
         sums, counts = _masked_group_sums(losses, groups, num_groups, mask)
-    refused = torch.zeros((), dtype=torch.float64, device=losses.device)
+        bad = torch.zeros((), dtype=torch.float64, device=losses.device)
+    refused = torch.zeros((), dtype=torch.float64, device=losses.device)  # inputs passed (_refuse_on_every_rank: 1)
     both = _all_reduce_group_sums(torch.cat([sums.detach().to(torch.float64), counts.to(torch.float64),
-                                             bad.reshape(1), refused.reshape(1)]), num_groups, process_group, where)
+                                             torch.stack([bad, refused])]),
+                                  num_groups, process_group, where)
     if counted and bool(both[2 * num_groups] > 0):
         raise IndexError(f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={num_groups} (on "
                          f"{int(both[2 * num_groups])} samples of the ranks of the process group)")
@@ -274,7 +275,7 @@ def _refuse_on_every_rank(error: Exception, num_groups: int, process_group: Proc
     """Raises ``error`` (this rank's inputs refused) after joining the all-reduce that the other ranks of the process
     group make in _reduced_group_sums, so that they raise too instead of waiting for this rank (or pairing their
     collective with its next one): this rank contributes NaN sums and one refusal."""
-    if process_group is not None and isinstance(num_groups, int) and num_groups >= 1:
+    if process_group is not None:  # (num_groups was checked by every caller before its inputs)
         vector = torch.cat([torch.full((num_groups,), torch.nan, dtype=torch.float64, device=device),
                             torch.zeros(num_groups + 1, dtype=torch.float64, device=device),
                             torch.ones(1, dtype=torch.float64, device=device)])

@@ -91,14 +91,16 @@ class DROLoss(_Float64Configuration):
             if self.group is not None and self.num_groups is None:
                 check_losses(losses, allow_empty=True)  # a rank may hold no samples
         except (TypeError, ValueError) as error:
-            # Refused on this rank only, perhaps: raised after the collective the other ranks make, which they then
-            # raise after too (neither waiting for this rank nor pairing with its next collective).
-            if self.group is not None and self.num_groups is not None:
+            if self.group is None:
+                raise
+            # Refused on this rank only, perhaps: raised after the collective the other ranks make (group_dro_loss's
+            # reduction, or batch_scale's), which they then raise after too (neither waiting for this rank nor
+            # pairing with its next collective).
+            if self.num_groups is not None:
                 _refuse_on_every_rank(error, self.num_groups, self.group, "DROLoss", eta.device)
-            if self.group is not None:
-                from dro_ext.distributed import batch_scale
+            from dro_ext.distributed import batch_scale
 
-                batch_scale(0, self.group, eta.device, refused=True)
+            batch_scale(0, self.group, eta.device, refused=True)
             raise
         if self.num_groups is not None:
             assert groups is not None  # given with num_groups (check_forward_groups)
