@@ -470,9 +470,11 @@ class GroupDROLoss(_Float64Configuration):
     not ``ignore_index``, with the per-token losses of :func:`dro_ext.cross_entropy_losses` or
     :func:`dro_ext.linear_cross_entropy_losses` (the latter never holds the N x V logits).
 
-    ``forward(losses, groups, update=True, *, mask=None)``: with ``update=True`` the state is first updated from the
+    ``forward(losses, groups, update=None, *, mask=None)``: with ``update=True`` the state is first updated from the
     batch and the returned loss uses the updated ``q`` (as the references do); ``update=False`` returns the loss
     under the current ``q`` and leaves the state alone (e.g. the micro-batches of an accumulated step, all but one).
+    ``update=None`` (the default) is ``self.training``: a module in ``train()`` mode (as constructed) updates, one
+    in ``eval()`` mode does not, as BatchNorm's running statistics (and the authors' evaluation passes) behave.
     ``q`` carries no gradient. The state lives in buffers, so ``state_dict()`` saves it and ``load_state_dict``
     resumes the run bitwise: ``log_q``, ``ema_loss``, ``last_loss`` (each group's last mean loss) and ``seen``
     (which groups have appeared). They are of the default dtype at construction; a step computes in the wider
@@ -593,8 +595,12 @@ class GroupDROLoss(_Float64Configuration):
         """The current distribution over the groups (a new tensor; 0 for disabled groups)."""
         return self.log_q.exp()
 
-    def forward(self, losses: torch.Tensor, groups: torch.Tensor, update: bool = True, *,
+    def forward(self, losses: torch.Tensor, groups: torch.Tensor, update: bool | None = None, *,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        if update is None:
+            # As BatchNorm's running statistics: a module in eval() mode evaluates under the current q and leaves
+            # the state alone (an evaluation pass over held-out groups must not train q on them).
+            update = self.training
         # A training step's call with plain dense tensors goes straight to the native step (group_sums and the update
         # in one call, csrc/group_dro.cpp), which checks them itself with the same errors as the checks below. (The
         # step is a few microseconds on the CPU at a few thousand losses: every check here shows.)

@@ -492,6 +492,33 @@ def test_missing_modes_differ_as_documented(backend):
     assert q["stale"][1][0] > q["stale"][0][0]
 
 
+@pytest.mark.parametrize("mode", ["eg", "greedy_cvar"])
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
+def test_eval_mode_leaves_the_state_alone_by_default(backend, mode, masked):
+    """update=None (the default) follows module.training: in eval() a call is the update=False call (the value
+    under the current q, the state bitwise unchanged), an explicit update=True still updates, and train() updates
+    again, each against the float64 reference."""
+    kwargs = dict(step_size=0.7) if mode == "eg" else dict(mode="greedy_cvar", alpha=0.3)
+    module, reference = group_dro64(5, **kwargs), RefGroupDRO(5, **kwargs)
+    run = batches(4, 9, 5)
+    mask = (lambda losses: torch.ones_like(losses, dtype=torch.bool)) if masked else (lambda losses: None)
+
+    def call(losses, groups, update, ref_update):
+        value = module(losses, groups, **({} if update is None else {"update": update}), mask=mask(losses))
+        torch.testing.assert_close(value, reference(losses, groups, update=ref_update), rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(module.q, reference.q, rtol=1e-12, atol=1e-15)
+
+    call(*run[0], None, True)  # as constructed: training, so it updates
+    module.eval()
+    state = {key: value.clone() for key, value in module.state_dict().items()}
+    call(*run[1], None, False)
+    for key, value in module.state_dict().items():
+        assert torch.equal(value, state[key]), key
+    call(*run[2], True, True)  # an explicit update in eval()
+    module.train()
+    call(*run[3], None, True)
+
+
 def test_greedy_cvar_weights_by_hand():
     """Four groups of population shares 0.1, 0.2, 0.3, 0.4 ranked 3 > 1 > 0 > 2: at alpha = 0.5 the CVaR takes
     group 3 whole (0.4) and 0.1 of group 1, so q = (0, 0.2, 0, 0.8); at alpha >= 1 q is the shares."""
