@@ -147,6 +147,15 @@ def check_losses(value: object, name: str = "losses", *, allow_empty: bool = Fal
                         f"got {value.dtype}")
 
 
+def input_device(*values: object) -> torch.device:
+    """The device of the first tensor among values (the CPU without one), where an input checked on every rank of a
+    process group may be refused: the device of that rank's collective then."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
+
+
 def as_eta(eta: float | torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
     """eta as a 0-d tensor on the losses' device; a Python number becomes a constant (no gradient)."""
     if isinstance(eta, torch.Tensor):

@@ -20,10 +20,11 @@ RuntimeError that names the dro_ext function it came from.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Callable, TypeGuard, cast
 
 import torch
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from dro_ext import _solver
 from dro_ext._divergences import (
     Divergence, Spec, accumulate_dtype, check_divergence, check_losses, check_positive, fixed_order_sum,
+    input_device,
 )
 
 if TYPE_CHECKING:
@@ -86,6 +88,35 @@ def _all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, group: dist.
             f"not call {where} with the same arguments, or the group's timeout passed): {exc}"
         ) from exc
     return tensor
+
+
+def another_rank_refused(where: str) -> ValueError:
+    """The error of the ranks whose own inputs passed where another rank of the process group refused its own."""
+    return ValueError(f"dro_ext.{where}: another rank of the process group refused its inputs (its own error says "
+                      f"why); every rank raises, so that none waits in a collective")
+
+
+@contextlib.contextmanager
+def checked_on_every_rank(group: dist.ProcessGroup | None, where: str, device: torch.device) -> Iterator[None]:
+    """The checks of an evaluation call over a process group (the ``with`` body, which makes no collective), agreed
+    on by every rank before the call's first collective: one all-reduce of the number of ranks whose checks raised.
+    A rank whose checks raise joins it and re-raises its own error; the others raise :func:`another_rank_refused`,
+    instead of waiting in the call's collectives for a rank that is not coming (or pairing them with its next
+    call's). The evaluation calls branch on all-reduced numbers read on the host anyway, so this read adds nothing
+    of a new kind; a training step carries its refusal inside its one collective instead (dro_ext.groups,
+    :func:`batch_scale`), where an extra collective and a host read per step would show. No-op without a group."""
+    if group is None:
+        yield
+        return
+    check_group(group, where)
+    reducer = _GroupReducer(group, device, where)
+    try:
+        yield
+    except Exception:
+        reducer.sum(torch.ones(1, dtype=torch.float64, device=device))
+        raise
+    if bool(reducer.sum(torch.zeros(1, dtype=torch.float64, device=device))[0] > 0):
+        raise another_rank_refused(where)
 
 
 class _GroupReducer:
@@ -146,8 +177,7 @@ def batch_scale(num_local: int, group: dist.ProcessGroup, device: torch.device |
     total = funcol.all_reduce(count, "sum", group)
     if (not refused and coll_device.type == "cpu" and not torch.compiler.is_compiling()
             and bool(total[1] > 0)):
-        raise ValueError("dro_ext.DROLoss: another rank of the process group refused its losses (its own error says "
-                         "why); every rank raises, so that none waits in a collective")
+        raise another_rank_refused("DROLoss")
     world = dist.get_world_size(group)
     return torch.where(total[0] > 0, count[0] * world / total[0], 0.0).to(device)
 
@@ -264,10 +294,11 @@ def robust_objective(losses: torch.Tensor, lam: float, divergence: Divergence = 
     255-vector (the exact selection of the tail boundary) and one of two scalars, the iterative solvers
     one of two scalars per iteration (about 5 to 40). The backward pass adds one or two.
     """
-    spec = check_divergence(divergence, alpha, k)
-    check_losses(losses, allow_empty=True)
-    lam = check_positive("lam", lam)
     group = check_group(group, "robust_objective")
+    with checked_on_every_rank(group, "robust_objective", input_device(losses)):
+        spec = check_divergence(divergence, alpha, k)
+        check_losses(losses, allow_empty=True)
+        lam = check_positive("lam", lam)
     return _DistributedRobustObjective.apply(losses, lam, spec, group)
 
 
@@ -278,10 +309,11 @@ def worst_case_weights(losses: torch.Tensor, lam: float, divergence: Divergence 
 
     The returned weights (dtype of ``losses``) sum to one over all the ranks together.
     """
-    spec = check_divergence(divergence, alpha, k)
-    check_losses(losses, allow_empty=True)
-    lam = check_positive("lam", lam)
     group = check_group(group, "worst_case_weights")
+    with checked_on_every_rank(group, "worst_case_weights", input_device(losses)):
+        spec = check_divergence(divergence, alpha, k)
+        check_losses(losses, allow_empty=True)
+        lam = check_positive("lam", lam)
     reducer = _GroupReducer(group, losses.device, "worst_case_weights")
     x = losses.detach().to(torch.float64)
     solution = _solver.solve(x, lam, spec, reducer)

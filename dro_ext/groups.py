@@ -34,6 +34,7 @@ from dro_ext._divergences import (
     fallback_dtype,
     fixed_order_broadcast,
     fixed_order_sum,
+    input_device,
     penalized_value,
     real_number,
 )
@@ -259,14 +260,13 @@ def _all_reduce_group_sums(both: torch.Tensor, num_groups: int, process_group: P
     is read without a sync); on a device the refusing rank's NaN sums make every rank's result NaN instead."""
     from torch.distributed import _functional_collectives as funcol
 
-    from dro_ext.distributed import _collective_device, check_group
+    from dro_ext.distributed import _collective_device, another_rank_refused, check_group
 
     check_group(process_group, where)
     device = _collective_device(process_group, both.device)
     reduced = funcol.all_reduce(both.to(device), "sum", process_group).to(both.device)
     if reduced.device.type == "cpu" and not torch.compiler.is_compiling() and bool(reduced[2 * num_groups + 1] > 0):
-        raise ValueError(f"dro_ext.{where}: another rank of the process group refused its inputs (its own error says "
-                         "why); every rank raises, so that none waits in a collective")
+        raise another_rank_refused(where)
     return reduced
 
 
@@ -284,14 +284,6 @@ def _refuse_on_every_rank(error: Exception, num_groups: int, process_group: Proc
         except ValueError:
             pass  # the other ranks' view of this refusal: this rank raises its own error below
     raise error
-
-
-def _input_device(*values: object) -> torch.device:
-    """The device of the first tensor among values (the CPU without one): where a refusing rank's vector goes."""
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            return value.device
-    return torch.device("cpu")
 
 
 def _group_means(sums: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -345,7 +337,7 @@ def group_dro_loss(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
             check_mask(mask, losses)
         eta = as_eta(eta, losses)
     except (TypeError, ValueError) as error:
-        _refuse_on_every_rank(error, num_groups, group, "group_dro_loss", _input_device(losses, groups))
+        _refuse_on_every_rank(error, num_groups, group, "group_dro_loss", input_device(losses, groups))
     weights = _group_weights(weighting, group_counts, num_groups, losses.device)
     sums, counts = _reduced_group_sums(losses, groups, num_groups, group, "group_dro_loss", mask)
     acc = fallback_dtype(losses.dtype, losses.device)
@@ -618,7 +610,7 @@ class GroupDROLoss(_Float64Configuration):
                 if mask is not None:
                     check_mask(mask, losses)
             except (TypeError, ValueError) as error:
-                _refuse_on_every_rank(error, self.num_groups, self.group, "GroupDROLoss", _input_device(losses, groups))
+                _refuse_on_every_rank(error, self.num_groups, self.group, "GroupDROLoss", input_device(losses, groups))
             fused = self.mode == "eg" and _backend.native_for(losses.device.type)
             one_call = fused and mask is None and self.group is None
         if one_call:

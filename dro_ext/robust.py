@@ -19,10 +19,11 @@ the PyTorch fallback is dro_ext._solver, in float64 with a Python loop (its docs
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, NamedTuple, TypeVar, cast, overload
 
 import torch
 
@@ -32,10 +33,13 @@ from dro_ext._divergences import (
     Divergence,
     Spec,
     accumulate_dtype,
+    as_eta,
     check_divergence,
     check_losses,
     check_positive,
+    checked_scalars,
     fixed_order_sum,
+    input_device,
     op_scalars,
 )
 from dro_ext.group_reduction import check_groups, check_num_groups
@@ -164,11 +168,12 @@ def robust_objective(
         return _robust_objective_op(losses, *op_scalars(divergence, alpha, k, lam))
     if group is not None and groups is None and num_groups is None:
         return _distributed().robust_objective(losses, lam, divergence, alpha=alpha, k=k, group=group)
-    spec = check_divergence(divergence, alpha, k)
-    check_losses(losses, allow_empty=group is not None)
-    lam = check_positive("lam", lam)
-    num_groups, group_weights = _group_evaluation.check_group_arguments(
-        losses, groups, num_groups, weighting, group_counts, "robust_objective")
+    with _checked_on_every_rank(group, "robust_objective", losses):  # (before the first collective)
+        spec = check_divergence(divergence, alpha, k)
+        check_losses(losses, allow_empty=group is not None)
+        lam = check_positive("lam", lam)
+        num_groups, group_weights = _group_evaluation.check_group_arguments(
+            losses, groups, num_groups, weighting, group_counts, "robust_objective")
     if num_groups is not None:
         assert groups is not None  # given with num_groups (check_group_arguments)
         return _group_evaluation.robust_objective(losses, groups, num_groups, lam, spec, group_weights, group)
@@ -194,11 +199,12 @@ def worst_case_weights(losses: torch.Tensor, lam: float, divergence: Divergence 
     """
     if group is not None and groups is None and num_groups is None:
         return _distributed().worst_case_weights(losses, lam, divergence, alpha=alpha, k=k, group=group)
-    spec = check_divergence(divergence, alpha, k)
-    check_losses(losses, allow_empty=group is not None)
-    lam = check_positive("lam", lam)
-    num_groups, group_weights = _group_evaluation.check_group_arguments(
-        losses, groups, num_groups, weighting, group_counts, "worst_case_weights")
+    with _checked_on_every_rank(group, "worst_case_weights", losses):  # (before the first collective)
+        spec = check_divergence(divergence, alpha, k)
+        check_losses(losses, allow_empty=group is not None)
+        lam = check_positive("lam", lam)
+        num_groups, group_weights = _group_evaluation.check_group_arguments(
+            losses, groups, num_groups, weighting, group_counts, "worst_case_weights")
     if num_groups is not None:
         assert groups is not None  # given with num_groups (check_group_arguments)
         return _group_evaluation.worst_case_weights(losses, groups, num_groups, lam, spec, group_weights, group)
@@ -257,61 +263,36 @@ def weight_stats(
     group means at ``eta``), spread over the samples as ``q_{g_i} / n_{g_i}``: the statistics stay those of a
     distribution over the N samples, and ``group_mass`` is the group distribution ``q`` itself.
     """
-    if over not in ("samples", "groups"):
-        raise ValueError(f"dro_ext: over must be 'samples' or 'groups', got over={over!r}")
+    # Every check before the first collective (with group=, agreed on by every rank: a rank refusing alone would
+    # leave the others waiting in the solver's or the statistics' all-reduces).
+    with _checked_on_every_rank(group, "weight_stats", weights, losses):
+        width = _check_weight_stats_arguments(weights, losses, eta, lam, divergence, alpha, k, scale, groups,
+                                              num_groups, group, over)
     if over == "groups":
-        if weights is not None or losses is None or lam is None or groups is None or num_groups is None:
-            raise ValueError("dro_ext: weight_stats with over='groups' needs losses, lam, groups and num_groups "
-                             "(and no weights)")
+        assert losses is not None and groups is not None and lam is not None and width is not None  # (checked)
         spec = check_divergence(divergence, alpha, k)
-        check_losses(losses, allow_empty=group is not None)  # a rank may hold no samples
-        lam = check_positive("lam", lam)
-        checked_num_groups, _ = _group_evaluation.check_group_arguments(losses, groups, num_groups, "batch", None,
-                                                                        "weight_stats")
-        assert checked_num_groups is not None  # num_groups was given (checked above)
         with torch.no_grad():
-            weights = _group_evaluation.sample_weights(losses, groups, checked_num_groups, lam, spec, eta, scale,
-                                                       group)
+            weights = _group_evaluation.sample_weights(losses, groups, width, lam, spec, eta, scale, group)
         losses = eta = None
     with torch.no_grad():
         if weights is not None:
-            if losses is not None or eta is not None:
-                raise ValueError("dro_ext: give either weights or losses (+ eta), not both")
-            check_losses(weights, "weights", allow_empty=group is not None)
             if group is None:  # (with group=, every rank raises after its reduction)
                 _check_nonnegative_weights(weights)
             w = weights
         else:
-            if losses is None:
-                raise ValueError("dro_ext: weight_stats needs weights, or losses and lam")
-            if lam is None:
-                raise ValueError("dro_ext: weight_stats with losses needs lam > 0, got lam=None")
+            assert losses is not None and lam is not None  # (checked)
             if eta is None:
                 w = worst_case_weights(losses, lam, divergence, alpha=alpha, k=k, group=group)
-            elif group is not None and isinstance(losses, torch.Tensor) and losses.numel() == 0:
+            elif group is not None and losses.numel() == 0:
                 # A rank without samples has no weights of its own (dro_weights takes no empty batch), and still
-                # takes part in the collectives below; raising here would leave the other ranks waiting in them.
-                check_losses(losses, allow_empty=True)
+                # takes part in the collectives below.
                 w = losses.detach()
             else:
                 w = dro_weights(losses.detach(), eta, lam, divergence, alpha=alpha, k=k, scale=scale)
         w = w.detach()
-        width = 0  # the number of groups, where groups are given
-        if groups is not None:
-            if not isinstance(groups, torch.Tensor) or groups.dtype not in (torch.int64, torch.int32):
-                raise TypeError("dro_ext: groups must be an int32 or int64 tensor of group ids")
-            if groups.shape != w.shape:
-                raise ValueError(f"dro_ext: groups must have shape {tuple(w.shape)}, got {tuple(groups.shape)}")
-            if groups.device != w.device:
-                raise ValueError(f"dro_ext: groups is on {groups.device} but the weights are on {w.device}")
-            if num_groups is None and group is not None:
-                raise ValueError("dro_ext: weight_stats with group= and groups needs num_groups")
-            if num_groups is None:
-                num_groups = int(groups.max().item()) + 1
-            num_groups = int(num_groups)
-            if num_groups <= 0:
-                raise ValueError(f"dro_ext: num_groups must be > 0, got num_groups={num_groups}")
-            width = num_groups
+        if groups is not None and width is None:
+            width = int(groups.max().item()) + 1
+        width = width or 0  # the number of groups, where groups are given
         if group is not None:
             return _distributed().weight_stats(w, groups, width, group)
         if _backend.native_for(w.device.type):
@@ -332,6 +313,62 @@ def weight_stats(
             group_mass.index_add_(0, groups.long(), w.to(torch.float64))
             group_mass = (group_mass / total.to(torch.float64)).to(w.dtype)
         return WeightStats(ess, max_weight, zero_fraction, group_mass)
+
+
+def _check_weight_stats_arguments(weights: torch.Tensor | None, losses: torch.Tensor | None,
+                                  eta: float | torch.Tensor | None, lam: float | None, divergence: Divergence,
+                                  alpha: float | None, k: float | None, scale: float, groups: torch.Tensor | None,
+                                  num_groups: int | None, group: ProcessGroup | None, over: str) -> int | None:
+    """weight_stats' arguments, every check that can fail before its collectives: the number of groups (None where
+    groups are given without num_groups, one process: then from the ids)."""
+    if over not in ("samples", "groups"):
+        raise ValueError(f"dro_ext: over must be 'samples' or 'groups', got over={over!r}")
+    if over == "groups":
+        if weights is not None or losses is None or lam is None or groups is None or num_groups is None:
+            raise ValueError("dro_ext: weight_stats with over='groups' needs losses, lam, groups and num_groups "
+                             "(and no weights)")
+    elif weights is not None:
+        if losses is not None or eta is not None:
+            raise ValueError("dro_ext: give either weights or losses (+ eta), not both")
+        check_losses(weights, "weights", allow_empty=group is not None)
+    elif losses is None:
+        raise ValueError("dro_ext: weight_stats needs weights, or losses and lam")
+    elif lam is None:
+        raise ValueError("dro_ext: weight_stats with losses needs lam > 0, got lam=None")
+    if losses is not None:
+        check_losses(losses, allow_empty=group is not None)  # a rank may hold no samples
+        # (scale enters only the weights at a given eta)
+        checked_scalars(divergence, alpha, k, cast(float, lam), 1.0 if eta is None else scale)
+        if eta is not None:
+            as_eta(eta, losses)
+    if over == "groups":
+        checked, _ = _group_evaluation.check_group_arguments(cast(torch.Tensor, losses), groups, num_groups, "batch",
+                                                             None, "weight_stats")
+        return checked
+    if groups is None:
+        return 0
+    w = cast(torch.Tensor, weights if weights is not None else losses)
+    if not isinstance(groups, torch.Tensor) or groups.dtype not in (torch.int64, torch.int32):
+        raise TypeError("dro_ext: groups must be an int32 or int64 tensor of group ids")
+    if groups.shape != w.shape:
+        raise ValueError(f"dro_ext: groups must have shape {tuple(w.shape)}, got {tuple(groups.shape)}")
+    if groups.device != w.device:
+        raise ValueError(f"dro_ext: groups is on {groups.device} but the weights are on {w.device}")
+    if num_groups is None:
+        if group is not None:
+            raise ValueError("dro_ext: weight_stats with group= and groups needs num_groups")
+        return None
+    if int(num_groups) <= 0:
+        raise ValueError(f"dro_ext: num_groups must be > 0, got num_groups={num_groups}")
+    return int(num_groups)
+
+
+def _checked_on_every_rank(group: ProcessGroup | None, where: str, *inputs: object) -> ContextManager[None]:
+    """dro_ext.distributed.checked_on_every_rank over the device of the first tensor of inputs; nothing without a
+    process group (and no import of torch.distributed then)."""
+    if group is None:
+        return contextlib.nullcontext()
+    return _distributed().checked_on_every_rank(group, where, input_device(*inputs))
 
 
 def _check_nonnegative_weights(weights: torch.Tensor) -> None:
@@ -468,42 +505,46 @@ def evaluate(
     worst_group_loss)``, each group's mean loss (NaN where a group has no sample) and the worst group's; with
     ``group``, over the samples of every rank.
     """
-    spec = check_divergence(divergence, alpha, k)
-    lam = check_positive("lam", lam)
-    if (groups_fn is None) != (num_groups is None):
-        given, missing = ("groups_fn", "num_groups") if num_groups is None else ("num_groups", "groups_fn")
-        raise ValueError(f"dro_ext.evaluate: {given} was given without {missing}; over groups pass both")
-    if num_groups is not None:
-        if not callable(groups_fn):
-            raise TypeError(f"dro_ext.evaluate: groups_fn must be callable (batch -> group ids), got "
-                            f"{type(groups_fn).__name__}")
-        num_groups = check_num_groups(num_groups)
-        group_weights = _group_evaluation.check_weighting(weighting, group_counts, num_groups)  # before the loop
-    elif not (isinstance(weighting, str) and weighting == "batch") or group_counts is not None:
-        raise ValueError("dro_ext.evaluate: weighting and group_counts apply over groups; pass groups_fn and "
-                         "num_groups with them")
-    group_chunks = []
-    modes = [(module, module.training) for module in model.modules()]
-    chunks = []
-    try:
-        model.eval()
-        with torch.no_grad():
-            for batch in _progress(loader, progress):
-                if device is not None:
-                    batch = _to_device(batch, device)
-                losses = per_sample_loss_fn(model, batch)
-                if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
-                    shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
-                    raise ValueError(
-                        f"dro_ext: per_sample_loss_fn must return a 1-D tensor of per-sample losses, got {shape}"
-                    )
-                chunks.append(losses.detach())
-                if groups_fn is not None:
-                    group_chunks.append(groups_fn(batch))
-                    check_groups(group_chunks[-1], losses)
-    finally:
-        for module, training in modes:
-            module.training = training
+    # The checks and the loop before the first collective: with group=, a rank whose checks raise (or whose loop does)
+    # raises on every rank, agreed on once the loops are done (a rank's loader may be longer than another's).
+    group_weights: torch.Tensor | None = None
+    group_chunks: list[torch.Tensor] = []
+    chunks: list[torch.Tensor] = []
+    with _checked_on_every_rank(group, "evaluate"):
+        spec = check_divergence(divergence, alpha, k)
+        lam = check_positive("lam", lam)
+        if (groups_fn is None) != (num_groups is None):
+            given, missing = ("groups_fn", "num_groups") if num_groups is None else ("num_groups", "groups_fn")
+            raise ValueError(f"dro_ext.evaluate: {given} was given without {missing}; over groups pass both")
+        if num_groups is not None:
+            if not callable(groups_fn):
+                raise TypeError(f"dro_ext.evaluate: groups_fn must be callable (batch -> group ids), got "
+                                f"{type(groups_fn).__name__}")
+            num_groups = check_num_groups(num_groups)
+            group_weights = _group_evaluation.check_weighting(weighting, group_counts, num_groups)  # before the loop
+        elif not (isinstance(weighting, str) and weighting == "batch") or group_counts is not None:
+            raise ValueError("dro_ext.evaluate: weighting and group_counts apply over groups; pass groups_fn and "
+                             "num_groups with them")
+        modes = [(module, module.training) for module in model.modules()]
+        try:
+            model.eval()
+            with torch.no_grad():
+                for batch in _progress(loader, progress):
+                    if device is not None:
+                        batch = _to_device(batch, device)
+                    losses = per_sample_loss_fn(model, batch)
+                    if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
+                        shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+                        raise ValueError(
+                            f"dro_ext: per_sample_loss_fn must return a 1-D tensor of per-sample losses, got {shape}"
+                        )
+                    chunks.append(losses.detach())
+                    if groups_fn is not None:
+                        group_chunks.append(groups_fn(batch))
+                        check_groups(group_chunks[-1], losses)
+        finally:
+            for module, training in modes:
+                module.training = training
     if not chunks:
         if group is None:
             raise ValueError("dro_ext: evaluate got an empty loader (no losses to evaluate)")

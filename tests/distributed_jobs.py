@@ -517,6 +517,53 @@ def job_robust(rank, world):
             assert want in str(exc), (name, rank, exc)
         else:
             raise AssertionError(f"rank {rank}: {name} with inputs refused on one rank did not raise")
+    # The evaluation calls likewise (their checks agreed on by one all-reduce before their first collective): inputs
+    # refused on rank 1 only, the other rank raising "another rank" instead of waiting in the solver's collectives.
+    fine = ids.clamp(max=2)
+    model = nn.Linear(3, 1).double()
+    batch = (torch.randn(4, 3, dtype=torch.float64), torch.randn(4, dtype=torch.float64),
+             torch.tensor([0, 1, 2, 1]))
+    loss_fn = lambda m, b: (m(b[0]).squeeze(1) - b[1]) ** 2  # noqa: E731
+
+    def failing_loss_fn(m, b):
+        if rank == 1:
+            raise KeyError("the batch has no labels")  # a user's own error, raised inside the loop
+        return loss_fn(m, b)
+
+    mine = (lambda bad, good: bad if rank == 1 else good)  # noqa: E731
+    evaluations = {
+        "robust_objective": (lambda: dro_ext.robust_objective(mine(losses[:, None], losses), 0.5, "kl", group=group),
+                             "1-D"),
+        "worst_case_weights": (lambda: dro_ext.worst_case_weights(mine(fine, losses), 0.5, "cvar", alpha=0.5,
+                                                                   group=group), "floating dtype"),
+        "robust_objective over groups": (lambda: dro_ext.robust_objective(
+            mine(torch.empty(0), losses), 0.5, "chi2", groups=mine(torch.tensor([]), fine), num_groups=3,
+            group=group), "int32 or int64"),
+        "worst_case_weights over groups": (lambda: dro_ext.worst_case_weights(
+            losses, 0.5, "chi2", groups=mine(fine[:2], fine), num_groups=3, group=group), "shape"),
+        "weight_stats": (lambda: dro_ext.weight_stats(mine(w[:, None], w), group=group), "1-D"),
+        "weight_stats, groups without num_groups": (lambda: dro_ext.weight_stats(
+            w, groups=mine(torch.tensor([0, 1, 1]), None), group=group), "needs num_groups"),
+        "weight_stats at eta": (lambda: dro_ext.weight_stats(losses=losses, eta=mine(torch.ones(2), 0.5), lam=0.5,
+                                                             group=group), "0-d"),
+        "weight_stats over groups": (lambda: dro_ext.weight_stats(
+            losses=losses, lam=0.5, groups=mine(None, fine), num_groups=3, over="groups", group=group), "needs"),
+        "evaluate": (lambda: dro_ext.evaluate(model, [batch], mine(lambda m, b: loss_fn(m, b)[:, None], loss_fn),
+                                              0.5, progress=False, group=group), "1-D"),
+        "evaluate over groups": (lambda: dro_ext.evaluate(
+            model, [batch], loss_fn, 0.5, groups_fn=mine(lambda b: b[2].double(), lambda b: b[2]), num_groups=3,
+            progress=False, group=group), "int32 or int64"),
+        "evaluate, the loss function raising": (lambda: dro_ext.evaluate(
+            model, [batch], failing_loss_fn, 0.5, progress=False, group=group), "no labels"),
+    }
+    for name, (call, word) in evaluations.items():
+        try:
+            call()
+        except (TypeError, ValueError, KeyError) as exc:
+            want = word if rank == 1 else "another rank"
+            assert want in str(exc), (name, rank, exc)
+        else:
+            raise AssertionError(f"rank {rank}: {name} with inputs refused on one rank did not raise")
     close(dro_ext.weight_stats(w, group=group).ess, dro_ext.weight_stats(torch.cat([w, w])).ess,
           "weight_stats after the refusals", rtol=1e-15, atol=0)
     # An empty rank's float32 torch.empty(0) beside float64 losses: the reduction is in float64 (gloo aborted the
