@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 from dro_ext import _solver
 from dro_ext._divergences import (
-    Divergence, Spec, accumulate_dtype, check_divergence, check_losses, check_positive, fixed_order_sum,
-    input_device,
+    DIVERGENCES, Divergence, Spec, accumulate_dtype, check_divergence, check_losses, check_positive,
+    fixed_order_sum, input_device,
 )
 
 if TYPE_CHECKING:
@@ -96,27 +96,70 @@ def another_rank_refused(where: str) -> ValueError:
                       f"why); every rank raises, so that none waits in a collective")
 
 
+# The calls whose checks checked_on_every_rank agrees on, coded in its vector (a rank in another of them than the
+# others is a mismatch, caught as one).
+_AGREED_CALLS = ("robust_objective", "worst_case_weights", "weight_stats", "evaluate")
+
+
+class AgreedSettings:
+    """What every rank of an evaluation call must pass alike, set inside checked_on_every_rank's ``with`` body once
+    checked: the call's lam, divergence (with alpha and k) and number of groups (0 over samples)."""
+
+    def __init__(self) -> None:
+        self.lam, self.spec, self.num_groups = 0.0, Spec("chi2", None, None), 0
+
+    def set(self, lam: float | None, spec: Spec | None, num_groups: int | None) -> None:
+        self.lam = 0.0 if lam is None else lam
+        self.spec = Spec("chi2", None, None) if spec is None else spec
+        self.num_groups = num_groups or 0
+
+    def named(self, where: str) -> dict[str, float]:
+        spec = self.spec
+        return {"the call": float(_AGREED_CALLS.index(where)), "lam": self.lam,
+                "divergence": float(DIVERGENCES.index(spec.name)),
+                "alpha": -1.0 if spec.alpha is None else spec.alpha, "k": -1.0 if spec.k is None else spec.k,
+                "num_groups": float(self.num_groups)}
+
+
 @contextlib.contextmanager
-def checked_on_every_rank(group: dist.ProcessGroup | None, where: str, device: torch.device) -> Iterator[None]:
+def checked_on_every_rank(group: dist.ProcessGroup | None, where: str,
+                          device: torch.device) -> Iterator[AgreedSettings]:
     """The checks of an evaluation call over a process group (the ``with`` body, which makes no collective), agreed
-    on by every rank before the call's first collective: one all-reduce of the number of ranks whose checks raised.
-    A rank whose checks raise joins it and re-raises its own error; the others raise :func:`another_rank_refused`,
-    instead of waiting in the call's collectives for a rank that is not coming (or pairing them with its next
-    call's). The evaluation calls branch on all-reduced numbers read on the host anyway, so this read adds nothing
-    of a new kind; a training step carries its refusal inside its one collective instead (dro_ext.groups,
-    :func:`batch_scale`), where an extra collective and a host read per step would show. No-op without a group."""
+    on by every rank before the call's first collective, in one all-reduce (max) of a few numbers:
+
+    - a rank whose checks raise joins it and re-raises its own error; the others raise :func:`another_rank_refused`,
+      instead of waiting in the call's collectives for a rank that is not coming (or pairing them with its next
+      call's);
+    - the settings the body stored in the yielded :class:`AgreedSettings` (lam, the divergence, num_groups), and
+      which of the calls this is, must be the same on every rank, or every rank raises ValueError naming those that
+      differ: ranks solving with different lam would reduce sums that belong to no one objective, silently.
+
+    The evaluation calls branch on all-reduced numbers read on the host anyway, so this read adds nothing of a new
+    kind; a training step carries its refusal inside its one collective instead (dro_ext.groups, :func:`batch_scale`),
+    where an extra collective and a host read per step would show, and checks no settings. No-op without a group."""
+    settings = AgreedSettings()
     if group is None:
-        yield
+        yield settings
         return
     check_group(group, where)
     reducer = _GroupReducer(group, device, where)
+    names = list(settings.named(where))
     try:
-        yield
+        yield settings
     except Exception:
-        reducer.sum(torch.ones(1, dtype=torch.float64, device=device))
+        # (max over the ranks: the refusal flag first; the settings of a refusing rank are never compared)
+        reducer.max(torch.cat([torch.ones(1), torch.zeros(2 * len(names))]).to(torch.float64))
         raise
-    if bool(reducer.sum(torch.zeros(1, dtype=torch.float64, device=device))[0] > 0):
+    mine = torch.tensor(list(settings.named(where).values()), dtype=torch.float64)
+    highest = reducer.max(torch.cat([torch.zeros(1, dtype=torch.float64), mine, -mine])).tolist()
+    if highest[0] > 0:
         raise another_rank_refused(where)
+    # Every rank's value equals the maximum and the minimum alike where they agree.
+    differ = [name for i, name in enumerate(names) if highest[1 + i] != -highest[1 + len(names) + i]]
+    if differ:
+        raise ValueError(f"dro_ext.{where}: the ranks of the process group passed different {', '.join(differ)}; "
+                         f"every rank must make the same call with the same lam, divergence (alpha, k) and "
+                         f"num_groups")
 
 
 class _GroupReducer:
@@ -295,10 +338,11 @@ def robust_objective(losses: torch.Tensor, lam: float, divergence: Divergence = 
     one of two scalars per iteration (about 5 to 40). The backward pass adds one or two.
     """
     group = check_group(group, "robust_objective")
-    with checked_on_every_rank(group, "robust_objective", input_device(losses)):
+    with checked_on_every_rank(group, "robust_objective", input_device(losses)) as agreed:
         spec = check_divergence(divergence, alpha, k)
         check_losses(losses, allow_empty=True)
         lam = check_positive("lam", lam)
+        agreed.set(lam, spec, None)
     return _DistributedRobustObjective.apply(losses, lam, spec, group)
 
 
@@ -310,10 +354,11 @@ def worst_case_weights(losses: torch.Tensor, lam: float, divergence: Divergence 
     The returned weights (dtype of ``losses``) sum to one over all the ranks together.
     """
     group = check_group(group, "worst_case_weights")
-    with checked_on_every_rank(group, "worst_case_weights", input_device(losses)):
+    with checked_on_every_rank(group, "worst_case_weights", input_device(losses)) as agreed:
         spec = check_divergence(divergence, alpha, k)
         check_losses(losses, allow_empty=True)
         lam = check_positive("lam", lam)
+        agreed.set(lam, spec, None)
     reducer = _GroupReducer(group, losses.device, "worst_case_weights")
     x = losses.detach().to(torch.float64)
     solution = _solver.solve(x, lam, spec, reducer)

@@ -19,7 +19,6 @@ the PyTorch fallback is dro_ext._solver, in float64 with a Python loop (its docs
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from types import ModuleType
@@ -47,6 +46,8 @@ from dro_ext.ops import dro_weights
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+    from dro_ext.distributed import AgreedSettings
 
 __all__ = ["WeightStats", "evaluate", "robust_objective", "weight_stats", "worst_case_weights"]
 
@@ -168,12 +169,13 @@ def robust_objective(
         return _robust_objective_op(losses, *op_scalars(divergence, alpha, k, lam))
     if group is not None and groups is None and num_groups is None:
         return _distributed().robust_objective(losses, lam, divergence, alpha=alpha, k=k, group=group)
-    with _checked_on_every_rank(group, "robust_objective", losses):  # (before the first collective)
+    with _checked_on_every_rank(group, "robust_objective", losses) as agreed:  # (before the first collective)
         spec = check_divergence(divergence, alpha, k)
         check_losses(losses, allow_empty=group is not None)
         lam = check_positive("lam", lam)
         num_groups, group_weights = _group_evaluation.check_group_arguments(
             losses, groups, num_groups, weighting, group_counts, "robust_objective")
+        agreed.set(lam, spec, num_groups)
     if num_groups is not None:
         assert groups is not None  # given with num_groups (check_group_arguments)
         return _group_evaluation.robust_objective(losses, groups, num_groups, lam, spec, group_weights, group)
@@ -199,12 +201,13 @@ def worst_case_weights(losses: torch.Tensor, lam: float, divergence: Divergence 
     """
     if group is not None and groups is None and num_groups is None:
         return _distributed().worst_case_weights(losses, lam, divergence, alpha=alpha, k=k, group=group)
-    with _checked_on_every_rank(group, "worst_case_weights", losses):  # (before the first collective)
+    with _checked_on_every_rank(group, "worst_case_weights", losses) as agreed:  # (before the first collective)
         spec = check_divergence(divergence, alpha, k)
         check_losses(losses, allow_empty=group is not None)
         lam = check_positive("lam", lam)
         num_groups, group_weights = _group_evaluation.check_group_arguments(
             losses, groups, num_groups, weighting, group_counts, "worst_case_weights")
+        agreed.set(lam, spec, num_groups)
     if num_groups is not None:
         assert groups is not None  # given with num_groups (check_group_arguments)
         return _group_evaluation.worst_case_weights(losses, groups, num_groups, lam, spec, group_weights, group)
@@ -265,9 +268,13 @@ def weight_stats(
     """
     # Every check before the first collective (with group=, agreed on by every rank: a rank refusing alone would
     # leave the others waiting in the solver's or the statistics' all-reduces).
-    with _checked_on_every_rank(group, "weight_stats", weights, losses):
+    with _checked_on_every_rank(group, "weight_stats", weights, losses) as agreed:
         width = _check_weight_stats_arguments(weights, losses, eta, lam, divergence, alpha, k, scale, groups,
                                               num_groups, group, over)
+        if losses is not None:  # (given weights, lam and the divergence are not used)
+            agreed.set(lam, check_divergence(divergence, alpha, k), width)
+        else:
+            agreed.set(None, None, width)
     if over == "groups":
         assert losses is not None and groups is not None and lam is not None and width is not None  # (checked)
         spec = check_divergence(divergence, alpha, k)
@@ -363,11 +370,9 @@ def _check_weight_stats_arguments(weights: torch.Tensor | None, losses: torch.Te
     return int(num_groups)
 
 
-def _checked_on_every_rank(group: ProcessGroup | None, where: str, *inputs: object) -> ContextManager[None]:
-    """dro_ext.distributed.checked_on_every_rank over the device of the first tensor of inputs; nothing without a
-    process group (and no import of torch.distributed then)."""
-    if group is None:
-        return contextlib.nullcontext()
+def _checked_on_every_rank(group: ProcessGroup | None, where: str, *inputs: object) -> ContextManager[AgreedSettings]:
+    """dro_ext.distributed.checked_on_every_rank over the device of the first tensor of inputs (nothing to agree on
+    without a process group)."""
     return _distributed().checked_on_every_rank(group, where, input_device(*inputs))
 
 
@@ -510,7 +515,7 @@ def evaluate(
     group_weights: torch.Tensor | None = None
     group_chunks: list[torch.Tensor] = []
     chunks: list[torch.Tensor] = []
-    with _checked_on_every_rank(group, "evaluate"):
+    with _checked_on_every_rank(group, "evaluate") as agreed:
         spec = check_divergence(divergence, alpha, k)
         lam = check_positive("lam", lam)
         if (groups_fn is None) != (num_groups is None):
@@ -525,6 +530,7 @@ def evaluate(
         elif not (isinstance(weighting, str) and weighting == "batch") or group_counts is not None:
             raise ValueError("dro_ext.evaluate: weighting and group_counts apply over groups; pass groups_fn and "
                              "num_groups with them")
+        agreed.set(lam, spec, num_groups)
         modes = [(module, module.training) for module in model.modules()]
         try:
             model.eval()

@@ -564,6 +564,27 @@ def job_robust(rank, world):
             assert want in str(exc), (name, rank, exc)
         else:
             raise AssertionError(f"rank {rank}: {name} with inputs refused on one rank did not raise")
+    # Settings that differ between the ranks (each rank's own inputs fine): every rank raises, naming them, where the
+    # ranks solved with their own lam before (sums of no one objective, silently) or aborted on vectors of differing
+    # lengths (num_groups). The settings of a call that differs from the others' are caught alike.
+    mismatches = {
+        "lam": lambda: dro_ext.robust_objective(losses, mine(0.6, 0.5), "kl", group=group),
+        "divergence, alpha": lambda: dro_ext.worst_case_weights(losses, 0.5, mine("cvar", "chi2"),
+                                                                alpha=mine(0.5, None), group=group),
+        "num_groups": lambda: dro_ext.robust_objective(losses, 0.5, "chi2", groups=fine, num_groups=mine(4, 3),
+                                                       group=group),
+        "k": lambda: dro_ext.weight_stats(losses=losses, lam=0.5, divergence="cressie_read", k=mine(1.5, 2.0),
+                                          group=group),
+        "the call": lambda: (dro_ext.robust_objective if rank == 1 else dro_ext.worst_case_weights)(
+            losses, 0.5, "chi2", group=group),
+    }
+    for names, call in mismatches.items():
+        try:
+            call()
+        except ValueError as exc:
+            assert f"passed different {names};" in str(exc), (names, rank, exc)
+        else:
+            raise AssertionError(f"rank {rank}: ranks passing different {names} did not raise")
     close(dro_ext.weight_stats(w, group=group).ess, dro_ext.weight_stats(torch.cat([w, w])).ess,
           "weight_stats after the refusals", rtol=1e-15, atol=0)
     # An empty rank's float32 torch.empty(0) beside float64 losses: the reduction is in float64 (gloo aborted the
