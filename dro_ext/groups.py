@@ -126,15 +126,20 @@ def check_mask(mask: object, losses: torch.Tensor) -> None:
                          f"{losses.device}, got {tuple(mask.shape)} on {mask.device}")
 
 
+def _real_tensor(name: str, value: torch.Tensor) -> torch.Tensor:
+    """A dense tensor of real numbers (floating or integer), as float64."""
+    check_dense(name, value)
+    if not (value.is_floating_point() or value.dtype in (torch.int64, torch.int32, torch.int16, torch.uint8)):
+        raise TypeError(f"dro_ext: {name} must be a real tensor, got {value.dtype}")
+    return value.detach().to(torch.float64)
+
+
 def check_group_vector(name: str, value: Any, num_groups: int, *, positive: bool) -> torch.Tensor:
     """A (num_groups,) tensor of finite numbers, > 0 (positive) or >= 0 with a positive sum, as float64.
 
     Its values are read on the host (a check at construction; for a device tensor, one sync)."""
     if isinstance(value, torch.Tensor):
-        check_dense(name, value)
-        if not (value.is_floating_point() or value.dtype in (torch.int64, torch.int32, torch.int16, torch.uint8)):
-            raise TypeError(f"dro_ext: {name} must be a real tensor, got {value.dtype}")
-        tensor = value.detach().to(torch.float64)
+        tensor = _real_tensor(name, value)
     else:
         try:
             tensor = torch.tensor([real_number(name, v) for v in value], dtype=torch.float64, device="cpu")
@@ -183,13 +188,15 @@ def _group_weights(weighting: str | torch.Tensor | Sequence[float], group_counts
 
 def _weight_tensor(name: str, value: Any, num_groups: int) -> torch.Tensor:
     # Per call: a CPU tensor or a sequence is checked in full (no device sync); a device tensor by dtype and shape
-    # only, its values being the caller's (a negative weight then gives a meaningless value, a zero sum NaN).
-    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-        check_dense(name, value)
-        if not value.is_floating_point() or value.shape != (num_groups,):
-            raise ValueError(f"dro_ext: {name} must be a floating tensor of shape ({num_groups},), got "
-                             f"{value.dtype} of shape {tuple(value.shape)}")
-        return value.detach().to(torch.float64)
+    # only, its values being the caller's (a negative weight then gives a meaningless value, a zero sum NaN), and so
+    # is any tensor while torch.compile traces (reading its values would break the graph: DROLoss(num_groups=G)
+    # passes the weights it checked at construction).
+    if isinstance(value, torch.Tensor) and (value.device.type != "cpu" or torch.compiler.is_compiling()):
+        tensor = _real_tensor(name, value)
+        if tensor.shape != (num_groups,):
+            raise ValueError(f"dro_ext: {name} must have shape ({num_groups},) (one entry per group), "
+                             f"got {tuple(tensor.shape)}")
+        return tensor
     return check_group_vector(name, value, num_groups, positive=name == "group_counts")
 
 

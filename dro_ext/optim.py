@@ -90,6 +90,15 @@ class NormalizedSGD(Optimizer):
     Works with ``torch.amp.GradScaler`` (it passes ``grad_scale``/``found_inf``: gradients are unscaled
     inside the step and a step with an inf/NaN gradient is skipped entirely). The fused step reads them
     where it runs, without a host sync; the fallback reads ``found_inf`` on the host.
+
+    Without GradScaler, a NaN gradient is not dropped: it reaches the momentum and, through ``scale * m``, the
+    parameters where it sits, while the rest of the group does not move (its norm is NaN, and a norm that is not
+    > 0 gives the factor 0). The NaN stays in the momentum, so that group moves no more until its state is reset
+    (``optimizer.state.clear()``). An inf gradient likewise makes the norm inf: its own entries become NaN, the others
+    stay. The norm is a float64 sum of squares: float64 momenta of 1e154 or more overflow it (the group does not
+    move). With ``eps=0``, float64 momenta below about 1e-160 underflow it (the group does not move), and a float32
+    or half group whose norm is below ``lr / 3.4e38`` gets a factor ``lr / ||m||`` past float32's range (its
+    parameters become inf); the default ``eps`` keeps the factor below ``lr / eps``.
     """
 
     _step_supports_amp_scaling = True
@@ -239,6 +248,8 @@ class _GroupPlan:
         self.fused = len(params) > 0 and optimizer._use_fused(group, params)
         if self.fused and not self.dtensor:
             _check_one_device(params)
+        elif not self.fused:
+            _check_each_param_once(params)  # (once per plan: a kept plan keeps its params)
         self.reusable = keeping and 0 < len(params) == self.num_params
         # The state entries that a kept plan's later steps read. Only for a plan that is kept: while compiling (when
         # none is) dynamo traced this read of the state dict wrongly for a second param group (wrong steps).
@@ -331,12 +342,37 @@ def _foreach_momentum_(grads: list[torch.Tensor], momenta: list[torch.Tensor], s
     torch._foreach_add_(steps, 1.0)
 
 
+def _check_step_hyperparameters(momentum: float, eps: float, weight_decay: float, norm: str) -> None:
+    """The options of a group as a step takes them (set on the group after construction, say), with the errors of the
+    fused op's check_step_hyperparameters (csrc/normalized_sgd_checks.h): either step refuses what the other does."""
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"dro_ext: momentum must be in [0, 1), got {momentum}")
+    if not (eps >= 0.0 and math.isfinite(eps)):
+        raise ValueError(f"dro_ext: eps must be a finite number >= 0, got {eps}")
+    if not (weight_decay >= 0.0 and math.isfinite(weight_decay)):
+        raise ValueError(f"dro_ext: weight_decay must be a finite number >= 0, got {weight_decay}")
+    if norm not in _NORMS:
+        raise ValueError(f"dro_ext: norm must be 'global' or 'tensor', got '{norm}'")
+
+
+def _check_each_param_once(params: list[torch.Tensor]) -> None:
+    """No param twice in a group's step (torch.optim only warns): the foreach step would update it twice. The fused op
+    refuses it with the same error (check_each_tensor_once)."""
+    first: dict[int, int] = {}
+    for i, p in enumerate(params):
+        # By identity (the same tensor object, as torch.optim's warning finds it), not by address: FakeTensors (a
+        # traced step) share a null one.
+        j = first.setdefault(id(p), i)
+        if j != i:
+            raise ValueError(f"dro_ext: params[{j}] and params[{i}] are the same memory; the step updates each in "
+                             f"place, so each must appear once")
+
+
 def _foreach_step(params: list[torch.Tensor], grads: list[torch.Tensor], momenta: list[torch.Tensor],
                   steps: list[torch.Tensor], *, lr: float | torch.Tensor, momentum: float, eps: float,
                   weight_decay: float, norm: str, maximize: bool, grad_scale: torch.Tensor | None,
                   found_inf: torch.Tensor | None) -> None:
-    if not 0.0 <= momentum < 1.0:  # set on a group after construction: the fused op raises the same
-        raise ValueError(f"dro_ext: momentum must be in [0, 1), got {momentum}")
+    _check_step_hyperparameters(momentum, eps, weight_decay, norm)
     if found_inf is not None and bool(found_inf.ne(0).any()):
         return
     buckets = _group_by_device_and_dtype([params, grads, momenta, steps])

@@ -291,13 +291,16 @@ def test_group_dro_loss_where_no_group_counts_is_zero_with_zero_gradients(backen
                                dro_ext.dro_loss(losses[5:6], 0.3, 0.5, divergence, **params), rtol=1e-14, atol=0)
 
 
-def test_group_dro_loss_compiles_fullgraph(backend):
+@pytest.mark.parametrize("weighting", ["batch", "population", "tensor"])
+def test_group_dro_loss_compiles_fullgraph(backend, weighting):
     losses, groups = random_batch(17, 5, torch.float32, absent=(1,))
     losses.requires_grad_()
     eta = torch.tensor(0.3, requires_grad=True)
+    options = {"batch": {}, "population": dict(weighting="population", group_counts=torch.tensor([3, 1, 2, 5, 4])),
+               "tensor": dict(weighting=torch.tensor([0.5, 1.0, 0.0, 2.0, 1.0]))}[weighting]
 
     def fn(l, g, e):
-        return dro_ext.group_dro_loss(l, g, 5, e, 0.5, "smoothed_cvar", alpha=0.2)
+        return dro_ext.group_dro_loss(l, g, 5, e, 0.5, "smoothed_cvar", alpha=0.2, **options)
 
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True)
@@ -861,12 +864,21 @@ def test_droloss_group_arguments_are_checked(kwargs, exc, match):
         dro_ext.DROLoss("chi2", lam=0.5, **kwargs)
 
 
-def test_droloss_over_groups_compiles_fullgraph(backend):
-    module = dro_ext.DROLoss("kl", lam=0.5, num_groups=6)
+@pytest.mark.parametrize("weighting", ["batch", "population", "tensor"])
+def test_droloss_over_groups_compiles_fullgraph(backend, weighting):
+    """Every weighting: the weights checked at construction are not read again while tracing (a data-dependent
+    guard that broke the graph)."""
+    options = {"batch": {}, "population": dict(weighting="population", group_counts=[3, 1, 2, 5, 4, 1]),
+               "tensor": dict(weighting=torch.tensor([0.5, 1.0, 0.0, 2.0, 1.0, 1.0]))}[weighting]
+    module = dro_ext.DROLoss("kl", lam=0.5, num_groups=6, **options)
     losses, groups = random_batch(20, 6, torch.float32, absent=(5,))
+    losses.requires_grad_()
     torch._dynamo.reset()
     compiled = torch.compile(module, fullgraph=True)
-    torch.testing.assert_close(compiled(losses, groups), module(losses, groups), rtol=1e-6, atol=1e-7)
+    got, want = compiled(losses, groups), module(losses, groups)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(torch.autograd.grad(got, (losses, module.eta)),
+                               torch.autograd.grad(want, (losses, module.eta)), rtol=1e-6, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -502,14 +502,37 @@ def test_numbers_of_any_real_type_and_a_clear_type_error(backend):
         NormalizedSGD([torch.nn.Parameter(torch.zeros(2))], lr="0.1")
 
 
-def test_a_momentum_set_after_construction_is_checked_at_the_step(backend):
+@pytest.mark.parametrize("foreach", [None, True], ids=["default", "foreach"])
+@pytest.mark.parametrize("option,value,match", [
+    ("momentum", 1.5, r"momentum must be in \[0, 1\)"),
+    ("eps", -1.0, "eps must be a finite number >= 0"),
+    ("eps", math.inf, "eps must be a finite number >= 0"),
+    ("weight_decay", -1.0, "weight_decay must be a finite number >= 0"),
+    ("norm", "layer", "norm must be 'global' or 'tensor'"),
+], ids=["momentum", "eps", "eps-inf", "weight_decay", "norm"])
+def test_an_option_set_after_construction_is_checked_at_the_step(backend, foreach, option, value, match):
+    """Set on a group after construction, an option the constructor refuses is refused by the step, with the same
+    error on the fused op and on the foreach step (which took eps=-1 or norm='layer' without a word)."""
     p = torch.nn.Parameter(torch.ones(2))
-    opt = NormalizedSGD([p], lr=0.1)
-    opt.param_groups[0]["momentum"] = 1.5
+    opt = NormalizedSGD([p], lr=0.1, foreach=foreach)
+    opt.param_groups[0][option] = value
     p.grad = torch.ones(2)
-    with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\)"):
+    with pytest.raises(ValueError, match=match):
         opt.step()
     assert torch.equal(p.detach(), torch.ones(2))
+
+
+@pytest.mark.parametrize("foreach", [None, True], ids=["default", "foreach"])
+def test_a_param_given_twice_is_refused_by_every_step(backend, foreach):
+    """torch.optim only warns of a param given twice in a group; the fused op refuses it (it would update it twice),
+    and so does the foreach step now (it did update it twice: momentum 2g, two counts a step)."""
+    p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        opt = NormalizedSGD([p, q, p], lr=0.1, foreach=foreach)
+    p.grad, q.grad = torch.ones(3), torch.ones(2)
+    with pytest.raises(ValueError, match=r"params\[0\] and params\[2\] are the same memory"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(3)) and torch.equal(q.detach(), torch.ones(2))
 
 
 def test_native_op_rejects_mismatched_lists():
