@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dro_ext import _backend
+from dro_ext._first_order import first_order_only
 from dro_ext.group_reduction import check_forward_groups, check_num_groups
 from dro_ext._divergences import (
     Divergence, Spec, accumulate_dtype, as_eta, check_dense, check_divergence, check_positive, fallback_dtype,
@@ -195,11 +196,12 @@ if _backend.native_available():
                 grad_value, logits, targets, lse, row_weight, ctx.ignore_index, ctx.label_smoothing)
         if ctx.needs_input_grad[2]:
             grad_eta = (grad_value.to(mean_weight.dtype) * (ctx.scale * (1.0 - mean_weight))).to(ctx.eta_dtype)
+        grad_logits, grad_eta = first_order_only("dro_cross_entropy", (grad_logits, grad_eta), logits, grad_value)
         return grad_logits, None, grad_eta, None, None, None, None, None, None, None
 
     # In Python rather than C++ (as dro_loss's is): every call moves N x C logits, so a Python backward's
     # microseconds are noise here, and the formulas sit beside the fallback that must agree with them.
-    # First order only: the backward op has no derivative of its own.
+    # First order only: the backward op has no derivative of its own (a second derivative raises: first_order_only).
     torch.library.register_autograd("dro_ext::dro_cross_entropy", _dro_cross_entropy_backward,
                                     setup_context=_dro_cross_entropy_setup_context)
 
@@ -242,6 +244,8 @@ class _FallbackCrossEntropy(torch.autograd.Function):
             grad_logits = _weighted_residual(c, residual).to(logits.dtype)
         if ctx.needs_input_grad[2]:
             grad_eta = (grad * scale * (kept - fixed_order_sum(weights)) / count).to(eta.dtype)
+        # First order only, as the native op's backward (the weights were saved detached).
+        grad_logits, grad_eta = first_order_only("dro_cross_entropy", (grad_logits, grad_eta), logits, eta, grad)
         return grad_logits, None, grad_eta, None, None, None, None, None
 
 
@@ -505,6 +509,11 @@ def _linear_backward(ctx, grad_value, *unused):
         out[2] = _scaled_gradient(grad_bias, grad_value, in_place)
     if ctx.needs_input_grad[4]:
         out[4] = (grad_value.to(mean_weight.dtype) * (ctx.scale * (1.0 - mean_weight))).to(ctx.eta_dtype)
+    # The gradients were formed in the forward: first order only. Recorded against the upstream gradient, where a
+    # second derivative would otherwise come out of grad_value's product with the forward's gradients, held constant
+    # (the op saves none of its inputs, which the forward alone reads: N x H of hidden is not kept for this).
+    out[0], out[1], out[2], out[4] = first_order_only("dro_linear_cross_entropy", (out[0], out[1], out[2], out[4]),
+                                                      grad_value)
     return tuple(out)
 
 

@@ -30,6 +30,7 @@ import torch
 from dro_ext import _backend
 from dro_ext import groups as _groups
 from dro_ext._divergences import accumulate_dtype, fallback_dtype, fixed_order_sums
+from dro_ext._first_order import first_order_only
 from dro_ext.cross_entropy import (_check_float_tensor, _check_ignore_index, _check_label_smoothing,
                                    _check_linear_args, _check_target_range, _check_targets,
                                    _weighted_residual, chunk_logits, logits_buffer, losses_from_shifted_lse,
@@ -140,10 +141,12 @@ def _row_losses_backward(ctx, grad_losses, unused):
         return None, None, None, None, None
     grad_logits = _logits_gradient(logits, targets, lse, grad_losses.to(lse.dtype), ignore_index, label_smoothing,
                                    native)
+    (grad_logits,) = first_order_only("cross_entropy_losses", (grad_logits,), logits, grad_losses)
     return grad_logits, None, None, None, None
 
 
-# First order only, as dro_cross_entropy: the gradient writer has no derivative of its own.
+# First order only, as dro_cross_entropy: the gradient writer has no derivative of its own (a second derivative
+# raises: first_order_only).
 _cross_entropy_row_losses.register_autograd(_row_losses_backward, setup_context=_row_losses_setup_context)
 
 
@@ -260,7 +263,9 @@ def _linear_row_losses_backward(ctx, grad_losses, unused):
         return (None,) * 8
     grads = torch.ops.dro_ext.linear_cross_entropy_row_losses_backward(
         grad_losses, hidden, weight, bias, targets, lse, *ctx.args, *needs)
-    return tuple(g if need else None for g, need in zip(grads, needs)) + (None,) * 5
+    grads = first_order_only("linear_cross_entropy_losses", [g if need else None for g, need in zip(grads, needs)],
+                             hidden, weight, bias, grad_losses)
+    return tuple(grads) + (None,) * 5
 
 
 _linear_row_losses.register_autograd(_linear_row_losses_backward, setup_context=_linear_row_losses_setup_context)

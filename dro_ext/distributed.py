@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dro_ext import _solver
+from dro_ext._first_order import first_order_only
 from dro_ext._divergences import (
     DIVERGENCES, Divergence, Spec, accumulate_dtype, check_divergence, check_losses, check_positive,
     fixed_order_sum, input_device,
@@ -319,14 +320,15 @@ class _DistributedRobustObjective(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_value: torch.Tensor, _grad_eta: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, None, None, None]:
+                 ) -> tuple[torch.Tensor | None, None, None, None]:
         # Danskin: d Psi / d l_i = q_i, this rank's share of the worst-case distribution. Every rank's
         # value is the same Psi, so each rank backpropagates into its own losses only.
         (losses,) = ctx.saved_tensors
         lam, spec, group, solution = ctx.args
         reducer = _GroupReducer(group, losses.device, "robust_objective (backward)")
         q = _weights(losses.detach().to(torch.float64), solution, lam, spec, reducer)
-        return (q * grad_value.to(torch.float64)).to(losses.dtype), None, None, None
+        grad = (q * grad_value.to(torch.float64)).to(losses.dtype)
+        return first_order_only("robust_objective", (grad,), losses, grad_value)[0], None, None, None
 
 
 def robust_objective(losses: torch.Tensor, lam: float, divergence: Divergence = "chi2", *, alpha: float | None = None,

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from dro_ext import _solver
+from dro_ext._first_order import first_order_only
 from dro_ext._divergences import accumulate_dtype, check_losses, fixed_order_sum
 from dro_ext.group_reduction import check_groups, check_num_groups, gather_by_group
 from dro_ext.groups import (
@@ -124,16 +125,18 @@ class _WeightedGroupObjective(torch.autograd.Function):
             eta = torch.tensor(solution.eta, dtype=torch.float64, device=x.device)
             q = _solver.weights(x, eta, solution.n, lam, spec, w=w)
         q_groups = torch.zeros(means.shape, dtype=torch.float64, device=means.device).masked_scatter(present, q)
-        ctx.save_for_backward(q_groups)
+        ctx.save_for_backward(q_groups, means)
         ctx.mark_non_differentiable(q_groups)
         value = torch.tensor(solution.value, dtype=acc, device=means.device)
         return value, torch.tensor(solution.eta, dtype=acc, device=means.device), q_groups
 
     @staticmethod
     def backward(ctx: Any, grad_value: torch.Tensor, _grad_eta: torch.Tensor | None,
-                 _grad_q: torch.Tensor | None) -> tuple[torch.Tensor, None, None, None, None]:
-        (q_groups,) = ctx.saved_tensors
-        return (q_groups * grad_value.to(torch.float64)).to(grad_value.dtype), None, None, None, None
+                 _grad_q: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None, None, None]:
+        q_groups, means = ctx.saved_tensors
+        grad = (q_groups * grad_value.to(torch.float64)).to(grad_value.dtype)
+        # q holds eta* fixed, which moves with the means: a second derivative raises, as the sample-level one does.
+        return first_order_only("robust_objective", (grad,), means, grad_value)[0], None, None, None, None
 
 
 def _weighted(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam: float, spec: Spec,

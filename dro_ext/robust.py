@@ -28,6 +28,7 @@ import torch
 
 from dro_ext import _backend, _solver
 from dro_ext import group_evaluation as _group_evaluation
+from dro_ext._first_order import first_order_only
 from dro_ext._divergences import (
     Divergence,
     Spec,
@@ -88,10 +89,6 @@ if _backend.native_available():
 # ---------------------------------------------------------------------------------------------------
 
 
-# What a second backward through the robust objective raises (the native op's Node says the same).
-NO_SECOND_DERIVATIVE = "derivative for dro_ext::robust_objective's backward is not implemented"
-
-
 class _RobustObjective(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, losses: torch.Tensor, lam: float, spec: Spec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,28 +102,14 @@ class _RobustObjective(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_value: torch.Tensor, _grad_eta: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, None, None]:
+                 ) -> tuple[torch.Tensor | None, None, None]:
         losses, eta_t = ctx.saved_tensors
         lam, spec = ctx.args
         with torch.no_grad():
             grad = _fallback_weights(losses, eta_t, lam, spec) * grad_value.to(losses.dtype)
-        if torch.is_grad_enabled() and losses.requires_grad:
-            # Recorded (create_graph=True): differentiating the weights would hold eta* fixed, but eta* moves with
-            # the losses, so a second backward raises, as the native op's does (csrc/autograd.cpp).
-            grad = _NoSecondDerivative.apply(grad, losses)
-        return grad, None, None
-
-
-class _NoSecondDerivative(torch.autograd.Function):
-    """The gradient, recorded as a function of the losses whose own derivative raises NO_SECOND_DERIVATIVE."""
-
-    @staticmethod
-    def forward(ctx: Any, grad: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
-        return grad.clone()
-
-    @staticmethod
-    def backward(ctx: Any, _grad: torch.Tensor) -> tuple[None, None]:
-        raise RuntimeError(NO_SECOND_DERIVATIVE)
+        # Recorded (create_graph=True): differentiating the weights would hold eta* fixed, but eta* moves with the
+        # losses, so a second backward raises, as the native op's does (csrc/autograd.cpp).
+        return first_order_only("robust_objective", (grad,), losses, grad_value)[0], None, None
 
 
 # ---------------------------------------------------------------------------------------------------

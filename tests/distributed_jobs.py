@@ -474,6 +474,19 @@ def job_robust(rank, world):
         stats = dro_ext.weight_stats(losses=x, eta=0.5, lam=0.5, divergence=divergence, group=group, **params)
         assert all(torch.isnan(s) for s in stats[:2]), f"rank {rank} {divergence}: stats {stats}"
 
+    # A second derivative raises (it would need how eta* moves with the losses), as in one process, on every rank
+    # alike (nothing collective in it); the recorded first derivative is the plain one.
+    x = split(base, (37, 20), rank).clone().requires_grad_(True)
+    (plain,) = torch.autograd.grad(dro_ext.robust_objective(x, 0.5, "kl", group=group)[0], x)
+    (recorded,) = torch.autograd.grad(dro_ext.robust_objective(x, 0.5, "kl", group=group)[0], x, create_graph=True)
+    close(recorded, plain, "robust_objective(group=) recorded gradient", rtol=0, atol=0)
+    try:
+        torch.autograd.grad((recorded * torch.arange(recorded.numel(), dtype=recorded.dtype)).sum(), x)
+    except RuntimeError as exc:
+        assert "derivative for dro_ext::robust_objective's backward is not implemented" in str(exc), exc
+    else:
+        raise AssertionError(f"rank {rank}: a second derivative of robust_objective(group=) did not raise")
+
     # A group id out of range on one rank only: every rank raises IndexError, after the all-reduce (raised before it
     # on its rank, the other rank waited there), for each function that reduces over the ranks; then the next
     # collective still pairs up.

@@ -531,6 +531,51 @@ def test_linear_eta_only_gradient(backend):
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+SECOND_DERIVATIVE_CALLS = {
+    "cross_entropy_losses": (lambda x, h, w, y, eta: (dro_ext.cross_entropy_losses(x, y) ** 2).sum(),
+                             "cross_entropy_losses"),
+    "dro_loss of cross_entropy_losses": (lambda x, h, w, y, eta: dro_ext.dro_loss(dro_ext.cross_entropy_losses(x, y),
+                                                                                  eta, 0.5), "cross_entropy_losses"),
+    "dro_cross_entropy": (lambda x, h, w, y, eta: dro_ext.dro_cross_entropy(x, y, eta, 0.5) ** 2,
+                          "dro_cross_entropy"),
+    "dro_cross_entropy over groups": (lambda x, h, w, y, eta: dro_ext.dro_cross_entropy(
+        x, y, eta, 0.5, groups=torch.tensor([0, 1, 0, 1, 1]), num_groups=2), "cross_entropy_losses"),
+    "linear_cross_entropy_losses": (lambda x, h, w, y, eta: (dro_ext.linear_cross_entropy_losses(h, w, y) ** 2).sum(),
+                                    "linear_cross_entropy_losses"),
+    "dro_linear_cross_entropy": (lambda x, h, w, y, eta: dro_ext.dro_linear_cross_entropy(h, w, y, eta, 0.5) ** 2,
+                                 "dro_linear_cross_entropy"),
+    "dro_linear_cross_entropy over groups": (lambda x, h, w, y, eta: dro_ext.dro_linear_cross_entropy(
+        h, w, y, eta, 0.5, groups=torch.tensor([0, 1, 0, 1, 1]), num_groups=2), "linear_cross_entropy_losses"),
+}
+
+
+@pytest.mark.parametrize("call", list(SECOND_DERIVATIVE_CALLS))
+def test_a_second_derivative_raises_and_a_recorded_first_one_is_the_first(backend, call):
+    """The cross-entropies' backwards are first order only (kernels, and a logsumexp saved detached): where autograd
+    records them (create_graph=True) the gradient is the plain one, and differentiating it again raises naming the op,
+    where it returned a wrong Hessian-vector product before (0 on the native path, another wrong number on the
+    fallback; through dro_loss, a zero mixed derivative in eta)."""
+    fn, op = SECOND_DERIVATIVE_CALLS[call]
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(5, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    h = torch.randn(5, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    eta = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([0, 5, 2, 3, 1])
+    inputs = (x, eta) if "linear" not in call else (h, w, eta)
+    plain = torch.autograd.grad(fn(x, h, w, y, eta), inputs, allow_unused=True)
+    recorded = torch.autograd.grad(fn(x, h, w, y, eta), inputs, create_graph=True, allow_unused=True)
+    for a, b in zip(plain, recorded):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+    first = recorded[0]
+    assert first.requires_grad
+    with pytest.raises(RuntimeError, match=f"derivative for dro_ext::{op}'s backward is not implemented"):
+        torch.autograd.grad((first * torch.randn(first.shape, generator=gen, dtype=first.dtype)).sum(), inputs,
+                            allow_unused=True)
+
+
 def test_linear_retained_graph_backward_twice(backend):
     hidden, weight = torch.randn(5, 4, requires_grad=True), torch.randn(6, 4)
     value = dro_ext.dro_linear_cross_entropy(hidden, weight, torch.randint(0, 6, (5,)), 1.0, LAM, "kl")

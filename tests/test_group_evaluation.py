@@ -421,6 +421,26 @@ def test_gradcheck(backend, name, params):
         eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
+@pytest.mark.parametrize("weighting", ["batch", "population", "tensor"])
+def test_a_second_derivative_raises(backend, weighting):
+    """Over groups as over samples: the recorded gradient (create_graph=True) is the gradient, and differentiating it
+    again, which would need how eta* moves with the group means, raises (the weighted solve returned q's derivative at
+    a fixed eta* before, silently)."""
+    options = {"batch": {}, "population": dict(weighting="population", group_counts=[3.0, 1.0, 2.0, 5.0]),
+               "tensor": dict(weighting=torch.tensor([0.5, 1.0, 2.0, 1.0]))}[weighting]
+    losses, groups = random_batch(12, 4)
+    losses.requires_grad_()
+
+    def value():
+        return dro_ext.robust_objective(losses, 0.7, "chi2", groups=groups, num_groups=4, **options)[0]
+
+    (plain,) = torch.autograd.grad(value(), losses)
+    (recorded,) = torch.autograd.grad(value(), losses, create_graph=True)
+    torch.testing.assert_close(recorded, plain, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="derivative for dro_ext::robust_objective's backward is not implemented"):
+        torch.autograd.grad((recorded * torch.arange(12.0, dtype=recorded.dtype)).sum(), losses)
+
+
 def test_compile_fullgraph():
     if _backend._force_python:
         pytest.skip("DRO_EXT_FORCE_PYTHON=1: this run covers the fallback only")

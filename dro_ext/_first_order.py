@@ -1,0 +1,52 @@
+"""Backwards that are first order only, made to say so.
+
+A backward formed by a kernel (or from values its forward saved detached: a logsumexp, the worst case's eta*) has no
+derivative of its own. Where autograd records a backward (``create_graph=True``: a gradient penalty, a Hessian-vector
+product), it would take those values as constants and return a wrong second derivative without a word (at most a
+warning that an op has no autograd kernel). :func:`first_order_only` records such gradients instead as the outputs of
+a node whose own derivative raises, naming the op.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["first_order_only", "second_derivative_message"]
+
+
+def second_derivative_message(op: str) -> str:
+    """What a second derivative through ``op``'s backward raises."""
+    return f"derivative for dro_ext::{op}'s backward is not implemented (its gradient is first order only)"
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Copies of the gradients, recorded as a function of what they depend on; its own derivative raises."""
+
+    @staticmethod
+    def forward(ctx: Any, message: str, count: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.message = message
+        # Copies: an autograd.Function that returns its inputs as they are makes views of them, which autograd then
+        # guards against in-place changes (AccumulateGrad's, say).
+        return tuple(t.clone() for t in tensors[:count])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        raise RuntimeError(ctx.message)
+
+
+def first_order_only(op: str, grads: Sequence[torch.Tensor | None],
+                     *depends_on: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """``grads`` (a backward's gradients, None where none flows) as they are, unless autograd records this backward
+    (grad mode is on in a backward only under ``create_graph=True``) and something in ``depends_on`` (the op's inputs
+    and upstream gradient) requires grad: then the same values, whose derivative raises
+    :func:`second_derivative_message` for ``op``. Costs nothing in a first-order backward."""
+    if not torch.is_grad_enabled():
+        return tuple(grads)
+    inputs = [t for t in depends_on if isinstance(t, torch.Tensor) and t.requires_grad]
+    present = [g for g in grads if g is not None]
+    if not inputs or not present:
+        return tuple(grads)
+    recorded = iter(_FirstOrderOnly.apply(second_derivative_message(op), len(present), *present, *inputs))
+    return tuple(None if g is None else next(recorded) for g in grads)
