@@ -520,6 +520,13 @@ def _linear_backward(ctx, grad_value, *unused):
 _linear_cross_entropy_with_grads.register_autograd(_linear_backward, setup_context=_linear_setup_context)
 
 
+def _check_chunk_size(chunk_size) -> None:
+    """A positive int, or None (the default chunk size)."""
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size < 1):
+        raise ValueError(f"dro_ext: chunk_size must be a positive int or None, got chunk_size={chunk_size!r}")
+
+
 def _check_linear_args(hidden, weight, targets, bias, chunk_size):
     """The tensor checks of dro_linear_cross_entropy: (hidden as (N, H), targets as (N,), the chunk size)."""
     _check_float_tensor("hidden", hidden)
@@ -538,11 +545,12 @@ def _check_linear_args(hidden, weight, targets, bias, chunk_size):
             raise ValueError(f"dro_ext: bias must have shape ({weight.shape[0]},) and hidden's dtype and device, "
                              f"got shape {tuple(bias.shape)}, {bias.dtype}, {bias.device}")
     _check_targets(targets, hidden.shape[:-1], f"hidden of shape {tuple(hidden.shape)}", hidden.device)
-    h, y = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    # The rows counted out: reshape(-1, 0) cannot infer them beside an H of 0 (logits of zeros, as F.linear gives).
+    h, y = hidden.reshape(targets.numel(), hidden.shape[-1]), targets.reshape(-1)
     if chunk_size is None:
         chunk_size = default_chunk_size(h.shape[0], h.shape[1], weight.shape[0], h.element_size(), h.device.type)
-    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"dro_ext: chunk_size must be a positive int or None, got chunk_size={chunk_size!r}")
+    else:
+        _check_chunk_size(chunk_size)
     return h, y, max(1, min(chunk_size, max(h.shape[0], 1)))
 
 
@@ -584,7 +592,8 @@ def dro_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets
         return grouped_dro_linear_cross_entropy(h, weight, bias, y, token_groups, num_groups, eta, lam, spec, scale,
                                                 ignore_index, label_smoothing, chunk_size)
     native = _backend.native_for(h.device.type)
-    if not native:
+    if not native or h.device.type == "cpu":
+        # On the CPU the native chunk kernel checks too, but counts the failing target's index from its chunk's start.
         _check_target_range(y, weight.shape[0], ignore_index)
     grad = torch.is_grad_enabled()
     needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
@@ -652,7 +661,11 @@ class DROLinearCrossEntropyLoss(_DROCrossEntropyBase):
                  k: float | None = None, scale: float = 1.0, eta_init: float = 0.0, ignore_index: int = -100,
                  label_smoothing: float = 0.0, chunk_size: int | None = None, num_groups: int | None = None) -> None:
         super().__init__(divergence, lam, alpha, k, scale, eta_init, ignore_index, label_smoothing, num_groups)
+        _check_chunk_size(chunk_size)
         self.chunk_size = chunk_size
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", chunk_size={self.chunk_size}" if self.chunk_size is not None else "")
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                 bias: torch.Tensor | None = None, groups: torch.Tensor | None = None) -> torch.Tensor:

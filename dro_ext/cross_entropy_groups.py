@@ -332,7 +332,8 @@ def _flat_hidden(hidden, weight, targets, bias, chunk_size):
 
 def _linear_row_losses_checked(h, weight, bias, y, ignore_index, label_smoothing, chunk_size):
     native = _backend.native_for(h.device.type)
-    if not native:
+    if not native or h.device.type == "cpu":
+        # On the CPU the native chunk kernel checks too, but counts the failing target's index from its chunk's start.
         _check_target_range(y, weight.shape[0], ignore_index)
     return _linear_row_losses(h, weight, bias, y, ignore_index, label_smoothing, chunk_size, native)[0]
 

@@ -642,6 +642,39 @@ def test_modules_own_eta_and_match_the_functions(backend):
     loss.backward()
     torch.testing.assert_close(loss, dro_ext.dro_cross_entropy(head(hidden), targets, 1.0, 0.5, "chi2"))
     assert all(p.grad is not None for p in (linear.eta, head.weight, head.bias, hidden))
+    assert "chunk_size=7" in repr(linear)
+
+
+@pytest.mark.parametrize("chunk_size", [0, -3, 2.5, True, "8"])
+def test_linear_module_checks_chunk_size_at_construction(chunk_size):
+    # As every other argument of the modules (it was accepted, and failed at the first forward).
+    with pytest.raises(ValueError, match="chunk_size must be a positive int or None"):
+        dro_ext.DROLinearCrossEntropyLoss("chi2", lam=0.5, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_linear_cross_entropy_of_a_hidden_size_zero_is_that_of_its_logits(backend, with_bias):
+    """H = 0: logits of zeros (plus the bias), as F.linear gives them (a reshape that could not infer the rows beside a
+    0 raised before), with the bias's gradient; against the logits' own ops."""
+    hidden = torch.randn(4, 0, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(5, 0, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(5, dtype=torch.float64, requires_grad=True) if with_bias else None
+    targets, groups = torch.tensor([0, 4, 2, 1]), torch.tensor([0, 1, 1, 0])
+    leaves = [t for t in (hidden, weight, bias) if t is not None]
+    calls = [
+        (lambda: dro_ext.dro_linear_cross_entropy(hidden, weight, targets, 0.3, LAM, bias=bias),
+         lambda x: dro_ext.dro_cross_entropy(x, targets, 0.3, LAM)),
+        (lambda: dro_ext.dro_linear_cross_entropy(hidden, weight, targets, 0.3, LAM, bias=bias, groups=groups,
+                                                  num_groups=2),
+         lambda x: dro_ext.dro_cross_entropy(x, targets, 0.3, LAM, groups=groups, num_groups=2)),
+        (lambda: dro_ext.linear_cross_entropy_losses(hidden, weight, targets, bias=bias).sum(),
+         lambda x: F.cross_entropy(x, targets, reduction="sum")),
+    ]
+    for fused, composed in calls:
+        got, want = fused(), composed(F.linear(hidden, weight, bias))
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        for a, b in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, leaves)):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -602,3 +602,19 @@ def test_target_out_of_range_names_targets(backend, layout, dtype):
         for call in calls:
             with pytest.raises(IndexError, match=rf"targets must be class indices in \[0, 5\).*got targets\[1\]={bad}"):
                 call()
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 4])
+def test_a_target_out_of_range_in_a_later_chunk_is_named_by_its_index_in_the_batch(backend, chunk_size):
+    """The linear cross-entropies' native CPU chunk kernel counted the failing target from its chunk's start
+    (targets[1] for the batch's targets[5] at chunk_size 4)."""
+    hidden, weight = torch.randn(7, 3), torch.randn(5, 3)
+    for bad in (5, -1):
+        targets = torch.tensor([0, 1, 2, 3, 4, bad, 1])
+        calls = [lambda: dro_ext.dro_linear_cross_entropy(hidden, weight, targets, 0.0, LAM, chunk_size=chunk_size),
+                 lambda: dro_ext.dro_linear_cross_entropy(hidden, weight, targets, 0.0, LAM, chunk_size=chunk_size,
+                                                          groups=torch.zeros(7, dtype=torch.int64), num_groups=1),
+                 lambda: dro_ext.linear_cross_entropy_losses(hidden, weight, targets, chunk_size=chunk_size)]
+        for call in calls:
+            with pytest.raises(IndexError, match=rf"got targets\[5\]={bad}$"):
+                call()
