@@ -478,7 +478,9 @@ class GroupDROLoss(_Float64Configuration):
     resumes the run bitwise: ``log_q``, ``ema_loss``, ``last_loss`` (each group's last mean loss) and ``seen``
     (which groups have appeared). They are of the default dtype at construction; a step computes in the wider
     of their dtype and the losses' accumulate dtype. An empty batch is allowed (a rank without samples): it
-    returns 0 and updates the state as a batch where every group is absent.
+    returns 0 and updates the state as a batch where every group is absent. A NaN loss is not dropped: its group's
+    mean is NaN, and an update from it makes ``q`` NaN, which the state then keeps (``reset_parameters()`` or a saved
+    ``state_dict`` starts over).
 
     ``group`` (a process group): the per-group sums and counts are all-reduced once per call (one collective of
     ``2 * num_groups`` numbers), so every rank updates the same ``q`` from the concatenated batch and returns the

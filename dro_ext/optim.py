@@ -137,7 +137,7 @@ class NormalizedSGD(Optimizer):
 
     def _init_group(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
                     momenta: list[torch.Tensor], steps: list[torch.Tensor]) -> bool:
-        for p in group["params"]:
+        for index, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
@@ -148,7 +148,9 @@ class NormalizedSGD(Optimizer):
                 # the GradScaler skip are decided where the kernel runs, not on the host.
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif state["step"].device != p.device:
+            else:
+                _check_loaded_state(state, p, index)
+            if state["step"].device != p.device:
                 # load_state_dict leaves "step" where it was saved (e.g. a CPU checkpoint for a CUDA model);
                 # the fused kernel reads and counts it beside its parameter. Moved once, not every step.
                 state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
@@ -291,9 +293,27 @@ def _check_group(group: dict[str, Any]) -> None:
     _check_number("weight_decay", group["weight_decay"], low=0.0)
     if group["norm"] not in _NORMS:
         raise ValueError(f"dro_ext.NormalizedSGD: norm must be one of {_NORMS}, got {group['norm']!r}")
+    if not isinstance(group["maximize"], bool):  # (1 would pass the fused op's bool argument as True)
+        raise TypeError(f"dro_ext.NormalizedSGD: maximize must be a bool, got {group['maximize']!r}")
     for p in group["params"]:
         if not p.is_floating_point():
             raise ValueError(f"dro_ext.NormalizedSGD: parameters must be floating point, got {p.dtype}")
+
+
+def _check_loaded_state(state: dict[str, Any], p: torch.Tensor, index: int) -> None:
+    """A state entry that NormalizedSGD did not make (a loaded state_dict: another optimizer's, an older one): its
+    momentum must be one of the param's shape, and its step count a number (a tensor is made of a Python one, as
+    torch.optim's own optimizers take an old checkpoint's)."""
+    momentum, step = state.get("momentum_buffer"), state.get("step")
+    if not isinstance(momentum, torch.Tensor) or step is None:
+        raise ValueError(f"dro_ext.NormalizedSGD: the state of param {index} of its group has no 'momentum_buffer' "
+                         f"tensor and 'step' (its keys: {sorted(state)}): a state_dict of another optimizer? Load "
+                         f"one that NormalizedSGD saved, or clear optimizer.state")
+    if momentum.shape != p.shape:
+        raise ValueError(f"dro_ext.NormalizedSGD: the momentum_buffer of param {index} of its group has shape "
+                         f"{tuple(momentum.shape)}, the param {tuple(p.shape)}: a state_dict of another model?")
+    if not isinstance(step, torch.Tensor):
+        state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device)
 
 
 def _settings(group: dict[str, Any]) -> tuple[bool | None, bool | None, bool]:

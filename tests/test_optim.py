@@ -522,6 +522,38 @@ def test_an_option_set_after_construction_is_checked_at_the_step(backend, foreac
     assert torch.equal(p.detach(), torch.ones(2))
 
 
+def test_a_state_dict_it_did_not_save_is_named_at_the_step(backend):
+    """torch.optim.SGD's state_dict (no step count), a momentum of another shape: a clear error on either step (a bare
+    KeyError, or on the fallback a broadcasting error, before); a Python number as the step count is taken."""
+    p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    sgd = torch.optim.SGD([p, q], lr=0.1, momentum=0.9)
+    p.grad, q.grad = torch.ones(3), torch.ones(2)
+    sgd.step()
+    opt = NormalizedSGD([p, q], lr=0.1)
+    opt.load_state_dict(sgd.state_dict())
+    with pytest.raises(ValueError, match="state of param 0 of its group has no 'momentum_buffer' tensor and 'step'"):
+        opt.step()
+    opt = NormalizedSGD([p, q], lr=0.1)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    saved["state"][1]["momentum_buffer"] = torch.ones(5)
+    opt = NormalizedSGD([p, q], lr=0.1)
+    opt.load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"momentum_buffer of param 1 of its group has shape \(5,\), the param \(2,\)"):
+        opt.step()
+    saved["state"][1]["momentum_buffer"] = torch.ones(2)
+    saved["state"][0]["step"] = 3.0
+    opt = NormalizedSGD([p, q], lr=0.1)
+    opt.load_state_dict(saved)
+    opt.step()
+    assert float(opt.state[p]["step"]) == 4.0 and float(opt.state[q]["step"]) == 2.0
+
+
+def test_maximize_must_be_a_bool():
+    with pytest.raises(TypeError, match="maximize must be a bool"):
+        NormalizedSGD([torch.nn.Parameter(torch.ones(2))], lr=0.1, maximize=1)
+
+
 @pytest.mark.parametrize("foreach", [None, True], ids=["default", "foreach"])
 def test_a_param_given_twice_is_refused_by_every_step(backend, foreach):
     """torch.optim only warns of a param given twice in a group; the fused op refuses it (it would update it twice),
