@@ -152,13 +152,8 @@ def robust_objective(
         return _robust_objective_op(losses, *op_scalars(divergence, alpha, k, lam))
     if group is not None and groups is None and num_groups is None:
         return _distributed().robust_objective(losses, lam, divergence, alpha=alpha, k=k, group=group)
-    with _checked_on_every_rank(group, "robust_objective", losses) as agreed:  # (before the first collective)
-        spec = check_divergence(divergence, alpha, k)
-        check_losses(losses, allow_empty=group is not None)
-        lam = check_positive("lam", lam)
-        num_groups, group_weights = _group_evaluation.check_group_arguments(
-            losses, groups, num_groups, weighting, group_counts, "robust_objective")
-        agreed.set(lam, spec, num_groups)
+    spec, lam, num_groups, group_weights = _checked_arguments(
+        "robust_objective", losses, lam, divergence, alpha, k, groups, num_groups, weighting, group_counts, group)
     if num_groups is not None:
         assert groups is not None  # given with num_groups (check_group_arguments)
         return _group_evaluation.robust_objective(losses, groups, num_groups, lam, spec, group_weights, group)
@@ -184,13 +179,8 @@ def worst_case_weights(losses: torch.Tensor, lam: float, divergence: Divergence 
     """
     if group is not None and groups is None and num_groups is None:
         return _distributed().worst_case_weights(losses, lam, divergence, alpha=alpha, k=k, group=group)
-    with _checked_on_every_rank(group, "worst_case_weights", losses) as agreed:  # (before the first collective)
-        spec = check_divergence(divergence, alpha, k)
-        check_losses(losses, allow_empty=group is not None)
-        lam = check_positive("lam", lam)
-        num_groups, group_weights = _group_evaluation.check_group_arguments(
-            losses, groups, num_groups, weighting, group_counts, "worst_case_weights")
-        agreed.set(lam, spec, num_groups)
+    spec, lam, num_groups, group_weights = _checked_arguments(
+        "worst_case_weights", losses, lam, divergence, alpha, k, groups, num_groups, weighting, group_counts, group)
     if num_groups is not None:
         assert groups is not None  # given with num_groups (check_group_arguments)
         return _group_evaluation.worst_case_weights(losses, groups, num_groups, lam, spec, group_weights, group)
@@ -199,6 +189,22 @@ def worst_case_weights(losses: torch.Tensor, lam: float, divergence: Divergence 
     if _backend.native_for(losses.device.type):
         return torch.ops.dro_ext.robust_weights(losses, eta, lam, spec.name, spec.alpha, spec.k)
     return _fallback_weights(losses, eta, lam, spec)
+
+
+def _checked_arguments(where: str, losses: torch.Tensor, lam: float, divergence: Divergence, alpha: float | None,
+                       k: float | None, groups: torch.Tensor | None, num_groups: int | None,
+                       weighting: str | torch.Tensor | Sequence[float], group_counts: Any,
+                       group: ProcessGroup | None) -> tuple[Spec, float, int | None, torch.Tensor | None]:
+    """robust_objective's and worst_case_weights' checks: (spec, lam, num_groups, group weights), num_groups None
+    over samples. With group=, agreed on by every rank before the first collective."""
+    with _checked_on_every_rank(group, where, losses) as agreed:
+        spec = check_divergence(divergence, alpha, k)
+        check_losses(losses, allow_empty=group is not None)
+        lam = check_positive("lam", lam)
+        checked_num_groups, group_weights = _group_evaluation.check_group_arguments(
+            losses, groups, num_groups, weighting, group_counts, where)
+        agreed.set(lam, spec, checked_num_groups)
+    return spec, lam, checked_num_groups, group_weights
 
 
 def _fallback_weights(losses: torch.Tensor, eta: torch.Tensor, lam: float, spec: Spec) -> torch.Tensor:
