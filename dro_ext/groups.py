@@ -164,8 +164,9 @@ _WEIGHTINGS = ("batch", "population")
 
 def _group_weights(weighting: str | torch.Tensor | Sequence[float], group_counts: Any, num_groups: int,
                    device: torch.device | str) -> torch.Tensor | None:
-    """The unnormalized group weights: None for "batch" (the counts n_g), else a float64 (G,) tensor on device."""
-    if isinstance(weighting, torch.Tensor):
+    """The unnormalized group weights: None for "batch" (the counts n_g), else a float64 (G,) tensor on device.
+    Given weights may be a tensor or a sequence of numbers (a list, a tuple, a numpy array), as group_counts."""
+    if not isinstance(weighting, str):
         if group_counts is not None:
             raise ValueError("dro_ext: group_counts is used by weighting='population' only; with a tensor "
                              "weighting pass group_counts=None")
@@ -181,8 +182,8 @@ def _group_weights(weighting: str | torch.Tensor | Sequence[float], group_counts
                              "weighting='batch' pass group_counts=None")
         return None
     else:
-        raise ValueError(f"dro_ext: weighting must be 'batch', 'population' or a tensor of {num_groups} group "
-                         f"weights, got {weighting!r}")
+        raise ValueError(f"dro_ext: weighting must be 'batch', 'population' or {num_groups} group weights (a "
+                         f"tensor or a sequence), got {weighting!r}")
     return weights.to(device)
 
 
@@ -315,8 +316,8 @@ def group_dro_loss(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
 
     over the groups present in the batch, ``p`` renormalized over them: ``weighting="batch"`` takes ``p_g``
     proportional to the batch count ``n_g``, ``"population"`` to ``group_counts[g]`` (required then, every count
-    > 0), and a tensor of ``num_groups`` weights (>= 0) to those weights (a group of weight 0 counts as absent; a
-    NaN mean there still makes the value NaN). ``divergence``, ``lam``, ``alpha``, ``k``
+    > 0), and ``num_groups`` weights (>= 0; a tensor or a sequence) to those weights (a group of weight 0 counts as
+    absent; a NaN mean there still makes the value NaN). ``divergence``, ``lam``, ``alpha``, ``k``
     and ``scale`` are those of :func:`dro_ext.dro_loss`, which this equals when every group holds one sample
     (batch weighting). ``groups`` is an int64 or int32 tensor of ids in ``[0, num_groups)``, one per loss.
     Gradients flow to ``losses`` (``p_g psi*'(t_g) / n_g`` for each sample of group g) and to ``eta``.

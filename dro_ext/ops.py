@@ -107,8 +107,9 @@ def dro_loss(losses: torch.Tensor, eta: torch.Tensor | float, lam: float, diverg
     ``losses`` is a 1-D tensor of per-sample losses; ``eta`` a 0-d tensor (or a Python number, which gets
     no gradient). Gradients flow to both: ``dL/dl_i = w_i/N`` and ``dL/deta = scale*(1 - mean w)`` with
     ``w = dro_weights(...)``. The result has the dtype of ``losses``; sums accumulate in float32 (float64
-    for float64 input). ``kl`` overflows to ``inf`` once ``(l - scale*eta)/lam`` exceeds ~88 in float32;
-    use :func:`dro_ext.robust_objective` for an overflow-free value. A loss of ``+inf`` gives ``+inf`` (its
+    for float64 input). ``kl``'s weights (so its gradient) overflow to ``inf`` once ``(l - scale*eta)/lam``
+    exceeds ~88 for float32 losses, and its value once it exceeds ~709 (``e^t`` past float64's range): ``inf``,
+    never garbage; use :func:`dro_ext.robust_objective` for an overflow-free value. A loss of ``+inf`` gives ``+inf`` (its
     weight is ``psi*'(+inf)``); a loss of ``-inf`` adds ``lam*psi*(-inf) + scale*eta``, its limit, with weight 0.
     """
     if (losses.__class__ is torch.Tensor and isinstance(eta, torch.Tensor) and losses.layout is torch.strided

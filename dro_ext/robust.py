@@ -241,7 +241,8 @@ def weight_stats(
 
     Give either ``weights`` (any non-negative 1-D tensor; it is normalized to sum to one; a negative weight raises
     ValueError on the CPU, and fails an asynchronous device assertion on CUDA (a RuntimeError at the next sync, with
-    no host read here); NaN gives NaN statistics) or ``losses`` and
+    no host read here); NaN gives a NaN ``ess`` and ``max_weight``, ``zero_fraction`` counting the exact zeros) or
+    ``losses`` and
     ``lam`` (with ``divergence``, ``alpha``, ``k``): then the weights are ``dro_weights(losses, eta, ...)``
     at the given ``eta`` (e.g. the trained ``DROLoss.eta``), or the worst-case distribution when ``eta`` is
     None. ``groups`` is an optional integer tensor of group ids in ``[0, num_groups)``, one per sample; ids

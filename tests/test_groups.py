@@ -260,6 +260,26 @@ def test_group_dro_loss_mask_is_the_kept_samples_alone(backend, weighting):
         dro_ext.DROLoss("kl", lam=0.4)(losses, mask=keep)
 
 
+def test_given_weights_as_a_sequence_are_the_tensor_weighting(backend):
+    """weighting as a list, a tuple or a numpy array is the tensor of those weights (a sequence was refused, though
+    the annotation and group_counts take one), in group_dro_loss, DROLoss and the exact objective."""
+    import numpy as np
+
+    losses, groups = random_batch(13, 4, torch.float64, absent=(2,))
+    as_tensor = torch.tensor([0.5, 2.0, 1.0, 0.0], dtype=torch.float64)
+    want = dro_ext.group_dro_loss(losses, groups, 4, 0.3, 0.7, "kl", weighting=as_tensor)
+    want_module = dro_ext.DROLoss("kl", 0.7, eta_init=0.3, num_groups=4, weighting=as_tensor).double()(losses, groups)
+    want_exact = dro_ext.robust_objective(losses, 0.7, "kl", groups=groups, num_groups=4, weighting=as_tensor)[0]
+    for weights in ([0.5, 2.0, 1.0, 0.0], (0.5, 2, 1, 0), np.array([0.5, 2.0, 1.0, 0.0])):
+        assert torch.equal(dro_ext.group_dro_loss(losses, groups, 4, 0.3, 0.7, "kl", weighting=weights), want)
+        module = dro_ext.DROLoss("kl", 0.7, eta_init=0.3, num_groups=4, weighting=weights).double()
+        assert torch.equal(module(losses, groups), want_module)
+        assert torch.equal(dro_ext.robust_objective(losses, 0.7, "kl", groups=groups, num_groups=4,
+                                                    weighting=weights)[0], want_exact)
+    with pytest.raises(ValueError, match=r"weighting must have shape \(4,\)"):
+        dro_ext.group_dro_loss(losses, groups, 4, 0.3, 0.7, weighting=[1.0, 2.0])
+
+
 @pytest.mark.parametrize("divergence,params", [("chi2", {}), ("kl", {}), ("cvar", {"alpha": 0.3})])
 def test_group_dro_loss_where_no_group_counts_is_zero_with_zero_gradients(backend, divergence, params):
     # A batch of padding alone (an all-False mask), or weights of 0 on every group present: nothing counts, and the
