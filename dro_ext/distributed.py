@@ -84,11 +84,28 @@ def _all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, group: dist.
     try:
         dist.all_reduce(tensor, op=op, group=group)
     except RuntimeError as exc:  # DistBackendError and the gloo/NCCL errors derive from RuntimeError
-        raise RuntimeError(
-            f"dro_ext.{where}: an all-reduce over the process group failed (a rank exited, crashed or did "
-            f"not call {where} with the same arguments, or the group's timeout passed): {exc}"
-        ) from exc
+        raise collective_failed(where, exc) from exc
     return tensor
+
+
+def collective_failed(where: str, exc: RuntimeError) -> RuntimeError:
+    """A failed collective's error, naming the dro_ext function it came from."""
+    return RuntimeError(f"dro_ext.{where}: an all-reduce over the process group failed (a rank exited, crashed or did "
+                        f"not call {where} with the same arguments, or the group's timeout passed): {exc}")
+
+
+def functional_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, where: str) -> torch.Tensor:
+    """The sum over the ranks by a functional collective (which torch.compile traces), waited for in eager mode so that
+    a failure raises here, naming ``where``, rather than from the first use of the result. (The wait orders the
+    current stream after the collective, as that first use would; no host sync.)"""
+    from torch.distributed import _functional_collectives as funcol
+
+    if torch.compiler.is_compiling():
+        return funcol.all_reduce(tensor, "sum", group)
+    try:
+        return funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group))
+    except RuntimeError as exc:
+        raise collective_failed(where, exc) from exc
 
 
 def another_rank_refused(where: str) -> ValueError:
@@ -212,13 +229,11 @@ def batch_scale(num_local: int, group: dist.ProcessGroup, device: torch.device |
     The all-reduce is a functional collective (``torch.distributed._functional_collectives``), which
     ``torch.compile`` traces; the factor carries no gradient.
     """
-    from torch.distributed import _functional_collectives as funcol
-
     check_group(group, "DROLoss")
     coll_device = _collective_device(group, torch.device(device))
     count = torch.tensor([math.nan if refused else float(num_local), float(refused)], dtype=torch.float64,
                          device=coll_device)
-    total = funcol.all_reduce(count, "sum", group)
+    total = functional_all_reduce(count, group, "DROLoss")
     if (not refused and coll_device.type == "cpu" and not torch.compiler.is_compiling()
             and bool(total[1] > 0)):
         raise another_rank_refused("DROLoss")

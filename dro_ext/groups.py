@@ -266,13 +266,11 @@ def _all_reduce_group_sums(both: torch.Tensor, num_groups: int, process_group: P
     """The all-reduce of _reduced_group_sums' vector [sums, counts, bad ids, refused ranks] (float64, 2G + 2), back on
     the vector's device. Where a rank refused its inputs (_refuse_on_every_rank) a rank on the CPU raises (the count
     is read without a sync); on a device the refusing rank's NaN sums make every rank's result NaN instead."""
-    from torch.distributed import _functional_collectives as funcol
-
-    from dro_ext.distributed import _collective_device, another_rank_refused, check_group
+    from dro_ext.distributed import _collective_device, another_rank_refused, check_group, functional_all_reduce
 
     check_group(process_group, where)
     device = _collective_device(process_group, both.device)
-    reduced = funcol.all_reduce(both.to(device), "sum", process_group).to(both.device)
+    reduced = functional_all_reduce(both.to(device), process_group, where).to(both.device)
     if reduced.device.type == "cpu" and not torch.compiler.is_compiling() and bool(reduced[2 * num_groups + 1] > 0):
         raise another_rank_refused(where)
     return reduced

@@ -711,14 +711,23 @@ def job_dies(rank, world):
     dist.barrier()
     if rank == 1:
         os._exit(3)  # dies without a word, as a crashed or killed process would
-    try:
-        dro_ext.robust_objective(losses, 0.5, "smoothed_cvar", alpha=0.2, group=dist.group.WORLD)
-    except RuntimeError as exc:
-        message = str(exc)
-        assert "dro_ext.robust_objective" in message and "all-reduce over the process group failed" in message, message
-        print("SURVIVOR-RAISED:", message.splitlines()[0][:200], flush=True)
-        os._exit(0)  # the group is broken: skip destroy_process_group, which would wait on the dead peer
-    raise AssertionError("rank 0 finished robust_objective although rank 1 is dead")
+    calls = {  # each raises naming its function, the training objectives' functional collectives included
+        "robust_objective": lambda: dro_ext.robust_objective(losses, 0.5, "smoothed_cvar", alpha=0.2,
+                                                             group=dist.group.WORLD),
+        "DROLoss": lambda: dro_ext.DROLoss("chi2", 0.5, group=dist.group.WORLD)(losses),
+        "group_dro_loss": lambda: dro_ext.group_dro_loss(losses, torch.zeros(10, dtype=torch.int64), 2, 0.1, 0.5,
+                                                         group=dist.group.WORLD),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+        except RuntimeError as exc:
+            message = str(exc)
+            assert f"dro_ext.{name}" in message and "all-reduce over the process group failed" in message, message
+            print("SURVIVOR-RAISED:", message.splitlines()[0][:200], flush=True)
+        else:
+            raise AssertionError(f"rank 0 finished {name} although rank 1 is dead")
+    os._exit(0)  # the group is broken: skip destroy_process_group, which would wait on the dead peer
 
 
 JOBS = {"ddp": job_ddp, "loss_compile": job_loss_compile, "fsdp": job_fsdp, "robust": job_robust, "dies": job_dies,
