@@ -121,22 +121,41 @@ _AGREED_CALLS = ("robust_objective", "worst_case_weights", "weight_stats", "eval
 
 class AgreedSettings:
     """What every rank of an evaluation call must pass alike, set inside checked_on_every_rank's ``with`` body once
-    checked: the call's lam, divergence (with alpha and k) and number of groups (0 over samples)."""
+    checked: the call's lam, divergence (with alpha and k), number of groups (0 over samples), group weights (None
+    for the batch counts), and weight_stats' ``over``, ``eta`` and ``scale``. Those that decide which collectives the
+    call makes (``num_groups``, ``over``, whether ``eta`` is given) would otherwise abort gloo; the others would give
+    each rank the answer to another problem."""
 
     def __init__(self) -> None:
-        self.lam, self.spec, self.num_groups = 0.0, Spec("chi2", None, None), 0
+        self.set(None, None, None)
 
-    def set(self, lam: float | None, spec: Spec | None, num_groups: int | None) -> None:
+    def set(self, lam: float | None, spec: Spec | None, num_groups: int | None, *,
+            weights: torch.Tensor | None = None, over: str = "samples", eta: float | torch.Tensor | None = None,
+            scale: float = 1.0) -> None:
         self.lam = 0.0 if lam is None else lam
         self.spec = Spec("chi2", None, None) if spec is None else spec
         self.num_groups = num_groups or 0
+        self.over, self.scale = over, scale
+        # eta: whether given, and its value (a host read of a device tensor: the evaluation calls read the host anyway)
+        value = 0.0 if eta is None else float(eta)
+        self.eta = (0.0 if eta is None else 1.0, -math.inf if math.isnan(value) else value)  # (NaN never compares)
+        # The group weights as the objective takes them, normalized: two numbers that tell weights apart ([1, 2, 3]
+        # from [3, 2, 1] by the first, [1, 1, 4] from [1, 2, 3] by the second); (0, 0) for the batch counts.
+        self.weights = (0.0, 0.0)
+        if weights is not None:
+            p = weights.detach().to(device="cpu", dtype=torch.float64)
+            p = p / fixed_order_sum(p)
+            self.weights = (float(fixed_order_sum(p * torch.arange(1, p.numel() + 1, dtype=torch.float64))),
+                            float(fixed_order_sum(p * p)))
 
     def named(self, where: str) -> dict[str, float]:
         spec = self.spec
         return {"the call": float(_AGREED_CALLS.index(where)), "lam": self.lam,
                 "divergence": float(DIVERGENCES.index(spec.name)),
                 "alpha": -1.0 if spec.alpha is None else spec.alpha, "k": -1.0 if spec.k is None else spec.k,
-                "num_groups": float(self.num_groups)}
+                "num_groups": float(self.num_groups), "weighting": self.weights[0], "weights": self.weights[1],
+                "over": float(self.over == "groups"), "eta": self.eta[0], "eta's value": self.eta[1],
+                "scale": self.scale}
 
 
 @contextlib.contextmanager
@@ -176,8 +195,8 @@ def checked_on_every_rank(group: dist.ProcessGroup | None, where: str,
     differ = [name for i, name in enumerate(names) if highest[1 + i] != -highest[1 + len(names) + i]]
     if differ:
         raise ValueError(f"dro_ext.{where}: the ranks of the process group passed different {', '.join(differ)}; "
-                         f"every rank must make the same call with the same lam, divergence (alpha, k) and "
-                         f"num_groups")
+                         f"every rank must make the same call with the same lam, divergence (alpha, k), num_groups, "
+                         f"weighting (group_counts) and, for weight_stats, over, eta and scale")
 
 
 class _GroupReducer:

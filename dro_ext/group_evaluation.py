@@ -194,8 +194,8 @@ def sample_weights(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
                    eta: torch.Tensor | float | None = None, scale: float = 1.0,
                    group: ProcessGroup | None = None) -> torch.Tensor:
     """The distribution over the samples that the group distribution induces, q_{g_i} / n_{g_i} (accumulate
-    dtype; float64 with a process group): the worst case when eta is None, else the dro_weights of the group means
-    at eta (unnormalized, as weight_stats takes them).
+    dtype; float64 with a process group or at a given eta): the worst case when eta is None, else the dro_weights of
+    the group means at eta (unnormalized, as weight_stats takes them).
 
     With a process group, of this rank's samples within the ranks' samples together: the group means and counts
     are those of every rank (one all-reduce of 2G numbers), the worst case is solved over them as
@@ -218,7 +218,8 @@ def sample_weights(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
             return x
     if eta is None:
         return robust.worst_case_weights(x, lam, spec.name, alpha=spec.alpha, k=spec.k)
-    return dro_weights(x, eta, lam, spec.name, alpha=spec.alpha, k=spec.k, scale=scale)
+    # In float64: at a given eta the weights are unnormalized, and float32 ones overflow where their ratios do not.
+    return dro_weights(x.to(torch.float64), eta, lam, spec.name, alpha=spec.alpha, k=spec.k, scale=scale)
 
 
 def report(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam: float, spec: Spec,

@@ -84,7 +84,15 @@ def _ids_checked_by_the_op(groups: torch.Tensor, num_groups: int) -> bool:
 def _group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sums, counts) per group through :func:`dro_ext.group_sums`, the ids checked as _ids_checked_by_the_op says.
     With _masked_group_sums and GroupDROLoss's native step, the only places this module reduces the losses."""
-    return group_sums(losses, groups, num_groups, validate=_ids_checked_by_the_op(groups, num_groups))
+    try:
+        return group_sums(losses, groups, num_groups, validate=_ids_checked_by_the_op(groups, num_groups))
+    except IndexError:
+        # group_sums' own error suggests validate=False, which none of the functions reducing through here takes.
+        raise IndexError(_bad_ids_message(num_groups)) from None
+
+
+def _bad_ids_message(num_groups: int) -> str:
+    return f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={num_groups}"
 
 
 def _masked_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int,
@@ -102,7 +110,7 @@ def _masked_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: i
 def _check_group_ids(groups: torch.Tensor, num_groups: int) -> None:
     """Ids in [0, num_groups): IndexError naming groups on the CPU (a host read of a CPU tensor costs no sync), an
     asynchronous device-side assertion elsewhere and while compiling (no host sync; it fails at the next sync)."""
-    message = f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={num_groups}"
+    message = _bad_ids_message(num_groups)
     if groups.device.type == "cpu" and not torch.compiler.is_compiling():
         if groups.numel() and (int(groups.min()) < 0 or int(groups.max()) >= num_groups):
             raise IndexError(message)
@@ -254,8 +262,8 @@ def _reduced_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: 
                                              torch.stack([bad, refused])]),
                                   num_groups, process_group, where)
     if counted and bool(both[2 * num_groups] > 0):
-        raise IndexError(f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={num_groups} (on "
-                         f"{int(both[2 * num_groups])} samples of the ranks of the process group)")
+        raise IndexError(f"{_bad_ids_message(num_groups)} (on {int(both[2 * num_groups])} samples of the ranks of "
+                         f"the process group)")
     world = float(torch.distributed.get_world_size(process_group))
     return (_GlobalValueLocalGradient.apply(both[:num_groups].to(sums.dtype), sums, world),
             both[num_groups:2 * num_groups].to(counts.dtype))

@@ -40,10 +40,10 @@ class DROLoss(_Float64Configuration):
 
     With ``num_groups=G`` the objective is over groups instead of samples (:func:`dro_ext.group_dro_loss`):
     ``forward(losses, groups, *, mask=None)`` takes the group id of each loss (and, as :class:`GroupDROLoss`, a
-    bool ``mask`` of the samples that count), and ``weighting`` (``"batch"``,
-    ``"population"`` with ``group_counts``, or G weights as a tensor or a sequence) weighs the groups present. With ``group``
-    every rank then returns the objective of the concatenated batch (the per-group sums and counts are
-    all-reduced once), its local gradients scaled so that DDP's average is that objective's gradient.
+    bool ``mask`` of the samples that count), and ``weighting`` (``"batch"``, ``"population"`` with
+    ``group_counts``, or G weights as a tensor or a sequence) weighs the groups present. With ``group`` every rank
+    then returns the objective of the concatenated batch (the per-group sums and counts are all-reduced once), its
+    local gradients scaled so that DDP's average is that objective's gradient.
     Without ``num_groups``, ``groups`` must not be passed and the module is the per-sample loss above.
     """
 

@@ -109,8 +109,9 @@ def dro_loss(losses: torch.Tensor, eta: torch.Tensor | float, lam: float, diverg
     ``w = dro_weights(...)``. The result has the dtype of ``losses``; sums accumulate in float32 (float64
     for float64 input). ``kl``'s weights (so its gradient) overflow to ``inf`` once ``(l - scale*eta)/lam``
     exceeds ~88 for float32 losses, and its value once it exceeds ~709 (``e^t`` past float64's range): ``inf``,
-    never garbage; use :func:`dro_ext.robust_objective` for an overflow-free value. A loss of ``+inf`` gives ``+inf`` (its
-    weight is ``psi*'(+inf)``); a loss of ``-inf`` adds ``lam*psi*(-inf) + scale*eta``, its limit, with weight 0.
+    never garbage; use :func:`dro_ext.robust_objective` for an overflow-free value. A loss of ``+inf`` gives
+    ``+inf`` (its weight is ``psi*'(+inf)``); a loss of ``-inf`` adds ``lam*psi*(-inf) + scale*eta``, its limit, with
+    weight 0.
     """
     if (losses.__class__ is torch.Tensor and isinstance(eta, torch.Tensor) and losses.layout is torch.strided
             and eta.device == losses.device and _backend.native_for_tensor(losses)):

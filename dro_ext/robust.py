@@ -203,7 +203,7 @@ def _checked_arguments(where: str, losses: torch.Tensor, lam: float, divergence:
         lam = check_positive("lam", lam)
         checked_num_groups, group_weights = _group_evaluation.check_group_arguments(
             losses, groups, num_groups, weighting, group_counts, where)
-        agreed.set(lam, spec, checked_num_groups)
+        agreed.set(lam, spec, checked_num_groups, weights=group_weights)
     return spec, lam, checked_num_groups, group_weights
 
 
@@ -262,17 +262,21 @@ def weight_stats(
         width = _check_weight_stats_arguments(weights, losses, eta, lam, divergence, alpha, k, scale, groups,
                                               num_groups, group, over)
         if losses is not None:  # (given weights, lam and the divergence are not used)
-            agreed.set(lam, check_divergence(divergence, alpha, k), width)
+            agreed.set(lam, check_divergence(divergence, alpha, k), width, over=over, eta=eta,
+                       scale=1.0 if eta is None else scale)
         else:
-            agreed.set(None, None, width)
-    if over == "groups":
-        assert losses is not None and groups is not None and lam is not None and width is not None  # (checked)
-        spec = check_divergence(divergence, alpha, k)
-        with torch.no_grad():
-            weights = _group_evaluation.sample_weights(losses, groups, width, lam, spec, eta, scale, group)
-        losses = eta = None
+            agreed.set(None, None, width, over=over)
+    # The statistics come in the accumulate dtype of what was given (the losses, or the weights); the weights at a
+    # given eta are formed in float64, where float32 ones overflow (kl's e^t past t = 88) though their ratios do not.
+    given = losses if losses is not None else weights
+    assert given is not None  # (checked)
+    out_dtype = accumulate_dtype(given.dtype)
     with torch.no_grad():
-        if weights is not None:
+        if over == "groups":
+            assert losses is not None and groups is not None and lam is not None and width is not None  # (checked)
+            w = _group_evaluation.sample_weights(losses, groups, width, lam, check_divergence(divergence, alpha, k),
+                                                 eta, scale, group)
+        elif weights is not None:
             if group is None:  # (with group=, every rank raises after its reduction)
                 _check_nonnegative_weights(weights)
             w = weights
@@ -285,31 +289,39 @@ def weight_stats(
                 # takes part in the collectives below.
                 w = losses.detach()
             else:
-                w = dro_weights(losses.detach(), eta, lam, divergence, alpha=alpha, k=k, scale=scale)
+                w = dro_weights(losses.detach().to(torch.float64), eta, lam, divergence, alpha=alpha, k=k,
+                                scale=scale)
         w = w.detach()
         if groups is not None and width is None:
             width = int(groups.max().item()) + 1
         width = width or 0  # the number of groups, where groups are given
         if group is not None:
-            return _distributed().weight_stats(w, groups, width, group)
-        if _backend.native_for(w.device.type):
-            ess, max_weight, zero_fraction, group_mass = torch.ops.dro_ext.weight_stats(
-                w, groups, width
-            )
-            return WeightStats(ess, max_weight, zero_fraction, group_mass if groups is not None else None)
-        w = w.to(accumulate_dtype(w.dtype))
-        total = fixed_order_sum(w)
-        ess = total * total / fixed_order_sum(w * w)
-        max_weight = w.amax() / total
-        zero_fraction = (w == 0).sum().to(w.dtype) / w.numel()
-        group_mass = None
-        if groups is not None:
-            if groups.numel() and (int(groups.min()) < 0 or int(groups.max()) >= width):
-                raise IndexError(f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={width}")
-            group_mass = torch.zeros(width, dtype=torch.float64, device=w.device)
-            group_mass.index_add_(0, groups.long(), w.to(torch.float64))
-            group_mass = (group_mass / total.to(torch.float64)).to(w.dtype)
-        return WeightStats(ess, max_weight, zero_fraction, group_mass)
+            stats = _distributed().weight_stats(w, groups, width, group)
+        elif _backend.native_for(w.device.type):
+            ess, max_weight, zero_fraction, group_mass = torch.ops.dro_ext.weight_stats(w, groups, width)
+            stats = WeightStats(ess, max_weight, zero_fraction, group_mass if groups is not None else None)
+        else:
+            stats = _fallback_weight_stats(w, groups, width)
+    return WeightStats(stats.ess.to(out_dtype), stats.max_weight.to(out_dtype), stats.zero_fraction.to(out_dtype),
+                       None if stats.group_mass is None else stats.group_mass.to(out_dtype))
+
+
+def _fallback_weight_stats(w: torch.Tensor, groups: torch.Tensor | None, width: int) -> WeightStats:
+    """The statistics in float64, as the native op forms them (float32 squares of weights past 1e19 or below 1e-19
+    overflowed or underflowed: NaN statistics)."""
+    x = w.to(torch.float64)
+    total = fixed_order_sum(x)
+    ess = total * total / fixed_order_sum(x * x)
+    max_weight = x.amax() / total
+    zero_fraction = (x == 0).sum().to(torch.float64) / x.numel()
+    group_mass = None
+    if groups is not None:
+        if groups.numel() and (int(groups.min()) < 0 or int(groups.max()) >= width):
+            raise IndexError(f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={width}")
+        group_mass = torch.zeros(width, dtype=torch.float64, device=w.device)
+        group_mass.index_add_(0, groups.long(), x)
+        group_mass = group_mass / total
+    return WeightStats(ess, max_weight, zero_fraction, group_mass)
 
 
 def _check_weight_stats_arguments(weights: torch.Tensor | None, losses: torch.Tensor | None,
@@ -343,6 +355,9 @@ def _check_weight_stats_arguments(weights: torch.Tensor | None, losses: torch.Te
                                                              None, "weight_stats")
         return checked
     if groups is None:
+        if num_groups is not None:
+            raise ValueError(f"dro_ext.weight_stats: num_groups={num_groups!r} was given without groups; pass groups "
+                             f"(the group id of each sample) too")
         return 0
     w = cast(torch.Tensor, weights if weights is not None else losses)
     if not isinstance(groups, torch.Tensor) or groups.dtype not in (torch.int64, torch.int32):
@@ -355,9 +370,7 @@ def _check_weight_stats_arguments(weights: torch.Tensor | None, losses: torch.Te
         if group is not None:
             raise ValueError("dro_ext: weight_stats with group= and groups needs num_groups")
         return None
-    if int(num_groups) <= 0:
-        raise ValueError(f"dro_ext: num_groups must be > 0, got num_groups={num_groups}")
-    return int(num_groups)
+    return check_num_groups(num_groups)
 
 
 def _checked_on_every_rank(group: ProcessGroup | None, where: str, *inputs: object) -> ContextManager[AgreedSettings]:
@@ -520,7 +533,7 @@ def evaluate(
         elif not (isinstance(weighting, str) and weighting == "batch") or group_counts is not None:
             raise ValueError("dro_ext.evaluate: weighting and group_counts apply over groups; pass groups_fn and "
                              "num_groups with them")
-        agreed.set(lam, spec, num_groups)
+        agreed.set(lam, spec, num_groups, weights=group_weights)
         modes = [(module, module.training) for module in model.modules()]
         try:
             model.eval()

@@ -590,6 +590,17 @@ def job_robust(rank, world):
                                           group=group),
         "the call": lambda: (dro_ext.robust_objective if rank == 1 else dro_ext.worst_case_weights)(
             losses, 0.5, "chi2", group=group),
+        # Those that decide which collectives weight_stats makes (gloo aborted the processes with SIGABRT) ...
+        "over": lambda: dro_ext.weight_stats(losses=losses, lam=0.5, groups=fine, num_groups=3,
+                                             over=mine("groups", "samples"), group=group),
+        "eta, eta's value": lambda: dro_ext.weight_stats(losses=losses, lam=0.5, eta=mine(1.0, None), group=group),
+        # ... and those that gave each rank another answer.
+        "eta's value": lambda: dro_ext.weight_stats(losses=losses, lam=0.5, eta=mine(1.0, 2.0), group=group),
+        "scale": lambda: dro_ext.weight_stats(losses=losses, lam=0.5, eta=1.0, scale=mine(2.0, 1.0), group=group),
+        "weighting, weights": lambda: dro_ext.robust_objective(losses, 0.5, "chi2", groups=fine, num_groups=3,
+                                                               weighting=mine([1.0, 1.0, 5.0], "batch"), group=group),
+        "weighting": lambda: dro_ext.worst_case_weights(losses, 0.5, "chi2", groups=fine, num_groups=3,
+                                                        weighting=mine([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]), group=group),
     }
     for names, call in mismatches.items():
         try:

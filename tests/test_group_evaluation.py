@@ -548,8 +548,9 @@ _G = torch.tensor([0, 1, 1, 2, 0, 2])
     (dict(groups=_G.double(), num_groups=3), TypeError, "groups"),
     (dict(groups=_G[:5], num_groups=3), ValueError, "groups"),
     (dict(groups=_G.reshape(2, 3), num_groups=3), ValueError, "groups"),
-    (dict(groups=_G, num_groups=2), IndexError, "groups"),
-    (dict(groups=_G - 1, num_groups=3), IndexError, "groups"),
+    # (without group_sums' hint of validate=False, which these functions do not take)
+    (dict(groups=_G, num_groups=2), IndexError, r"groups holds an id outside \[0, num_groups\) with num_groups=2$"),
+    (dict(groups=_G - 1, num_groups=3), IndexError, r"groups holds an id outside \[0, num_groups\) with num_groups=3$"),
     (dict(groups=_G), ValueError, "num_groups"),
     (dict(num_groups=3), ValueError, "groups"),
     (dict(groups=_G, num_groups=0), ValueError, "num_groups"),

@@ -660,6 +660,40 @@ def test_weight_stats_bad_inputs():
     assert math.isnan(dro_ext.weight_stats(torch.tensor([1.0, math.nan, 2.0])).ess)  # NaN is not dropped
     with pytest.raises(TypeError, match="losses must be a dense"):
         dro_ext.robust_objective(torch.ones(4).to_sparse(), 0.1)
+    # num_groups as every other entry point checks it (3.5 was truncated, True taken as 1), and not without groups
+    ids = torch.tensor([0, 1, 1, 0])
+    for bad in (3.5, True, "3"):
+        with pytest.raises(TypeError, match="num_groups must be an int"):
+            dro_ext.weight_stats(w, groups=ids, num_groups=bad)
+    with pytest.raises(ValueError, match="num_groups must be >= 1"):
+        dro_ext.weight_stats(w, groups=ids, num_groups=0)
+    with pytest.raises(ValueError, match="num_groups=2 was given without groups"):
+        dro_ext.weight_stats(w, num_groups=2)
+
+
+@pytest.mark.parametrize("weights,ess", [([1e20] * 3, 3.0), ([3e38, 3e38], 2.0), ([1e-30, 2e-30, 3e-30], 36 / 14)],
+                         ids=["1e20", "3e38", "1e-30"])
+def test_weight_stats_of_float32_weights_past_their_squares_range(backend, weights, ess):
+    """The fallback squared float32 weights in float32 (NaN past 1e19 or below 1e-19); both backends form the
+    statistics in float64 and return them in float32."""
+    stats = dro_ext.weight_stats(torch.tensor(weights, dtype=torch.float32))
+    assert stats.ess.dtype == torch.float32
+    torch.testing.assert_close(stats.ess, torch.tensor(ess, dtype=torch.float32), rtol=1e-6, atol=0)
+    torch.testing.assert_close(stats.max_weight, torch.tensor(max(weights) / sum(weights), dtype=torch.float32),
+                               rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("over", ["samples", "groups"])
+def test_weight_stats_at_an_eta_where_float32_weights_overflow(backend, over):
+    """kl's weights at a given eta pass float32's range (t = 150 here) though their ratios do not: formed in float64,
+    the statistics are those of the float64 losses (NaN before), in float32."""
+    losses, groups = torch.tensor([0.0, 1.0, 2.0, 1.5]), torch.tensor([0, 1, 2, 2])
+    kw = dict(eta=0.5, lam=0.01, divergence="kl", groups=groups, num_groups=3, over=over)
+    got, want = dro_ext.weight_stats(losses=losses, **kw), dro_ext.weight_stats(losses=losses.double(), **kw)
+    for field, a, b in zip(got._fields, got, want):
+        assert a.dtype == torch.float32, field
+        assert torch.isfinite(a).all(), field
+        torch.testing.assert_close(a, b.float(), rtol=1e-6, atol=1e-30, msg=field)
 
 
 # ------------------------------------------------------------------------------------------------
