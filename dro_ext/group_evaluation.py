@@ -117,14 +117,16 @@ class _WeightedGroupObjective(torch.autograd.Function):
         acc = means.dtype
         if x.numel() == 0 or not bool(w.sum() > 0):
             # No weight on any present group: p renormalized over them is 0/0, and the worst case over no
-            # distribution is undefined. (The training objective, group_dro_loss, takes 0 there instead, so that a
-            # micro-batch of padding adds nothing to a gradient.)
-            solution, q = _solver.Solution(math.nan, math.nan, 0), torch.full_like(x, math.nan)
+            # distribution is undefined: NaN, its distribution over the groups (and so the gradient) too, rather
+            # than zeros that sum to no distribution. (The training objective, group_dro_loss, takes 0 there
+            # instead, so that a micro-batch of padding adds nothing to a gradient.)
+            solution = _solver.Solution(math.nan, math.nan, 0)
+            q_groups = torch.full(means.shape, math.nan, dtype=torch.float64, device=means.device)
         else:
             solution = _solver.solve(x, lam, spec, w=w)
             eta = torch.tensor(solution.eta, dtype=torch.float64, device=x.device)
             q = _solver.weights(x, eta, solution.n, lam, spec, w=w)
-        q_groups = torch.zeros(means.shape, dtype=torch.float64, device=means.device).masked_scatter(present, q)
+            q_groups = torch.zeros(means.shape, dtype=torch.float64, device=means.device).masked_scatter(present, q)
         ctx.save_for_backward(q_groups, means)
         ctx.mark_non_differentiable(q_groups)
         value = torch.tensor(solution.value, dtype=acc, device=means.device)

@@ -253,11 +253,14 @@ def test_weighted_gradcheck(backend, name, params, weighting):
 
 
 def test_weighted_without_weight_on_the_present_groups_is_nan(backend):
-    # p renormalized over the present groups is 0/0, as group_dro_loss has it
-    losses, groups = torch.rand(4, dtype=torch.float64), torch.tensor([0, 0, 2, 2])
-    value, eta = dro_ext.robust_objective(losses, 0.3, "kl", groups=groups, num_groups=3,
-                                          weighting=torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64))
+    # p renormalized over the present groups is 0/0: the value, eta*, the group distribution and the gradient are NaN
+    # (q was zeros, which sum to no distribution, and the gradient 0)
+    losses, groups = torch.rand(4, dtype=torch.float64).requires_grad_(), torch.tensor([0, 0, 2, 2])
+    kw = dict(groups=groups, num_groups=3, weighting=torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64))
+    value, eta = dro_ext.robust_objective(losses, 0.3, "kl", **kw)
     assert math.isnan(value.item()) and math.isnan(eta.item())
+    assert torch.isnan(dro_ext.worst_case_weights(losses, 0.3, "kl", **kw)).all()
+    assert torch.isnan(torch.autograd.grad(value, losses)[0]).all()
 
 
 @pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
