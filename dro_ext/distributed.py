@@ -132,29 +132,28 @@ class AgreedSettings:
     def set(self, lam: float | None, spec: Spec | None, num_groups: int | None, *,
             weights: torch.Tensor | None = None, over: str = "samples", eta: float | torch.Tensor | None = None,
             scale: float = 1.0) -> None:
-        self.lam = 0.0 if lam is None else lam
-        self.spec = Spec("chi2", None, None) if spec is None else spec
-        self.num_groups = num_groups or 0
-        self.over, self.scale = over, scale
-        # eta: whether given, and its value (a host read of a device tensor: the evaluation calls read the host anyway)
-        value = 0.0 if eta is None else float(eta)
-        self.eta = (0.0 if eta is None else 1.0, -math.inf if math.isnan(value) else value)  # (NaN never compares)
-        # The group weights as the objective takes them, normalized: two numbers that tell weights apart ([1, 2, 3]
-        # from [3, 2, 1] by the first, [1, 1, 4] from [1, 2, 3] by the second); (0, 0) for the batch counts.
-        self.weights = (0.0, 0.0)
-        if weights is not None:
-            p = weights.detach().to(device="cpu", dtype=torch.float64)
-            p = p / fixed_order_sum(p)
-            self.weights = (float(fixed_order_sum(p * torch.arange(1, p.numel() + 1, dtype=torch.float64))),
-                            float(fixed_order_sum(p * p)))
+        # Kept as given: they are read (eta and the weights on the host) only where a process group compares them,
+        # never on one process (no host read of a device tensor there).
+        self.lam, self.spec, self.num_groups = lam, spec, num_groups
+        self.weights, self.over, self.eta, self.scale = weights, over, eta, scale
 
     def named(self, where: str) -> dict[str, float]:
-        spec = self.spec
-        return {"the call": float(_AGREED_CALLS.index(where)), "lam": self.lam,
+        spec = Spec("chi2", None, None) if self.spec is None else self.spec
+        eta = 0.0 if self.eta is None else float(self.eta)
+        # The group weights as the objective takes them, normalized: two numbers that tell weights apart ([1, 2, 3]
+        # from [3, 2, 1] by the first, [1, 1, 4] from [1, 2, 3] by the second); (0, 0) for the batch counts.
+        weights = (0.0, 0.0)
+        if self.weights is not None:
+            p = self.weights.detach().to(device="cpu", dtype=torch.float64)
+            p = p / fixed_order_sum(p)
+            weights = (float(fixed_order_sum(p * torch.arange(1, p.numel() + 1, dtype=torch.float64))),
+                       float(fixed_order_sum(p * p)))
+        return {"the call": float(_AGREED_CALLS.index(where)), "lam": 0.0 if self.lam is None else self.lam,
                 "divergence": float(DIVERGENCES.index(spec.name)),
                 "alpha": -1.0 if spec.alpha is None else spec.alpha, "k": -1.0 if spec.k is None else spec.k,
-                "num_groups": float(self.num_groups), "weighting": self.weights[0], "weights": self.weights[1],
-                "over": float(self.over == "groups"), "eta": self.eta[0], "eta's value": self.eta[1],
+                "num_groups": float(self.num_groups or 0), "weighting": weights[0], "weights": weights[1],
+                "over": float(self.over == "groups"), "eta": 0.0 if self.eta is None else 1.0,
+                "eta's value": -math.inf if math.isnan(eta) else eta,  # (NaN never compares equal)
                 "scale": self.scale}
 
 
@@ -183,11 +182,11 @@ def checked_on_every_rank(group: dist.ProcessGroup | None, where: str,
     names = list(settings.named(where))
     try:
         yield settings
+        mine = torch.tensor(list(settings.named(where).values()), dtype=torch.float64)
     except Exception:
         # (max over the ranks: the refusal flag first; the settings of a refusing rank are never compared)
         reducer.max(torch.cat([torch.ones(1), torch.zeros(2 * len(names))]).to(torch.float64))
         raise
-    mine = torch.tensor(list(settings.named(where).values()), dtype=torch.float64)
     highest = reducer.max(torch.cat([torch.zeros(1, dtype=torch.float64), mine, -mine])).tolist()
     if highest[0] > 0:
         raise another_rank_refused(where)
