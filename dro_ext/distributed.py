@@ -166,9 +166,11 @@ def checked_on_every_rank(group: dist.ProcessGroup | None, where: str,
     - a rank whose checks raise joins it and re-raises its own error; the others raise :func:`another_rank_refused`,
       instead of waiting in the call's collectives for a rank that is not coming (or pairing them with its next
       call's);
-    - the settings the body stored in the yielded :class:`AgreedSettings` (lam, the divergence, num_groups), and
-      which of the calls this is, must be the same on every rank, or every rank raises ValueError naming those that
-      differ: ranks solving with different lam would reduce sums that belong to no one objective, silently.
+    - the settings the body stored in the yielded :class:`AgreedSettings` (lam, the divergence, num_groups, the
+      group weights; weight_stats' over, eta and scale), and which of the calls this is, must be the same on every
+      rank, or every rank raises ValueError naming those that differ: ranks solving with different lam would reduce
+      sums that belong to no one objective, silently, and a different over or num_groups would not pair the
+      collectives that follow.
 
     The evaluation calls branch on all-reduced numbers read on the host anyway, so this read adds nothing of a new
     kind; a training step carries its refusal inside its one collective instead (dro_ext.groups, :func:`batch_scale`),
