@@ -217,6 +217,10 @@ class NormalizedSGD(Optimizer):
             options = dict(lr=group["lr"], momentum=group["momentum"], eps=group["eps"],
                            weight_decay=group["weight_decay"], norm=group["norm"], maximize=group["maximize"],
                            grad_scale=grad_scale, found_inf=found_inf)
+            if plan.dtensor or not plan.fused:
+                # Options set on the group after construction, refused as the fused op refuses them (which the sharded
+                # step calls with eps, weight_decay and norm of its own, for the momentum alone).
+                _check_step_hyperparameters(group["momentum"], group["eps"], group["weight_decay"], group["norm"])
             if plan.dtensor:  # FSDP2: local shards, one all-reduce for the norm
                 _distributed.sharded_normalized_sgd_step(plan.params, grads, momenta, steps, fused=plan.fused,
                                                          foreach_momentum=_foreach_momentum_, **options)
@@ -392,7 +396,6 @@ def _foreach_step(params: list[torch.Tensor], grads: list[torch.Tensor], momenta
                   steps: list[torch.Tensor], *, lr: float | torch.Tensor, momentum: float, eps: float,
                   weight_decay: float, norm: str, maximize: bool, grad_scale: torch.Tensor | None,
                   found_inf: torch.Tensor | None) -> None:
-    _check_step_hyperparameters(momentum, eps, weight_decay, norm)
     if found_inf is not None and bool(found_inf.ne(0).any()):
         return
     buckets = _group_by_device_and_dtype([params, grads, momenta, steps])

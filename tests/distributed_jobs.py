@@ -274,6 +274,20 @@ def job_fsdp(rank, world):
             opt.step()
         for i, (p, q) in enumerate(zip(params, ref_params)):
             close(full(p), q, f"HSDP mesh {shape}: param {i} after 2 steps", rtol=1e-12, atol=1e-13)
+        # Options set on the group after construction are refused by the sharded step too (on every rank alike,
+        # before any collective), which passes the fused op its own eps, weight_decay and norm.
+        before = [full(p).clone() for p in params]
+        for option, value in (("eps", -1.0), ("weight_decay", -1.0), ("norm", "layer")):
+            saved = opt.param_groups[0][option]
+            opt.param_groups[0][option] = value
+            try:
+                opt.step()
+            except ValueError as exc:
+                assert f"{option} must be" in str(exc), exc
+            else:
+                raise AssertionError(f"HSDP mesh {shape}: the sharded step took {option}={value!r}")
+            opt.param_groups[0][option] = saved
+        assert all(torch.equal(full(p), b) for p, b in zip(params, before)), "a refused step moved the params"
 
     # A real FSDP2 backward: DROLoss(group=) on unequal local batches, eta beside the sharded weights
     # (average_gradients reduces its gradient), follows single-process training on the whole batch.
