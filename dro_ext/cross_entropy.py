@@ -90,6 +90,13 @@ def _check_target_range(targets, num_classes: int, ignore_index: int) -> None:
                          f"ignore_index={ignore_index}, got targets[{i}]={int(targets[i])}")
 
 
+def check_linear_target_range(targets, num_classes: int, ignore_index: int, native: bool) -> None:
+    """The linear cross-entropies' target check: the fallback's, and on the CPU the native path's too, whose chunk
+    kernel checks on its own but counts the failing target's index from its chunk's start."""
+    if not native or targets.device.type == "cpu":
+        _check_target_range(targets, num_classes, ignore_index)
+
+
 def _checked_scalars(lam, divergence, alpha, k, scale, ignore_index, label_smoothing):
     spec = check_divergence(divergence, alpha, k)
     return (spec, check_positive("lam", lam), check_positive("scale", scale), _check_ignore_index(ignore_index),
@@ -592,9 +599,7 @@ def dro_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets
         return grouped_dro_linear_cross_entropy(h, weight, bias, y, token_groups, num_groups, eta, lam, spec, scale,
                                                 ignore_index, label_smoothing, chunk_size)
     native = _backend.native_for(h.device.type)
-    if not native or h.device.type == "cpu":
-        # On the CPU the native chunk kernel checks too, but counts the failing target's index from its chunk's start.
-        _check_target_range(y, weight.shape[0], ignore_index)
+    check_linear_target_range(y, weight.shape[0], ignore_index, native)
     grad = torch.is_grad_enabled()
     needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     value, *_ = _linear_cross_entropy_with_grads(

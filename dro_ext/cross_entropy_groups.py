@@ -33,8 +33,8 @@ from dro_ext._divergences import accumulate_dtype, fallback_dtype, fixed_order_s
 from dro_ext._first_order import first_order_only
 from dro_ext.cross_entropy import (_check_float_tensor, _check_ignore_index, _check_label_smoothing,
                                    _check_linear_args, _check_target_range, _check_targets,
-                                   _weighted_residual, chunk_logits, logits_buffer, losses_from_shifted_lse,
-                                   shifted_logsumexp, shifted_softmax)
+                                   _weighted_residual, check_linear_target_range, chunk_logits, logits_buffer,
+                                   losses_from_shifted_lse, shifted_logsumexp, shifted_softmax)
 
 __all__ = ["cross_entropy_losses", "linear_cross_entropy_losses"]
 
@@ -332,9 +332,7 @@ def _flat_hidden(hidden, weight, targets, bias, chunk_size):
 
 def _linear_row_losses_checked(h, weight, bias, y, ignore_index, label_smoothing, chunk_size):
     native = _backend.native_for(h.device.type)
-    if not native or h.device.type == "cpu":
-        # On the CPU the native chunk kernel checks too, but counts the failing target's index from its chunk's start.
-        _check_target_range(y, weight.shape[0], ignore_index)
+    check_linear_target_range(y, weight.shape[0], ignore_index, native)
     return _linear_row_losses(h, weight, bias, y, ignore_index, label_smoothing, chunk_size, native)[0]
 
 

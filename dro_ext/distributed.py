@@ -435,7 +435,9 @@ def weight_stats(w: torch.Tensor, groups: torch.Tensor | None, num_groups: int,
     largest = reducer.max(torch.tensor([local_max], dtype=torch.float64, device=x.device)).item()
     total, total_sq, zeros, n, nans, negative, bad_ids = sums[:_STATS].tolist()
     if bad_ids > 0:
-        raise IndexError(f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={width} (on some rank)")
+        from dro_ext.groups import _bad_ids_message
+
+        raise IndexError(f"{_bad_ids_message(width)} (on some rank)")
     if negative > 0:
         raise ValueError(f"dro_ext: weights must be >= 0, got {int(negative)} negative weights (on some rank)")
     if n == 0:

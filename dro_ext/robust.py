@@ -43,6 +43,7 @@ from dro_ext._divergences import (
     op_scalars,
 )
 from dro_ext.group_reduction import check_groups, check_num_groups
+from dro_ext.groups import _bad_ids_message
 from dro_ext.ops import dro_weights
 
 if TYPE_CHECKING:
@@ -259,13 +260,11 @@ def weight_stats(
     # Every check before the first collective (with group=, agreed on by every rank: a rank refusing alone would
     # leave the others waiting in the solver's or the statistics' all-reduces).
     with _checked_on_every_rank(group, "weight_stats", weights, losses) as agreed:
-        width = _check_weight_stats_arguments(weights, losses, eta, lam, divergence, alpha, k, scale, groups,
-                                              num_groups, group, over)
-        if losses is not None:  # (given weights, lam and the divergence are not used)
-            agreed.set(lam, check_divergence(divergence, alpha, k), width, over=over, eta=eta,
-                       scale=1.0 if eta is None else scale)
-        else:
-            agreed.set(None, None, width, over=over)
+        width, spec = _check_weight_stats_arguments(weights, losses, eta, lam, divergence, alpha, k, scale, groups,
+                                                    num_groups, group, over)
+        # (given weights, lam and the divergence are not used: spec is None)
+        agreed.set(lam if spec is not None else None, spec, width, over=over, eta=eta,
+                   scale=1.0 if eta is None else scale)
     # The statistics come in the accumulate dtype of what was given (the losses, or the weights); the weights at a
     # given eta are formed in float64, where float32 ones overflow (kl's e^t past t = 88) though their ratios do not.
     given = losses if losses is not None else weights
@@ -273,9 +272,9 @@ def weight_stats(
     out_dtype = accumulate_dtype(given.dtype)
     with torch.no_grad():
         if over == "groups":
-            assert losses is not None and groups is not None and lam is not None and width is not None  # (checked)
-            w = _group_evaluation.sample_weights(losses, groups, width, lam, check_divergence(divergence, alpha, k),
-                                                 eta, scale, group)
+            assert losses is not None and groups is not None and lam is not None  # (checked)
+            assert width is not None and spec is not None  # (checked)
+            w = _group_evaluation.sample_weights(losses, groups, width, lam, spec, eta, scale, group)
         elif weights is not None:
             if group is None:  # (with group=, every rank raises after its reduction)
                 _check_nonnegative_weights(weights)
@@ -317,7 +316,7 @@ def _fallback_weight_stats(w: torch.Tensor, groups: torch.Tensor | None, width: 
     group_mass = None
     if groups is not None:
         if groups.numel() and (int(groups.min()) < 0 or int(groups.max()) >= width):
-            raise IndexError(f"dro_ext: groups holds an id outside [0, num_groups) with num_groups={width}")
+            raise IndexError(_bad_ids_message(width))
         group_mass = torch.zeros(width, dtype=torch.float64, device=w.device)
         group_mass.index_add_(0, groups.long(), x)
         group_mass = group_mass / total
@@ -327,9 +326,11 @@ def _fallback_weight_stats(w: torch.Tensor, groups: torch.Tensor | None, width: 
 def _check_weight_stats_arguments(weights: torch.Tensor | None, losses: torch.Tensor | None,
                                   eta: float | torch.Tensor | None, lam: float | None, divergence: Divergence,
                                   alpha: float | None, k: float | None, scale: float, groups: torch.Tensor | None,
-                                  num_groups: int | None, group: ProcessGroup | None, over: str) -> int | None:
-    """weight_stats' arguments, every check that can fail before its collectives: the number of groups (None where
-    groups are given without num_groups, one process: then from the ids)."""
+                                  num_groups: int | None, group: ProcessGroup | None,
+                                  over: str) -> tuple[int | None, Spec | None]:
+    """weight_stats' arguments, every check that can fail before its collectives: (the number of groups, None where
+    groups are given without num_groups on one process: then from the ids; the divergence, None for given
+    weights)."""
     if over not in ("samples", "groups"):
         raise ValueError(f"dro_ext: over must be 'samples' or 'groups', got over={over!r}")
     if over == "groups":
@@ -344,21 +345,22 @@ def _check_weight_stats_arguments(weights: torch.Tensor | None, losses: torch.Te
         raise ValueError("dro_ext: weight_stats needs weights, or losses and lam")
     elif lam is None:
         raise ValueError("dro_ext: weight_stats with losses needs lam > 0, got lam=None")
+    spec = None
     if losses is not None:
         check_losses(losses, allow_empty=group is not None)  # a rank may hold no samples
         # (scale enters only the weights at a given eta)
-        checked_scalars(divergence, alpha, k, cast(float, lam), 1.0 if eta is None else scale)
+        spec, _, _ = checked_scalars(divergence, alpha, k, cast(float, lam), 1.0 if eta is None else scale)
         if eta is not None:
             as_eta(eta, losses)
     if over == "groups":
         checked, _ = _group_evaluation.check_group_arguments(cast(torch.Tensor, losses), groups, num_groups, "batch",
                                                              None, "weight_stats")
-        return checked
+        return checked, spec
     if groups is None:
         if num_groups is not None:
             raise ValueError(f"dro_ext.weight_stats: num_groups={num_groups!r} was given without groups; pass groups "
                              f"(the group id of each sample) too")
-        return 0
+        return 0, spec
     w = cast(torch.Tensor, weights if weights is not None else losses)
     if not isinstance(groups, torch.Tensor) or groups.dtype not in (torch.int64, torch.int32):
         raise TypeError("dro_ext: groups must be an int32 or int64 tensor of group ids")
@@ -369,8 +371,8 @@ def _check_weight_stats_arguments(weights: torch.Tensor | None, losses: torch.Te
     if num_groups is None:
         if group is not None:
             raise ValueError("dro_ext: weight_stats with group= and groups needs num_groups")
-        return None
-    return check_num_groups(num_groups)
+        return None, spec
+    return check_num_groups(num_groups), spec
 
 
 def _checked_on_every_rank(group: ProcessGroup | None, where: str, *inputs: object) -> ContextManager[AgreedSettings]:
