@@ -189,12 +189,12 @@ if _backend.native_available():
         logits, targets, eta, lam, divergence, alpha, k, scale, ignore_index, label_smoothing = inputs
         _, mean_weight, lse, row_weight = output
         ctx.mark_non_differentiable(mean_weight, lse, row_weight)
-        ctx.save_for_backward(logits, targets, lse, row_weight, mean_weight)
+        ctx.save_for_backward(logits, targets, lse, row_weight, mean_weight, eta)
         ctx.scale, ctx.ignore_index, ctx.label_smoothing = scale, ignore_index, label_smoothing
         ctx.eta_dtype = eta.dtype
 
     def _dro_cross_entropy_backward(ctx, grad_value, *unused):
-        logits, targets, lse, row_weight, mean_weight = ctx.saved_tensors
+        logits, targets, lse, row_weight, mean_weight, eta = ctx.saved_tensors
         grad_logits = grad_eta = None
         if grad_value is None:
             grad_value = torch.zeros((), dtype=logits.dtype, device=logits.device)
@@ -203,7 +203,8 @@ if _backend.native_available():
                 grad_value, logits, targets, lse, row_weight, ctx.ignore_index, ctx.label_smoothing)
         if ctx.needs_input_grad[2]:
             grad_eta = (grad_value.to(mean_weight.dtype) * (ctx.scale * (1.0 - mean_weight))).to(ctx.eta_dtype)
-        grad_logits, grad_eta = first_order_only("dro_cross_entropy", (grad_logits, grad_eta), logits, grad_value)
+        grad_logits, grad_eta = first_order_only("dro_cross_entropy", (grad_logits, grad_eta), logits, eta,
+                                                 grad_value)
         return grad_logits, None, grad_eta, None, None, None, None, None, None, None
 
     # In Python rather than C++ (as dro_loss's is): every call moves N x C logits, so a Python backward's
@@ -379,10 +380,11 @@ def _linear_cross_entropy_with_grads(
         hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
         eta: torch.Tensor, lam: float, divergence: str, alpha: Optional[float], k: Optional[float], scale: float,
         ignore_index: int, label_smoothing: float, chunk_size: int, native: bool, grad_hidden_needed: bool,
-        grad_weight_needed: bool, grad_bias_needed: bool,
+        grad_weight_needed: bool, grad_bias_needed: bool, hidden_anchor: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(value, mean_weight, grad_hidden, grad_weight, grad_bias) for a unit upstream gradient; a gradient that
-    is not needed comes back empty (shape (0,)) and costs nothing."""
+    is not needed comes back empty (shape (0,)) and costs nothing. ``hidden_anchor`` is not read: see
+    :func:`_hidden_anchor`."""
     return _linear_cross_entropy_chunks(hidden, weight, bias, targets, eta, lam, divergence, alpha, k, scale,
                                         ignore_index, label_smoothing, chunk_size, native, grad_hidden_needed,
                                         grad_weight_needed, grad_bias_needed)
@@ -409,6 +411,13 @@ def chunk_logits(buffer: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bi
     if bias is None:
         return torch.mm(weight, h.t(), out=out).t()
     return torch.addmm(bias[:, None], weight, h.t(), out=out).t()
+
+
+def _hidden_anchor(h: torch.Tensor) -> torch.Tensor:
+    """A copy of at most one element of h, which autograd records as a function of h: what the op's first-order-only
+    backward records hidden's gradient against (a derivative of it must reach h's graph to raise), in place of h
+    itself, whose N x H the op does not keep (its forward alone reads them)."""
+    return h[:1, :1].clone()
 
 
 def _linear_cross_entropy_chunks(hidden, weight, bias, targets, eta, lam, divergence, alpha, k, scale, ignore_index,
@@ -468,7 +477,7 @@ def _linear_cross_entropy_chunks(hidden, weight, bias, targets, eta, lam, diverg
 @_linear_cross_entropy_with_grads.register_fake
 def _linear_cross_entropy_with_grads_fake(hidden, weight, bias, targets, eta, lam, divergence, alpha, k, scale,
                                           ignore_index, label_smoothing, chunk_size, native, grad_hidden_needed,
-                                          grad_weight_needed, grad_bias_needed):
+                                          grad_weight_needed, grad_bias_needed, hidden_anchor):
     acc = accumulate_dtype(hidden.dtype)
     return (hidden.new_empty(()), hidden.new_empty((), dtype=acc),
             torch.empty_like(hidden, memory_format=torch.contiguous_format) if grad_hidden_needed
@@ -479,13 +488,14 @@ def _linear_cross_entropy_with_grads_fake(hidden, weight, bias, targets, eta, la
 
 
 def _linear_setup_context(ctx, inputs, output):
-    eta, scale = inputs[4], inputs[9]
+    weight, bias, eta, scale, hidden_anchor = inputs[1], inputs[2], inputs[4], inputs[9], inputs[17]
     _, mean_weight, grad_hidden, grad_weight, grad_bias = output
     ctx.mark_non_differentiable(mean_weight, grad_hidden, grad_weight, grad_bias)
     # Otherwise autograd would hand backward a zero-filled gradient for each of those outputs (a V x H one for
     # grad_weight) that it never reads; the value's gradient then comes as None where nothing flows into it.
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(mean_weight, grad_hidden, grad_weight, grad_bias)
+    # weight, bias and eta (parameters, held anyway) and the anchor stand for the inputs in first_order_only.
+    ctx.save_for_backward(mean_weight, grad_hidden, grad_weight, grad_bias, weight, bias, eta, hidden_anchor)
     ctx.scale, ctx.eta_dtype = scale, eta.dtype
 
 
@@ -497,8 +507,8 @@ def _scaled_gradient(saved, grad_value, in_place: bool):
 
 
 def _linear_backward(ctx, grad_value, *unused):
-    mean_weight, grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-    out = [None] * 17
+    mean_weight, grad_hidden, grad_weight, grad_bias, weight, bias, eta, hidden_anchor = ctx.saved_tensors
+    out = [None] * 18
     if grad_value is None:
         return tuple(out)
     # A retained graph (retain_graph=True, create_graph, gradcheck's reentrancy check) runs this backward again, so
@@ -516,11 +526,12 @@ def _linear_backward(ctx, grad_value, *unused):
         out[2] = _scaled_gradient(grad_bias, grad_value, in_place)
     if ctx.needs_input_grad[4]:
         out[4] = (grad_value.to(mean_weight.dtype) * (ctx.scale * (1.0 - mean_weight))).to(ctx.eta_dtype)
-    # The gradients were formed in the forward: first order only. Recorded against the upstream gradient, where a
-    # second derivative would otherwise come out of grad_value's product with the forward's gradients, held constant
-    # (the op saves none of its inputs, which the forward alone reads: N x H of hidden is not kept for this).
+    # The gradients were formed in the forward: first order only. Recorded against every input that requires grad
+    # (hidden through its anchor) and the upstream gradient, so that a second derivative through any of them raises:
+    # one through grad_value would otherwise come out of its product with the forward's gradients, held constant,
+    # and one through an input alone would be silently missing.
     out[0], out[1], out[2], out[4] = first_order_only("dro_linear_cross_entropy", (out[0], out[1], out[2], out[4]),
-                                                      grad_value)
+                                                      hidden_anchor, weight, bias, eta, grad_value)
     return tuple(out)
 
 
@@ -604,7 +615,7 @@ def dro_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets
     needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     value, *_ = _linear_cross_entropy_with_grads(
         h, weight, bias, y, eta, lam, spec.name, spec.alpha, spec.k, scale, ignore_index, label_smoothing,
-        chunk_size, native, *needs)
+        chunk_size, native, *needs, _hidden_anchor(h) if needs[0] else None)
     return value
 
 

@@ -584,6 +584,66 @@ def test_a_second_derivative_raises_and_a_recorded_first_one_is_the_first(backen
     check_a_second_derivative_raises(call, "cpu")
 
 
+# Each call as a training step writes it (the value itself, or a sum of the per-token losses), with the inputs it is
+# differentiable in; bias is passed to the linear ones.
+SINGLE_INPUT_CALLS = {
+    "cross_entropy_losses": (lambda x, h, w, b, y, eta, g: dro_ext.cross_entropy_losses(x, y).sum(), ("x",)),
+    "dro_cross_entropy": (lambda x, h, w, b, y, eta, g: dro_ext.dro_cross_entropy(x, y, eta, 0.5), ("x", "eta")),
+    "dro_cross_entropy over groups": (
+        lambda x, h, w, b, y, eta, g: dro_ext.dro_cross_entropy(x, y, eta, 0.5, groups=g, num_groups=2),
+        ("x", "eta")),
+    "linear_cross_entropy_losses": (
+        lambda x, h, w, b, y, eta, g: dro_ext.linear_cross_entropy_losses(h, w, y, bias=b).sum(), ("h", "w", "b")),
+    "dro_linear_cross_entropy": (
+        lambda x, h, w, b, y, eta, g: dro_ext.dro_linear_cross_entropy(h, w, y, eta, 0.5, bias=b),
+        ("h", "w", "b", "eta")),
+    "dro_linear_cross_entropy over groups": (
+        lambda x, h, w, b, y, eta, g: dro_ext.dro_linear_cross_entropy(h, w, y, eta, 0.5, bias=b, groups=g,
+                                                                        num_groups=2),
+        ("h", "w", "b", "eta")),
+}
+
+
+def check_a_second_derivative_through_one_input_raises(call, device):
+    """A gradient recorded (create_graph=True) straight from the value, as a gradient penalty takes it, with one
+    input alone requiring grad (a frozen LM head, a fixed or a learned eta): differentiating it again raises (or,
+    where the backward is differentiable, gives the second derivative). It
+    came back as a constant before in two cases (dro_linear_cross_entropy's recorded against the upstream gradient
+    alone, the native dro_cross_entropy's eta gradient against the logits alone), so that a penalty on it added
+    nothing to a backward, without an error."""
+    fn, names = SINGLE_INPUT_CALLS[call]
+    gen = torch.Generator().manual_seed(9)
+    values = {"x": (5, 6), "h": (5, 3), "w": (6, 3), "b": (6,), "eta": ()}
+    y, groups = torch.tensor([0, 5, 2, 3, 1], device=device), torch.tensor([0, 1, 0, 1, 1], device=device)
+    for name in names:
+        tensors = {n: torch.randn(shape, generator=gen, dtype=torch.float64).to(device) for n, shape in values.items()}
+        wrt = tensors[name].requires_grad_()
+        (recorded,) = torch.autograd.grad(fn(**tensors, y=y, g=groups), wrt, create_graph=True)
+        (plain,) = torch.autograd.grad(fn(**tensors, y=y, g=groups), wrt)
+        torch.testing.assert_close(recorded, plain, rtol=1e-13, atol=0)
+        assert recorded.requires_grad, name
+        if name == "eta" and "groups" in call:
+            # Over groups, eta's gradient comes from the objective over the group means, whose backward is formed by
+            # differentiable ops: its second derivative is the true one (central differences of the first).
+            (second,) = torch.autograd.grad(recorded, wrt)
+
+            def first(at):
+                eta = torch.tensor(at, dtype=torch.float64, device=device, requires_grad=True)
+                return torch.autograd.grad(fn(**{**tensors, "eta": eta}, y=y, g=groups), eta)[0].item()
+
+            step = 1e-5
+            central = (first(wrt.item() + step) - first(wrt.item() - step)) / (2 * step)
+            assert second.item() == pytest.approx(central, rel=1e-6)
+            continue
+        with pytest.raises(RuntimeError, match="derivative for dro_ext::.*'s backward is not implemented"):
+            torch.autograd.grad((recorded * torch.ones_like(recorded).cumsum(-1)).sum(), wrt)
+
+
+@pytest.mark.parametrize("call", list(SINGLE_INPUT_CALLS))
+def test_a_second_derivative_through_one_input_raises(backend, call):
+    check_a_second_derivative_through_one_input_raises(call, "cpu")
+
+
 def test_linear_retained_graph_backward_twice(backend):
     hidden, weight = torch.randn(5, 4, requires_grad=True), torch.randn(6, 4)
     value = dro_ext.dro_linear_cross_entropy(hidden, weight, torch.randint(0, 6, (5,)), 1.0, LAM, "kl")
@@ -807,7 +867,9 @@ def test_opcheck_linear_op(native):
     bias = torch.randn(7, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 7, (9,))
     eta = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
-    args = (hidden, weight, bias, targets, eta, LAM, "chi2", None, None, SCALE, -100, 0.0, 4, native, True, True, True)
+    anchor = hidden[:1, :1].clone()
+    args = (hidden, weight, bias, targets, eta, LAM, "chi2", None, None, SCALE, -100, 0.0, 4, native, True, True, True,
+            anchor)
     torch.library.opcheck(torch.ops.dro_ext.linear_cross_entropy_with_grads.default, args)
 
 

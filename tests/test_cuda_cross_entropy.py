@@ -9,9 +9,9 @@ import torch.nn.functional as F
 import dro_ext
 import reference as ref
 from cuda_cases import DEVICE, SKIP_WITHOUT_CUDA, native_backend, needs_cuda  # noqa: F401 (an autouse fixture)
-from test_cross_entropy import (LAMS_BEYOND_FLOAT32, SECOND_DERIVATIVE_CALLS, check_a_second_derivative_raises,
-                                 check_hidden_size_zero, check_lam_beyond_float32,
-                                 check_shift_float32_does_not_hold)
+from test_cross_entropy import (LAMS_BEYOND_FLOAT32, SECOND_DERIVATIVE_CALLS, SINGLE_INPUT_CALLS,
+                                check_a_second_derivative_raises, check_a_second_derivative_through_one_input_raises,
+                                check_hidden_size_zero, check_lam_beyond_float32, check_shift_float32_does_not_hold)
 
 pytestmark = SKIP_WITHOUT_CUDA
 
@@ -208,6 +208,11 @@ def test_cuda_grouped_matches_the_cpu(linear):
 @pytest.mark.parametrize("call", list(SECOND_DERIVATIVE_CALLS))
 def test_cuda_a_second_derivative_raises(call):
     check_a_second_derivative_raises(call, DEVICE)
+
+
+@pytest.mark.parametrize("call", list(SINGLE_INPUT_CALLS))
+def test_cuda_a_second_derivative_through_one_input_raises(call):
+    check_a_second_derivative_through_one_input_raises(call, DEVICE)
 
 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
