@@ -114,6 +114,9 @@ def another_rank_refused(where: str) -> ValueError:
                       f"why); every rank raises, so that none waits in a collective")
 
 
+# The dtypes whose presence on any rank checked_on_every_rank all-reduces (evaluate's losses).
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
 # The calls whose checks checked_on_every_rank agrees on, coded in its vector (a rank in another of them than the
 # others is a mismatch, caught as one).
 _AGREED_CALLS = ("robust_objective", "worst_case_weights", "weight_stats", "evaluate")
@@ -128,6 +131,10 @@ class AgreedSettings:
 
     def __init__(self) -> None:
         self.set(None, None, None)
+        # evaluate's losses: their dtype on this rank (None where its loader held none), and, once agreed, the dtype
+        # they all promote to over the ranks (None where no rank held any), which every rank then returns.
+        self.dtype: torch.dtype | None = None
+        self.promoted_dtype: torch.dtype | None = None
 
     def set(self, lam: float | None, spec: Spec | None, num_groups: int | None, *,
             weights: torch.Tensor | None = None, over: str = "samples", eta: float | torch.Tensor | None = None,
@@ -178,6 +185,7 @@ def checked_on_every_rank(group: dist.ProcessGroup | None, where: str,
     settings = AgreedSettings()
     if group is None:
         yield settings
+        settings.promoted_dtype = settings.dtype
         return
     check_group(group, where)
     reducer = _GroupReducer(group, device, where)
@@ -185,13 +193,18 @@ def checked_on_every_rank(group: dist.ProcessGroup | None, where: str,
     try:
         yield settings
         mine = torch.tensor(list(settings.named(where).values()), dtype=torch.float64)
+        held = torch.tensor([float(settings.dtype == dtype) for dtype in _FLOAT_DTYPES], dtype=torch.float64)
     except Exception:
         # (max over the ranks: the refusal flag first; the settings of a refusing rank are never compared)
-        reducer.max(torch.cat([torch.ones(1), torch.zeros(2 * len(names))]).to(torch.float64))
+        reducer.max(torch.cat([torch.ones(1), torch.zeros(2 * len(names) + len(_FLOAT_DTYPES))]).to(torch.float64))
         raise
-    highest = reducer.max(torch.cat([torch.zeros(1, dtype=torch.float64), mine, -mine])).tolist()
+    highest = reducer.max(torch.cat([torch.zeros(1, dtype=torch.float64), mine, -mine, held])).tolist()
     if highest[0] > 0:
         raise another_rank_refused(where)
+    for dtype, anywhere in zip(_FLOAT_DTYPES, highest[1 + 2 * len(names):]):
+        if anywhere:
+            promoted = settings.promoted_dtype
+            settings.promoted_dtype = dtype if promoted is None else torch.promote_types(promoted, dtype)
     # Every rank's value equals the maximum and the minimum alike where they agree.
     differ = [name for i, name in enumerate(names) if highest[1 + i] != -highest[1 + len(names) + i]]
     if differ:

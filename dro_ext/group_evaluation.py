@@ -231,6 +231,8 @@ def report(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam: flo
     sums, counts = _reduced_group_sums(losses if group is None else losses.to(torch.float64), groups, num_groups,
                                        group, "evaluate")
     present = counts > 0
+    if group is not None and not bool(present.any()):  # (the counts of every rank: all of them raise alike)
+        raise ValueError("dro_ext.evaluate: the losses of every rank together are empty")
     means = sums / torch.clamp(counts, min=1.0)
     # argmax over the present groups: an absent group ranks below every present one, NaN means included.
     ranked = torch.where(present, means, -torch.inf)

@@ -19,6 +19,7 @@ the PyTorch fallback is dro_ext._solver, in float64 with a Python loop (its docs
 """
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from types import ModuleType
@@ -504,7 +505,8 @@ def evaluate(
     afterwards. ``device`` moves each batch (tensors in tuples, lists and dicts) there first. Returns
     ``(value, eta_star)`` as :func:`robust_objective` does. With ``group``, each rank evaluates its own
     loader (e.g. with a ``DistributedSampler``, which pads with repeated samples unless the dataset
-    divides evenly) and every rank gets ``Psi`` over the losses of all the ranks.
+    divides evenly) and every rank gets ``Psi`` over the losses of all the ranks, in the dtype they promote to (a rank
+    whose loader is empty too); it raises ValueError on every rank where no rank holds a loss.
 
     Over groups: ``groups_fn(batch)`` returns the group id of each sample of the (moved) batch, an int64 or int32
     tensor shaped as the losses (e.g. ``lambda b: b[2]`` for a loader of ``(x, y, group)``), with ``num_groups``.
@@ -556,14 +558,18 @@ def evaluate(
         finally:
             for module, training in modes:
                 module.training = training
+        if chunks:
+            agreed.dtype = functools.reduce(torch.promote_types, (c.dtype for c in chunks))
     if not chunks:
         if group is None:
             raise ValueError("dro_ext: evaluate got an empty loader (no losses to evaluate)")
-        chunks.append(torch.empty(0, device=device))  # this rank holds none; the others may
+        # This rank holds none; the others may. Every rank returns the dtype the losses of all of them promote to.
+        chunks.append(torch.empty(0, dtype=agreed.promoted_dtype or torch.get_default_dtype(), device=device))
         group_chunks.append(torch.empty(0, dtype=torch.int64, device=device))
+    losses = torch.cat(chunks).to(agreed.promoted_dtype or chunks[0].dtype)
     if groups_fn is not None:
-        losses, groups = torch.cat(chunks), torch.cat(group_chunks)
+        groups = torch.cat(group_chunks)
         weights = group_weights.to(losses.device) if group_weights is not None else None
         assert num_groups is not None  # given with groups_fn (checked above)
         return _group_evaluation.report(losses, groups, num_groups, lam, spec, weights, group)
-    return robust_objective(torch.cat(chunks), lam, spec.name, alpha=spec.alpha, k=spec.k, group=group)
+    return robust_objective(losses, lam, spec.name, alpha=spec.alpha, k=spec.k, group=group)

@@ -469,11 +469,19 @@ def job_robust(rank, world):
     for mine in ((data[:1], data[1:]), (data, [])):
         got = dro_ext.evaluate(model, mine[rank], loss_fn, 0.5, "cvar", alpha=0.3, progress=False, group=group)
         ref = dro_ext.evaluate(model, data, loss_fn, 0.5, "cvar", alpha=0.3, progress=False)
-        # A rank whose loader is empty has no dtype to follow: it gets the default dtype (float32 here).
-        tol = dict(rtol=1e-12, atol=0) if got[0].dtype == torch.float64 else dict(rtol=1e-6, atol=0)
-        assert got[0].dtype == (torch.float64 if mine[rank] else torch.get_default_dtype()), got[0].dtype
-        close(got[0], ref[0], "evaluate value", **tol)
-        close(got[1], ref[1], "evaluate eta*", **tol)
+        # A rank whose loader is empty returns the dtype of the others' losses (it returned the default dtype, float32
+        # here, rounding the value the others returned in float64).
+        assert got[0].dtype == torch.float64, got[0].dtype
+        close(got[0], ref[0], "evaluate value", rtol=1e-12, atol=0)
+        close(got[1], ref[1], "evaluate eta*", rtol=1e-12, atol=0)
+    # Losses of different dtypes on the ranks: every rank returns the dtype they promote to.
+    halves = [tuple(t.float() if torch.is_floating_point(t) else t for t in batch) for batch in data[:1]]
+    got = dro_ext.evaluate(model.float() if rank == 0 else model, halves if rank == 0 else data[1:], loss_fn, 0.5,
+                           "cvar", alpha=0.3, progress=False, group=group)
+    model.double()
+    assert got[0].dtype == got[1].dtype == torch.float64, (got[0].dtype, got[1].dtype)
+    close(got[0], dro_ext.evaluate(model, data, loss_fn, 0.5, "cvar", alpha=0.3, progress=False)[0],
+          "evaluate value over float32 and float64 losses", rtol=1e-6, atol=0)
 
     # NaN on one rank: every rank gets NaN (value, eta*, weights, stats).
     for divergence in dro_ext.DIVERGENCES:
@@ -724,10 +732,19 @@ def job_group_robust(rank, world):
                                progress=False, group=group)
         ref = dro_ext.evaluate(model, data, loss_fn, 0.5, "chi2", groups_fn=lambda b: b[2], num_groups=4,
                                progress=False)
-        tol = dict(rtol=1e-12, atol=0) if got.value.dtype == torch.float64 else dict(rtol=1e-6, atol=0)
+        assert got.value.dtype == got.group_loss.dtype == torch.float64, (got.value.dtype, got.group_loss.dtype)
         for field in ("value", "eta_star", "group_loss", "worst_group_loss"):
-            close(getattr(got, field), getattr(ref, field), f"evaluate {field}", **tol)
+            close(getattr(got, field), getattr(ref, field), f"evaluate {field}", rtol=1e-12, atol=0)
         assert got.group_count.tolist() == ref.group_count.tolist() and got.worst_group == ref.worst_group
+    # No rank holds a loss: every rank raises, as over samples (it returned NaN with group 0 as the worst).
+    for groups_fn, num_groups in ((None, None), (lambda b: b[2], 4)):
+        try:
+            dro_ext.evaluate(model, [], loss_fn, 0.5, "chi2", groups_fn=groups_fn, num_groups=num_groups,
+                             progress=False, group=group)
+        except ValueError as e:
+            assert "the losses of every rank together are empty" in str(e), e
+        else:
+            raise AssertionError(f"evaluate over no loss on any rank (num_groups={num_groups}) did not raise")
 
 
 def job_dies(rank, world):
