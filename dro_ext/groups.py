@@ -340,19 +340,21 @@ def group_dro_loss(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
     present) the value is 0 with zero gradients, as :class:`GroupDROLoss` and the fused cross-entropy give for a
     batch of padding alone: a micro-batch of it then adds nothing to an accumulated gradient.
     """
-    spec = check_divergence(divergence, alpha, k)
-    lam, scale = check_positive("lam", lam), check_positive("scale", scale)
-    num_groups = check_num_groups(num_groups)
+    num_groups = check_num_groups(num_groups)  # (the length of the collective a refusal joins)
     try:
+        spec = check_divergence(divergence, alpha, k)
+        lam, scale = check_positive("lam", lam), check_positive("scale", scale)
         # a rank may hold no samples (with group); the concatenated batch must hold some
         check_losses(losses, allow_empty=group is not None)
         check_groups(groups, losses)
         if mask is not None:
             check_mask(mask, losses)
         eta = as_eta(eta, losses)
+        weights = _group_weights(weighting, group_counts, num_groups, losses.device)
     except (TypeError, ValueError) as error:
+        # Every check, the settings' too: a rank that raised before the collective left the others waiting in it, or
+        # pairing it with that rank's next call (the sums of another batch, silently).
         _refuse_on_every_rank(error, num_groups, group, "group_dro_loss", input_device(losses, groups))
-    weights = _group_weights(weighting, group_counts, num_groups, losses.device)
     sums, counts = _reduced_group_sums(losses, groups, num_groups, group, "group_dro_loss", mask)
     acc = fallback_dtype(losses.dtype, losses.device)
     m, present = _group_means(sums, counts, acc)

@@ -543,6 +543,15 @@ def job_robust(rank, world):
             losses, ids.clamp(max=2), mask=torch.ones(2 if rank == 0 else 3, dtype=torch.bool)), "mask"),
         "DROLoss(num_groups)": (lambda: dro_ext.DROLoss("chi2", 0.5, num_groups=3, group=group)(
             losses, ids.clamp(max=2) if rank == 0 else None), "groups is required"),
+        # The settings too (they were checked before the collective: the other rank waited there).
+        "group_dro_loss, a negative weight": (lambda: dro_ext.group_dro_loss(
+            losses, ids.clamp(max=2), 3, 0.5, 0.5, "kl", weighting=[1.0, -1.0 if rank == 1 else 1.0, 1.0],
+            group=group), ">= 0"),
+        "group_dro_loss, a population count of 0": (lambda: dro_ext.group_dro_loss(
+            losses, ids.clamp(max=2), 3, 0.5, 0.5, "kl", weighting="population",
+            group_counts=[3, 0 if rank == 1 else 2, 1], group=group), "group_counts"),
+        "group_dro_loss, lam": (lambda: dro_ext.group_dro_loss(
+            losses, ids.clamp(max=2), 3, 0.5, -0.5 if rank == 1 else 0.5, "kl", group=group), "lam"),
     }
     for name, (call, word) in refusals.items():
         try:
