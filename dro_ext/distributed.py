@@ -244,9 +244,10 @@ class _GroupReducer:
 # ---------------------------------------------------------------------------------------------------
 
 
-def batch_scale(num_local: int, group: dist.ProcessGroup, device: torch.device | str, *,
+def batch_scale(num_local: int | torch.Tensor, group: dist.ProcessGroup, device: torch.device | str, *,
                 refused: bool = False) -> torch.Tensor:
     """``world_size * n_local / N`` as a 0-d float64 tensor on ``device``: one all-reduce of two numbers.
+    ``num_local`` is an int, or a 0-d tensor (a count of kept samples, on the device).
 
     The DRO objective of the concatenated batch is the sample-weighted mean of the local objectives,
     ``L = sum_r (n_r/N) L_r`` (the ``scale*eta`` term included, since the weights sum to one), so scaling
@@ -264,8 +265,12 @@ def batch_scale(num_local: int, group: dist.ProcessGroup, device: torch.device |
     """
     check_group(group, "DROLoss")
     coll_device = _collective_device(group, torch.device(device))
-    count = torch.tensor([math.nan if refused else float(num_local), float(refused)], dtype=torch.float64,
-                         device=coll_device)
+    if isinstance(num_local, torch.Tensor):  # (a count on the device, e.g. of a mask: never read on the host)
+        count = torch.stack([num_local.detach().to(coll_device, torch.float64),
+                             torch.zeros((), dtype=torch.float64, device=coll_device)])
+    else:
+        count = torch.tensor([math.nan if refused else float(num_local), float(refused)], dtype=torch.float64,
+                             device=coll_device)
     total = functional_all_reduce(count, group, "DROLoss")
     if (not refused and coll_device.type == "cpu" and not torch.compiler.is_compiling()
             and bool(total[1] > 0)):

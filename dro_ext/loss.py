@@ -8,12 +8,21 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 
-from dro_ext._divergences import Divergence, check_divergence, check_losses, check_positive, real_number
+from dro_ext._divergences import (
+    Divergence,
+    check_divergence,
+    check_losses,
+    check_positive,
+    fallback_dtype,
+    fixed_order_broadcast,
+    real_number,
+)
 from dro_ext.group_reduction import check_forward_groups
 from dro_ext.groups import (
     _Float64Configuration,
     _group_weights,
     _refuse_on_every_rank,
+    check_mask,
     check_num_groups,
     group_dro_loss,
 )
@@ -44,7 +53,11 @@ class DROLoss(_Float64Configuration):
     ``group_counts``, or G weights as a tensor or a sequence) weighs the groups present. With ``group`` every rank
     then returns the objective of the concatenated batch (the per-group sums and counts are all-reduced once), its
     local gradients scaled so that DDP's average is that objective's gradient.
-    Without ``num_groups``, ``groups`` must not be passed and the module is the per-sample loss above.
+    Without ``num_groups``, ``groups`` must not be passed and the module is the per-sample loss above; ``mask`` (a
+    bool tensor of the losses' shape: padding tokens out) then makes it that loss over the True samples alone, the
+    others getting a zero gradient, with no boolean indexing (no host read on CUDA); with ``group`` the scale is then
+    ``world_size * n_kept_local / N_kept``. Where no sample is kept (on every rank, with ``group``) the value is 0
+    with zero gradients, as over groups.
     """
 
     eta: nn.Parameter
@@ -87,9 +100,11 @@ class DROLoss(_Float64Configuration):
         if self.num_groups is None and groups is None and mask is None and self.group is None:
             return dro_loss(losses, eta, self.lam, self.divergence, alpha=self.alpha, k=self.k, scale=self.scale)
         try:
-            check_forward_groups("DROLoss", self.num_groups, groups, "losses, groups", mask)
-            if self.group is not None and self.num_groups is None:
-                check_losses(losses, allow_empty=True)  # a rank may hold no samples
+            check_forward_groups("DROLoss", self.num_groups, groups, "losses, groups")
+            if self.num_groups is None:
+                check_losses(losses, allow_empty=self.group is not None)  # a rank may hold no samples
+                if mask is not None:
+                    check_mask(mask, losses)
         except (TypeError, ValueError) as error:
             if self.group is None:
                 raise
@@ -108,7 +123,14 @@ class DROLoss(_Float64Configuration):
             return group_dro_loss(losses, groups, self.num_groups, eta, self.lam, self.divergence,
                                   weighting=weighting, alpha=self.alpha, k=self.k, scale=self.scale, group=self.group,
                                   mask=mask)
-        assert self.group is not None  # the sample-level call without a process group returned above
+        if mask is not None:
+            value = self._masked(losses, mask, eta)
+            if self.group is None:
+                return value
+            from dro_ext.distributed import batch_scale
+
+            return value * batch_scale(mask.sum(), self.group, losses.device).to(value.dtype)
+        assert self.group is not None  # the sample-level call without a process group or mask returned above
         if losses.numel() == 0:
             # A rank without samples: its share of the concatenated batch's objective is 0 (batch_scale below is
             # 0), with zero gradients to the losses and to eta (which the graph still reaches, as DDP expects of
@@ -120,6 +142,27 @@ class DROLoss(_Float64Configuration):
         from dro_ext.distributed import batch_scale
 
         return value * batch_scale(losses.shape[0], self.group, losses.device).to(value.dtype)
+
+    def _masked(self, losses: torch.Tensor, mask: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
+        """The per-sample objective over the samples where mask is True, from one dro_loss of all of them: a sample
+        left out stands at l = scale*eta, where its term lam psi*(0) + scale*eta is scale*eta for every divergence
+        (and, since it moves with eta, its gradient to eta cancels out), so that with n samples, n_kept kept,
+
+            value = scale*eta + (dro_loss - scale*eta) * n / n_kept.
+
+        In float64 (where the device has it): the difference cancels the digits of scale*eta. No host read: n_kept
+        stays a tensor, and 0 kept gives 0 with zero gradients."""
+        acc = fallback_dtype(losses.dtype, losses.device)
+        eta_acc = eta.to(acc)
+        shift = self.scale * eta_acc
+        # (a fixed-order broadcast: eta's gradient through the samples left out, summed in a fixed order)
+        x = torch.where(mask, losses.to(acc), fixed_order_broadcast(shift, losses.shape))
+        if x.numel() == 0:
+            return losses.sum() + 0.0 * eta.to(losses.dtype)
+        full = dro_loss(x, eta_acc, self.lam, self.divergence, alpha=self.alpha, k=self.k, scale=self.scale)
+        kept = mask.sum()
+        value = shift + (full - shift) * (x.numel() / torch.clamp(kept, min=1).to(acc))
+        return torch.where(kept > 0, value, 0.0).to(losses.dtype)
 
     def extra_repr(self) -> str:
         params = "".join(f", {n}={v}" for n, v in (("alpha", self.alpha), ("k", self.k)) if v is not None)

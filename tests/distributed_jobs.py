@@ -459,6 +459,28 @@ def job_robust(rank, world):
         close(grad_x / world, split(ref_grad_x, (23, 0), rank), f"DROLoss empty rank {divergence}: grad")
         close(grad_eta / world, ref_grad_eta, f"DROLoss empty rank {divergence}: grad eta")
 
+    # DROLoss(group=)(losses, mask=): equal local batches (padded), unequal kept counts; the ranks' gradients
+    # averaged are the single-process gradients of the kept samples of the concatenated batch, and their values
+    # average to its loss.
+    for divergence in dro_ext.DIVERGENCES:
+        params = PARAMS.get(divergence, {})
+        x_all, keep_all = base[:40], torch.arange(40) % 7 < 2
+        keep_all[:20] = torch.arange(20) % 5 != 0  # rank 0 keeps 16 of its 20, rank 1 about a third of its 20
+        criterion = dro_ext.DROLoss(divergence, 0.5, eta_init=0.8, group=group, **params).double()
+        x = split(x_all, (20, 20), rank).clone().requires_grad_(True)
+        value = criterion(x, mask=split(keep_all, (20, 20), rank))
+        grad_x, grad_eta = torch.autograd.grad(value, (x, criterion.eta))
+        total = torch.stack([value.detach(), grad_eta])
+        dist.all_reduce(total)
+        reference = dro_ext.DROLoss(divergence, 0.5, eta_init=0.8, **params).double()
+        x_ref = x_all[keep_all].clone().requires_grad_(True)
+        ref_value = reference(x_ref)
+        ref_grad_x, ref_grad_eta = torch.autograd.grad(ref_value, (x_ref, reference.eta))
+        want_x = torch.zeros(40, dtype=torch.float64).masked_scatter(keep_all, ref_grad_x)
+        close(total[0] / world, ref_value, f"DROLoss masked {divergence}: value")
+        close(grad_x / world, split(want_x, (20, 20), rank), f"DROLoss masked {divergence}: grad")
+        close(total[1] / world, ref_grad_eta, f"DROLoss masked {divergence}: grad eta")
+
     # evaluate: each rank its own loader (rank 1's loader holds nothing in the second round).
     torch.manual_seed(3)  # the same model on every rank
     model = nn.Linear(3, 1).double()

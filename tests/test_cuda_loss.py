@@ -174,6 +174,33 @@ def test_forward_and_backward_never_sync():
     assert losses.grad is not None and eta.grad is not None
 
 
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_dro_loss_module_with_a_mask_matches_cpu_and_never_syncs(name, params):
+    """DROLoss()(losses, mask=): the CPU's value and gradients, with no host read on CUDA (the kept count stays on
+    the device)."""
+    gen = torch.Generator().manual_seed(5)
+    losses = (1.0 + torch.randn(1001, generator=gen)).requires_grad_()
+    keep = torch.rand(1001, generator=gen) < 0.7
+    results = []
+    for device in ("cpu", DEVICE):
+        module = dro_ext.DROLoss(name, lam=0.5, eta_init=0.4, scale=1.2, **params).to(device)
+        x = losses.detach().to(device).requires_grad_()
+        mask = keep.to(device)
+        checked = ON_CUDA and device != "cpu"
+        if checked:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            value = module(x, mask=mask)
+            grads = torch.autograd.grad(value, (x, module.eta))
+        finally:
+            if checked:
+                torch.cuda.set_sync_debug_mode("default")
+        results.append([value, *grads])
+    for cpu, cuda in zip(*results):
+        torch.testing.assert_close(cuda.cpu(), cpu, rtol=2e-5, atol=2e-6)
+
+
 @needs_cuda
 @pytest.mark.parametrize("name,params", [("chi2", {}), ("smoothed_cvar", {"alpha": 0.1}), ("cressie_read", {"k": 1.5})],
                          ids=["chi2", "smoothed_cvar", "cressie_read"])

@@ -256,8 +256,6 @@ def test_group_dro_loss_mask_is_the_kept_samples_alone(backend, weighting):
         dro_ext.group_dro_loss(losses, groups, 5, eta, 0.4, "kl", mask=keep.double())
     with pytest.raises(ValueError, match="mask must have the shape"):
         dro_ext.group_dro_loss(losses, groups, 5, eta, 0.4, "kl", mask=keep[1:])
-    with pytest.raises(ValueError, match="mask given, but this DROLoss was built without num_groups"):
-        dro_ext.DROLoss("kl", lam=0.4)(losses, mask=keep)
 
 
 def test_given_weights_as_a_sequence_are_the_tensor_weighting(backend):

@@ -455,6 +455,56 @@ def test_dro_loss_module(backend):
         dro_ext.DROLoss("chi2", lam=0.0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_dro_loss_module_with_a_mask_is_the_loss_of_the_kept_samples(backend, name, params, dtype):
+    """DROLoss()(losses, mask=keep): the per-sample objective over the kept samples alone, against the float64
+    formula on them; the others get a zero gradient, and a NaN among them is not read."""
+    gen = torch.Generator().manual_seed(11)
+    n = 37
+    losses = (1.0 + torch.randn(n, generator=gen, dtype=torch.float64)).to(dtype)
+    keep = torch.rand(n, generator=gen) < 0.6
+    losses[~keep] = torch.where(torch.arange(n)[~keep] % 2 == 0, float("nan"), 1e30).to(dtype)  # padding's junk
+    losses.requires_grad_()
+    module = dro_ext.DROLoss(name, lam=0.7, scale=1.3, eta_init=0.6, **params)
+    value = module(losses, mask=keep)
+    assert value.dtype == dtype and value.dim() == 0
+    grad_l, grad_eta = torch.autograd.grad(value, (losses, module.eta))
+    e64 = module.eta.detach().double().requires_grad_()
+    kept = losses.detach()[keep].double().requires_grad_()
+    expected = ref.dro_loss(kept, e64, 0.7, name, scale=1.3, **case_kwargs(params))
+    exp_l, exp_eta = torch.autograd.grad(expected, (kept, e64))
+    tol = ref.tolerances(dtype) if dtype != torch.float64 else dict(rtol=1e-13, atol=1e-14)
+    torch.testing.assert_close(value.double(), expected, **tol)
+    torch.testing.assert_close(grad_l[keep].double(), exp_l, **tol)
+    assert bool((grad_l[~keep] == 0).all())
+    torch.testing.assert_close(grad_eta.double(), exp_eta, rtol=1e-6, atol=1e-6)
+
+
+def test_dro_loss_module_with_a_mask_edge_cases(backend):
+    """Every sample kept: the unmasked loss; none kept: 0 with zero gradients (a micro-batch of padding adds
+    nothing); a bad mask names the argument; groups still needs num_groups."""
+    losses = random_losses(9, torch.float64).requires_grad_()
+    module = dro_ext.DROLoss("kl", lam=0.4, eta_init=0.2).double()
+    torch.testing.assert_close(module(losses, mask=torch.ones(9, dtype=torch.bool)), module(losses),
+                               rtol=1e-14, atol=0)
+    none = module(losses, mask=torch.zeros(9, dtype=torch.bool))
+    assert none.item() == 0.0
+    grads = torch.autograd.grad(none, (losses, module.eta))
+    assert all(bool((g == 0).all()) for g in grads)
+    with pytest.raises(TypeError, match="mask must be a bool tensor"):
+        module(losses, mask=torch.ones(9))
+    with pytest.raises(ValueError, match="mask must have the shape"):
+        module(losses, mask=torch.ones(8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="groups given, but this DROLoss was built without num_groups"):
+        module(losses, torch.zeros(9, dtype=torch.long))
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    keep = torch.arange(9) % 3 != 0
+    torch.testing.assert_close(compiled(losses, mask=keep), module(losses, mask=keep), rtol=1e-14, atol=0)
+    torch.autograd.gradcheck(lambda x, e: torch.func.functional_call(module, {"eta": e}, (x,), {"mask": keep}),
+                             (losses.detach().requires_grad_(), module.eta.detach().requires_grad_()))
+
+
 def test_dro_loss_module_reads_eta_and_its_settings_on_every_call(backend):
     """forward reads eta from the module's parameters directly (not through nn.Module.__getattr__): a parameter
     swapped in by torch.func.functional_call (or FSDP) is the one used and differentiated, and settings changed on
