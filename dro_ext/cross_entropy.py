@@ -635,7 +635,16 @@ class _DROCrossEntropyBase(nn.Module):
         self.scale = check_positive("scale", scale)
         self.ignore_index = _check_ignore_index(ignore_index)
         self.label_smoothing = _check_label_smoothing(label_smoothing)
-        self.eta = nn.Parameter(torch.tensor(real_number("eta_init", eta_init)))
+        self.eta_init = real_number("eta_init", eta_init)
+        if not math.isfinite(self.eta_init):
+            raise ValueError(f"dro_ext: eta_init must be finite, got eta_init={self.eta_init}")
+        self.eta = nn.Parameter(torch.empty(()))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """eta = eta_init (what a construction on the meta device followed by to_empty() needs), as DROLoss."""
+        with torch.no_grad():
+            self.eta.fill_(self.eta_init)
 
     def _kwargs(self, groups, forward: str):
         """The functional op's keywords; ``groups`` (forward's) checked against the module's ``num_groups``, as

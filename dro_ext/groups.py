@@ -432,7 +432,9 @@ class _Float64Configuration(nn.Module):
         if "_configuration" not in self.__dict__:
             self._configuration: dict[str, torch.Tensor | None] = {}
         self._configuration[name] = None if value is None else value.detach().to("cpu", torch.float64)
-        self.register_buffer(name, None if value is None else value.detach().clone(), persistent=False)
+        # On the device the module is built on (a `with torch.device(...)` block), as its state is.
+        self.register_buffer(name, None if value is None else value.detach().to(torch.get_default_device(), copy=True),
+                             persistent=False)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # nn.Module's own signature
         super()._apply(fn, recurse)
@@ -576,7 +578,7 @@ class GroupDROLoss(_Float64Configuration):
         self.register_buffer("seen", torch.empty(num_groups, dtype=torch.bool))
         # The configuration: buffers (they follow the module to its device) outside the state_dict, in float64 so
         # that a float64 state (module.double()) gets them unrounded, whatever dtype the module is cast to.
-        self.register_buffer("active", active.clone(), persistent=False)
+        self.register_buffer("active", active.to(torch.get_default_device(), copy=True), persistent=False)
         self._register_configuration("adjustment_term", adjust)
         shares = None
         if counts is not None:

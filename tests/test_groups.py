@@ -674,12 +674,17 @@ def test_modules_built_on_the_meta_device_are_as_constructed_after_to_empty(back
             self.online = dro_ext.GroupDROLoss(5, **kwargs)
             self.penalized = dro_ext.DROLoss("kl", lam=0.4, eta_init=0.25, num_groups=5, weighting="population",
                                              group_counts=[70000.0, 30000.0, 5.0, 1.0, 2.0])
+            # (the cross-entropy modules had no reset_parameters: their eta stayed uninitialized memory)
+            self.token_level = dro_ext.DROCrossEntropyLoss("chi2", lam=0.5, eta_init=0.75)
+            self.head = dro_ext.DROLinearCrossEntropyLoss("kl", lam=0.5, eta_init=-1.5, num_groups=3)
 
     torch.manual_seed(0)
     junk = torch.full((1 << 16,), 3.0e27)  # freed memory that to_empty may hand back
     del junk
     with torch.device("meta"):
         lazy = Model()
+    # Every tensor on the device the model is built on (the configuration buffers stayed on the CPU).
+    assert {t.device.type for t in (*lazy.parameters(), *lazy.buffers())} == {"meta"}
     lazy.to_empty(device="cpu")
     for module in lazy.modules():
         if hasattr(module, "reset_parameters"):
@@ -687,7 +692,8 @@ def test_modules_built_on_the_meta_device_are_as_constructed_after_to_empty(back
     built = Model()
     for (name, a), (_, b) in zip(lazy.named_buffers(), built.named_buffers()):
         assert a.dtype == b.dtype and torch.equal(a, b), name
-    assert torch.equal(lazy.penalized.eta, built.penalized.eta) and lazy.penalized.eta.item() == 0.25
+    for name, value in (("penalized", 0.25), ("token_level", 0.75), ("head", -1.5)):
+        assert getattr(lazy, name).eta.item() == getattr(built, name).eta.item() == value, name
     for losses, groups in batches(3, 9, 5, torch.float32):
         assert torch.equal(lazy.online(losses, groups), built.online(losses, groups))
         assert torch.equal(lazy.penalized(losses, groups), built.penalized(losses, groups))
