@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
-__all__ = ["first_order_only", "second_derivative_message"]
+__all__ = ["first_order_only", "refuse_forward_ad", "second_derivative_message"]
 
 
 def second_derivative_message(op: str) -> str:
@@ -50,3 +51,17 @@ def first_order_only(op: str, grads: Sequence[torch.Tensor | None],
         return tuple(grads)
     recorded = iter(_FirstOrderOnly.apply(second_derivative_message(op), len(present), *present, *inputs))
     return tuple(None if g is None else next(recorded) for g in grads)
+
+
+def refuse_forward_ad(op: str, *inputs: torch.Tensor | float | None) -> None:
+    """Raises where an input carries a forward-mode tangent (``torch.func.jvp``, ``torch.autograd.forward_ad``):
+    the autograd formulas written in Python (torch.library's, a custom op's) have no forward derivative, and
+    PyTorch runs them under forward AD with a tangent of 0, a silently wrong directional derivative. (The native
+    ops' C++ autograd raises the same way.) Not while compiling, where no forward AD runs."""
+    if torch.compiler.is_compiling():
+        return
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and fwAD.unpack_dual(t).tangent is not None:
+            raise RuntimeError(f"dro_ext: forward-mode AD is not implemented for {op} (its derivatives are first "
+                               f"order and reverse mode only); use reverse mode (torch.autograd.grad, torch.func.grad "
+                               f"or vjp)")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dro_ext import _backend
-from dro_ext._first_order import first_order_only
+from dro_ext._first_order import first_order_only, refuse_forward_ad
 from dro_ext.group_reduction import check_forward_groups, check_num_groups
 from dro_ext._divergences import (
     Divergence, Spec, accumulate_dtype, as_eta, check_dense, check_divergence, check_positive, fallback_dtype,
@@ -286,6 +286,7 @@ def dro_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, eta: torch.Te
     """
     spec, lam, scale, ignore_index, label_smoothing = _checked_scalars(
         lam, divergence, alpha, k, scale, ignore_index, label_smoothing)
+    refuse_forward_ad("dro_cross_entropy", logits, eta)
     _check_float_tensor("logits", logits)
     _check_targets(targets, logits.shape[:-1], f"logits of shape {tuple(logits.shape)}", logits.device)
     eta = as_eta(eta, logits)
@@ -545,10 +546,25 @@ def _check_chunk_size(chunk_size) -> None:
         raise ValueError(f"dro_ext: chunk_size must be a positive int or None, got chunk_size={chunk_size!r}")
 
 
+def _autocast_operands(hidden, weight, bias):
+    """(hidden, weight, bias) in autocast's dtype where autocast is on for hidden's device, as F.linear takes its
+    operands there (a model's bfloat16 hidden states beside the float32 master weight of its head); as given
+    otherwise. The casts are differentiable: the gradients come back in the given dtypes."""
+    device_type = hidden.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(None if t is None else t.to(dtype) if t.is_floating_point() else t for t in (hidden, weight, bias))
+
+
 def _check_linear_args(hidden, weight, targets, bias, chunk_size):
-    """The tensor checks of dro_linear_cross_entropy: (hidden as (N, H), targets as (N,), the chunk size)."""
+    """The tensor checks of dro_linear_cross_entropy: (hidden as (N, H), weight, bias (in autocast's dtype where it is
+    on: _autocast_operands), targets as (N,), the chunk size)."""
     _check_float_tensor("hidden", hidden)
     _check_float_tensor("weight", weight, min_dim=2)
+    if bias is not None:
+        _check_float_tensor("bias", bias)
+    hidden, weight, bias = _autocast_operands(hidden, weight, bias)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"dro_ext: weight must have shape (V, H) with H = hidden.shape[-1] = {hidden.shape[-1]}, "
                          f"got {tuple(weight.shape)}")
@@ -558,7 +574,6 @@ def _check_linear_args(hidden, weight, targets, bias, chunk_size):
         raise ValueError(f"dro_ext: weight ({weight.dtype}, {weight.device}) must have the dtype and device of "
                          f"hidden ({hidden.dtype}, {hidden.device})")
     if bias is not None:
-        _check_float_tensor("bias", bias)
         if tuple(bias.shape) != (weight.shape[0],) or bias.dtype != hidden.dtype or bias.device != hidden.device:
             raise ValueError(f"dro_ext: bias must have shape ({weight.shape[0]},) and hidden's dtype and device, "
                              f"got shape {tuple(bias.shape)}, {bias.dtype}, {bias.device}")
@@ -569,7 +584,7 @@ def _check_linear_args(hidden, weight, targets, bias, chunk_size):
         chunk_size = default_chunk_size(h.shape[0], h.shape[1], weight.shape[0], h.element_size(), h.device.type)
     else:
         _check_chunk_size(chunk_size)
-    return h, y, max(1, min(chunk_size, max(h.shape[0], 1)))
+    return h, weight, bias, y, max(1, min(chunk_size, max(h.shape[0], 1)))
 
 
 def _check_token_groups(groups, num_groups, targets):
@@ -601,8 +616,9 @@ def dro_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets
     """
     spec, lam, scale, ignore_index, label_smoothing = _checked_scalars(
         lam, divergence, alpha, k, scale, ignore_index, label_smoothing)
-    h, y, chunk_size = _check_linear_args(hidden, weight, targets, bias, chunk_size)
-    eta = as_eta(eta, hidden)
+    refuse_forward_ad("dro_linear_cross_entropy", hidden, weight, bias, eta)
+    h, weight, bias, y, chunk_size = _check_linear_args(hidden, weight, targets, bias, chunk_size)
+    eta = as_eta(eta, h)
     token_groups, num_groups = _check_token_groups(groups, num_groups, targets)
     if token_groups is not None:
         from dro_ext.cross_entropy_groups import grouped_dro_linear_cross_entropy
@@ -612,7 +628,7 @@ def dro_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets
     native = _backend.native_for(h.device.type)
     check_linear_target_range(y, weight.shape[0], ignore_index, native)
     grad = torch.is_grad_enabled()
-    needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    needs = [grad and t is not None and t.requires_grad for t in (h, weight, bias)]
     value, *_ = _linear_cross_entropy_with_grads(
         h, weight, bias, y, eta, lam, spec.name, spec.alpha, spec.k, scale, ignore_index, label_smoothing,
         chunk_size, native, *needs, _hidden_anchor(h) if needs[0] else None)

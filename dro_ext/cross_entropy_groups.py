@@ -30,7 +30,7 @@ import torch
 from dro_ext import _backend
 from dro_ext import groups as _groups
 from dro_ext._divergences import accumulate_dtype, fallback_dtype, fixed_order_sums
-from dro_ext._first_order import first_order_only
+from dro_ext._first_order import first_order_only, refuse_forward_ad
 from dro_ext.cross_entropy import (_check_float_tensor, _check_ignore_index, _check_label_smoothing,
                                    _check_linear_args, _check_target_range, _check_targets,
                                    _weighted_residual, check_linear_target_range, chunk_logits, logits_buffer,
@@ -285,6 +285,7 @@ def cross_entropy_losses(logits: torch.Tensor, targets: torch.Tensor, *, ignore_
     Native: one pass for the losses, and a backward that forms ``grad_i (softmax_i - q_i)`` in one pass from the
     logits and the per-row logsumexp it saved (2N floats; nothing N x C is kept but the logits themselves)."""
 
+    refuse_forward_ad("cross_entropy_losses", logits)
     ignore_index, label_smoothing = _check_ignore_index(ignore_index), _check_label_smoothing(label_smoothing)
     x, y = _flat_logits(logits, targets)
     return _cross_entropy_row_losses_checked(x, y, ignore_index, label_smoothing).reshape(targets.shape)
@@ -319,8 +320,9 @@ def linear_cross_entropy_losses(hidden: torch.Tensor, weight: torch.Tensor, targ
     and bias. Peak extra memory: a chunk of logits (overwritten by their gradient in place) plus the gradients
     themselves."""
 
+    refuse_forward_ad("linear_cross_entropy_losses", hidden, weight, bias)
     ignore_index, label_smoothing = _check_ignore_index(ignore_index), _check_label_smoothing(label_smoothing)
-    h, y, chunk_size = _flat_hidden(hidden, weight, targets, bias, chunk_size)
+    h, weight, bias, y, chunk_size = _flat_hidden(hidden, weight, targets, bias, chunk_size)
     return _linear_row_losses_checked(h, weight, bias, y, ignore_index, label_smoothing, chunk_size
                                       ).reshape(targets.shape)
 

@@ -644,6 +644,54 @@ def test_a_second_derivative_through_one_input_raises(backend, call):
     check_a_second_derivative_through_one_input_raises(call, "cpu")
 
 
+@pytest.mark.parametrize("with_groups", [False, True], ids=["tokens", "groups"])
+def test_linear_ops_under_autocast_take_their_operands_as_f_linear_does(backend, with_groups):
+    """Under autocast a model's bfloat16 hidden states meet the float32 master weight of its head: the linear
+    cross-entropies cast both to autocast's dtype, as F.linear does (they raised on the dtypes before), and give
+    F.linear + F.cross_entropy's per-token losses there; the gradients come back in float32."""
+    gen = torch.Generator().manual_seed(12)
+    hidden = torch.randn(2, 9, 8, generator=gen).requires_grad_()
+    weight, bias = torch.randn(11, 8, generator=gen).requires_grad_(), torch.randn(11, generator=gen).requires_grad_()
+    targets = torch.randint(0, 11, (2, 9), generator=gen)
+    targets[0, 3] = -100
+    groups = dict(groups=torch.tensor([0, 1]), num_groups=2) if with_groups else {}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        body = hidden * 1.0  # stands for the model's last layer (autocast leaves a mul in float32)
+        losses = dro_ext.linear_cross_entropy_losses(body.bfloat16(), weight, targets, bias=bias)
+        want = F.cross_entropy(F.linear(body.bfloat16(), weight, bias).transpose(1, 2), targets, reduction="none")
+        value = dro_ext.dro_linear_cross_entropy(body.bfloat16(), weight, targets, 0.2, LAM, "kl", bias=bias,
+                                                 **groups)
+    torch.testing.assert_close(losses, want, rtol=2e-6, atol=2e-6)  # (float32 losses of the same bfloat16 logits)
+    cast = dict(weight=weight.bfloat16(), bias=bias.bfloat16())
+    torch.testing.assert_close(value, dro_ext.dro_linear_cross_entropy(
+        hidden.bfloat16(), cast["weight"], targets, 0.2, LAM, "kl", bias=cast["bias"], **groups), rtol=0, atol=0)
+    grads = torch.autograd.grad(value, (hidden, weight, bias))
+    assert [g.dtype for g in grads] == [torch.float32] * 3
+
+
+@pytest.mark.parametrize("transform", ["torch.func.jvp", "forward_ad"])
+@pytest.mark.parametrize("call", list(SINGLE_INPUT_CALLS))
+def test_forward_mode_ad_raises_naming_the_op(backend, call, transform):
+    """Forward-mode AD through a cross-entropy raises naming it: PyTorch ran their autograd formulas, written in
+    Python, under forward AD with a tangent of 0 (a directional derivative of 0, silently)."""
+    fn, names = SINGLE_INPUT_CALLS[call]
+    gen = torch.Generator().manual_seed(10)
+    tensors = {n: torch.randn(shape, generator=gen, dtype=torch.float64)
+               for n, shape in {"x": (5, 6), "h": (5, 3), "w": (6, 3), "b": (6,), "eta": ()}.items()}
+    y, groups = torch.tensor([0, 5, 2, 3, 1]), torch.tensor([0, 1, 0, 1, 1])
+    op = call.split(" ")[0]
+    for name in names:
+        def along(value):
+            return fn(**{**tensors, name: value}, y=y, g=groups)
+
+        with pytest.raises(RuntimeError, match=f"forward-mode AD is not implemented for {op}"):
+            if transform == "torch.func.jvp":
+                torch.func.jvp(along, (tensors[name],), (torch.ones_like(tensors[name]),))
+            else:
+                with torch.autograd.forward_ad.dual_level():
+                    along(torch.autograd.forward_ad.make_dual(tensors[name], torch.ones_like(tensors[name])))
+
+
 def test_linear_retained_graph_backward_twice(backend):
     hidden, weight = torch.randn(5, 4, requires_grad=True), torch.randn(6, 4)
     value = dro_ext.dro_linear_cross_entropy(hidden, weight, torch.randint(0, 6, (5,)), 1.0, LAM, "kl")
