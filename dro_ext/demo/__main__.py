@@ -32,11 +32,15 @@ from dro_ext.demo import experiments, report
 from dro_ext.demo.runner import EXPERIMENTS, cpu_seconds, run_passes, use_determinism
 
 
+MAX_SEED = 2**31
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m dro_ext.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny settings that run in seconds (a smoke test)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--seed", type=int, default=0, help="seed of the data, the model inits and the batch order")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data, the model inits and the batch order "
+                        f"(in [0, {MAX_SEED}); the runs take it and the seeds after it)")
     parser.add_argument("--out", type=Path, default=Path("demo_out"), help="output folder (default demo_out/)")
     parser.add_argument("--rounding-probes", type=int, default=None, metavar="N",
                         help="run every experiment N more times with its initial parameters nudged by one rounding "
@@ -53,8 +57,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--readme", type=Path, default=None,
                         help="also rewrite this README's demo block with the figure and the claims table")
     args = parser.parse_args(argv)
+    if not 0 <= args.seed < MAX_SEED:  # (scikit-learn's splits take seeds below 2**32, NumPy's none below 0)
+        parser.error(f"--seed must be in [0, {MAX_SEED}), got {args.seed}")
     if args.readme is not None and args.experiments is not None and len(set(args.experiments)) < len(EXPERIMENTS):
         parser.error("--readme records a run of every experiment: leave out --experiments")
+    if args.readme is not None and (args.quick or args.rounding_probes == 0):
+        parser.error("--readme records a full run with its rounding probes: leave out --quick and "
+                     "--rounding-probes 0")
     if args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.jobs < 1:
@@ -62,6 +71,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.rounding_probes is not None and args.rounding_probes < 0:
         parser.error(f"--rounding-probes must be >= 0, got {args.rounding_probes}")
     return args
+
+
+def check_outputs(out: Path, readme: Path | None) -> None:
+    """What the run writes at its end, checked before it trains for minutes: ``out`` (created) takes files, and
+    ``readme`` holds the demo block and the folder ``out`` lies in. Exits with the reason otherwise."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".dro_ext_demo_write_check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise SystemExit(f"python -m dro_ext.demo: error: --out {out}: cannot write the outputs there "
+                         f"({error.strerror or error})") from None
+    if readme is not None:
+        try:
+            report.check_readme(readme, out / "figure.png")
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"python -m dro_ext.demo: error: --readme {readme}: {error}") from None
 
 
 def machine_description(device: str) -> dict:
@@ -160,6 +187,7 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "cpu", seed: int =
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    check_outputs(args.out, args.readme)
     command = "python -m dro_ext.demo " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     paths, claims, meta = run_demo(args.out, quick=args.quick, device=args.device, seed=args.seed,
                                    threads=args.threads, command=command.strip(), only=args.experiments,

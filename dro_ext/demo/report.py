@@ -586,7 +586,8 @@ def report_markdown(results: dict, claims: dict, meta: dict, probe_results: Sequ
         *probe_choice_notes(results, probe_results),
         "",
         "Repeatability: the same seed on the same machine and build (processor, SIMD builds of ATen's and",
-        "dro_ext's CPU kernels, library versions) gives bitwise the same numbers, whatever the thread count.",
+        "dro_ext's CPU kernels, library versions) and the same `--threads` gives bitwise the same numbers, with",
+        "any `--jobs`. The thread count is part of the build: the BLAS splits some float32 matmuls by it.",
         "Another processor or SIMD build (`ATEN_CPU_CAPABILITY`) rounds float32 differently and the training",
         "is chaotic, so the digits differ; the verdicts are what carries over, which is why (a)/(b) are judged",
         "over seeds and epochs, and why a verdict that the rounding probes change is not stated.",
@@ -632,11 +633,22 @@ README_BEGIN = "<!-- demo-claims:begin -->"
 README_END = "<!-- demo-claims:end -->"
 
 
-def update_readme(readme: Path, claims: dict, meta: dict, figure: Path) -> None:
-    """Replace the block between the demo markers in ``readme`` with this run's figure and claims table."""
+def check_readme(readme: Path, figure: Path) -> str:
+    """``readme``'s text, after checking that update_readme can rewrite it: it holds the demo block, and the figure
+    lies in its folder (the block links it by a relative path). Raises ValueError (OSError where it cannot be
+    read)."""
     text = readme.read_text()
     if README_BEGIN not in text or README_END not in text:
         raise ValueError(f"{readme} has no {README_BEGIN} ... {README_END} block to update")
+    if not Path(figure).resolve().is_relative_to(readme.resolve().parent):
+        raise ValueError(f"the figure ({figure}) must lie in the README's folder, {readme.resolve().parent}, which "
+                         f"links it by a relative path: pass an --out inside that folder")
+    return text
+
+
+def update_readme(readme: Path, claims: dict, meta: dict, figure: Path) -> None:
+    """Replace the block between the demo markers in ``readme`` with this run's figure and claims table."""
+    text = check_readme(readme, figure)
     rel = Path(figure).resolve().relative_to(readme.resolve().parent).as_posix()
     block = "\n".join([
         README_BEGIN,
