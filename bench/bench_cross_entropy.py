@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import dro_ext
 from dro_ext.cross_entropy import default_chunk_size
 from bench.common import (add_common_arguments, default_min_seconds, device_info, loadavg, markdown_table,
-                          partial_writer, result_name, synchronize, time_fn, write_report)
+                          output_dir, partial_writer, result_name, synchronize, time_fn, write_report)
 
 LAM, DIVERGENCE = 0.5, "chi2"
 IMPLS = ("fused", "eager", "compiled", "mean_ce")
@@ -282,7 +282,7 @@ def main(argv=None):
     on_case = partial_writer(args, name, info, table, load_before=load_before, settings=settings)
     rows = bench(device, args.quick, args.rounds, args.min_seconds, kinds, on_case, args.chunk_sizes)
     # Tables only: the memory column is the point of this benchmark and reads best as a table (--no-plot is implied).
-    return write_report(args.out, name, rows, table(rows), info, load=(load_before, loadavg()),
+    return write_report(output_dir(args), name, rows, table(rows), info, load=(load_before, loadavg()),
                         note=args.note, settings=settings)
 
 

@@ -27,6 +27,13 @@ from typing import Callable
 import torch
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# Where a --quick run writes without --out: beside the committed results, not over them (git ignores it).
+QUICK_RESULTS_DIR = os.path.join(RESULTS_DIR, "tmp")
+
+
+def output_dir(args) -> str:
+    """The folder a benchmark writes to: --out, else bench/results, or bench/results/tmp for a --quick run."""
+    return args.out or (QUICK_RESULTS_DIR if args.quick else RESULTS_DIR)
 
 # The divergences every benchmark covers: cressie_read at the piecewise-linear k = 2 and at a
 # non-integer k, the alpha ones at alpha = 0.1.
@@ -387,8 +394,8 @@ def partial_writer(args, name: str, info: dict, table_md: Callable[[list[dict]],
     cases it finished in its result files. The report at the end of the run overwrites it."""
     def write(rows: list[dict], done: int, total: int) -> None:
         if done < total:
-            write_report(args.out, name, rows, table_md(rows), info, load=(load_before, loadavg()), note=args.note,
-                         settings={**settings, "partial": f"{done} of {total} cases, the run had not ended"})
+            write_report(output_dir(args), name, rows, table_md(rows), info, load=(load_before, loadavg()),
+                         note=args.note, settings={**settings, "partial": f"{done} of {total} cases, the run had not ended"})
     return write
 
 
@@ -397,7 +404,7 @@ def publish(args, tag: str, name: str, rows: list[dict], header: list[str], tabl
             plot_title: str = "") -> dict[str, str]:
     """The end of every benchmark: its report (write_report, the markdown table between `before` and `after`),
     its plot (bench.plots.<plot>, unless --no-plot), its console table and a progress line; returns the paths."""
-    paths = write_report(args.out, name, rows, before + markdown_table(header, table) + after, info,
+    paths = write_report(output_dir(args), name, rows, before + markdown_table(header, table) + after, info,
                          load=(load_before, loadavg()), note=args.note, settings=settings)
     if plot and not args.no_plot:
         from bench import plots  # matplotlib only when plotting
@@ -444,7 +451,8 @@ def progress(message: str) -> None:
 
 def add_common_arguments(parser, *, quick_help: str) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default cpu)")
-    parser.add_argument("--out", default=RESULTS_DIR, help="folder for the results (default bench/results)")
+    parser.add_argument("--out", default=None, help="folder for the results (default bench/results; with --quick, "
+                        "bench/results/tmp, which git ignores)")
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--note", default="", help="free text for the table header (e.g. what else ran)")
     parser.add_argument("--no-plot", action="store_true", help="tables only")
