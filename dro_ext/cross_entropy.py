@@ -81,7 +81,7 @@ def _check_float_tensor(name: str, value, min_dim: int = 1) -> None:
 def _check_target_range(targets, num_classes: int, ignore_index: int) -> None:
     # The native ops check on their own; the fallback checks here so that its error is as clear (a host sync,
     # skipped while compiling, where F.cross_entropy's own check still fails out-of-range indices).
-    if torch.compiler.is_compiling() or targets.numel() == 0:
+    if torch.compiler.is_compiling() or targets.numel() == 0 or targets.device.type == "meta":  # (meta: no values)
         return
     bad = (targets != ignore_index) & ((targets < 0) | (targets >= num_classes))
     if bool(bad.any()):
@@ -551,7 +551,7 @@ def _autocast_operands(hidden, weight, bias):
     operands there (a model's bfloat16 hidden states beside the float32 master weight of its head); as given
     otherwise. The casts are differentiable: the gradients come back in the given dtypes."""
     device_type = hidden.device.type
-    if not torch.is_autocast_enabled(device_type):
+    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
         return hidden, weight, bias
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(None if t is None else t.to(dtype) if t.is_floating_point() else t for t in (hidden, weight, bias))

@@ -202,6 +202,9 @@ def _checked_arguments(where: str, losses: torch.Tensor, lam: float, divergence:
     with _checked_on_every_rank(group, where, losses) as agreed:
         spec = check_divergence(divergence, alpha, k)
         check_losses(losses, allow_empty=group is not None)
+        if losses.device.type == "meta":
+            raise NotImplementedError(f"dro_ext.{where} solves over the losses' values, which a meta tensor does not "
+                                      f"hold")
         lam = check_positive("lam", lam)
         checked_num_groups, group_weights = _group_evaluation.check_group_arguments(
             losses, groups, num_groups, weighting, group_counts, where)

@@ -77,3 +77,27 @@ def test_the_rule_reads_the_dispatcher_and_the_forced_backend():
         assert not _backend.native_for("meta")  # no dispatch key of that spelling: no kernel of ours
     with _backend.forced_backend("python"):
         assert not _backend.native_for("cpu")
+
+
+def test_meta_tensors_give_the_shapes_or_a_clear_refusal(backend):
+    """On the meta device (shape inference, a model built before it is materialized) the ops whose checks read values
+    skip those reads and return meta tensors of the right shapes, as F.cross_entropy does (they raised "Tensor.item()
+    cannot be called on meta tensors"); the solvers, which need the values, refuse naming themselves."""
+    meta = dict(device="meta")
+    logits, hidden, weight = torch.empty(6, 5, **meta), torch.empty(6, 3, **meta), torch.empty(5, 3, **meta)
+    targets, groups, losses = (torch.empty(6, dtype=torch.long, **meta), torch.empty(6, dtype=torch.long, **meta),
+                               torch.empty(6, **meta))
+    shapes = {
+        "cross_entropy_losses": (dro_ext.cross_entropy_losses(logits, targets), (6,)),
+        "linear_cross_entropy_losses": (dro_ext.linear_cross_entropy_losses(hidden, weight, targets), (6,)),
+        "dro_cross_entropy": (dro_ext.dro_cross_entropy(logits, targets, 0.1, 0.5), ()),
+        "dro_linear_cross_entropy": (dro_ext.dro_linear_cross_entropy(hidden, weight, targets, 0.1, 0.5), ()),
+        "group_sums": (dro_ext.group_sums(losses, groups, 3)[0], (3,)),
+        "group_dro_loss": (dro_ext.group_dro_loss(losses, groups, 3, 0.1, 0.5), ()),
+    }
+    for name, (out, shape) in shapes.items():
+        assert out.device.type == "meta" and tuple(out.shape) == shape, name
+    for name, call in (("robust_objective", lambda: dro_ext.robust_objective(losses, 0.5)),
+                       ("worst_case_weights", lambda: dro_ext.worst_case_weights(losses, 0.5))):
+        with pytest.raises(NotImplementedError, match=f"dro_ext.{name} solves over the losses' values"):
+            call()
