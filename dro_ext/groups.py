@@ -635,7 +635,10 @@ class GroupDROLoss(_Float64Configuration):
             one_call = fused and mask is None and self.group is None
         if one_call:
             validate = _ids_checked_by_the_op(groups, self.num_groups)
-            return _group_dro_loss_op(losses, groups, self.num_groups, *self._native_step_state(update), validate)
+            try:
+                return _group_dro_loss_op(losses, groups, self.num_groups, *self._native_step_state(update), validate)
+            except IndexError:  # (its message offers group_sums' validate=False, which this module does not take)
+                raise IndexError(_bad_ids_message(self.num_groups)) from None
         sums, counts = _reduced_group_sums(losses, groups, self.num_groups, self.group, "GroupDROLoss", mask)
         if fused:
             # The same step as the composition below, over the (masked, all-reduced) sums.
