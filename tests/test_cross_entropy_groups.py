@@ -46,6 +46,14 @@ def make_tokens(batch, seq, c, dtype, num_groups, per_sequence, seed=0):
     return logits.requires_grad_(), targets, groups, eta
 
 
+def other_ignore_index(targets, per_sequence):
+    """(ignore_index, targets): the default for per-token groups; for per-sequence groups -7, the ignored targets
+    moved to it, so that an ignore_index other than the default is checked against the reference too."""
+    if not per_sequence:
+        return IGNORE, targets
+    return -7, torch.where(targets == IGNORE, -7, targets)
+
+
 def token_groups_of(groups, targets):
     return (groups if groups.shape == targets.shape else groups[..., None].expand(targets.shape)).reshape(-1)
 
@@ -90,18 +98,20 @@ def grouped_cases():
 def test_grouped_cross_entropy_matches_float64_reference(backend, dtype, name, params, num_groups, per_sequence):
     logits, targets, groups, eta = make_tokens(3, 7, 11, dtype, num_groups, per_sequence)
     label_smoothing = 0.1 if name == "chi2" else 0.0
+    ignore, targets = other_ignore_index(targets, per_sequence)
     value = dro_ext.dro_cross_entropy(logits, targets, eta, LAM, name, scale=SCALE, groups=groups,
-                                      num_groups=num_groups, label_smoothing=label_smoothing, **params)
+                                      num_groups=num_groups, label_smoothing=label_smoothing, ignore_index=ignore,
+                                      **params)
     assert value.dtype == dtype and value.dim() == 0
     grads = torch.autograd.grad(value, (logits, eta))
 
     x64, e64 = logits.detach().double().requires_grad_(), eta.detach().double().requires_grad_()
-    losses = F.cross_entropy(x64.reshape(-1, 11), targets.reshape(-1), reduction="none", ignore_index=IGNORE,
+    losses = F.cross_entropy(x64.reshape(-1, 11), targets.reshape(-1), reduction="none", ignore_index=ignore,
                              label_smoothing=label_smoothing)
     expected = reference_value(losses, targets.reshape(-1), token_groups_of(groups, targets), num_groups, e64, LAM,
-                               name, params)
+                               name, params, ignore_index=ignore)
     torch.testing.assert_close(value.double(), expected.detach(), **ref.tolerances(dtype))
-    check_grads(grads, torch.autograd.grad(expected, (x64, e64)), dtype, int((targets != IGNORE).sum()))
+    check_grads(grads, torch.autograd.grad(expected, (x64, e64)), dtype, int((targets != ignore).sum()))
 
 
 @pytest.mark.parametrize("dtype,name,params", [pytest.param(d, *FEW_CASES[i], id=f"{str(d)[6:]}-{FEW_CASES[i][0]}")
@@ -115,19 +125,23 @@ def test_grouped_linear_cross_entropy_matches_float64_reference(backend, dtype, 
     hidden = torch.randn(3, 7, 6, dtype=torch.float64, generator=generator).to(dtype).requires_grad_()
     weight = (torch.randn(13, 6, dtype=torch.float64, generator=generator) / 2).to(dtype).requires_grad_()
     bias = torch.randn(13, dtype=torch.float64, generator=generator).to(dtype).requires_grad_()
+    label_smoothing = 0.1 if name == "chi2" else 0.0
+    ignore, targets = other_ignore_index(targets, per_sequence)
     value = dro_ext.dro_linear_cross_entropy(hidden, weight, targets, eta, LAM, name, bias=bias, scale=SCALE,
-                                             groups=groups, num_groups=num_groups, chunk_size=chunk, **params)
+                                             groups=groups, num_groups=num_groups, chunk_size=chunk,
+                                             label_smoothing=label_smoothing, ignore_index=ignore, **params)
     assert value.dtype == dtype and value.dim() == 0
     grads = torch.autograd.grad(value, (hidden, weight, bias, eta))
 
     # The reference sees the logits rounded as the op's matmul rounds them (test_cross_entropy.linear_reference).
     inputs64, logits64 = linear_reference((hidden, weight, bias), dtype, True)
     e64 = eta.detach().double().requires_grad_()
-    losses = F.cross_entropy(logits64.reshape(-1, 13), targets.reshape(-1), reduction="none", ignore_index=IGNORE)
+    losses = F.cross_entropy(logits64.reshape(-1, 13), targets.reshape(-1), reduction="none", ignore_index=ignore,
+                             label_smoothing=label_smoothing)
     expected = reference_value(losses, targets.reshape(-1), token_groups_of(groups, targets), num_groups, e64, LAM,
-                               name, params)
+                               name, params, ignore_index=ignore)
     torch.testing.assert_close(value.double(), expected.detach(), **ref.tolerances(dtype))
-    check_grads(grads, torch.autograd.grad(expected, inputs64 + [e64]), dtype, int((targets != IGNORE).sum()),
+    check_grads(grads, torch.autograd.grad(expected, inputs64 + [e64]), dtype, int((targets != ignore).sum()),
                 to_scale=True)
 
 

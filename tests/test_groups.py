@@ -920,7 +920,7 @@ DIST_TIMEOUT = 150.0  # wall-clock seconds for both ranks, start-up included: th
 def _distributed_ranks(rank, world, store_path):
     """Run in every rank: GroupDROLoss, group_dro_loss and DROLoss(num_groups) with group=WORLD against the
     single process on the concatenated batch; unequal local batches, a group only one rank holds, and a step
-    where rank 0 holds nothing."""
+    where rank 0 holds nothing; batch, population and given weightings, population shares for greedy CVaR."""
     import datetime
 
     import torch.distributed as dist
@@ -940,7 +940,10 @@ def _distributed_ranks(rank, world, store_path):
         begin = sum(sizes[:rank])
         return full[begin:begin + sizes[rank]]
 
-    for kwargs in (dict(step_size=0.5, missing="stale"), dict(mode="greedy_cvar", alpha=0.4)):
+    population = dict(group_counts=[50.0, 20.0, 5.0, 3.0, 1.0])
+    for kwargs in (dict(step_size=0.5, missing="stale"), dict(mode="greedy_cvar", alpha=0.4),
+                   dict(mode="greedy_cvar", alpha=0.4, min_var_weight=0.2, **population),
+                   dict(step_size=0.5, adjustment=1.0, **population)):
         spread, single = group_dro64(5, group=world_group, **kwargs), group_dro64(5, **kwargs)
         for losses, groups, sizes in run:
             mine = local(losses, sizes).clone().requires_grad_()
@@ -953,7 +956,8 @@ def _distributed_ranks(rank, world, store_path):
             torch.testing.assert_close(spread.q, single.q, rtol=1e-13, atol=1e-15)
             torch.testing.assert_close(grad / world, local(want_grad, sizes), rtol=1e-13, atol=1e-15)
 
-    for losses, groups, sizes in run:
+    weightings = [dict(), dict(weighting="population", **population), dict(weighting=[1.0, 0.0, 2.0, 3.0, 0.5])]
+    for (losses, groups, sizes), weighting in zip(run, weightings * len(run)):
         # The mask (padding tokens, say) keeps about two thirds of the samples; where it is False the ids are junk.
         keep = torch.rand(len(losses)) < 0.67  # the same draw on every rank (seeded above)
         for module_or_fn, masked in (("function", False), ("module", False), ("function", True), ("module", True)):
@@ -962,9 +966,11 @@ def _distributed_ranks(rank, world, store_path):
             mask = local(keep, sizes) if masked else None
             eta = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
             if module_or_fn == "function":
-                value = dro_ext.group_dro_loss(mine, mine_groups, 5, eta, 0.5, "kl", group=world_group, mask=mask)
+                value = dro_ext.group_dro_loss(mine, mine_groups, 5, eta, 0.5, "kl", group=world_group, mask=mask,
+                                               **weighting)
             else:
-                module = dro_ext.DROLoss("kl", lam=0.5, eta_init=0.3, num_groups=5, group=world_group).double()
+                module = dro_ext.DROLoss("kl", lam=0.5, eta_init=0.3, num_groups=5, group=world_group,
+                                         **weighting).double()
                 eta = module.eta
                 value = module(mine, mine_groups, mask=mask)
             grad, grad_eta = torch.autograd.grad(value, (mine, eta))
@@ -972,9 +978,9 @@ def _distributed_ranks(rank, world, store_path):
             e64 = eta.detach().clone().requires_grad_()  # the module's eta is 0.3 rounded to float32
             if masked:  # the single process on the kept samples of the concatenated batch
                 kept = whole[keep]
-                want = dro_ext.group_dro_loss(kept, groups[keep], 5, e64, 0.5, "kl")
+                want = dro_ext.group_dro_loss(kept, groups[keep], 5, e64, 0.5, "kl", **weighting)
             else:
-                want = dro_ext.group_dro_loss(whole, groups, 5, e64, 0.5, "kl")
+                want = dro_ext.group_dro_loss(whole, groups, 5, e64, 0.5, "kl", **weighting)
             want_grad, want_eta = torch.autograd.grad(want, (whole, e64))
             torch.testing.assert_close(value, want, rtol=1e-13, atol=1e-15)
             torch.testing.assert_close(grad / world, local(want_grad, sizes), rtol=1e-13, atol=1e-15)

@@ -137,6 +137,37 @@ def test_a_one_row_chunk_of_a_wide_vocabulary(backend, two_threads, label_smooth
     _assert_same_bits(*two_threads(run))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_objectives_over_groups(backend, two_threads, dtype):
+    """group_dro_loss (each weighting), the exact objective over groups, GroupDROLoss's greedy CVaR step and the
+    grouped fused cross-entropy, over more losses than one thread sums and more groups than one thread reduces."""
+    values = _two_copies_of_a_chunk(dtype, 13)
+    num_groups = 40001
+    groups = torch.arange(values.numel()) % num_groups
+    weights = torch.rand(num_groups, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) + 0.5
+    rows = torch.randn(CHUNK // 8, 8, dtype=torch.float64).to(dtype)
+    logits, targets = torch.cat([rows, rows, rows[:1]]), torch.randint(0, 8, (2 * (CHUNK // 8) + 1,))
+    token_groups = torch.arange(targets.numel()) % 7
+
+    def run():
+        x, eta = values.clone().requires_grad_(), torch.tensor(0.7, dtype=dtype, requires_grad=True)
+        out = []
+        for weighting in ("batch", "population", weights):
+            counts = weights if weighting == "population" else None
+            value = dro_ext.group_dro_loss(x, groups, num_groups, eta, 0.4, "kl", weighting=weighting,
+                                           group_counts=counts)
+            out += [value.detach(), *torch.autograd.grad(value, (x, eta))]
+        exact, eta_star = dro_ext.robust_objective(x, 0.4, "chi2", groups=groups, num_groups=num_groups)
+        out += [exact.detach(), eta_star, *torch.autograd.grad(exact, x)]
+        greedy = dro_ext.GroupDROLoss(num_groups, mode="greedy_cvar", alpha=0.3).to(dtype)
+        out += [greedy(x, groups).detach(), greedy(x, groups).detach(), greedy.log_q.clone()]
+        z = logits.clone().requires_grad_()
+        value = dro_ext.dro_cross_entropy(z, targets, eta, 0.3, "chi2", groups=token_groups, num_groups=7)
+        out += [value.detach(), *torch.autograd.grad(value, (z, eta))]
+        return out
+    _assert_same_bits(*two_threads(run))
+
+
 def test_group_dro_updates_over_more_groups_than_one_thread_sums(backend, two_threads):
     # The fallback's update normalized log q with torch.logsumexp, whose sum over the groups torch splits between
     # threads past 32768 of them (it differed in 5 of 8 seeds of this case).
