@@ -36,7 +36,10 @@ def real_number(name: str, value: object) -> float:
         raise TypeError(f"dro_ext: {name} must be a Python number, got a Tensor")
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.SymFloat, torch.SymInt)):
         raise TypeError(f"dro_ext: {name} must be a real number, got {value!r} ({type(value).__name__})")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int (or Fraction) past float64's range
+        raise ValueError(f"dro_ext: {name} must be within float64's range, got {value!r}") from None
 
 
 def check_divergence(divergence: str, alpha: float | None = None, k: float | None = None) -> Spec:

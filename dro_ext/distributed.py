@@ -276,7 +276,9 @@ def batch_scale(num_local: int | torch.Tensor, group: dist.ProcessGroup, device:
             and bool(total[1] > 0)):
         raise another_rank_refused("DROLoss")
     world = dist.get_world_size(group)
-    return torch.where(total[0] > 0, count[0] * world / total[0], 0.0).to(device)
+    # 0 where no rank holds a sample; NaN where a rank refused (a NaN total: `> 0` would have made it 0, a loss of 0
+    # with zero gradients on a device, where the ranks that passed do not raise).
+    return torch.where(total[0] == 0, 0.0, count[0] * world / total[0]).to(device)
 
 
 def average_gradients(params: Iterable[torch.Tensor], group: dist.ProcessGroup) -> None:

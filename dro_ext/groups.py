@@ -351,9 +351,10 @@ def group_dro_loss(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
             check_mask(mask, losses)
         eta = as_eta(eta, losses)
         weights = _group_weights(weighting, group_counts, num_groups, losses.device)
-    except (TypeError, ValueError) as error:
-        # Every check, the settings' too: a rank that raised before the collective left the others waiting in it, or
-        # pairing it with that rank's next call (the sums of another batch, silently).
+    except Exception as error:
+        # Every check, the settings' too, whatever it raises (an OverflowError for lam=10**400): a rank that raised
+        # before the collective left the others waiting in it, or pairing it with that rank's next call (the sums of
+        # another batch, silently).
         _refuse_on_every_rank(error, num_groups, group, "group_dro_loss", input_device(losses, groups))
     sums, counts = _reduced_group_sums(losses, groups, num_groups, group, "group_dro_loss", mask)
     acc = fallback_dtype(losses.dtype, losses.device)
@@ -629,7 +630,7 @@ class GroupDROLoss(_Float64Configuration):
                     raise TypeError(f"dro_ext: update must be a bool, got {update!r}")
                 if mask is not None:
                     check_mask(mask, losses)
-            except (TypeError, ValueError) as error:
+            except Exception as error:  # (whatever a check raises: see group_dro_loss)
                 _refuse_on_every_rank(error, self.num_groups, self.group, "GroupDROLoss", input_device(losses, groups))
             fused = self.mode == "eg" and _backend.native_for(losses.device.type)
             one_call = fused and mask is None and self.group is None

@@ -105,7 +105,7 @@ class DROLoss(_Float64Configuration):
                 check_losses(losses, allow_empty=self.group is not None)  # a rank may hold no samples
                 if mask is not None:
                     check_mask(mask, losses)
-        except (TypeError, ValueError) as error:
+        except Exception as error:  # (whatever a check raises: see group_dro_loss)
             if self.group is None:
                 raise
             # Refused on this rank only, perhaps: raised after the collective the other ranks make (group_dro_loss's

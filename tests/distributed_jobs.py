@@ -153,6 +153,20 @@ def job_loss_compile(rank, world):
     close(value, eager, "compiled DROLoss(group=) value")
     close(g_compiled, g_eager, "compiled DROLoss(group=) grad")
     close(dro_dist.batch_scale(5 + 3 * rank, group, "cpu"), 2 * (5 + 3 * rank) / 13.0, "batch_scale")
+    close(dro_dist.batch_scale(torch.tensor(5 + 3 * rank), group, "cpu"), 2 * (5 + 3 * rank) / 13.0,
+          "batch_scale of a tensor count")
+    # A rank that refused, seen where the others do not raise (a compiled step; a device, where reading the refusal
+    # would be a host sync): their factor is NaN, not the 0 that made their loss 0 with zero gradients.
+    if rank == 1:
+        dro_dist.batch_scale(0, group, "cpu", refused=True)
+    else:
+        compiling = torch.compiler.is_compiling
+        torch.compiler.is_compiling = lambda: True
+        try:
+            factor = dro_dist.batch_scale(5, group, "cpu")
+        finally:
+            torch.compiler.is_compiling = compiling
+        assert torch.isnan(factor), f"a refusal on rank 1 gave rank 0 the factor {factor}"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -574,6 +588,9 @@ def job_robust(rank, world):
             group_counts=[3, 0 if rank == 1 else 2, 1], group=group), "group_counts"),
         "group_dro_loss, lam": (lambda: dro_ext.group_dro_loss(
             losses, ids.clamp(max=2), 3, 0.5, -0.5 if rank == 1 else 0.5, "kl", group=group), "lam"),
+        # (an OverflowError from float() before, which the refusal did not catch)
+        "group_dro_loss, lam past float64": (lambda: dro_ext.group_dro_loss(
+            losses, ids.clamp(max=2), 3, 0.5, 10**400 if rank == 1 else 0.5, "kl", group=group), "lam"),
     }
     for name, (call, word) in refusals.items():
         try:

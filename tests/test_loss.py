@@ -405,6 +405,7 @@ BAD_INPUTS = [
     (dict(lam="0.5"), TypeError, "lam must be a real number"),
     (dict(lam=0.5 + 0j), TypeError, "lam must be a real number"),
     (dict(divergence="cvar", alpha=True), TypeError, "alpha must be a real number"),
+    (dict(lam=10**400), ValueError, "lam must be within float64's range"),  # (float() raised OverflowError)
 ]
 
 
