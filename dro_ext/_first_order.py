@@ -57,11 +57,12 @@ def refuse_forward_ad(op: str, *inputs: torch.Tensor | float | None) -> None:
     """Raises where an input carries a forward-mode tangent (``torch.func.jvp``, ``torch.autograd.forward_ad``):
     the autograd formulas written in Python (torch.library's, a custom op's) have no forward derivative, and
     PyTorch runs them under forward AD with a tangent of 0, a silently wrong directional derivative. (The native
-    ops' C++ autograd raises the same way.) Not while compiling, where no forward AD runs."""
+    ops' C++ autograd raises the same way.) While compiling, where a traced tensor shows no tangent, whenever a
+    forward-AD level is open (``torch.func.jvp`` opens one too): a constant of the trace, which then holds no check."""
     if torch.compiler.is_compiling():
-        return
-    for t in inputs:
-        if isinstance(t, torch.Tensor) and fwAD.unpack_dual(t).tangent is not None:
-            raise RuntimeError(f"dro_ext: forward-mode AD is not implemented for {op} (its derivatives are first "
-                               f"order and reverse mode only); use reverse mode (torch.autograd.grad, torch.func.grad "
-                               f"or vjp)")
+        refused = fwAD._current_level >= 0
+    else:
+        refused = any(isinstance(t, torch.Tensor) and fwAD.unpack_dual(t).tangent is not None for t in inputs)
+    if refused:
+        raise RuntimeError(f"dro_ext: forward-mode AD is not implemented for {op} (its derivatives are first order "
+                           f"and reverse mode only); use reverse mode (torch.autograd.grad, torch.func.grad or vjp)")

@@ -17,7 +17,7 @@ puts them in dimension 1).
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -381,11 +381,10 @@ def _linear_cross_entropy_with_grads(
         hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
         eta: torch.Tensor, lam: float, divergence: str, alpha: Optional[float], k: Optional[float], scale: float,
         ignore_index: int, label_smoothing: float, chunk_size: int, native: bool, grad_hidden_needed: bool,
-        grad_weight_needed: bool, grad_bias_needed: bool, hidden_anchor: Optional[torch.Tensor],
+        grad_weight_needed: bool, grad_bias_needed: bool, anchors: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(value, mean_weight, grad_hidden, grad_weight, grad_bias) for a unit upstream gradient; a gradient that
-    is not needed comes back empty (shape (0,)) and costs nothing. ``hidden_anchor`` is not read: see
-    :func:`_hidden_anchor`."""
+    is not needed comes back empty (shape (0,)) and costs nothing. ``anchors`` are not read: see :func:`_anchor`."""
     return _linear_cross_entropy_chunks(hidden, weight, bias, targets, eta, lam, divergence, alpha, k, scale,
                                         ignore_index, label_smoothing, chunk_size, native, grad_hidden_needed,
                                         grad_weight_needed, grad_bias_needed)
@@ -414,11 +413,11 @@ def chunk_logits(buffer: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bi
     return torch.addmm(bias[:, None], weight, h.t(), out=out).t()
 
 
-def _hidden_anchor(h: torch.Tensor) -> torch.Tensor:
-    """A copy of at most one element of h, which autograd records as a function of h: what the op's first-order-only
-    backward records hidden's gradient against (a derivative of it must reach h's graph to raise), in place of h
-    itself, whose N x H the op does not keep (its forward alone reads them)."""
-    return h[:1, :1].clone()
+def _anchor(t: torch.Tensor) -> torch.Tensor:
+    """A copy of at most one element of t, which autograd records as a function of t: what the op's first-order-only
+    backward records t's gradient against (a derivative of it must reach t's graph to raise), in place of t itself,
+    which the op does not keep (hidden's N x H, read by its forward alone; under autocast, the weight's cast copy)."""
+    return t[(slice(0, 1),) * t.dim()].clone()
 
 
 def _linear_cross_entropy_chunks(hidden, weight, bias, targets, eta, lam, divergence, alpha, k, scale, ignore_index,
@@ -478,7 +477,7 @@ def _linear_cross_entropy_chunks(hidden, weight, bias, targets, eta, lam, diverg
 @_linear_cross_entropy_with_grads.register_fake
 def _linear_cross_entropy_with_grads_fake(hidden, weight, bias, targets, eta, lam, divergence, alpha, k, scale,
                                           ignore_index, label_smoothing, chunk_size, native, grad_hidden_needed,
-                                          grad_weight_needed, grad_bias_needed, hidden_anchor):
+                                          grad_weight_needed, grad_bias_needed, anchors):
     acc = accumulate_dtype(hidden.dtype)
     return (hidden.new_empty(()), hidden.new_empty((), dtype=acc),
             torch.empty_like(hidden, memory_format=torch.contiguous_format) if grad_hidden_needed
@@ -489,14 +488,15 @@ def _linear_cross_entropy_with_grads_fake(hidden, weight, bias, targets, eta, la
 
 
 def _linear_setup_context(ctx, inputs, output):
-    weight, bias, eta, scale, hidden_anchor = inputs[1], inputs[2], inputs[4], inputs[9], inputs[17]
+    eta, scale, anchors = inputs[4], inputs[9], inputs[17]
     _, mean_weight, grad_hidden, grad_weight, grad_bias = output
     ctx.mark_non_differentiable(mean_weight, grad_hidden, grad_weight, grad_bias)
     # Otherwise autograd would hand backward a zero-filled gradient for each of those outputs (a V x H one for
     # grad_weight) that it never reads; the value's gradient then comes as None where nothing flows into it.
     ctx.set_materialize_grads(False)
-    # weight, bias and eta (parameters, held anyway) and the anchor stand for the inputs in first_order_only.
-    ctx.save_for_backward(mean_weight, grad_hidden, grad_weight, grad_bias, weight, bias, eta, hidden_anchor)
+    # The anchors stand for the inputs in first_order_only (the op saves no input: under autocast the weight it
+    # sees is a cast copy, V x H, that nothing else holds).
+    ctx.save_for_backward(mean_weight, grad_hidden, grad_weight, grad_bias, *anchors)
     ctx.scale, ctx.eta_dtype = scale, eta.dtype
 
 
@@ -508,8 +508,8 @@ def _scaled_gradient(saved, grad_value, in_place: bool):
 
 
 def _linear_backward(ctx, grad_value, *unused):
-    mean_weight, grad_hidden, grad_weight, grad_bias, weight, bias, eta, hidden_anchor = ctx.saved_tensors
-    out = [None] * 18
+    mean_weight, grad_hidden, grad_weight, grad_bias, *anchors = ctx.saved_tensors
+    out: list[Any] = [None] * 17 + [[None] * len(anchors)]  # (the anchors, a list input, get a list of no gradient)
     if grad_value is None:
         return tuple(out)
     # A retained graph (retain_graph=True, create_graph, gradcheck's reentrancy check) runs this backward again, so
@@ -528,11 +528,11 @@ def _linear_backward(ctx, grad_value, *unused):
     if ctx.needs_input_grad[4]:
         out[4] = (grad_value.to(mean_weight.dtype) * (ctx.scale * (1.0 - mean_weight))).to(ctx.eta_dtype)
     # The gradients were formed in the forward: first order only. Recorded against every input that requires grad
-    # (hidden through its anchor) and the upstream gradient, so that a second derivative through any of them raises:
-    # one through grad_value would otherwise come out of its product with the forward's gradients, held constant,
-    # and one through an input alone would be silently missing.
+    # (through its anchor) and the upstream gradient, so that a second derivative through any of them raises: one
+    # through grad_value would otherwise come out of its product with the forward's gradients, held constant, and
+    # one through an input alone would be silently missing.
     out[0], out[1], out[2], out[4] = first_order_only("dro_linear_cross_entropy", (out[0], out[1], out[2], out[4]),
-                                                      hidden_anchor, weight, bias, eta, grad_value)
+                                                      *anchors, grad_value)
     return tuple(out)
 
 
@@ -546,6 +546,9 @@ def _check_chunk_size(chunk_size) -> None:
         raise ValueError(f"dro_ext: chunk_size must be a positive int or None, got chunk_size={chunk_size!r}")
 
 
+_AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _autocast_operands(hidden, weight, bias):
     """(hidden, weight, bias) in autocast's dtype where autocast is on for hidden's device, as F.linear takes its
     operands there (a model's bfloat16 hidden states beside the float32 master weight of its head); as given
@@ -554,7 +557,8 @@ def _autocast_operands(hidden, weight, bias):
     if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
         return hidden, weight, bias
     dtype = torch.get_autocast_dtype(device_type)
-    return tuple(None if t is None else t.to(dtype) if t.is_floating_point() else t for t in (hidden, weight, bias))
+    # As autocast casts: the floating tensors but float64 (which F.linear keeps in float64 under autocast).
+    return tuple(t.to(dtype) if t is not None and t.dtype in _AUTOCAST_CASTS else t for t in (hidden, weight, bias))
 
 
 def _check_linear_args(hidden, weight, targets, bias, chunk_size):
@@ -629,9 +633,10 @@ def dro_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets
     check_linear_target_range(y, weight.shape[0], ignore_index, native)
     grad = torch.is_grad_enabled()
     needs = [grad and t is not None and t.requires_grad for t in (h, weight, bias)]
+    anchors = [_anchor(t) for t in (h, weight, bias, eta) if grad and t is not None and t.requires_grad]
     value, *_ = _linear_cross_entropy_with_grads(
         h, weight, bias, y, eta, lam, spec.name, spec.alpha, spec.k, scale, ignore_index, label_smoothing,
-        chunk_size, native, *needs, _hidden_anchor(h) if needs[0] else None)
+        chunk_size, native, *needs, anchors)
     return value
 
 

@@ -667,9 +667,35 @@ def test_linear_ops_under_autocast_take_their_operands_as_f_linear_does(backend,
         hidden.bfloat16(), cast["weight"], targets, 0.2, LAM, "kl", bias=cast["bias"], **groups), rtol=0, atol=0)
     grads = torch.autograd.grad(value, (hidden, weight, bias))
     assert [g.dtype for g in grads] == [torch.float32] * 3
+    # float64 stays float64 under autocast, as F.linear keeps it (it was cast down, 2e-2 off)
+    h64, w64 = hidden.detach().double(), weight.detach().double()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = dro_ext.linear_cross_entropy_losses(h64, w64, targets)
+        want = F.cross_entropy(F.linear(h64, w64).transpose(1, 2), targets, reduction="none")
+    assert got.dtype == want.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("transform", ["torch.func.jvp", "forward_ad"])
+def test_linear_op_keeps_none_of_its_inputs(backend):
+    """The op saves one-element anchors for its inputs, not the inputs: no cast copy of the weight under autocast
+    (V x H held until backward), and an input changed in place between forward and backward is no error, as
+    before the anchors."""
+    hidden = torch.randn(6, 8, requires_grad=True)
+    weight, eta = torch.randn(11, 8, requires_grad=True), torch.tensor(0.3, requires_grad=True)
+    targets = torch.randint(0, 11, (6,))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            value = dro_ext.dro_linear_cross_entropy(hidden, weight, targets, eta, LAM)
+    held = [t for t in saved if t is not None and t.shape == weight.shape]
+    assert len(held) == 1, f"{len(held)} V x H tensors saved: the weight's gradient alone should be"
+    with torch.no_grad():
+        weight.mul_(2.0)
+        eta.add_(1.0)
+    torch.autograd.grad(value, (hidden, weight, eta))
+
+
+@pytest.mark.parametrize("transform", ["torch.func.jvp", "forward_ad", "forward_ad, compiled"])
 @pytest.mark.parametrize("call", list(SINGLE_INPUT_CALLS))
 def test_forward_mode_ad_raises_naming_the_op(backend, call, transform):
     """Forward-mode AD through a cross-entropy raises naming it: PyTorch ran their autograd formulas, written in
@@ -684,6 +710,9 @@ def test_forward_mode_ad_raises_naming_the_op(backend, call, transform):
         def along(value):
             return fn(**{**tensors, name: value}, y=y, g=groups)
 
+        if transform.endswith("compiled"):  # (a traced tensor shows no tangent: it returned none, silently)
+            torch._dynamo.reset()
+            along = torch.compile(along, backend="eager")
         with pytest.raises(RuntimeError, match=f"forward-mode AD is not implemented for {op}"):
             if transform == "torch.func.jvp":
                 torch.func.jvp(along, (tensors[name],), (torch.ones_like(tensors[name]),))
@@ -915,9 +944,9 @@ def test_opcheck_linear_op(native):
     bias = torch.randn(7, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 7, (9,))
     eta = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
-    anchor = hidden[:1, :1].clone()
+    anchors = [t.reshape(-1)[:1].clone() for t in (hidden, weight, bias, eta)]
     args = (hidden, weight, bias, targets, eta, LAM, "chi2", None, None, SCALE, -100, 0.0, 4, native, True, True, True,
-            anchor)
+            anchors)
     torch.library.opcheck(torch.ops.dro_ext.linear_cross_entropy_with_grads.default, args)
 
 

@@ -240,7 +240,7 @@ def _python_backwards(dev):
         ("dro_linear_cross_entropy backward", cross_entropy._linear_setup_context, cross_entropy._linear_backward,
          cross_entropy._linear_cross_entropy_with_grads,
          (hidden, weight, bias, targets, eta, 0.5, "chi2", None, None, 1.0, -100, 0.0, 8, True, True, True, True,
-          hidden[:1, :1].clone()),
+          [hidden[:1, :1].clone()]),
          (True, True, True, False, True), grad),
         ("cross_entropy_row_losses backward", cross_entropy_groups._row_losses_setup_context,
          cross_entropy_groups._row_losses_backward, torch.ops.dro_ext.cross_entropy_row_losses,
@@ -253,7 +253,7 @@ def _python_backwards(dev):
     def thunk(setup_context, backward, forward, inputs, needs, grad_value):
         ctx = _Ctx(needs + (False,) * (len(inputs) - len(needs)))
         setup_context(ctx, inputs, forward(*inputs))
-        grads = [g for g in backward(ctx, grad_value, None) if g is not None]
+        grads = [g for g in backward(ctx, grad_value, None) if isinstance(g, torch.Tensor)]  # (a list input: a list)
         assert len(grads) == sum(needs), "a gradient that was asked for did not come back"
         return grads
     return [(name, lambda args=args: thunk(*args)) for name, *args in ops]
