@@ -199,24 +199,26 @@ def test_bad_arguments_are_refused_before_any_training(tmp_path):
     run trains (they raised tracebacks after it, minutes in)."""
     from dro_ext.demo.__main__ import check_outputs, parse_args
 
-    for bad in (["--seed", "-1"], ["--seed", str(2**32)], ["--quick", "--readme", "README.md"],
+    for bad in (["--seed", "-1"], ["--seed", str(2**32 - 1)], ["--quick", "--readme", "README.md"],
                 ["--rounding-probes", "0", "--readme", "README.md"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
-    assert parse_args(["--seed", str(2**31 - 1)]).seed == 2**31 - 1
+    assert parse_args(["--seed", str(2**32 - 17)]).seed == 2**32 - 17  # (the run's seeds stay below 2**32)
     taken = tmp_path / "a_file"
     taken.write_text("")
     with pytest.raises(SystemExit, match="cannot write the outputs there"):
         check_outputs(taken, None)
-    readme = tmp_path / "README.md"
+    (tmp_path / "docs").mkdir()
+    readme = tmp_path / "docs" / "README.md"
     readme.write_text("no block here\n")
     with pytest.raises(SystemExit, match="block to update"):
-        check_outputs(tmp_path / "out", readme)
+        check_outputs(tmp_path / "docs" / "out", readme)
     readme.write_text("<!-- demo-claims:begin -->\n<!-- demo-claims:end -->\n")
     with pytest.raises(SystemExit, match="must lie in the README's folder"):
-        check_outputs(tmp_path.parent / f"{tmp_path.name}-elsewhere", readme)
-    check_outputs(tmp_path / "out", readme)  # a README beside its outputs: fine
-    assert (tmp_path / "out").is_dir() and not list((tmp_path / "out").iterdir())
+        check_outputs(tmp_path / "elsewhere", readme)
+    assert not (tmp_path / "elsewhere").exists() and not (tmp_path / "docs" / "out").exists()  # refused: nothing made
+    check_outputs(tmp_path / "docs" / "out", readme)  # a README beside its outputs: fine
+    assert (tmp_path / "docs" / "out").is_dir() and not list((tmp_path / "docs" / "out").iterdir())
 
 
 def _without_timings(value):

@@ -32,7 +32,8 @@ from dro_ext.demo import experiments, report
 from dro_ext.demo.runner import EXPERIMENTS, cpu_seconds, run_passes, use_determinism
 
 
-MAX_SEED = 2**31
+# scikit-learn's splits take seeds below 2**32, and a run takes its seed and the few after it.
+MAX_SEED = 2**32 - 16
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -57,7 +58,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--readme", type=Path, default=None,
                         help="also rewrite this README's demo block with the figure and the claims table")
     args = parser.parse_args(argv)
-    if not 0 <= args.seed < MAX_SEED:  # (scikit-learn's splits take seeds below 2**32, NumPy's none below 0)
+    if not 0 <= args.seed < MAX_SEED:
         parser.error(f"--seed must be in [0, {MAX_SEED}), got {args.seed}")
     if args.readme is not None and args.experiments is not None and len(set(args.experiments)) < len(EXPERIMENTS):
         parser.error("--readme records a run of every experiment: leave out --experiments")
@@ -75,7 +76,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def check_outputs(out: Path, readme: Path | None) -> None:
     """What the run writes at its end, checked before it trains for minutes: ``out`` (created) takes files, and
-    ``readme`` holds the demo block and the folder ``out`` lies in. Exits with the reason otherwise."""
+    ``readme`` holds the demo block and the folder ``out`` lies in (checked first: a refusal creates nothing). Exits
+    with the reason otherwise."""
+    if readme is not None:
+        try:
+            report.check_readme(readme, out / "figure.png")
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"python -m dro_ext.demo: error: --readme {readme}: {error}") from None
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".dro_ext_demo_write_check"
@@ -84,11 +91,6 @@ def check_outputs(out: Path, readme: Path | None) -> None:
     except OSError as error:
         raise SystemExit(f"python -m dro_ext.demo: error: --out {out}: cannot write the outputs there "
                          f"({error.strerror or error})") from None
-    if readme is not None:
-        try:
-            report.check_readme(readme, out / "figure.png")
-        except (OSError, ValueError) as error:
-            raise SystemExit(f"python -m dro_ext.demo: error: --readme {readme}: {error}") from None
 
 
 def machine_description(device: str) -> dict:
