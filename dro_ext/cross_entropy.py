@@ -554,7 +554,10 @@ def _autocast_operands(hidden, weight, bias):
     operands there (a model's bfloat16 hidden states beside the float32 master weight of its head); as given
     otherwise. The casts are differentiable: the gradients come back in the given dtypes."""
     device_type = hidden.device.type
-    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+    # (is_autocast_enabled raises for a device type autocast does not know, such as meta; torch 2.11's Dynamo cannot
+    # trace is_autocast_available, and nothing compiles on the meta device)
+    known = torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type)
+    if not (known and torch.is_autocast_enabled(device_type)):
         return hidden, weight, bias
     dtype = torch.get_autocast_dtype(device_type)
     # As autocast casts: the floating tensors but float64 (which F.linear keeps in float64 under autocast).
