@@ -123,25 +123,23 @@ class DROLoss(_Float64Configuration):
             return group_dro_loss(losses, groups, self.num_groups, eta, self.lam, self.divergence,
                                   weighting=weighting, alpha=self.alpha, k=self.k, scale=self.scale, group=self.group,
                                   mask=mask)
-        if mask is not None:
-            value = self._masked(losses, mask, eta)
-            if self.group is None:
-                return value
-            from dro_ext.distributed import batch_scale
-
-            return value * batch_scale(mask.sum(), self.group, losses.device).to(value.dtype)
-        assert self.group is not None  # the sample-level call without a process group or mask returned above
+        # Over samples, with a process group or a mask (the plain call returned above).
         if losses.numel() == 0:
-            # A rank without samples: its share of the concatenated batch's objective is 0 (batch_scale below is
-            # 0), with zero gradients to the losses and to eta (which the graph still reaches, as DDP expects of
-            # every parameter); it still takes part in batch_scale's collective, where raising (dro_loss takes no
-            # empty batch) would leave the other ranks waiting.
+            # A rank without samples (only with a group: checked above): its share of the concatenated batch's
+            # objective is 0 (batch_scale below is 0), with zero gradients to the losses and to eta (which the graph
+            # still reaches, as DDP expects of every parameter); it still takes part in batch_scale's collective,
+            # where raising (dro_loss takes no empty batch) would leave the other ranks waiting.
             value = losses.sum() + 0.0 * eta.to(losses.dtype)
+        elif mask is not None:
+            value = self._masked(losses, mask, eta)
         else:
             value = dro_loss(losses, eta, self.lam, self.divergence, alpha=self.alpha, k=self.k, scale=self.scale)
+        if self.group is None:
+            return value
         from dro_ext.distributed import batch_scale
 
-        return value * batch_scale(losses.shape[0], self.group, losses.device).to(value.dtype)
+        count = losses.shape[0] if mask is None else mask.sum()  # (kept samples: a count on the device)
+        return value * batch_scale(count, self.group, losses.device).to(value.dtype)
 
     def _masked(self, losses: torch.Tensor, mask: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
         """The per-sample objective over the samples where mask is True, from one dro_loss of all of them: a sample
@@ -157,8 +155,6 @@ class DROLoss(_Float64Configuration):
         shift = self.scale * eta_acc
         # (a fixed-order broadcast: eta's gradient through the samples left out, summed in a fixed order)
         x = torch.where(mask, losses.to(acc), fixed_order_broadcast(shift, losses.shape))
-        if x.numel() == 0:
-            return losses.sum() + 0.0 * eta.to(losses.dtype)
         full = dro_loss(x, eta_acc, self.lam, self.divergence, alpha=self.alpha, k=self.k, scale=self.scale)
         kept = mask.sum()
         value = shift + (full - shift) * (x.numel() / torch.clamp(kept, min=1).to(acc))
