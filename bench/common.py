@@ -394,8 +394,9 @@ def partial_writer(args, name: str, info: dict, table_md: Callable[[list[dict]],
     cases it finished in its result files. The report at the end of the run overwrites it."""
     def write(rows: list[dict], done: int, total: int) -> None:
         if done < total:
+            partial = {**settings, "partial": f"{done} of {total} cases, the run had not ended"}
             write_report(output_dir(args), name, rows, table_md(rows), info, load=(load_before, loadavg()),
-                         note=args.note, settings={**settings, "partial": f"{done} of {total} cases, the run had not ended"})
+                         note=args.note, settings=partial)
     return write
 
 
