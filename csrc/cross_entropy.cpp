@@ -5,6 +5,8 @@
 //       t_i = (l_i - G eta) / lam, w_i = psi*'(t_i), over the n rows whose target is not ignore_index:
 //       value = (1/n) sum_i lam psi*(t_i) + G eta      (0 when n == 0)
 //       mean_weight = (1/n) sum_i w_i                   (1 when n == 0, so that dL/deta = G (1 - 1) = 0)
+//       both in the accumulate dtype (float32 for half logits, as F.cross_entropy's value under autocast: a float16
+//       value would make GradScaler's scaled gradient of 2^16 overflow on its way into the backward)
 //       lse (N, 2): row i's logsumexp_j logits_ij as (shift, log_sum), shift its max and log_sum the log of
 //       sum_j exp(logits_ij - shift) (cross_entropy_terms.h: two parts, which keep what their rounded sum would
 //       lose); row_weight_i = w_i / n (both 0 on ignored rows; accumulate dtype)
@@ -81,7 +83,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dro_cross_entropy_cpu
       x, y, make_config(spec, eta, lam, scale, ignore_index, label_smoothing), &lse, &row_weight, nullptr, inv_count);
   const double value = kept > 0 ? sums[0] * inv_count : 0.0;
   const double mean_weight = kept > 0 ? sums[1] * inv_count : 1.0;
-  return {cpu::make_scalar(value, logits.options()), cpu::make_scalar(mean_weight, acc_options), lse, row_weight};
+  return {cpu::make_scalar(value, acc_options), cpu::make_scalar(mean_weight, acc_options), lse, row_weight};
 }
 
 at::Tensor dro_cross_entropy_backward_cpu(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& targets,

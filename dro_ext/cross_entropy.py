@@ -162,8 +162,8 @@ if _backend.native_available():
         torch._check(logits.dim() == 2, lambda: "dro_ext: logits must be a 2-D tensor (N, C)")
         acc = accumulate_dtype(logits.dtype)
         rows = logits.shape[0]
-        return (logits.new_empty(()), logits.new_empty((), dtype=acc), logits.new_empty((rows, 2), dtype=acc),
-                logits.new_empty((rows,), dtype=acc))
+        return (logits.new_empty((), dtype=acc), logits.new_empty((), dtype=acc),
+                logits.new_empty((rows, 2), dtype=acc), logits.new_empty((rows,), dtype=acc))
 
     @torch.library.register_fake("dro_ext::dro_cross_entropy_backward")
     def _dro_cross_entropy_backward_fake(grad, logits, targets, lse, row_weight, ignore_index=-100,
@@ -197,7 +197,7 @@ if _backend.native_available():
         logits, targets, lse, row_weight, mean_weight, eta = ctx.saved_tensors
         grad_logits = grad_eta = None
         if grad_value is None:
-            grad_value = torch.zeros((), dtype=logits.dtype, device=logits.device)
+            grad_value = torch.zeros((), dtype=mean_weight.dtype, device=logits.device)
         if ctx.needs_input_grad[0]:
             grad_logits = torch.ops.dro_ext.dro_cross_entropy_backward(
                 grad_value, logits, targets, lse, row_weight, ctx.ignore_index, ctx.label_smoothing)
@@ -233,7 +233,7 @@ class _FallbackCrossEntropy(torch.autograd.Function):
         weights = torch.where(keep, _psi_star_torch(t, spec, 1), 0.0)
         ctx.save_for_backward(logits, targets, eta, weights, count)
         ctx.args = (scale, ignore_index, label_smoothing, keep.sum())
-        return (total / count).to(logits.dtype)
+        return (total / count).to(accumulate_dtype(logits.dtype))
 
     @staticmethod
     def backward(ctx, grad):
@@ -274,7 +274,9 @@ def dro_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, eta: torch.Te
     flow to ``logits`` and ``eta``; the native op keeps only the per-row logsumexp (as the row's max and the log
     of the sum below it) and weight (3N floats) for backward. Each row's loss is formed in float32 (float64 for
     float64 logits); its t, weight and value term and their sums in float64 on the CPU and in the fallback, and on
-    CUDA in float32 except where 1/lam is no normal float32. The result has the logits' dtype.
+    CUDA in float32 except where 1/lam is no normal float32. The result is float32 for float16/bfloat16 logits (as
+    ``F.cross_entropy``'s under autocast, so that GradScaler's scaled gradient does not overflow on its way in), and
+    has the logits' dtype otherwise.
 
     ``groups`` with ``num_groups`` (both or neither): the objective over groups of tokens instead of tokens.
     ``groups`` (int64 or int32 ids in ``[0, num_groups)``) has the shape of ``targets`` (one id per token) or
@@ -467,7 +469,7 @@ def _linear_cross_entropy_chunks(hidden, weight, bias, targets, eta, lam, diverg
                 grad_bias += fixed_order_sums(logits, 0, dtype=acc)
         del logits
     any_kept = kept > 0
-    value = torch.where(any_kept, sums[0] * inv_count, 0.0).to(hidden.dtype)
+    value = torch.where(any_kept, sums[0] * inv_count, 0.0)
     mean_weight = torch.where(any_kept, sums[1] * inv_count, 1.0)
     if grad_bias_needed:
         grad_bias = grad_bias.to(bias.dtype)
@@ -479,7 +481,7 @@ def _linear_cross_entropy_with_grads_fake(hidden, weight, bias, targets, eta, la
                                           ignore_index, label_smoothing, chunk_size, native, grad_hidden_needed,
                                           grad_weight_needed, grad_bias_needed, anchors):
     acc = accumulate_dtype(hidden.dtype)
-    return (hidden.new_empty(()), hidden.new_empty((), dtype=acc),
+    return (hidden.new_empty((), dtype=acc), hidden.new_empty((), dtype=acc),
             torch.empty_like(hidden, memory_format=torch.contiguous_format) if grad_hidden_needed
             else hidden.new_empty((0,)),
             torch.empty_like(weight, memory_format=torch.contiguous_format) if grad_weight_needed
@@ -503,8 +505,18 @@ def _linear_setup_context(ctx, inputs, output):
 def _scaled_gradient(saved, grad_value, in_place: bool):
     """saved * grad_value. In place (no second V x H buffer) when the graph is freed after this backward: the buffer
     is the op's own and nothing reads it again, and once the autograd node releases it the returned tensor is its
-    only reference, so AccumulateGrad takes it as .grad instead of cloning it."""
-    return saved.mul_(grad_value) if in_place else saved * grad_value
+    only reference, so AccumulateGrad takes it as .grad instead of cloning it.
+
+    With half gradients, grad_value (float32, the value's dtype) may lie past their range, as GradScaler's 2^16 does
+    past float16's: the product is then formed in float32 and rounded once. A CUDA mul would round the float32
+    device scalar to float16 first (inf); GradScaler's own unscale op multiplies by a float32 device scalar in
+    float32, on every device, without a host read (its found-inf flag is not needed here)."""
+    if saved.dtype == grad_value.dtype or type(saved) is not torch.Tensor or type(grad_value) is not torch.Tensor:
+        return saved.mul_(grad_value) if in_place else saved * grad_value
+    out = saved if in_place else saved.clone()
+    found_inf = torch.zeros((1,), dtype=torch.float32, device=saved.device)
+    torch._amp_foreach_non_finite_check_and_unscale_([out], found_inf, grad_value.to(torch.float32))
+    return out
 
 
 def _linear_backward(ctx, grad_value, *unused):
@@ -613,8 +625,9 @@ def dro_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets
     turned in place into their loss and gradient, and matmuls fold that gradient into the gradients of hidden,
     weight and bias, computed in the forward when any of hidden, weight, bias or eta requires grad (none
     otherwise) and scaled by the upstream gradient in backward (in place, unless the graph is retained). Peak
-    extra memory: one chunk of logits plus the gradients themselves, each held once. half/bfloat16 inputs give logits in their dtype with float32 loss accumulation;
-    the weight gradient is accumulated in the weight's dtype over chunks. First-order gradients only.
+    extra memory: one chunk of logits plus the gradients themselves, each held once. half/bfloat16 inputs give
+    logits in their dtype with float32 loss accumulation and a float32 value (as :func:`dro_cross_entropy`); the
+    weight gradient is accumulated in the weight's dtype over chunks. First-order gradients only.
 
     ``groups``/``num_groups``: the objective over groups of tokens, as in :func:`dro_cross_entropy`. The weight of a
     token then depends on its whole group's mean loss, known only after every chunk: the forward is one chunked pass

@@ -383,10 +383,12 @@ def grouped_objective(losses, keep, token_groups, num_groups: int, eta, lam: flo
 
 def grouped_dro_cross_entropy(x, y, token_groups, num_groups, eta, lam, spec, scale, ignore_index, label_smoothing):
     losses = _cross_entropy_row_losses_checked(x, y, ignore_index, label_smoothing)
-    return grouped_objective(losses, y != ignore_index, token_groups, num_groups, eta, lam, spec, scale, x.dtype)
+    return grouped_objective(losses, y != ignore_index, token_groups, num_groups, eta, lam, spec, scale,
+                             accumulate_dtype(x.dtype))
 
 
 def grouped_dro_linear_cross_entropy(h, weight, bias, y, token_groups, num_groups, eta, lam, spec, scale,
                                      ignore_index, label_smoothing, chunk_size):
     losses = _linear_row_losses_checked(h, weight, bias, y, ignore_index, label_smoothing, chunk_size)
-    return grouped_objective(losses, y != ignore_index, token_groups, num_groups, eta, lam, spec, scale, h.dtype)
+    return grouped_objective(losses, y != ignore_index, token_groups, num_groups, eta, lam, spec, scale,
+                             accumulate_dtype(h.dtype))

@@ -181,6 +181,12 @@ def numerical_conjugate(t: float, name: str, alpha=None, k=None) -> tuple[float,
     return best, best_s
 
 
+def cross_entropy_value_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The fused cross-entropies' value dtype for logits of ``dtype``: float32 for the half types, as F.cross_entropy's
+    under autocast, and ``dtype`` otherwise."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def tolerances(dtype: torch.dtype) -> dict:
     return {
         torch.float16: dict(rtol=2e-3, atol=2e-3),

@@ -83,7 +83,7 @@ def check_against_reference(value, grads, logits, targets, eta, name, params, **
 def test_dro_cross_entropy_matches_float64_reference(backend, name, params, n, c, dtype):
     logits, targets, eta = make_batch(n, c, dtype)
     value = dro_ext.dro_cross_entropy(logits, targets, eta, LAM, name, scale=SCALE, **params)
-    assert value.dtype == dtype and value.dim() == 0
+    assert value.dtype == ref.cross_entropy_value_dtype(dtype) and value.dim() == 0
     grads = torch.autograd.grad(value, (logits, eta))
     assert grads[0].dtype == dtype and grads[0].shape == logits.shape and grads[1].dtype == torch.float32
     check_against_reference(value, grads, logits, targets, eta, name, params)
@@ -362,7 +362,8 @@ def check_lam_beyond_float32(name, params, path, dtype, lam, device):
     float32_max = torch.finfo(torch.float32).max
     fits = row_weights.abs() <= float32_max  # the rows whose weight w_i/n float32 holds
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else ref.tolerances(dtype)
-    torch.testing.assert_close(value.cpu(), torch.tensor(exact, dtype=torch.float64).to(dtype), **tol)
+    expected_value = torch.tensor(exact, dtype=torch.float64).to(ref.cross_entropy_value_dtype(dtype))
+    torch.testing.assert_close(value.cpu(), expected_value, **tol)
     if path == "logits":
         assert_rows_match_where_weights_fit(grads[0], grad_logits, fits, tol)
     else:
@@ -469,7 +470,8 @@ def check_linear_against_reference(name, params, n, v, chunk, with_bias, dtype):
                                              chunk_size=chunk, label_smoothing=0.05, **params)
     inputs = [hidden, weight] + ([bias] if with_bias else []) + [eta]
     grads = torch.autograd.grad(value, inputs)
-    assert value.dtype == dtype and all(g.dtype == i.dtype for g, i in zip(grads, inputs))
+    assert value.dtype == ref.cross_entropy_value_dtype(dtype)
+    assert all(g.dtype == i.dtype for g, i in zip(grads, inputs))
 
     inputs64, logits64 = linear_reference(inputs, dtype, with_bias)
     expected = reference_value(logits64, targets, inputs64[-1], LAM, name, params, label_smoothing=0.05)
@@ -642,6 +644,50 @@ def check_a_second_derivative_through_one_input_raises(call, device):
 @pytest.mark.parametrize("call", list(SINGLE_INPUT_CALLS))
 def test_a_second_derivative_through_one_input_raises(backend, call):
     check_a_second_derivative_through_one_input_raises(call, "cpu")
+
+
+GRAD_SCALER_CALLS = [f"{form}-{kind}" for form in ("logits", "linear") for kind in ("tokens", "groups")]
+
+
+def check_a_grad_scaler_scale_reaches_float16_gradients(call: str, device) -> None:
+    """GradScaler multiplies the loss by 2^16 (its default first scale), past float16's largest number: the value is
+    float32 (as F.cross_entropy's under autocast), so that scale reaches the float16 gradients as a factor of their
+    float32 products, rounded once. A float16 value's gradient was inf, which skipped the step."""
+    form, kind = call.split("-")
+    gen = torch.Generator().manual_seed(21)
+    targets = torch.randint(0, 13, (2, 5), generator=gen).to(device)
+    targets[1, 2] = -100
+    groups = dict(groups=torch.tensor([1, 0], device=device), num_groups=2) if kind == "groups" else {}
+    if form == "logits":
+        inputs = [torch.randn(2, 5, 13, generator=gen).half().to(device).requires_grad_()]
+    else:
+        inputs = [(torch.randn(2, 5, 8, generator=gen) / 3).half().to(device).requires_grad_(),
+                  (torch.randn(13, 8, generator=gen) / 8).half().to(device).requires_grad_(),
+                  torch.randn(13, generator=gen).half().to(device).requires_grad_()]
+    eta = torch.tensor(0.5, device=device, requires_grad=True)
+
+    def value():
+        if form == "logits":
+            return dro_ext.dro_cross_entropy(inputs[0], targets, eta, LAM, "chi2", **groups)
+        return dro_ext.dro_linear_cross_entropy(inputs[0], inputs[1], targets, eta, LAM, "chi2", bias=inputs[2],
+                                                chunk_size=4, **groups)
+
+    unit = value()
+    assert unit.dtype == torch.float32
+    unit_grads = torch.autograd.grad(unit, inputs + [eta])
+    scale = torch.tensor(2.0 ** 16, device=device)
+    scaled_grads = torch.autograd.grad(value() * scale, inputs + [eta])
+    for got, want in zip(scaled_grads, unit_grads):
+        # (the test's premise: each scaled float16 gradient still fits; eta's is float32)
+        assert want.dtype != torch.float16 or float(want.abs().max()) * 2.0 ** 16 < torch.finfo(torch.float16).max
+        assert got.dtype == want.dtype and bool(torch.isfinite(got).all()), call
+        expected = (want.double() * 2.0 ** 16).to(want.dtype)  # the float32 product, rounded once
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("call", GRAD_SCALER_CALLS)
+def test_a_grad_scaler_scale_reaches_float16_gradients(backend, call):
+    check_a_grad_scaler_scale_reaches_float16_gradients(call, "cpu")
 
 
 @pytest.mark.parametrize("with_groups", [False, True], ids=["tokens", "groups"])

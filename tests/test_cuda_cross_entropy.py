@@ -9,7 +9,8 @@ import torch.nn.functional as F
 import dro_ext
 import reference as ref
 from cuda_cases import DEVICE, SKIP_WITHOUT_CUDA, native_backend, needs_cuda  # noqa: F401 (an autouse fixture)
-from test_cross_entropy import (LAMS_BEYOND_FLOAT32, SECOND_DERIVATIVE_CALLS, SINGLE_INPUT_CALLS,
+from test_cross_entropy import (GRAD_SCALER_CALLS, LAMS_BEYOND_FLOAT32, SECOND_DERIVATIVE_CALLS,
+                                SINGLE_INPUT_CALLS, check_a_grad_scaler_scale_reaches_float16_gradients,
                                 check_a_second_derivative_raises, check_a_second_derivative_through_one_input_raises,
                                 check_hidden_size_zero, check_lam_beyond_float32, check_shift_float32_does_not_hold)
 
@@ -213,6 +214,11 @@ def test_cuda_a_second_derivative_raises(call):
 @pytest.mark.parametrize("call", list(SINGLE_INPUT_CALLS))
 def test_cuda_a_second_derivative_through_one_input_raises(call):
     check_a_second_derivative_through_one_input_raises(call, DEVICE)
+
+
+@pytest.mark.parametrize("call", GRAD_SCALER_CALLS)
+def test_cuda_a_grad_scaler_scale_reaches_float16_gradients(call):
+    check_a_grad_scaler_scale_reaches_float16_gradients(call, DEVICE)
 
 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])

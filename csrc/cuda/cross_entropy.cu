@@ -185,7 +185,7 @@ row_forward_kernel(const scalar_t* logits, const int64_t* targets, int64_t num_c
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kReduceThreads)
 reduce_rows_kernel(const int64_t* targets, int64_t rows, int64_t ignore_index, const term_t* value_terms,
-                   const term_t* weights, acc_t* scaled_weights, scalar_t* value_out, acc_t* mean_weight_out,
+                   const term_t* weights, acc_t* scaled_weights, acc_t* value_out, acc_t* mean_weight_out,
                    acc_t* sums_out) {
   __shared__ term_t shared_inv_count;
   term_t value_sum = 0, weight_sum = 0;
@@ -208,7 +208,7 @@ reduce_rows_kernel(const int64_t* targets, int64_t rows, int64_t ignore_index, c
   }
   if (threadIdx.x == 0) {
     const term_t inv = total_kept > 0 ? term_t(1) / static_cast<term_t>(total_kept) : term_t(0);
-    *value_out = static_cast<scalar_t>(total_kept > 0 ? total_value * inv : term_t(0));
+    *value_out = static_cast<acc_t>(total_kept > 0 ? total_value * inv : term_t(0));
     *mean_weight_out = static_cast<acc_t>(total_kept > 0 ? total_weight * inv : term_t(1));
     shared_inv_count = inv;
   }
@@ -274,7 +274,7 @@ void launch_forward(const at::Tensor& logits, const at::Tensor& targets, const a
     reduce_rows_kernel<scalar_t, acc_t><<<1, kReduceThreads, 0, stream>>>(
         targets.const_data_ptr<int64_t>(), rows, args.ignore_index, value_terms.const_data_ptr<term_t>(),
         raw_weights.const_data_ptr<term_t>(), scaled_weights ? scaled_weights->mutable_data_ptr<acc_t>() : nullptr,
-        value ? value->mutable_data_ptr<scalar_t>() : nullptr,
+        value ? value->mutable_data_ptr<acc_t>() : nullptr,
         mean_weight ? mean_weight->mutable_data_ptr<acc_t>() : nullptr,
         sums ? sums->mutable_data_ptr<acc_t>() : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -292,7 +292,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dro_cross_entropy_cud
   const auto acc_options = logits.options().dtype(accumulate_type(logits.scalar_type()));
   const int64_t rows = x.size(0);
   at::Tensor lse = at::empty({rows, 2}, acc_options), row_weight = at::empty({rows}, acc_options);
-  at::Tensor value = at::empty({}, logits.options()), mean_weight = at::empty({}, acc_options);
+  at::Tensor value = at::empty({}, acc_options), mean_weight = at::empty({}, acc_options);
   launch_forward(x, y, eta, nullptr, spec, TermArgs{scale, lam, ignore_index, label_smoothing}, &lse, &row_weight,
                  false, &value, &mean_weight, nullptr);
   return {value, mean_weight, lse, row_weight};
