@@ -95,3 +95,12 @@ def forced_backend(name: str) -> Iterator[None]:
 
 if not _native_loaded and not _force_python and os.environ.get("DRO_EXT_WARN_FALLBACK", "0") == "1":
     warnings.warn(f"dro_ext: native ops unavailable, using the PyTorch fallback ({_load_error})")
+
+
+def check_fake_operands_on(device: torch.device, tensors, message: str) -> None:
+    """In a fake kernel, every tensor of ``tensors`` (None skipped) on ``device``, or ``message``'s ValueError as the
+    native kernel raises it. The dispatcher runs the fake kernel whenever any operand is on the meta device (a state
+    buffer left there, say): without this the call would return uninitialized memory and write nothing."""
+    for t in tensors:
+        if t is not None and t.device != device:
+            raise ValueError(message.format(device=t.device, expected=device))

@@ -16,6 +16,7 @@ composed of PyTorch ops.
 """
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -55,6 +56,7 @@ if _backend.native_available():
                              last_loss: torch.Tensor, seen: torch.Tensor, active: torch.Tensor,
                              adjustment: torch.Tensor, step_size: float, ema_gamma: float, stale: bool,
                              normalize_loss: bool, update: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        _check_state_device(sums, (counts, log_q, ema_loss, last_loss, seen, active, adjustment))
         dtype = torch.promote_types(sums.dtype, log_q.dtype)
         return sums.new_empty((), dtype=dtype), sums.new_empty(sums.shape, dtype=dtype)
 
@@ -63,7 +65,13 @@ if _backend.native_available():
                              ema_loss: torch.Tensor, last_loss: torch.Tensor, seen: torch.Tensor,
                              active: torch.Tensor, adjustment: torch.Tensor, step_size: float, ema_gamma: float,
                              stale: bool, normalize_loss: bool, update: bool, validate: bool) -> torch.Tensor:
+        _check_state_device(losses, (log_q, ema_loss, last_loss, seen, active, adjustment))
         return losses.new_empty(())
+
+    def _check_state_device(operand: torch.Tensor, others: tuple[torch.Tensor, ...]) -> None:
+        _backend.check_fake_operands_on(
+            operand.device, others, "dro_ext: GroupDROLoss's state is on {device} but the losses are on {expected}; "
+            "move the module to the losses' device (module.to(device))")
 
     # Looked up once: resolving an overload costs a few hundred ns per call.
     _group_dro_step_op = torch.ops.dro_ext.group_dro_step_.default
@@ -424,26 +432,52 @@ def _greedy_cvar_weights(ranking: torch.Tensor, shares: torch.Tensor, alpha: flo
 
 
 class _Float64Configuration(nn.Module):
-    """A loss module's configuration tensors (group weights, adjustment terms, population shares): float64 buffers
-    outside the state_dict that follow the module's device moves and keep their values under its dtype casts, from
-    the checked values kept on the host (module.half() would round population counts past 65504 to inf, every weight
-    to 11 bits; to_empty() after a construction on the meta device would leave them uninitialized)."""
+    """A loss module's configuration tensors (group weights, adjustment terms, population shares in float64, which
+    groups are enabled as bool): buffers outside the state_dict that follow the module's device moves and keep their
+    values under its dtype casts and its loads, from the checked values kept on the host (module.half() would round
+    population counts past 65504 to inf, every weight to 11 bits; to_empty() after a construction on the meta device
+    would leave them uninitialized, and load_state_dict(assign=True) would leave them there)."""
 
     def _register_configuration(self, name: str, value: torch.Tensor | None) -> None:
         if "_configuration" not in self.__dict__:
             self._configuration: dict[str, torch.Tensor | None] = {}
-        self._configuration[name] = None if value is None else value.detach().to("cpu", torch.float64)
+            # After a load the configuration joins the state's device: load_state_dict(assign=True) into a module
+            # built on the meta device replaces the state with the checkpoint's tensors and leaves the rest there.
+            self.register_load_state_dict_post_hook(_Float64Configuration._follow_the_state)
+        dtype = torch.float64 if value is None or value.is_floating_point() else value.dtype
+        self._configuration[name] = None if value is None else value.detach().to("cpu", dtype)
         # On the device the module is built on (a `with torch.device(...)` block), as its state is.
-        self.register_buffer(name, None if value is None else value.detach().to(torch.get_default_device(), copy=True),
-                             persistent=False)
+        self.register_buffer(name, None if value is None else value.detach().to(torch.get_default_device(), dtype,
+                                                                                copy=True), persistent=False)
+
+    def _restore_configuration(self, device_of) -> None:
+        """Each configuration buffer rewritten from its host value, on ``device_of(name)``."""
+        for name, value in self.__dict__.get("_configuration", {}).items():
+            if value is not None and self._buffers.get(name) is not None:
+                self._buffers[name] = value.to(device_of(name))
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # nn.Module's own signature
         super()._apply(fn, recurse)
-        for name, value in self.__dict__.get("_configuration", {}).items():
-            moved = self._buffers.get(name)
-            if value is not None and moved is not None:
-                self._buffers[name] = value.to(moved.device)
+        self._restore_configuration(lambda name: self._buffers[name].device)
         return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Float64Configuration:
+        """A copy that shares the process group (``group=``) instead of copying it, as a copy of a DDP model shares
+        the group: a process group cannot be copied, so copy.deepcopy(model) (an EMA or best-model snapshot) raised
+        where the loss module is part of the model."""
+        group = self.__dict__.get("group")
+        if group is not None:
+            memo.setdefault(id(group), group)
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
+
+    @staticmethod
+    def _follow_the_state(module: nn.Module, incompatible_keys: Any) -> None:
+        state = [t for t in module.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)]
+        if state and isinstance(module, _Float64Configuration):
+            module._restore_configuration(lambda name: state[0].device)
 
 
 class GroupDROLoss(_Float64Configuration):
@@ -579,7 +613,7 @@ class GroupDROLoss(_Float64Configuration):
         self.register_buffer("seen", torch.empty(num_groups, dtype=torch.bool))
         # The configuration: buffers (they follow the module to its device) outside the state_dict, in float64 so
         # that a float64 state (module.double()) gets them unrounded, whatever dtype the module is cast to.
-        self.register_buffer("active", active.to(torch.get_default_device(), copy=True), persistent=False)
+        self._register_configuration("active", active)
         self._register_configuration("adjustment_term", adjust)
         shares = None
         if counts is not None:

@@ -46,6 +46,10 @@ if _backend.native_available():
         lr: torch.Tensor, momentum: float, eps: float, weight_decay: float = 0.0, norm: str = "global",
         maximize: bool = False, grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
     ) -> None:
+        if params:
+            _backend.check_fake_operands_on(params[0].device, [*params, *grads, *momenta, *steps],
+                                            "dro_ext: a tensor of the step is on {device} but params[0] is on "
+                                            "{expected}; every tensor of one call must sit on one device")
         return None
 
 

@@ -1,5 +1,6 @@
 """DRO over groups: group_dro_loss (the penalized objective over group means), GroupDROLoss (online Group DRO) and
 DROLoss(num_groups=...), against float64 references written from the formulas of docs/design.md section 1.9."""
+import copy
 import math
 
 import pytest
@@ -697,6 +698,48 @@ def test_modules_built_on_the_meta_device_are_as_constructed_after_to_empty(back
     for losses, groups in batches(3, 9, 5, torch.float32):
         assert torch.equal(lazy.online(losses, groups), built.online(losses, groups))
         assert torch.equal(lazy.penalized(losses, groups), built.penalized(losses, groups))
+
+
+@pytest.mark.parametrize("load", ["to_empty", "assign"])
+@pytest.mark.parametrize("config", ["adjusted", "disabled", "greedy-population"])
+def test_a_checkpoint_loaded_into_modules_built_on_the_meta_device_resumes_bitwise(backend, config, load):
+    # A checkpoint restores the state; the configuration (which groups are enabled, adjustment terms, weights) is
+    # the module's own. to_empty() left the enabled groups as uninitialized memory (groups turned off for good), and
+    # load_state_dict(assign=True), torch's recipe for a model built on the meta device, left the configuration on
+    # the meta device, where the native step returned uninitialized memory.
+    kwargs = EG_CONFIGS[config]
+    penalized_kwargs = dict(num_groups=5, weighting="population", group_counts=[70000.0, 30000.0, 5.0, 1.0, 2.0])
+    run = batches(6, 9, 5, torch.float32)
+    online, penalized = dro_ext.GroupDROLoss(5, **kwargs), dro_ext.DROLoss("kl", lam=0.4, **penalized_kwargs)
+    for losses, groups in run[:3]:
+        online(losses, groups)
+    checkpoint = copy.deepcopy((online.state_dict(), penalized.state_dict()))
+    junk = torch.full((1 << 16,), -1, dtype=torch.int64)  # freed memory that to_empty may hand back: bytes of 0xff
+    del junk
+    with torch.device("meta"):
+        lazy_online, lazy_penalized = dro_ext.GroupDROLoss(5, **kwargs), dro_ext.DROLoss("kl", lam=0.4,
+                                                                                         **penalized_kwargs)
+    for module, state in zip((lazy_online, lazy_penalized), checkpoint):
+        if load == "to_empty":
+            module.to_empty(device="cpu")
+            module.load_state_dict(state)
+        else:
+            module.load_state_dict(state, assign=True)
+        assert {t.device.type for t in module.buffers()} | {p.device.type for p in module.parameters()} == {"cpu"}
+    for losses, groups in run[3:]:
+        assert torch.equal(lazy_penalized(losses, groups), penalized(losses, groups))
+        assert torch.equal(lazy_online(losses, groups), online(losses, groups))
+    for name, buffer in online.named_buffers():
+        assert torch.equal(getattr(lazy_online, name), buffer), name
+
+
+def test_a_step_with_its_state_on_the_meta_device_raises(backend):
+    # The dispatcher runs an op's fake kernel where any operand is on the meta device: the native step returned
+    # uninitialized memory (the fallback raised).
+    with torch.device("meta"):
+        online = dro_ext.GroupDROLoss(4)
+    with pytest.raises((ValueError, RuntimeError), match="meta"):
+        online(torch.rand(8), torch.randint(0, 4, (8,)))
 
 
 @pytest.mark.parametrize("cast", ["half", "bfloat16", "double"])
