@@ -9,6 +9,7 @@ check, with the reason on stderr. Collectives time out after COLLECTIVE_TIMEOUT 
 """
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import math
@@ -696,6 +697,18 @@ def job_robust(rank, world):
     value = criterion(nothing)
     value.backward()
     assert value.item() == 0.0 and criterion.eta.grad.item() == 0.0, (value, criterion.eta.grad)
+
+    # copy.deepcopy of a model holding a group= loss (an EMA or best-model snapshot) raised "cannot pickle
+    # ProcessGroup": the copy shares the group, as a DDP model's copy does, and computes what the original does.
+    online = dro_ext.GroupDROLoss(3, group=group, step_size=0.7)
+    holder = nn.ModuleDict({"online": online, "penalized": dro_ext.DROLoss("kl", 0.5, eta_init=0.2, group=group,
+                                                                          num_groups=3)})
+    online(mine, mine_ids)
+    snapshot = copy.deepcopy(holder)
+    assert snapshot["online"].group is group and snapshot["penalized"].group is group
+    assert snapshot["online"].log_q is not online.log_q and torch.equal(snapshot["online"].log_q, online.log_q)
+    for name in ("online", "penalized"):
+        close(snapshot[name](mine, mine_ids), holder[name](mine, mine_ids), f"a deep copy of {name}", rtol=0, atol=0)
 
     # A bad id where the mask drops the sample is never read.
     masked = dro_ext.group_dro_loss(losses, ids, 3, 0.5, 0.5, "kl", group=group, mask=ids < 3)
