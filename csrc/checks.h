@@ -9,6 +9,7 @@
 #include <string>
 
 #include "divergences.h"
+#include "floating_types.h"
 
 namespace dro_ext {
 
@@ -65,7 +66,7 @@ inline void check_losses(const at::Tensor& losses) {
   TORCH_CHECK_VALUE(losses.dim() == 1, "dro_ext: losses must be a 1-D tensor of per-sample losses, got shape ",
                     losses.sizes());
   TORCH_CHECK_VALUE(losses.numel() > 0, "dro_ext: losses must not be empty");
-  TORCH_CHECK_TYPE(at::isFloatingType(losses.scalar_type()),
+  TORCH_CHECK_TYPE(is_kernel_floating_type(losses.scalar_type()),
                     "dro_ext: losses must have a floating dtype (float16, bfloat16, float32, float64), got ",
                     losses.scalar_type());
 }
@@ -74,7 +75,7 @@ inline void check_losses(const at::Tensor& losses) {
 inline void check_scalar_tensor(const char* arg, const at::Tensor& value, const at::Tensor& beside,
                                 const char* beside_name = "losses") {
   TORCH_CHECK_VALUE(value.dim() == 0, "dro_ext: ", arg, " must be a 0-d tensor, got shape ", value.sizes());
-  TORCH_CHECK_TYPE(at::isFloatingType(value.scalar_type()), "dro_ext: ", arg, " must have a floating dtype, got ",
+  TORCH_CHECK_TYPE(is_kernel_floating_type(value.scalar_type()), "dro_ext: ", arg, " must have a floating dtype, got ",
                     value.scalar_type());
   TORCH_CHECK_VALUE(value.device() == beside.device(), "dro_ext: ", arg, " is on ", value.device(), " but ",
                     beside_name, " is on ", beside.device(), "; move them to the same device");
@@ -113,7 +114,7 @@ inline DivergenceSpec check_psi_star_terms_args(const at::Tensor& losses, const 
                                                 const at::Tensor& multiplier, double lam, c10::string_view divergence,
                                                 std::optional<double> alpha, std::optional<double> k, double scale,
                                                 int64_t order) {
-  TORCH_CHECK_TYPE(at::isFloatingType(losses.scalar_type()),
+  TORCH_CHECK_TYPE(is_kernel_floating_type(losses.scalar_type()),
                     "dro_ext: losses must have a floating dtype, got ", losses.scalar_type());
   check_scalar_tensor("eta", eta, losses);
   check_scalar_tensor("multiplier", multiplier, losses);
@@ -137,7 +138,7 @@ inline at::Tensor check_weight_stats_args(const at::Tensor& weights, const std::
                                           int64_t num_groups) {
   TORCH_CHECK_VALUE(weights.dim() == 1, "dro_ext: weights must be a 1-D tensor, got shape ", weights.sizes());
   TORCH_CHECK_VALUE(weights.numel() > 0, "dro_ext: weights must not be empty");
-  TORCH_CHECK_TYPE(at::isFloatingType(weights.scalar_type()), "dro_ext: weights must have a floating dtype, got ",
+  TORCH_CHECK_TYPE(is_kernel_floating_type(weights.scalar_type()), "dro_ext: weights must have a floating dtype, got ",
                     weights.scalar_type());
   if (!groups.has_value()) return at::Tensor();
   TORCH_CHECK_VALUE(num_groups > 0, "dro_ext: num_groups must be > 0, got num_groups=", num_groups);

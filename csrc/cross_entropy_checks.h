@@ -20,7 +20,7 @@ inline void check_label_smoothing(double label_smoothing) {
 inline void check_cross_entropy_logits_targets(const at::Tensor& logits, const at::Tensor& targets) {
   TORCH_CHECK_VALUE(logits.dim() == 2, "dro_ext: logits must be a 2-D tensor (N, C), got shape ", logits.sizes());
   TORCH_CHECK_VALUE(logits.size(1) > 0, "dro_ext: logits must have at least one class, got shape ", logits.sizes());
-  TORCH_CHECK_TYPE(at::isFloatingType(logits.scalar_type()),
+  TORCH_CHECK_TYPE(is_kernel_floating_type(logits.scalar_type()),
                    "dro_ext: logits must have a floating dtype (float16, bfloat16, float32, float64), got ",
                    logits.scalar_type());
   TORCH_CHECK_TYPE(targets.scalar_type() == at::kLong, "dro_ext: targets must be int64 class indices, got ",
@@ -93,7 +93,7 @@ inline void check_cross_entropy_backward_args(const at::Tensor& grad, const at::
 
 inline void check_logsumexp_columns_args(const at::Tensor& matrix) {
   TORCH_CHECK_VALUE(matrix.dim() == 2, "dro_ext: matrix must be a 2-D tensor (R, C), got shape ", matrix.sizes());
-  TORCH_CHECK_TYPE(at::isFloatingType(matrix.scalar_type()),
+  TORCH_CHECK_TYPE(is_kernel_floating_type(matrix.scalar_type()),
                    "dro_ext: matrix must have a floating dtype (float16, bfloat16, float32, float64), got ",
                    matrix.scalar_type());
 }

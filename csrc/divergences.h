@@ -525,7 +525,9 @@ struct SmoothedCVaR {
     }
     const T q = M::exp(M::neg_abs(t));
     const T sum = positive_sum(t, q);
-    return q * M::constant(one_minus_alpha) / (sum * sum);
+    // Divided by the sum twice, not by its square: the sum is down to about alpha, whose square underflows float32
+    // below alpha ~ 1e-19 (NaN or inf where the second derivative is finite).
+    return (q / sum) * (M::constant(one_minus_alpha) / sum);
   }
   template <typename T>
   C10_HOST_DEVICE inline T excess(T t) const {

@@ -27,6 +27,8 @@
 #include <cmath>
 #include <type_traits>
 
+#include "floating_types.h"
+
 namespace dro_ext {
 
 struct GroupDROStepArgs {
@@ -177,14 +179,14 @@ inline void check_group_dro_step_args(const at::Tensor& sums, const at::Tensor& 
                    "dro_ext: sums must be float32 or float64 (group_sums' output), got ", sums.scalar_type());
   TORCH_CHECK_TYPE(counts.scalar_type() == sums.scalar_type(), "dro_ext: counts must have the dtype of sums, ",
                    sums.scalar_type(), ", got ", counts.scalar_type());
-  TORCH_CHECK_TYPE(at::isFloatingType(log_q.scalar_type()) && ema_loss.scalar_type() == log_q.scalar_type() &&
+  TORCH_CHECK_TYPE(is_kernel_floating_type(log_q.scalar_type()) && ema_loss.scalar_type() == log_q.scalar_type() &&
                        last_loss.scalar_type() == log_q.scalar_type(),
                    "dro_ext: log_q, ema_loss and last_loss must share one floating dtype, got ", log_q.scalar_type(),
                    ", ", ema_loss.scalar_type(), " and ", last_loss.scalar_type());
   TORCH_CHECK_TYPE(seen.scalar_type() == at::kBool && active.scalar_type() == at::kBool,
                    "dro_ext: seen and active must be bool tensors, got ", seen.scalar_type(), " and ",
                    active.scalar_type());
-  TORCH_CHECK_TYPE(at::isFloatingType(adjustment.scalar_type()), "dro_ext: adjustment must be floating, got ",
+  TORCH_CHECK_TYPE(is_kernel_floating_type(adjustment.scalar_type()), "dro_ext: adjustment must be floating, got ",
                    adjustment.scalar_type());
   for (const at::Tensor* t : {&counts, &log_q, &ema_loss, &last_loss, &seen, &active, &adjustment}) {
     TORCH_CHECK_VALUE(t->sizes() == sums.sizes(), "dro_ext: every operand of group_dro_step_ must have the shape of "

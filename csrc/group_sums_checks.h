@@ -5,6 +5,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include "floating_types.h"
+
 namespace dro_ext {
 
 inline void check_group_ids(const at::Tensor& groups) {
@@ -15,7 +17,7 @@ inline void check_group_ids(const at::Tensor& groups) {
 inline void check_group_sums_args(const at::Tensor& losses, const at::Tensor& groups, int64_t num_groups) {
   TORCH_CHECK_VALUE(losses.dim() == 1, "dro_ext: losses must be a 1-D tensor of per-sample losses, got shape ",
                     losses.sizes());
-  TORCH_CHECK_TYPE(at::isFloatingType(losses.scalar_type()),
+  TORCH_CHECK_TYPE(is_kernel_floating_type(losses.scalar_type()),
                    "dro_ext: losses must have a floating dtype (float16, bfloat16, float32, float64), got ",
                    losses.scalar_type());
   check_group_ids(groups);
@@ -32,13 +34,13 @@ inline void check_group_sums_backward_args(const at::Tensor& grad_sums, const at
   TORCH_CHECK_VALUE(grad_sums.dim() == 1 && grad_sums.numel() >= 1,
                     "dro_ext: grad_sums must be a 1-D tensor of num_groups >= 1 gradients, got shape ",
                     grad_sums.sizes());
-  TORCH_CHECK_TYPE(at::isFloatingType(grad_sums.scalar_type()), "dro_ext: grad_sums must have a floating dtype, got ",
-                   grad_sums.scalar_type());
+  TORCH_CHECK_TYPE(is_kernel_floating_type(grad_sums.scalar_type()),
+                   "dro_ext: grad_sums must have a floating dtype, got ", grad_sums.scalar_type());
   check_group_ids(groups);
   TORCH_CHECK_VALUE(groups.dim() == 1, "dro_ext: groups must be a 1-D tensor, got shape ", groups.sizes());
   TORCH_CHECK_VALUE(groups.device() == grad_sums.device(), "dro_ext: groups is on ", groups.device(),
                     " but grad_sums is on ", grad_sums.device(), "; move them to the same device");
-  TORCH_CHECK_TYPE(at::isFloatingType(dtype), "dro_ext: dtype must be a floating dtype, got ", dtype);
+  TORCH_CHECK_TYPE(is_kernel_floating_type(dtype), "dro_ext: dtype must be a floating dtype, got ", dtype);
 }
 
 // Raised after a pass over the ids found one outside [0, num_groups), on every device.

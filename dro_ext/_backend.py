@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch  # noqa: F401  (loads libtorch, which dro_ext._C links against)
 
@@ -97,7 +97,7 @@ if not _native_loaded and not _force_python and os.environ.get("DRO_EXT_WARN_FAL
     warnings.warn(f"dro_ext: native ops unavailable, using the PyTorch fallback ({_load_error})")
 
 
-def check_fake_operands_on(device: torch.device, tensors, message: str) -> None:
+def check_fake_operands_on(device: torch.device, tensors: Iterable[torch.Tensor | None], message: str) -> None:
     """In a fake kernel, every tensor of ``tensors`` (None skipped) on ``device``, or ``message``'s ValueError as the
     native kernel raises it. The dispatcher runs the fake kernel whenever any operand is on the meta device (a state
     buffer left there, say): without this the call would return uninitialized memory and write nothing."""

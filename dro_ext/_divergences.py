@@ -128,6 +128,11 @@ def op_scalars(divergence: str, alpha: float | None, k: float | None, lam: float
     return _remember(key, args)
 
 
+# The floating dtypes the kernels are compiled for (csrc/floating_types.h), and the only ones the checks accept: the
+# fallback would otherwise compute in a float8 dtype the native backend refuses.
+FLOATING_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def check_dense(name: str, value: torch.Tensor) -> None:
     """A strided (dense) tensor: the ops have no sparse or other layouts' kernels."""
     if value.layout != torch.strided:
@@ -145,7 +150,7 @@ def check_losses(value: object, name: str = "losses", *, allow_empty: bool = Fal
         raise ValueError(f"dro_ext: {name} must be a 1-D tensor{per_sample}, got shape {tuple(value.shape)}")
     if value.numel() == 0 and not allow_empty:
         raise ValueError(f"dro_ext: {name} must not be empty")
-    if not value.is_floating_point():
+    if value.dtype not in FLOATING_DTYPES:
         raise TypeError(f"dro_ext: {name} must have a floating dtype (float16, bfloat16, float32, float64), "
                         f"got {value.dtype}")
 
@@ -164,7 +169,7 @@ def as_eta(eta: float | torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
     if isinstance(eta, torch.Tensor):
         if eta.dim() != 0:
             raise ValueError(f"dro_ext: eta must be a 0-d tensor, got shape {tuple(eta.shape)}")
-        if not eta.is_floating_point():
+        if eta.dtype not in FLOATING_DTYPES:
             raise TypeError(f"dro_ext: eta must have a floating dtype, got {eta.dtype}")
         if eta.device != losses.device:
             raise ValueError(
@@ -226,12 +231,20 @@ def fallback_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 
 def _select_positive(x: torch.Tensor, if_pos: torch.Tensor | float, if_nonpos: torch.Tensor | float) -> torch.Tensor:
-    # x > 0 ? if_pos : (x <= 0 ? if_nonpos : NaN), so a NaN in x comes out as NaN; its gradient there is NaN
-    # as well (x times a factor that is x itself at NaN and 0 elsewhere: a plain pass-through of x would have
-    # gradient 1 and hide the NaN from the gradient, and the factor keeps the masked-out gradient of an
-    # infinite x at 0).
-    nan_lane = x * torch.where(torch.isnan(x), x, 0.0)
+    # x > 0 ? if_pos : (x <= 0 ? if_nonpos : NaN), so a NaN in x comes out as NaN, and so does every derivative
+    # there: the NaN lane is s e^s with s = x at NaN and 0 elsewhere, whose derivatives of every order are NaN at
+    # NaN (a pass-through of x would have gradient 1 and hide the NaN from the gradient; x times s had a second
+    # derivative of 2), and 0 elsewhere, an infinite x's included (s's masked-out gradient is 0).
+    nan_only = torch.where(torch.isnan(x), x, 0.0)
+    nan_lane = nan_only * torch.exp(nan_only)
     return torch.where(x > 0, if_pos, torch.where(x <= 0, if_nonpos, nan_lane))
+
+
+def _at_most(t: torch.Tensor, cap: float) -> torch.Tensor:
+    """min(t, cap), with the gradient of t up to t == cap (exp(cap) for kl_cvar's exp(min(t, cut)), as in the closed
+    form), 0 above it, and NaN kept at a NaN t: torch.clamp's gradient is 0 there, which dropped a NaN loss from the
+    gradient of the weights."""
+    return torch.where(t > cap, cap, t)
 
 
 def _relu(x: torch.Tensor) -> torch.Tensor:
@@ -336,8 +349,10 @@ def _smoothed_cvar_value(t: torch.Tensor, alpha: float) -> torch.Tensor:
     _, total = _smoothed_cvar_parts(t, alpha)
     e = _expm1(torch.clamp(t, max=math.log1p(2.0 / alpha)))
     x = e * alpha
-    # e itself where |x| < 2^-60: log1p(x) / alpha to the last bit, without alpha e's digits below the smallest normal.
-    near = torch.where(x.abs() < 2.0**-60, e, torch.log1p(x) / alpha)
+    # e (1 - x/2) where |x| < 2^-60: log1p(x) / alpha to the last bit (e itself), without alpha e's digits below the
+    # smallest normal, and with log1p's curvature (psi*''(0) = 1 - alpha: e alone had 1, a wrong second derivative at
+    # a loss equal to G eta).
+    near = torch.where(x.abs() < 2.0**-60, e * (1.0 - x * 0.5), torch.log1p(x) / alpha)
     far = (_relu(t) + torch.log(total)) / alpha
     return torch.where((x >= -0.5) & (x <= 1.0), near, far)
 
@@ -373,8 +388,7 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
     if name == "kl_cvar":
         alpha = required(spec.alpha)
         cut = -math.log(alpha)
-        # clamp (not minimum) so that the gradient at t == cut is exp(cut), as in the closed form.
-        below = torch.clamp(t, max=cut)
+        below = _at_most(t, cut)
         if order == 0:
             return _expm1(below) + _relu(t - cut) / alpha
         if order == 1:
@@ -415,7 +429,7 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
         _, total = _smoothed_cvar_parts(t, alpha)
         if order == 1:
             return torch.where(t > 0, torch.ones_like(q), q) / total
-        return q * (1.0 - alpha) / (total * total)
+        return (q / total) * ((1.0 - alpha) / total)  # (csrc/divergences.h: no square of total to underflow)
     raise AssertionError(name)
 
 
@@ -432,7 +446,7 @@ def excess(t: torch.Tensor, spec: Spec) -> torch.Tensor:
     if name == "kl_cvar":
         alpha = required(spec.alpha)
         cut = -math.log(alpha)
-        below = torch.clamp(t, max=cut)
+        below = _at_most(t, cut)
         return (torch.expm1(below) - below) + _relu(t - cut) * ((1.0 - alpha) / alpha)
     if name == "cressie_read":
         k = required(spec.k)
@@ -457,7 +471,7 @@ def excess_first(t: torch.Tensor, spec: Spec) -> torch.Tensor:
         alpha = required(spec.alpha)
         return _select_positive(t, (1.0 - alpha) / alpha, -1.0)
     if name == "kl_cvar":
-        return torch.expm1(torch.clamp(t, max=-math.log(required(spec.alpha))))
+        return torch.expm1(_at_most(t, -math.log(required(spec.alpha))))
     if name == "cressie_read":
         k = required(spec.k)
         if integer_power := _cressie_read_integer_power(k):

@@ -450,15 +450,16 @@ class _Float64Configuration(nn.Module):
         self.register_buffer(name, None if value is None else value.detach().to(torch.get_default_device(), dtype,
                                                                                 copy=True), persistent=False)
 
-    def _restore_configuration(self, device_of) -> None:
-        """Each configuration buffer rewritten from its host value, on ``device_of(name)``."""
+    def _restore_configuration(self, device: torch.device | None = None) -> None:
+        """Each configuration buffer rewritten from its host value, on ``device`` (by default where it is)."""
         for name, value in self.__dict__.get("_configuration", {}).items():
-            if value is not None and self._buffers.get(name) is not None:
-                self._buffers[name] = value.to(device_of(name))
+            buffer = self._buffers.get(name)
+            if value is not None and buffer is not None:
+                self._buffers[name] = value.to(buffer.device if device is None else device)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # nn.Module's own signature
         super()._apply(fn, recurse)
-        self._restore_configuration(lambda name: self._buffers[name].device)
+        self._restore_configuration()
         return self
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Float64Configuration:
@@ -477,7 +478,7 @@ class _Float64Configuration(nn.Module):
     def _follow_the_state(module: nn.Module, incompatible_keys: Any) -> None:
         state = [t for t in module.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)]
         if state and isinstance(module, _Float64Configuration):
-            module._restore_configuration(lambda name: state[0].device)
+            module._restore_configuration(state[0].device)
 
 
 class GroupDROLoss(_Float64Configuration):

@@ -16,6 +16,7 @@ import torch
 from dro_ext import _backend
 from dro_ext._divergences import (
     DIVERGENCES,
+    FLOATING_DTYPES,
     Divergence,
     Spec,
     accumulate_dtype,
@@ -142,7 +143,7 @@ def psi_star(t: torch.Tensor, divergence: Divergence = "chi2", *, alpha: float |
              k: float | None = None) -> torch.Tensor:
     """The conjugate ``psi*(t)`` of the divergence, elementwise over a floating tensor of any shape."""
     spec = check_divergence(divergence, alpha, k)
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+    if not isinstance(t, torch.Tensor) or t.dtype not in FLOATING_DTYPES:
         raise TypeError("dro_ext: t must be a floating-point torch.Tensor")
     check_dense("t", t)
     acc = accumulate_dtype(t.dtype)

@@ -22,6 +22,7 @@ from torch.optim.optimizer import ParamsT
 
 from dro_ext import _backend
 from dro_ext import distributed as _distributed
+from dro_ext._divergences import FLOATING_DTYPES
 
 __all__ = ["NormalizedSGD", "DEFAULT_EPS"]
 
@@ -134,6 +135,9 @@ class NormalizedSGD(Optimizer):
         super().__setstate__(state)  # load_state_dict comes here too, with the new state and groups
         self._plans = {}
         for group in self.param_groups:
+            # The settings a group saved by another optimizer (torch.optim.SGD's) or an older NormalizedSGD lacks.
+            group.setdefault("eps", DEFAULT_EPS)
+            group.setdefault("weight_decay", 0.0)
             group.setdefault("norm", "global")
             group.setdefault("maximize", False)
             group.setdefault("foreach", None)
@@ -154,10 +158,12 @@ class NormalizedSGD(Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             else:
                 _check_loaded_state(state, p, index)
-            if state["step"].device != p.device:
-                # load_state_dict leaves "step" where it was saved (e.g. a CPU checkpoint for a CUDA model);
-                # the fused kernel reads and counts it beside its parameter. Moved once, not every step.
-                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+            step = state["step"]
+            if step.device != p.device or step.dtype != torch.float32 or step.dim() != 0:
+                # load_state_dict leaves "step" where and as it was saved (a CPU checkpoint for a CUDA model, another
+                # optimizer's int64 or float64 count); the fused kernel reads and counts a 0-d float32 beside its
+                # parameter. Converted once, not every step.
+                state["step"] = step.to(device=p.device, dtype=torch.float32).reshape(())
             params.append(p)
             grads.append(p.grad)
             momenta.append(state["momentum_buffer"])
@@ -304,7 +310,7 @@ def _check_group(group: dict[str, Any]) -> None:
     if not isinstance(group["maximize"], bool):  # (1 would pass the fused op's bool argument as True)
         raise TypeError(f"dro_ext.NormalizedSGD: maximize must be a bool, got {group['maximize']!r}")
     for p in group["params"]:
-        if not p.is_floating_point():
+        if p.dtype not in FLOATING_DTYPES:
             raise ValueError(f"dro_ext.NormalizedSGD: parameters must be floating point, got {p.dtype}")
 
 

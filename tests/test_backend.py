@@ -101,3 +101,26 @@ def test_meta_tensors_give_the_shapes_or_a_clear_refusal(backend):
                        ("worst_case_weights", lambda: dro_ext.worst_case_weights(losses, 0.5))):
         with pytest.raises(NotImplementedError, match=f"dro_ext.{name} solves over the losses' values"):
             call()
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_float8_is_refused_naming_the_argument(backend, dtype):
+    """float8 is a floating dtype to torch, but no kernel is compiled for it: the fallback computed in it (a float8
+    value) where the native ops failed inside their dispatch macro ("not implemented for 'Float8_e4m3fn'"). Both
+    refuse it with a TypeError naming the argument."""
+    losses, groups = torch.rand(8).to(dtype), torch.randint(0, 3, (8,))
+    logits, targets = torch.randn(8, 5).to(dtype), torch.randint(0, 5, (8,))
+    calls = {
+        "losses": [lambda: dro_ext.dro_loss(losses, 0.0, 0.5), lambda: dro_ext.robust_objective(losses, 0.5),
+                   lambda: dro_ext.group_sums(losses, groups, 3), lambda: dro_ext.group_dro_loss(losses, groups, 3,
+                                                                                               0.0, 0.5),
+                   lambda: dro_ext.GroupDROLoss(3)(losses, groups), lambda: dro_ext.DROLoss()(losses)],
+        "logits": [lambda: dro_ext.dro_cross_entropy(logits, targets, 0.0, 0.5)],
+        "t": [lambda: dro_ext.psi_star(losses)],
+    }
+    for name, group in calls.items():
+        for call in group:
+            with pytest.raises(TypeError, match=f"{name} must (have a floating dtype|be a floating)"):
+                call()
+    with pytest.raises(ValueError, match="parameters must be floating point"):
+        dro_ext.NormalizedSGD([torch.nn.Parameter(torch.zeros(3).to(dtype))], lr=0.1)

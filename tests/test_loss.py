@@ -138,6 +138,52 @@ def test_nan_propagates_never_dropped(backend):
         assert torch.isnan(dro_ext.psi_star(torch.tensor([float("nan")]), name, **params)).all(), name
 
 
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_nan_propagates_through_the_weights_gradient_and_second_derivatives(backend, name, params):
+    # The fallback dropped a NaN loss from the gradient of the weights of kl_cvar (torch.clamp's gradient is 0 at
+    # NaN) and, for every divergence built on its NaN-keeping select, from the loss's second derivatives (the select's
+    # NaN lane had a second derivative of 2).
+    losses = random_losses(9, torch.float64)
+    losses[4] = float("nan")
+    losses.requires_grad_()
+    eta = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
+    weights = dro_ext.dro_weights(losses, eta, 0.5, name, **params)
+    grad_l, grad_eta = torch.autograd.grad(weights[4], (losses, eta))
+    assert torch.isnan(grad_l[4]) and torch.isnan(grad_eta), (grad_l, grad_eta)
+    value = dro_ext.dro_loss(losses, eta, 0.5, name, **params)
+    (grad_l,) = torch.autograd.grad(value, losses, create_graph=True)
+    curvature_l, curvature_eta = torch.autograd.grad(grad_l[4], (losses, eta))
+    assert torch.isnan(curvature_l[4]) and torch.isnan(curvature_eta), (curvature_l, curvature_eta)
+
+
+@pytest.mark.parametrize("alpha", [0.1, 0.5, 0.95])
+def test_smoothed_cvar_second_derivative_at_a_loss_equal_to_g_eta(backend, alpha):
+    # t = 0 exactly (a hinge loss of 0 at the default eta of 0): psi*''(0) = 1 - alpha. The fallback took psi*(t)
+    # as expm1(t) there (the value to the last bit, but with a curvature of 1: 20x off at alpha = 0.95).
+    losses = torch.tensor([0.0, 0.7, 1.3], dtype=torch.float64, requires_grad=True)
+    eta = torch.tensor(0.0, dtype=torch.float64, requires_grad=True)
+    lam = 0.5
+    value = dro_ext.dro_loss(losses, eta, lam, "smoothed_cvar", alpha=alpha)
+    (grad_l,) = torch.autograd.grad(value, losses, create_graph=True)
+    curvature_l, curvature_eta = torch.autograd.grad(grad_l[0], (losses, eta))
+    want = (1.0 - alpha) / (lam * 3)
+    torch.testing.assert_close(curvature_l[0].item(), want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(curvature_eta.item(), -want, rtol=1e-12, atol=0)
+
+
+def test_smoothed_cvar_weight_gradient_at_a_tiny_alpha_in_float32(backend):
+    # psi*''(t) = (1 - alpha) q / s^2 with q = e^-|t| and s of about alpha: s^2 underflowed float32 below alpha
+    # ~ 1e-19 (NaN, or 2% off). The exact value is sigmoid(u) sigmoid(-u) / alpha with u = t + log(alpha / (1 - alpha)).
+    # (Past t ~ 87, q itself is below float32's normal range: not covered.)
+    alpha, lam = 1e-30, 1.0
+    losses = torch.tensor([50.0, 69.0, 80.0], requires_grad=True)
+    weights = dro_ext.dro_weights(losses, 0.0, lam, "smoothed_cvar", alpha=alpha)
+    (grad,) = torch.autograd.grad(weights.sum(), losses)
+    u = losses.detach().double() / lam + math.log(alpha) - math.log1p(-alpha)
+    want = torch.sigmoid(u) * torch.sigmoid(-u) / alpha / lam
+    torch.testing.assert_close(grad.double(), want, rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("bad", [math.inf, -math.inf], ids=["plus_inf", "minus_inf"])
 @pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
@@ -397,6 +443,10 @@ BAD_INPUTS = [
     (dict(losses=torch.ones(())), ValueError, "1-D"),
     (dict(losses=torch.ones(0)), ValueError, "empty"),
     (dict(losses=torch.ones(4, dtype=torch.int64)), TypeError, "floating"),
+    # (float8 is floating to torch, but the kernels have none: the fallback computed in it, the native op failed
+    # inside its dispatch macro)
+    (dict(losses=torch.ones(4).to(torch.float8_e4m3fn)), TypeError, "losses must have a floating dtype"),
+    (dict(eta=torch.tensor(0.0).to(torch.float8_e5m2)), TypeError, "eta must have a floating"),
     (dict(eta=torch.ones(1)), ValueError, "eta must be a 0-d"),
     (dict(eta=torch.tensor(1)), TypeError, "eta must have a floating"),
     (dict(eta=torch.tensor(0.0, device="meta")), ValueError, "same device"),
@@ -428,12 +478,13 @@ def test_bad_input_names_the_argument(backend, fn, override, exc, match):
     (dict(losses=torch.ones(2, 2)), "1-D"),
     (dict(losses=torch.ones(0)), "empty"),
     (dict(eta=torch.ones(2)), "eta"),
+    (dict(losses=torch.ones(4).to(torch.float8_e4m3fn)), "losses must have a floating dtype"),
 ])
 def test_native_op_checks_its_own_arguments(override, match):
     """Called directly through torch.ops (bypassing the Python checks), the op still names the argument."""
     args = dict(losses=torch.ones(4), eta=torch.tensor(0.0), lam=0.5, divergence="chi2", alpha=None, k=None)
     args.update(override)
-    with pytest.raises((ValueError, RuntimeError), match=match):
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
         torch.ops.dro_ext.dro_loss(args["losses"], args["eta"], args["lam"], args["divergence"], args["alpha"], args["k"])
 
 

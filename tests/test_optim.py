@@ -549,6 +549,29 @@ def test_a_state_dict_it_did_not_save_is_named_at_the_step(backend):
     assert float(opt.state[p]["step"]) == 4.0 and float(opt.state[q]["step"]) == 2.0
 
 
+@pytest.mark.parametrize("foreach", [None, True], ids=["default", "foreach"])
+def test_a_loaded_state_takes_the_defaults_and_step_counts_of_any_dtype(backend, foreach):
+    """A state_dict that torch.optim.SGD saved without momentum has no state and groups without eps (a bare KeyError
+    at the step before); a step count saved as an int64, float64 or float16 tensor (another optimizer's, a converted
+    checkpoint) raised on the fused step and inside torch on the foreach one. Both now step as a fresh state would."""
+    p = torch.nn.Parameter(torch.ones(3))
+    sgd = torch.optim.SGD([p], lr=0.1)
+    opt = NormalizedSGD([p], lr=0.1, foreach=foreach)
+    opt.load_state_dict(sgd.state_dict())
+    assert opt.param_groups[0]["eps"] == dro_ext.optim.DEFAULT_EPS and opt.param_groups[0]["weight_decay"] == 0.0
+    p.grad = torch.tensor([3.0, 0.0, 4.0])
+    opt.step()
+    torch.testing.assert_close(p.detach(), torch.tensor([1.0 - 0.1 * 0.6, 1.0, 1.0 - 0.1 * 0.8]), rtol=1e-6, atol=0)
+    for dtype in (torch.int64, torch.float64, torch.float16):
+        saved = copy.deepcopy(opt.state_dict())
+        saved["state"][0]["step"] = torch.tensor([2], dtype=dtype)
+        resumed = NormalizedSGD([p], lr=0.1, foreach=foreach)
+        resumed.load_state_dict(saved)
+        resumed.step()
+        step = resumed.state[p]["step"]
+        assert step.dtype == torch.float32 and step.shape == () and float(step) == 3.0, (dtype, step)
+
+
 def test_maximize_must_be_a_bool():
     with pytest.raises(TypeError, match="maximize must be a bool"):
         NormalizedSGD([torch.nn.Parameter(torch.ones(2))], lr=0.1, maximize=1)
