@@ -305,7 +305,12 @@ def _refuse_on_every_rank(error: Exception, num_groups: int, process_group: Proc
             _all_reduce_group_sums(vector, num_groups, process_group, where)
         except ValueError:
             pass  # the other ranks' view of this refusal: this rank raises its own error below
-    raise error
+    try:
+        raise error
+    finally:
+        # The traceback holds this frame: its reference to the error would make a cycle, which kept the caller's
+        # frames (the losses and their whole graph) alive until the garbage collector ran.
+        del error
 
 
 def _group_means(sums: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

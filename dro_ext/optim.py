@@ -125,11 +125,18 @@ class NormalizedSGD(Optimizer):
         # Checked per group, so a group that overrides a default gets the same errors as the constructor; a group
         # that fails is taken out again (a caller that catches the error must not step it).
         super().add_param_group(param_group)
+        self._keep_current_plans()
         try:
             _check_group(self.param_groups[-1])
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
+
+    def _keep_current_plans(self) -> None:
+        """Only the plans of the groups in param_groups: a group taken out (param_groups.pop(), then a step or an
+        add_param_group) kept its params and momenta alive in its plan."""
+        current = {id(g) for g in self.param_groups}
+        self._plans = {key: plan for key, plan in self.__dict__.get("_plans", {}).items() if key in current}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # load_state_dict comes here too, with the new state and groups
@@ -220,6 +227,8 @@ class NormalizedSGD(Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        if len(self._plans) > len(self.param_groups):
+            self._keep_current_plans()
         for group in self.param_groups:
             plan, (grads, momenta, steps) = self._plan(group)
             if not plan.params:

@@ -1,7 +1,9 @@
 """DRO over groups: group_dro_loss (the penalized objective over group means), GroupDROLoss (online Group DRO) and
 DROLoss(num_groups=...), against float64 references written from the formulas of docs/design.md section 1.9."""
 import copy
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -1067,3 +1069,27 @@ if __name__ == "__main__":
     import sys
 
     _distributed_ranks(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+
+
+def test_a_refused_call_frees_its_inputs_without_the_garbage_collector(backend):
+    # The refusal re-raised a local reference to the error: the traceback held the frame that held the error, a
+    # cycle that kept the caller's losses and their whole graph alive until the garbage collector ran (2 GiB after 30
+    # caught refusals of 64 MiB activations in one report).
+    calls = [
+        lambda losses, groups: dro_ext.group_dro_loss(losses, groups, 3, 0.0, -1.0),
+        lambda losses, groups: dro_ext.DROLoss(num_groups=3)(losses[None], groups),
+        lambda losses, groups: dro_ext.GroupDROLoss(3)(losses, groups, mask=torch.ones(2, dtype=torch.bool)),
+    ]
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for call in calls:
+            losses = torch.rand(8, requires_grad=True) * 2.0
+            freed = weakref.ref(losses)
+            with pytest.raises((ValueError, TypeError)):
+                call(losses, torch.randint(0, 3, (8,)))
+            del losses
+            assert freed() is None, call
+    finally:
+        if enabled:
+            gc.enable()

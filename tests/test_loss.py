@@ -1,6 +1,8 @@
 """The fused DRO loss, its weights and psi*: against float64 autograd references, on both backends."""
 import math
+import os
 import pathlib
+import sys
 
 import numpy as np
 import pytest
@@ -663,3 +665,26 @@ def test_large_outputs_never_share_live_memory(backend):
         (g,) = torch.autograd.grad(dro_ext.dro_loss(losses, 0.2, 0.5, "chi2"), losses)
         torch.testing.assert_close(g.double() * n, torch.relu((losses.detach().double() - 0.2) / 0.5 + 2) / 2,
                                    rtol=2e-5, atol=5e-5)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the resident size from /proc/self/statm")
+def test_the_output_buffer_cache_lets_go_of_a_size_no_longer_asked_for(backend):
+    # The cache kept the first two buffers freed, of whatever size, for good: after a phase at a large N (a 500 MiB
+    # gradient in one report) the process held them through every later, smaller step. It keeps the two most recently
+    # freed ones, so a smaller size's buffers take their place. (The fallback allocates through torch: the same
+    # bound holds.)
+    large = random_losses(24 << 20, torch.float32)  # 96 MiB outputs
+    small = random_losses(3 << 20, torch.float32)  # 12 MiB outputs
+    before = _resident_bytes()
+    first, second = dro_ext.dro_weights(large, 0.2, 0.5, "chi2"), dro_ext.dro_weights(large, 0.2, 0.5, "chi2")
+    del first, second
+    for _ in range(2):
+        first, second = dro_ext.dro_weights(small, 0.2, 0.5, "chi2"), dro_ext.dro_weights(small, 0.2, 0.5, "chi2")
+        del first, second
+    held = _resident_bytes() - before
+    assert held < (96 << 20), f"{held / 2**20:.0f} MiB still held after the large outputs were freed"

@@ -1,6 +1,7 @@
 """NormalizedSGD against a literal float64 Algorithm 1, on the fused native op and the foreach fallback."""
 import copy
 import math
+import weakref
 
 import pytest
 import torch
@@ -693,3 +694,18 @@ def test_converges_on_example_3_1_where_sgd_momentum_diverges(backend):
     assert abs(x) < 4 * lr and abs(eta) < 4 * lr
     x_sgd, _ = train(lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9))
     assert not math.isfinite(x_sgd) or abs(x_sgd) > 1e3
+
+
+def test_a_group_taken_out_of_param_groups_is_freed(backend):
+    """param_groups.pop() then a step (or add_param_group): the group's kept step plan held its params and momenta
+    alive for good (torch.optim.SGD frees them)."""
+    kept, dropped = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(4))
+    opt = NormalizedSGD([{"params": [kept]}, {"params": [dropped]}], lr=0.1)
+    for p in (kept, dropped):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    gone, gone_momentum = weakref.ref(dropped), weakref.ref(opt.state[dropped]["momentum_buffer"])
+    opt.param_groups.pop()
+    del opt.state[dropped], dropped, p
+    opt.step()
+    assert gone() is None and gone_momentum() is None

@@ -4,9 +4,11 @@
 // costs about twice writing one that was used before, because the first touch of every page faults into
 // the kernel, which zeroes it. Two things remove most of that cost for outputs of at least kLargeOutput:
 //  - the buffer is aligned to 2 MiB and advised to use transparent huge pages (one fault per 2 MiB);
-//  - a freed buffer is kept (at most kCachedBuffers of them) and handed to the next request of the same
-//    size, as a caching allocator does: a training loop asks for the same N-sized gradient every step,
-//    and frees the previous one before (the gradient is consumed within the backward pass).
+//  - a freed buffer is kept (the kCachedBuffers most recently freed) and handed to the next request of the
+//    same size, as a caching allocator does: a training loop asks for the same N-sized gradient every step,
+//    and frees the previous one before (the gradient is consumed within the backward pass). The oldest
+//    makes room for a newer one, so that a size no longer asked for (an earlier phase's batch, an
+//    evaluation pass) is not held for good.
 // DRO_EXT_CPU_BUFFER_CACHE=0 turns the cache off (then every large output is a fresh huge-page buffer).
 #pragma once
 
@@ -61,10 +63,12 @@ class OutputBufferCache {
   void release(size_t bytes, void* data) {
     if (enabled_) {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (free_.size() < kCachedBuffers) {
-        free_.emplace_back(bytes, data);
-        return;
+      if (free_.size() == kCachedBuffers) {
+        std::free(free_.front().second);
+        free_.erase(free_.begin());
       }
+      free_.emplace_back(bytes, data);
+      return;
     }
     std::free(data);
   }
