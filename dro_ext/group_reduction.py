@@ -70,9 +70,12 @@ def _fallback_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups:
     x = losses.to(torch.float64 if acc == torch.float32 else acc)
     width = num_groups
     if validate:
-        if not torch.compiler.is_compiling() and groups.device.type != "meta":  # (meta: no values to check)
-            # The one host read (a sync on CUDA). A compiled graph cannot branch on it; there index_add_'s own
-            # bounds check stands in (an IndexError on the CPU, a device-side assertion on CUDA).
+        if torch.compiler.is_compiling():
+            # A compiled graph cannot branch on the ids: an assertion in the graph checks them (index_add_'s own
+            # bounds check took a -1 to the last group under inductor).
+            torch._assert_async(((groups >= 0) & (groups < num_groups)).all(), _bad_id_message(num_groups))
+        elif groups.device.type != "meta":  # (meta: no values to check)
+            # The one host read (a sync on CUDA).
             if bool(((groups < 0) | (groups >= num_groups)).any()):
                 raise IndexError(_bad_id_message(num_groups))
         ids = groups

@@ -153,25 +153,30 @@ def _real_tensor(name: str, value: torch.Tensor) -> torch.Tensor:
 def check_group_vector(name: str, value: Any, num_groups: int, *, positive: bool) -> torch.Tensor:
     """A (num_groups,) tensor of finite numbers, > 0 (positive) or >= 0 with a positive sum, as float64.
 
-    Its values are read on the host (a check at construction; for a device tensor, one sync)."""
+    Its values are read on the host (a check at construction; for a device tensor, one sync). A sequence's are checked
+    as Python numbers, before the tensor is made: torch.compile traces that without a data-dependent branch."""
     if isinstance(value, torch.Tensor):
         tensor = _real_tensor(name, value)
+        if tensor.shape != (num_groups,):
+            raise ValueError(f"dro_ext: {name} must have shape ({num_groups},) (one entry per group), "
+                             f"got {tuple(tensor.shape)}")
+        values = tensor.cpu().tolist()
     else:
         try:
-            tensor = torch.tensor([real_number(name, v) for v in value], dtype=torch.float64, device="cpu")
+            values = [real_number(name, v) for v in value]
         except TypeError as exc:
             raise TypeError(f"dro_ext: {name} must be a tensor or a sequence of {num_groups} numbers "
                             f"({exc})") from None
-    if tensor.shape != (num_groups,):
-        raise ValueError(f"dro_ext: {name} must have shape ({num_groups},) (one entry per group), "
-                         f"got {tuple(tensor.shape)}")
-    host = tensor.cpu()
-    if not bool(torch.isfinite(host).all()):
-        raise ValueError(f"dro_ext: {name} must be finite, got {name}={host.tolist()}")
-    if positive and not bool((host > 0).all()):
-        raise ValueError(f"dro_ext: {name} must be > 0 for every group, got {name}={host.tolist()}")
-    if not positive and (not bool((host >= 0).all()) or not bool(host.sum() > 0)):
-        raise ValueError(f"dro_ext: {name} must be >= 0 with a positive sum, got {name}={host.tolist()}")
+        if len(values) != num_groups:
+            raise ValueError(f"dro_ext: {name} must have shape ({num_groups},) (one entry per group), "
+                             f"got ({len(values)},)")
+        tensor = torch.tensor(values, dtype=torch.float64, device="cpu")
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError(f"dro_ext: {name} must be finite, got {name}={values}")
+    if positive and not all(v > 0 for v in values):
+        raise ValueError(f"dro_ext: {name} must be > 0 for every group, got {name}={values}")
+    if not positive and (not all(v >= 0 for v in values) or not math.fsum(values) > 0):
+        raise ValueError(f"dro_ext: {name} must be >= 0 with a positive sum, got {name}={values}")
     return tensor
 
 
@@ -213,6 +218,13 @@ def _weight_tensor(name: str, value: Any, num_groups: int) -> torch.Tensor:
         if tensor.shape != (num_groups,):
             raise ValueError(f"dro_ext: {name} must have shape ({num_groups},) (one entry per group), "
                              f"got {tuple(tensor.shape)}")
+        if torch.compiler.is_compiling():
+            # An assertion in the graph stands in for the host check (eager refuses these values with a ValueError).
+            positive = name == "group_counts"
+            valid = torch.isfinite(tensor).all() & ((tensor > 0).all() if positive
+                                                    else (tensor >= 0).all() & (tensor.sum() > 0))
+            torch._assert_async(valid, f"dro_ext: {name} must be finite and "
+                                       f"{'> 0 for every group' if positive else '>= 0 with a positive sum'}")
         return tensor
     return check_group_vector(name, value, num_groups, positive=name == "group_counts")
 

@@ -357,8 +357,13 @@ def _fused_step(params: list[torch.Tensor], grads: list[torch.Tensor], momenta: 
     # _GroupPlan checked that every param sits on one device.
     if not isinstance(lr, torch.Tensor):
         # Made anew each step (~2 us): a tensor kept across steps would be whatever the first step's mode made it
-        # (a FakeTensor under FakeTensorMode, say) for every later step.
-        lr = torch.tensor(lr, dtype=torch.float64)
+        # (a FakeTensor under FakeTensorMode, say) for every later step. Compiled, as a product with the float:
+        # torch.tensor(lr) bakes the value into the graph, so a scheduler's every new lr recompiled the step (and
+        # fullgraph=True failed at the recompile limit), where the product lets Dynamo take lr as a symbol.
+        if torch.compiler.is_compiling():
+            lr = torch.ones((), dtype=torch.float64) * lr
+        else:
+            lr = torch.tensor(lr, dtype=torch.float64)
     torch.ops.dro_ext.normalized_sgd_step_(
         params, grads, momenta, steps, lr, momentum, eps, weight_decay, norm, maximize, grad_scale, found_inf
     )
@@ -390,9 +395,11 @@ def _check_step_hyperparameters(momentum: float, eps: float, weight_decay: float
     fused op's check_step_hyperparameters (csrc/normalized_sgd_checks.h): either step refuses what the other does."""
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"dro_ext: momentum must be in [0, 1), got {momentum}")
-    if not (eps >= 0.0 and math.isfinite(eps)):
+    # (0 <= x < inf rather than math.isfinite, which Dynamo cannot trace once a changed value made x symbolic; a NaN
+    # fails both comparisons)
+    if not 0.0 <= eps < math.inf:
         raise ValueError(f"dro_ext: eps must be a finite number >= 0, got {eps}")
-    if not (weight_decay >= 0.0 and math.isfinite(weight_decay)):
+    if not 0.0 <= weight_decay < math.inf:
         raise ValueError(f"dro_ext: weight_decay must be a finite number >= 0, got {weight_decay}")
     if norm not in _NORMS:
         raise ValueError(f"dro_ext: norm must be 'global' or 'tensor', got '{norm}'")

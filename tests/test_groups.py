@@ -312,13 +312,16 @@ def test_group_dro_loss_where_no_group_counts_is_zero_with_zero_gradients(backen
                                dro_ext.dro_loss(losses[5:6], 0.3, 0.5, divergence, **params), rtol=1e-14, atol=0)
 
 
-@pytest.mark.parametrize("weighting", ["batch", "population", "tensor"])
+@pytest.mark.parametrize("weighting", ["batch", "population", "tensor", "population-list", "list"])
 def test_group_dro_loss_compiles_fullgraph(backend, weighting):
+    # (sequences of weights or counts failed fullgraph=True: their host check branched on a tensor made of them)
     losses, groups = random_batch(17, 5, torch.float32, absent=(1,))
     losses.requires_grad_()
     eta = torch.tensor(0.3, requires_grad=True)
     options = {"batch": {}, "population": dict(weighting="population", group_counts=torch.tensor([3, 1, 2, 5, 4])),
-               "tensor": dict(weighting=torch.tensor([0.5, 1.0, 0.0, 2.0, 1.0]))}[weighting]
+               "tensor": dict(weighting=torch.tensor([0.5, 1.0, 0.0, 2.0, 1.0])),
+               "population-list": dict(weighting="population", group_counts=[3, 1, 2, 5, 4]),
+               "list": dict(weighting=[0.5, 1.0, 0.0, 2.0, 1.0])}[weighting]
 
     def fn(l, g, e):
         return dro_ext.group_dro_loss(l, g, 5, e, 0.5, "smoothed_cvar", alpha=0.2, **options)
@@ -330,6 +333,33 @@ def test_group_dro_loss_compiles_fullgraph(backend, weighting):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(torch.autograd.grad(got, (losses, eta)), torch.autograd.grad(want, (losses, eta)),
                                rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("bad", ["negative weight", "zero weights", "NaN weight", "zero count", "id -1"])
+def test_compiled_group_calls_refuse_bad_values(backend, bad):
+    # While compiling, the host checks of a tensor's values give way to assertions in the graph: a compiled
+    # group_dro_loss returned a number for negative, all-zero or NaN weights and zero counts, and the fallback's
+    # compiled group_sums added a sample of id -1 to the last group.
+    losses, groups = torch.tensor([1.0, 2.0, 4.0, 8.0]), torch.tensor([0, 1, 2, 1])
+    weights = {"negative weight": torch.tensor([-1.0, 2.0, 0.5]), "zero weights": torch.zeros(3),
+               "NaN weight": torch.tensor([1.0, math.nan, 1.0])}
+    if bad in weights:
+        def fn(l, g):
+            return dro_ext.group_dro_loss(l, g, 3, 0.0, 0.5, weighting=weights[bad])
+    elif bad == "zero count":
+        def fn(l, g):
+            return dro_ext.group_dro_loss(l, g, 3, 0.0, 0.5, weighting="population",
+                                          group_counts=torch.tensor([3.0, 0.0, 2.0]))
+    else:
+        groups = torch.tensor([0, 1, 2, -1])
+
+        def fn(l, g):
+            return dro_ext.group_sums(l, g, 3)[0]
+    with pytest.raises((ValueError, IndexError)):
+        fn(losses, groups)
+    torch._dynamo.reset()
+    with pytest.raises((RuntimeError, IndexError), match="dro_ext: (weighting|group_counts|groups)"):
+        torch.compile(fn, fullgraph=True)(losses, groups)
 
 
 GROUP_LOSS_BAD_INPUTS = [

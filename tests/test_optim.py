@@ -669,6 +669,29 @@ def test_torch_compile_step(backend):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("foreach", [None, True], ids=["default", "foreach"])
+def test_a_compiled_step_follows_a_changing_lr_weight_decay_and_eps(backend, foreach):
+    """A scheduler changes lr every step: the fused step baked each float lr into its graph (a recompile a step, and
+    fullgraph=True failed at the recompile limit); the foreach step could not trace its check of a weight_decay or
+    eps that changed (math.isfinite of a symbolic float). Both follow eager."""
+    torch._dynamo.reset()
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(8)
+        params = make_params(SHAPES[:2])
+        opt = NormalizedSGD(params, lr=0.1, weight_decay=0.01, foreach=foreach)
+        fullgraph = backend == "native" and foreach is None
+        step = torch.compile(opt.step, backend="aot_eager", fullgraph=fullgraph) if compiled else opt.step
+        for i in range(10):
+            opt.param_groups[0].update(lr=0.1 / (i + 1), weight_decay=0.01 * (i % 3), eps=1e-8 * (1 + i % 2))
+            for p in params:
+                p.grad = torch.randn_like(p)
+            step()
+        results.append(params)
+    for p, q in zip(*results):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
 def test_converges_on_example_3_1_where_sgd_momentum_diverges(backend):
     # Paper Example 3.1: l(x; xi) = x^2 (1 + xi/(x^2+1))^2, Rademacher xi, chi2 DRO with lambda = 1.
     # The objective grows like x^4 and its gradient noise like x, so from x = 10 a step size that SGD
