@@ -15,9 +15,10 @@ import cuda_cases
 from cuda_cases import ON_CUDA, needs_cuda
 from dro_ext import _backend
 from dro_ext.optim import NormalizedSGD
-from test_optim import (SHAPES, assert_close_to_reference, check_each_step_moves_the_group_by_lr,
-                        check_fused_and_foreach_agree, check_grad_scaler_skips_an_inf_step_and_unscales,
-                        check_zero_gradients_leave_params_unchanged, make_params, reference, tolerance)
+from test_optim import (SHAPES, assert_close_to_reference, assert_compiled_steps_follow_eager,
+                        check_each_step_moves_the_group_by_lr, check_fused_and_foreach_agree,
+                        check_grad_scaler_skips_an_inf_step_and_unscales, check_zero_gradients_leave_params_unchanged,
+                        make_params, reference, tolerance, two_group_optimizer)
 
 DEVICE = torch.device(cuda_cases.DEVICE)
 
@@ -405,18 +406,4 @@ def test_opcheck(norm, scaled):
 
 @needs_cuda
 def test_torch_compile_step():
-    torch._dynamo.reset()
-    results = []
-    for compiled in (False, True):
-        torch.manual_seed(6)
-        params = on_device(make_params(SHAPES[:4]))
-        opt = NormalizedSGD([dict(params=params[:2]), dict(params=params[2:], norm="tensor")], lr=0.1,
-                            weight_decay=0.01)
-        step = torch.compile(opt.step, fullgraph=True) if compiled else opt.step
-        for _ in range(3):
-            for p in params:
-                p.grad = torch.randn_like(p)
-            step()
-        results.append(params)
-    for p, q in zip(*results):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    assert_compiled_steps_follow_eager(lambda: two_group_optimizer(DEVICE), 3, dict(fullgraph=True))

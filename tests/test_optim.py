@@ -649,24 +649,37 @@ def test_opcheck(args):
     torch.library.opcheck(torch.ops.dro_ext.normalized_sgd_step_.default, args)
 
 
-def test_torch_compile_step(backend):
+def assert_compiled_steps_follow_eager(make_optimizer, steps, compile_options, before_step=None) -> None:
+    """``steps`` steps of a fresh (params, optimizer) from make_optimizer(), eager and then with
+    torch.compile(opt.step, **compile_options), on the same random gradients: the same parameters.
+    before_step(opt, i) runs before step i (a scheduler's change, say)."""
     torch._dynamo.reset()
     results = []
     for compiled in (False, True):
         torch.manual_seed(6)
-        params = make_params(SHAPES[:4])
-        opt = NormalizedSGD([dict(params=params[:2]), dict(params=params[2:], norm="tensor")], lr=0.1,
-                            weight_decay=0.01)
-        # Inductor on the fused op (one custom op in the graph); aot_eager keeps the fallback's compile short.
-        compile_backend = "inductor" if backend == "native" else "aot_eager"
-        step = torch.compile(opt.step, backend=compile_backend, fullgraph=backend == "native") if compiled else opt.step
-        for _ in range(3):
+        params, opt = make_optimizer()
+        step = torch.compile(opt.step, **compile_options) if compiled else opt.step
+        for i in range(steps):
+            if before_step is not None:
+                before_step(opt, i)
             for p in params:
                 p.grad = torch.randn_like(p)
             step()
         results.append(params)
     for p, q in zip(*results):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
+def two_group_optimizer(device="cpu"):
+    params = make_params(SHAPES[:4], device=device)
+    return params, NormalizedSGD([dict(params=params[:2]), dict(params=params[2:], norm="tensor")], lr=0.1,
+                                 weight_decay=0.01)
+
+
+def test_torch_compile_step(backend):
+    # Inductor on the fused op (one custom op in the graph); aot_eager keeps the fallback's compile short.
+    assert_compiled_steps_follow_eager(two_group_optimizer, 3, dict(
+        backend="inductor" if backend == "native" else "aot_eager", fullgraph=backend == "native"))
 
 
 @pytest.mark.parametrize("foreach", [None, True], ids=["default", "foreach"])
@@ -674,22 +687,15 @@ def test_a_compiled_step_follows_a_changing_lr_weight_decay_and_eps(backend, for
     """A scheduler changes lr every step: the fused step baked each float lr into its graph (a recompile a step, and
     fullgraph=True failed at the recompile limit); the foreach step could not trace its check of a weight_decay or
     eps that changed (math.isfinite of a symbolic float). Both follow eager."""
-    torch._dynamo.reset()
-    results = []
-    for compiled in (False, True):
-        torch.manual_seed(8)
+    def one_group():
         params = make_params(SHAPES[:2])
-        opt = NormalizedSGD(params, lr=0.1, weight_decay=0.01, foreach=foreach)
-        fullgraph = backend == "native" and foreach is None
-        step = torch.compile(opt.step, backend="aot_eager", fullgraph=fullgraph) if compiled else opt.step
-        for i in range(10):
-            opt.param_groups[0].update(lr=0.1 / (i + 1), weight_decay=0.01 * (i % 3), eps=1e-8 * (1 + i % 2))
-            for p in params:
-                p.grad = torch.randn_like(p)
-            step()
-        results.append(params)
-    for p, q in zip(*results):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+        return params, NormalizedSGD(params, lr=0.1, weight_decay=0.01, foreach=foreach)
+
+    def schedule(opt, i):
+        opt.param_groups[0].update(lr=0.1 / (i + 1), weight_decay=0.01 * (i % 3), eps=1e-8 * (1 + i % 2))
+
+    assert_compiled_steps_follow_eager(one_group, 10, dict(
+        backend="aot_eager", fullgraph=backend == "native" and foreach is None), before_step=schedule)
 
 
 def test_converges_on_example_3_1_where_sgd_momentum_diverges(backend):
