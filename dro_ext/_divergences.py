@@ -133,6 +133,13 @@ def op_scalars(divergence: str, alpha: float | None, k: float | None, lam: float
 FLOATING_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def check_floating_dtype(name: str, value: torch.Tensor) -> None:
+    """One of FLOATING_DTYPES, or a TypeError naming the argument (csrc/checks.h's message)."""
+    if value.dtype not in FLOATING_DTYPES:
+        raise TypeError(f"dro_ext: {name} must have a floating dtype (float16, bfloat16, float32, float64), "
+                        f"got {value.dtype}")
+
+
 def check_dense(name: str, value: torch.Tensor) -> None:
     """A strided (dense) tensor: the ops have no sparse or other layouts' kernels."""
     if value.layout != torch.strided:
@@ -150,9 +157,7 @@ def check_losses(value: object, name: str = "losses", *, allow_empty: bool = Fal
         raise ValueError(f"dro_ext: {name} must be a 1-D tensor{per_sample}, got shape {tuple(value.shape)}")
     if value.numel() == 0 and not allow_empty:
         raise ValueError(f"dro_ext: {name} must not be empty")
-    if value.dtype not in FLOATING_DTYPES:
-        raise TypeError(f"dro_ext: {name} must have a floating dtype (float16, bfloat16, float32, float64), "
-                        f"got {value.dtype}")
+    check_floating_dtype(name, value)
 
 
 def input_device(*values: object) -> torch.device:

@@ -27,8 +27,8 @@ from dro_ext import _backend
 from dro_ext._first_order import first_order_only, refuse_forward_ad
 from dro_ext.group_reduction import check_forward_groups, check_num_groups
 from dro_ext._divergences import (
-    FLOATING_DTYPES, Divergence, Spec, accumulate_dtype, as_eta, check_dense, check_divergence, check_positive,
-    fallback_dtype, fixed_order_sum, fixed_order_sums, real_number,
+    Divergence, Spec, accumulate_dtype, as_eta, check_dense, check_divergence, check_floating_dtype,
+    check_positive, fallback_dtype, fixed_order_sum, fixed_order_sums, real_number,
 )
 from dro_ext._divergences import penalized_value as _penalized_value_torch
 from dro_ext._divergences import psi_star as _psi_star_torch
@@ -71,9 +71,7 @@ def _check_float_tensor(name: str, value, min_dim: int = 1) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"dro_ext: {name} must be a torch.Tensor, got {type(value).__name__}")
     check_dense(name, value)
-    if value.dtype not in FLOATING_DTYPES:
-        raise TypeError(f"dro_ext: {name} must have a floating dtype (float16, bfloat16, float32, float64), "
-                        f"got {value.dtype}")
+    check_floating_dtype(name, value)
     if value.dim() < min_dim:
         raise ValueError(f"dro_ext: {name} must have at least {min_dim} dimension(s), got shape {tuple(value.shape)}")
 

@@ -213,6 +213,7 @@ def _weight_tensor(name: str, value: Any, num_groups: int) -> torch.Tensor:
     # only, its values being the caller's (a negative weight then gives a meaningless value, a zero sum NaN), and so
     # is any tensor while torch.compile traces (reading its values would break the graph: DROLoss(num_groups=G)
     # passes the weights it checked at construction).
+    positive = name == "group_counts"  # (counts > 0; weights >= 0 with a positive sum)
     if isinstance(value, torch.Tensor) and (value.device.type != "cpu" or torch.compiler.is_compiling()):
         tensor = _real_tensor(name, value)
         if tensor.shape != (num_groups,):
@@ -220,13 +221,12 @@ def _weight_tensor(name: str, value: Any, num_groups: int) -> torch.Tensor:
                              f"got {tuple(tensor.shape)}")
         if torch.compiler.is_compiling():
             # An assertion in the graph stands in for the host check (eager refuses these values with a ValueError).
-            positive = name == "group_counts"
             valid = torch.isfinite(tensor).all() & ((tensor > 0).all() if positive
                                                     else (tensor >= 0).all() & (tensor.sum() > 0))
             torch._assert_async(valid, f"dro_ext: {name} must be finite and "
                                        f"{'> 0 for every group' if positive else '>= 0 with a positive sum'}")
         return tensor
-    return check_group_vector(name, value, num_groups, positive=name == "group_counts")
+    return check_group_vector(name, value, num_groups, positive=positive)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -492,9 +492,9 @@ class _Float64Configuration(nn.Module):
         return copied
 
     @staticmethod
-    def _follow_the_state(module: nn.Module, incompatible_keys: Any) -> None:
+    def _follow_the_state(module: _Float64Configuration, incompatible_keys: Any) -> None:
         state = [t for t in module.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)]
-        if state and isinstance(module, _Float64Configuration):
+        if state:
             module._restore_configuration(state[0].device)
 
 
