@@ -40,11 +40,11 @@ from __future__ import annotations
 import math
 import struct
 import sys
-from typing import Callable, NamedTuple, Protocol
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import torch
 
-from dro_ext._divergences import Spec, fixed_order_sum, required
+from dro_ext._divergences import Spec, blocked_sums, fixed_order_sum, required, sum_blocks
 from dro_ext._divergences import excess_first as _excess_first
 from dro_ext._divergences import penalized_value as _penalized_value
 from dro_ext._divergences import psi_star as _psi_star
@@ -244,8 +244,13 @@ def solve(x: torch.Tensor, lam: float, spec: Spec, reducer: Reducer = LOCAL,
     if w is not None and reducer is not LOCAL:
         raise NotImplementedError("dro_ext: per-point weights are solved on one process only")
 
-    def weighted(v: torch.Tensor) -> torch.Tensor:
+    def weighted(v: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
         return v if w is None else w * v
+
+    # Every pass over the losses below sums f(x, w) by blocks (blocked_sums): a few float64 vectors a block, not a
+    # few N-vectors, with the bits of fixed_order_sum(f(x, w)).
+    def summed(f: Callable[[torch.Tensor, torch.Tensor | None], Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+        return blocked_sums(f, x, w)
 
     n_local = x.numel()
     nan_local: torch.Tensor | bool
@@ -266,7 +271,7 @@ def solve(x: torch.Tensor, lam: float, spec: Spec, reducer: Reducer = LOCAL,
     if n == 0:
         raise ValueError(f"dro_ext.{reducer.where}: the losses of every rank together are empty")
     if w is not None:
-        n = fixed_order_sum(w).item()  # the total weight takes the count's place in every mean below
+        n = blocked_sums(lambda w: [w], w)[0].item()  # the total weight takes the count's place in every mean below
     if nan_count > 0 or lo == -math.inf:  # -inf has no dual optimum
         return Solution(math.nan, math.nan, n)
     if hi == math.inf:
@@ -274,9 +279,11 @@ def solve(x: torch.Tensor, lam: float, spec: Spec, reducer: Reducer = LOCAL,
     if lo == hi:  # N = 1 or all equal: psi*(0) = 0
         return Solution(lo, lo, n)
     if spec.name == "kl":
-        t = (x - hi) / lam
-        sum_exp, sum_expm1 = totals(reducer, fixed_order_sum(weighted(torch.exp(t))),
-                                     fixed_order_sum(weighted(torch.expm1(t))))
+        def exp_sums(x: torch.Tensor, w: torch.Tensor | None) -> list[torch.Tensor]:
+            t = (x - hi) / lam
+            return [weighted(torch.exp(t), w), weighted(torch.expm1(t), w)]
+
+        sum_exp, sum_expm1 = totals(reducer, *summed(exp_sums))
         # Near 1, log loses the digits of mean exp - 1 that lam multiplies; log1p of the mean expm1 keeps them.
         eta = hi + lam * (math.log1p(sum_expm1 / n) if sum_exp / n > 0.5 else math.log(sum_exp / n))
         return Solution(eta, eta, n)
@@ -290,19 +297,25 @@ def solve(x: torch.Tensor, lam: float, spec: Spec, reducer: Reducer = LOCAL,
         return Solution(min((sum_above + (tail - n_above) * eta) / tail, hi), eta, n)
 
     def newton_sums(eta: float) -> list[float]:
-        t = (x - eta) / lam
-        second = _psi_star(t, spec, 2)
-        return totals(reducer, fixed_order_sum(weighted(_excess_first(t, spec))), fixed_order_sum(weighted(second)),
-                      fixed_order_sum(weighted(second * (x - eta).abs())))
+        def block_sums(x: torch.Tensor, w: torch.Tensor | None) -> list[torch.Tensor]:
+            t = (x - eta) / lam
+            second = _psi_star(t, spec, 2)
+            return [weighted(_excess_first(t, spec), w), weighted(second, w), weighted(second * (x - eta).abs(), w)]
+
+        return totals(reducer, *summed(block_sums))
 
     def segment_sums(cut: float) -> list[float]:
-        active = x > cut
-        weight = active.sum() if w is None else fixed_order_sum(w[active])
-        return totals(reducer, fixed_order_sum(weighted(x)[active]), weight)
+        def block_sums(x: torch.Tensor, w: torch.Tensor | None) -> list[torch.Tensor]:
+            active = x > cut
+            # (a count of ones in float64 is exact: the count that active.sum() gives over the whole)
+            return [weighted(x, w)[active], active.to(x.dtype) if w is None else w[active]]
+
+        return totals(reducer, *summed(block_sums))
 
     eta = find_eta(newton_sums, segment_sums, n, lo, hi, lam, spec)
     g_eta = torch.tensor(eta, dtype=x.dtype, device=x.device)
-    (sum_value,) = totals(reducer, fixed_order_sum(weighted(_penalized_value(x, (x - g_eta) / lam, lam, g_eta, spec))))
+    (sum_value,) = totals(reducer, *summed(
+        lambda x, w: [weighted(_penalized_value(x, (x - g_eta) / lam, lam, g_eta, spec), w)]))
     # Psi <= L(max l) <= max l: where lam is below float64's resolution of the losses, L at the rounded eta* is not.
     return Solution(min(sum_value / n, hi), eta, n)
 
@@ -313,16 +326,33 @@ def weights(x: torch.Tensor, eta: torch.Tensor, n: float, lam: float, spec: Spec
     process, for float64 losses x: float64, summing to one over every process. No host read.
 
     With per-point weights ``w`` (as :func:`solve` takes them; n is then Solution.n, their total): point i gets
-    ``w_i psi*'(t_i)`` normalized, and for cvar the boundary's mass is shared in proportion to w."""
-    one = torch.ones_like(x) if w is None else w
+    ``w_i psi*'(t_i)`` normalized, and for cvar the boundary's mass is shared in proportion to w.
+
+    Formed by blocks into the result (sum_blocks, blocked_sums), which is then normalized in place: the vectors that
+    the weights are formed from take the memory of a block, the result's own aside."""
+    def ones_or_w(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+        return torch.ones_like(x) if w is None else w
+
     if spec.name == "cvar":
         tail = tail_size(required(spec.alpha), n)
-        above, at = x > eta, x == eta
-        n_above, n_at = reducer.sum(torch.stack([fixed_order_sum(one * above), fixed_order_sum(one * at)])).unbind()
+        n_above, n_at = reducer.sum(torch.stack(blocked_sums(
+            lambda x, w: [ones_or_w(x, w) * (x > eta), ones_or_w(x, w) * (x == eta)], x, w))).unbind()
         # (the weight at eta*: a count without w, a sum of weights that may be below one with it)
         share_at = torch.clamp(1.0 - n_above / tail, min=0.0) / torch.where(n_at > 0, n_at, 1.0)
         boundary = torch.where(n_at > 0, share_at, 0.0)
-        # The last branch is reached only when x or eta is NaN, and x + eta is NaN then.
-        return one * torch.where(above, 1.0 / tail, torch.where(at, boundary, torch.where(x < eta, 0.0, x + eta)))
-    q = _psi_star((x - eta) / lam, spec, 1) if w is None else w * _psi_star((x - eta) / lam, spec, 1)
-    return q / reducer.sum(fixed_order_sum(q).reshape(1))[0]
+
+        def unnormalized(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+            # The last branch is reached only when x or eta is NaN, and x + eta is NaN then.
+            return ones_or_w(x, w) * torch.where(x > eta, 1.0 / tail, torch.where(
+                x == eta, boundary, torch.where(x < eta, 0.0, x + eta)))
+    else:
+        def unnormalized(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+            q = _psi_star((x - eta) / lam, spec, 1)
+            return q if w is None else w * q
+
+    q = torch.empty_like(x)
+    for block in sum_blocks(x.shape[0]):
+        q[block] = unnormalized(x[block], None if w is None else w[block])
+    if spec.name == "cvar":  # normalized already: 1/tail is the total weight
+        return q
+    return q.div_(reducer.sum(blocked_sums(lambda q: [q], q)[0].reshape(1))[0])

@@ -4,6 +4,9 @@ The references are independent of dro_ext: psi* and psi are written out below fr
 (numpy, float64), and Psi = min_eta L(eta) is found by scipy's bounded scalar minimizer.
 """
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -835,3 +838,82 @@ def test_linear_exact_segment_large(backend, k, dtype):
     ref = reference_psi(losses.double().numpy(), 0.1, "cressie_read", {"k": k})
     tol = 1e-12 if dtype == torch.float64 else 2e-6
     assert value.item() == pytest.approx(ref, rel=tol)
+
+
+# ------------------------------------------------------------------------------------------------
+# The PyTorch solver's passes by blocks (dro_ext._divergences.blocked_sums)
+# ------------------------------------------------------------------------------------------------
+
+
+# Sizes at and past the thresholds of fixed_order_sum (32768 summed whole, chunks of 16384), and past the default
+# block (8 chunks) with a partial last chunk.
+_BLOCKED_SIZES = [1, 5, 32768, 32769, 16384 * 9 + 7]
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("name,kw", CASES + [("cressie_read", {"k": 2.0}), ("cressie_read", {"k": 1.5})],
+                         ids=CASE_IDS + ["cressie_read-2", "cressie_read-1.5"])
+def test_solver_by_blocks_is_the_same_bits_as_whole(monkeypatch, name, kw, weighted):
+    """(Psi, eta*) and the weights of dro_ext._solver are the same bits evaluated a chunk or two at a time as over
+    the whole vector (a block past every size), whatever the size and with per-point weights: the blocks are whole
+    chunks of fixed_order_sum, so every chunk's sum and the sum of the chunks' sums are the same."""
+    from dro_ext import _divergences, _solver
+
+    spec = _divergences.check_divergence(name, kw.get("alpha"), kw.get("k"))
+    chunk = _divergences._SUM_CHUNK
+    for n in _BLOCKED_SIZES:
+        x = make_losses(n)
+        # (cvar's weighted solve sorts: no pass by blocks past its boundary count)
+        w = torch.rand(n, dtype=torch.float64) if weighted and (name != "cvar" or n < 100000) else None
+        results = []
+        for block in (1 << 40, chunk, 2 * chunk):
+            monkeypatch.setattr(_divergences, "_SUM_BLOCK", block)
+            solution = _solver.solve(x, 0.3, spec, w=w)
+            q = _solver.weights(x, torch.tensor(solution.eta, dtype=torch.float64), solution.n, 0.3, spec, w=w)
+            results.append((solution, q))
+        (whole, q_whole), *blocked = results
+        for solution, q in blocked:
+            assert repr(solution) == repr(whole), (n, solution, whole)  # repr: the same bits, NaN included
+            assert torch.equal(q, q_whole), n
+
+
+def test_blocked_sums_of_a_selection_are_fixed_order_sum_bits(monkeypatch):
+    """A selection v[mask] by blocks (the segment solve's sums) is summed as fixed_order_sum sums the whole
+    selection: its chunks straddle the blocks, and a selection of at most 32768 is summed whole."""
+    from dro_ext import _divergences
+
+    monkeypatch.setattr(_divergences, "_SUM_BLOCK", _divergences._SUM_CHUNK)
+    x = make_losses((1 << 18) + 3)
+    for cut in (-1.0, 0.5, 2.0, 30.0, float(x.max())):
+        expected = _divergences.fixed_order_sum(x[x > cut])
+        (got,) = _divergences.blocked_sums(lambda v: [v[v > cut]], x)
+        assert got.dtype == expected.dtype and repr(got.item()) == repr(expected.item()), cut
+
+
+_PEAK_SCRIPT = """
+import resource, sys, torch, dro_ext
+cases = [("chi2", {}), ("cressie_read", {"k": 3.0})]
+for name, kw in cases:  # warm-up: the allocator's and the solver's first calls
+    dro_ext.robust_objective(torch.rand(1 << 16), 0.5, name, **kw)
+x = torch.rand(int(sys.argv[1]))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+for name, kw in cases:
+    dro_ext.robust_objective(x, 0.5, name, **kw)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in KiB is Linux's")
+def test_fallback_solve_memory_is_a_float64_copy_and_a_few_blocks():
+    """The fallback's robust_objective over 2^23 float32 losses grows the peak memory by about its float64 copy of
+    them (64 MiB) and a few blocks of the solver's passes (1 MiB a float64 vector) with the allocator's slack (about
+    110 MiB in all, bounded here at 256 MiB beyond the copy): not by the float64 N-vectors that the passes over the
+    whole vector took (1.4 GiB). In a fresh process, where ru_maxrss is this call's peak alone."""
+    n = 1 << 23
+    env = dict(os.environ, DRO_EXT_FORCE_PYTHON="1", OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(n)], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600, check=True)
+    growth_mib = int(out.stdout.split()[-1]) / 1024
+    float64_copy_mib = 8 * n / 2**20
+    assert growth_mib <= float64_copy_mib + 256, f"peak memory grew by {growth_mib:.0f} MiB"
