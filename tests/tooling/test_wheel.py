@@ -43,14 +43,45 @@ SDIST_FILES = ["setup.py", "pyproject.toml", "CMakeLists.txt", "README.md", "LIC
                "dro_ext/py.typed", "dro_ext/__init__.py"]
 
 
+def _setup_script():
+    """setup.py as a module: its functions, without running setup() (which runs only as __main__)."""
+    spec = importlib.util.spec_from_file_location("dro_ext_setup_script", REPO / "setup.py")
+    setup_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup_script)
+    return setup_script
+
+
 def _cuda_expected() -> bool:
     """setup.py's own rule (want_cuda, without its side effects): the CUDA kernels are compiled when it finds a
     toolkit (CUDA_HOME, CUDA_PATH, /usr/local/cuda or nvcc's) and torch is a CUDA build, unless DRO_EXT_CUDA=0."""
-    spec = importlib.util.spec_from_file_location("dro_ext_setup_script", REPO / "setup.py")
-    setup_script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(setup_script)  # defines its functions; setup() runs only as __main__
     return (os.environ.get("DRO_EXT_CUDA", "auto") != "0" and torch.version.cuda is not None
-            and setup_script.find_cuda_home() is not None)
+            and _setup_script().find_cuda_home() is not None)
+
+
+def test_a_check_build_takes_its_host_optimization_from_dro_ext_cxx_opt(monkeypatch):
+    """DRO_EXT_CXX_OPT (CI's build against the GPU machines' torch) replaces -O3 for the C++ and for nvcc's host
+    code, and nothing else; a value that is no optimization level is refused, naming the variable."""
+    setup_script = _setup_script()
+    # (want_cuda sets these two for the build; monkeypatch puts them back)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0"))
+    monkeypatch.setenv("CUDA_HOME", setup_script.find_cuda_home() or "")
+
+    def flags() -> dict:
+        (extension,) = setup_script.extensions()
+        args = extension.extra_compile_args
+        return args if isinstance(args, dict) else {"cxx": args}
+
+    monkeypatch.delenv("DRO_EXT_CXX_OPT", raising=False)
+    release = flags()
+    monkeypatch.setenv("DRO_EXT_CXX_OPT", "-O1")
+    check = flags()
+    assert set(check) == set(release) and "cxx" in check
+    for compiler in release:
+        assert "-O3" in release[compiler] and "-O1" not in release[compiler], compiler
+        assert check[compiler] == ["-O1" if flag == "-O3" else flag for flag in release[compiler]], compiler
+    monkeypatch.setenv("DRO_EXT_CXX_OPT", "fast")
+    with pytest.raises(SystemExit, match="DRO_EXT_CXX_OPT must be"):
+        setup_script.extensions()
 
 
 def _build(kind: str, out: Path) -> tuple[Path, str]:
