@@ -21,7 +21,6 @@ RuntimeError that names the dro_ext function it came from.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import struct
 from collections.abc import Iterable, Iterator
@@ -478,23 +477,20 @@ def weight_stats(w: torch.Tensor, groups: torch.Tensor | None, num_groups: int,
 # ---------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def _dtensor_type() -> type[DTensor] | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return None
-    return DTensor
+# The DTensor class, looked up once at import (torch's own imports have loaded it by then): a cached lookup function
+# (functools.lru_cache) made torch.compile warn on every optimizer step it traced.
+try:
+    from torch.distributed.tensor import DTensor as _DTENSOR_TYPE
+except ImportError:  # pragma: no cover - torch without DTensor
+    _DTENSOR_TYPE = None  # type: ignore[misc, assignment]
 
 
 def has_dtensor(params: Iterable[object]) -> bool:
-    dtensor = _dtensor_type()
-    return dtensor is not None and any(isinstance(p, dtensor) for p in params)
+    return _DTENSOR_TYPE is not None and any(isinstance(p, _DTENSOR_TYPE) for p in params)
 
 
 def _is_dtensor(t: object) -> TypeGuard[DTensor]:
-    dtensor = _dtensor_type()
-    return dtensor is not None and isinstance(t, dtensor)
+    return _DTENSOR_TYPE is not None and isinstance(t, _DTENSOR_TYPE)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
