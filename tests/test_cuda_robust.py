@@ -360,3 +360,26 @@ def test_bad_inputs_name_the_argument():
         torch.ops.dro_ext.robust_objective(losses, 0.0, "chi2", None, None)
     with pytest.raises(ValueError, match="k"):
         torch.ops.dro_ext.robust_objective(losses, 0.5, "cressie_read", None, None)
+
+
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_the_python_solver_by_blocks_matches_the_cpu(name, params):
+    """The PyTorch solver (the fallback's, group evaluation's and group='s: dro_ext._solver) on CUDA tensors past
+    several of its blocks (dro_ext._divergences.blocked_sums): Psi, eta* and the weights as on the CPU, within the
+    float64 sums' rounding (a CUDA reduction may split a row's sum otherwise than the CPU's one thread), and the same
+    bits on a second run."""
+    from dro_ext import _divergences, _solver
+
+    spec = _divergences.check_divergence(name, params.get("alpha"), params.get("k"))
+    n = 3 * _divergences._SUM_BLOCK + 16384 + 7
+    x = make_losses(n, torch.float64, "contiguous")
+    runs = []
+    for losses in (x, x, x.cpu()):
+        solution = _solver.solve(losses, 0.3, spec)
+        eta = torch.tensor(solution.eta, dtype=torch.float64, device=losses.device)
+        runs.append((solution, _solver.weights(losses, eta, solution.n, 0.3, spec)))
+    (first, q_first), (second, q_second), (cpu, q_cpu) = runs
+    assert repr(first) == repr(second) and torch.equal(q_first, q_second)
+    assert first.value == pytest.approx(cpu.value, rel=1e-12, abs=1e-12)
+    assert first.eta == pytest.approx(cpu.eta, rel=1e-10, abs=1e-10)
+    torch.testing.assert_close(q_first.cpu(), q_cpu, rtol=1e-9, atol=1e-12 / n)
