@@ -268,7 +268,9 @@ def blocked_sums(f: Callable[..., Sequence[torch.Tensor]], *xs: torch.Tensor | N
     concatenation over the blocks is f's result over the whole: elementwise values, or a selection v[mask] of them.
 
     The bits are fixed_order_sum's because a block is whole chunks: each chunk is summed as a row of its own, as
-    there, and the chunks' sums are then summed as one vector, as there."""
+    there, and the chunks' sums are then summed as one vector, as there. That holds on the CPU, where one thread sums
+    a row; a CUDA reduction may lay out a row's sum by the number of rows, so there the bits are the same from run to
+    run but may differ from the whole vector's in the last place."""
     n = next(x for x in xs if x is not None).shape[0]
     if n <= max(_SUM_BLOCK, _SINGLE_THREAD_SUM):
         return [fixed_order_sum(v) for v in f(*xs)]
