@@ -9,7 +9,8 @@
 # of building there (scripts/gpu_check.sh uses it when DIR/sources.sha256 matches the tree); and `make compat`, CI's
 # check that the sources build against it, not only against the pinned 2.14.1 (the two differ in C++ standard and
 # autograd API), and that the Python layer's torch.compile tests pass under its Dynamo: into build/compat, with the
-# C++ compiled at -O1 (DRO_EXT_CXX_OPT, setup.py), in less than half the time, and no sources hash.
+# host C++ compiled at -O1 (DRO_EXT_CXX_OPT, setup.py; the CPU kernels in less than half the time), and no sources
+# hash.
 # The library is abi3 (py_limited_api), so a build made with this Python loads in the GPU machines' 3.12.
 # Importing that torch needs its CUDA libraries: they are taken from the installed torch's nvidia packages
 # (same CUDA major version) instead of downloading several GB of them again.
