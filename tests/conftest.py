@@ -1,9 +1,27 @@
 """Shared fixtures: every numerical test runs on both the native ops and the PyTorch fallback."""
 import os
+import sys
 import zlib
 
-import pytest
-import torch
+
+def _share_the_cores_among_workers() -> None:
+    """Under pytest-xdist, each worker's torch (and every process it starts) gets its share of the cores for its
+    intra-op threads, unless OMP_NUM_THREADS says otherwise: on two cores, two workers of two threads each took 301 s
+    over the four heaviest test files, two of one thread each 241 s (each worker's threads waited on the other's).
+    The tests of thread counts set their own."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 2 or "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ["OMP_NUM_THREADS"] = str(max(1, cores // workers))
+    if "torch" in sys.modules:  # (a plugin imported it first: its thread pool may have read the variable already)
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+_share_the_cores_among_workers()
+
+import pytest  # noqa: E402  (after the thread share: torch's thread pool reads OMP_NUM_THREADS once)
+import torch  # noqa: E402
 
 from cpu_builds import runnable_builds
 from dro_ext import _backend

@@ -897,8 +897,9 @@ def test_logsumexp_columns_matches_float64_logsumexp(dtype, shape):
     assert torch.equal(strided, got)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        assert torch.equal(torch.ops.dro_ext.logsumexp_columns(matrix), got)
+        for n in (1, 2):  # (the suite's workers may run at one thread already)
+            torch.set_num_threads(n)
+            assert torch.equal(torch.ops.dro_ext.logsumexp_columns(matrix), got)
     finally:
         torch.set_num_threads(threads)
 
