@@ -202,8 +202,15 @@ def fixed_order_sum(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[0]
     if n <= _SINGLE_THREAD_SUM:
         return x.sum()
-    padded = torch.nn.functional.pad(x, (0, -n % _SUM_CHUNK))  # zeros: they leave every chunk's sum alone
-    return padded.reshape(-1, _SUM_CHUNK).sum(dim=1).sum()
+    # Rows of a contiguous x (a view, no copy of it): a strided row would be summed in another order.
+    x = x.contiguous()
+    whole = n - n % _SUM_CHUNK
+    chunk_sums = x[:whole].reshape(-1, _SUM_CHUNK).sum(dim=1)
+    if whole == n:
+        return chunk_sums.sum()
+    # The last, partial chunk padded with zeros to a whole one, which leave its sum alone: a row summed as the others.
+    last = torch.nn.functional.pad(x[whole:], (0, _SUM_CHUNK - (n - whole))).reshape(1, _SUM_CHUNK).sum(dim=1)
+    return torch.cat([chunk_sums, last]).sum()
 
 
 # What blocked_sums hands its function at once: whole chunks, so that a block's chunk sums are those of
@@ -264,8 +271,8 @@ class _ChunkedSum:
 def blocked_sums(f: Callable[..., Sequence[torch.Tensor]], *xs: torch.Tensor | None) -> list[torch.Tensor]:
     """[fixed_order_sum(v) for v in f(*xs)], the same bits, with f evaluated on one block of the 1-D xs (the same
     elements of each; None stays None) after the other: the vectors f forms take the memory of a block, not of the
-    whole, and fixed_order_sum's padded copy of each is gone. Each of f's results must be a 1-D tensor whose
-    concatenation over the blocks is f's result over the whole: elementwise values, or a selection v[mask] of them.
+    whole. Each of f's results must be a 1-D tensor whose concatenation over the blocks is f's result over the whole:
+    elementwise values, or a selection v[mask] of them.
 
     The bits are fixed_order_sum's because a block is whole chunks: each chunk is summed as a row of its own, as
     there, and the chunks' sums are then summed as one vector, as there. That holds on the CPU, where one thread sums

@@ -271,7 +271,7 @@ def solve(x: torch.Tensor, lam: float, spec: Spec, reducer: Reducer = LOCAL,
     if n == 0:
         raise ValueError(f"dro_ext.{reducer.where}: the losses of every rank together are empty")
     if w is not None:
-        n = blocked_sums(lambda w: [w], w)[0].item()  # the total weight takes the count's place in every mean below
+        n = fixed_order_sum(w).item()  # the total weight takes the count's place in every mean below
     if nan_count > 0 or lo == -math.inf:  # -inf has no dual optimum
         return Solution(math.nan, math.nan, n)
     if hi == math.inf:
@@ -355,4 +355,4 @@ def weights(x: torch.Tensor, eta: torch.Tensor, n: float, lam: float, spec: Spec
         q[block] = unnormalized(x[block], None if w is None else w[block])
     if spec.name == "cvar":  # normalized already: 1/tail is the total weight
         return q
-    return q.div_(reducer.sum(blocked_sums(lambda q: [q], q)[0].reshape(1))[0])
+    return q.div_(reducer.sum(fixed_order_sum(q).reshape(1))[0])

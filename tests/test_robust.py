@@ -890,6 +890,51 @@ def test_blocked_sums_of_a_selection_are_fixed_order_sum_bits(monkeypatch):
         assert got.dtype == expected.dtype and repr(got.item()) == repr(expected.item()), cut
 
 
+_SUM_PEAK_SCRIPT = """
+import resource, sys, torch
+from dro_ext._divergences import fixed_order_sum
+fixed_order_sum(torch.rand(1 << 16, dtype=torch.float64))  # warm-up
+x = torch.rand(int(sys.argv[1]), dtype=torch.float64)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+total = fixed_order_sum(x)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in KiB is Linux's")
+def test_fixed_order_sum_makes_no_copy_of_its_input():
+    """fixed_order_sum of 2^23 + 1 float64 numbers (64 MiB, a partial last chunk) grows the peak memory by its chunks'
+    sums and one padded chunk, not by a padded copy of the whole (64 MiB). In a fresh process, where ru_maxrss is
+    this call's peak alone."""
+    n = (1 << 23) + 1
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _SUM_PEAK_SCRIPT, str(n)], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=300, check=True)
+    growth_mib = int(out.stdout.split()[-1]) / 1024
+    assert growth_mib <= 16, f"peak memory grew by {growth_mib:.0f} MiB"
+
+
+def test_fixed_order_sum_is_thread_independent_and_close_to_the_exact_sum():
+    """The chunks' sums, the last one partial, at one and two threads: the same bits, within a float32 sum's
+    rounding of the float64 sum."""
+    from dro_ext import _divergences
+
+    for n in (32769, 16384 * 5, 16384 * 5 + 1, 16384 * 40 + 9999):
+        x = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(n)).float()
+        threads = torch.get_num_threads()
+        try:
+            sums = []
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                sums.append(_divergences.fixed_order_sum(x))
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(sums[0], sums[1]), n
+        exact = x.double().sum()
+        assert abs(float(sums[0]) - float(exact)) <= 1e-6 * float(x.double().abs().sum()), n
+
+
 _PEAK_SCRIPT = """
 import resource, sys, torch, dro_ext
 cases = [("chi2", {}), ("cressie_read", {"k": 3.0})]
