@@ -68,7 +68,8 @@ gpu-prebuilt: $(STAMP)
 # only tested, never timed; they compile in less than half the time), into build/compat, which no lease takes for a
 # prebuilt library (it has no sources hash).
 compat: $(STAMP)
-	DRO_EXT_CUDA=0 DRO_EXT_CXX_OPT=-O1 PYTHON=$(PYTHON) bash scripts/build_against_torch.sh $(GPU_TORCH_VERSION) build/compat
+	DRO_EXT_CUDA=0 DRO_EXT_CXX_OPT=-O1 PYTHON=$(PYTHON) \
+	  bash scripts/build_against_torch.sh $(GPU_TORCH_VERSION) build/compat
 
 # On a GPU machine: build for the visible card (or take the carried prebuilt library), CUDA tests, the suite,
 # compute-sanitizer and the GPU benchmarks, every log into OUT (scripts/gpu_check.sh: PHASES in the order given;

@@ -63,8 +63,9 @@ rm -rf "$WORK/lib" "$WORK/pkg"
 rm -f "$OUT_DIR/_C.abi3.so" "$OUT_DIR/sources.sha256" "$OUT_DIR/torch_version.txt" "$OUT_DIR/tests.log"
 mkdir -p "$WORK"
 # The compiler's output (thousands of warning lines from that torch's headers) goes to a log, shown on failure.
-if ! env DRO_EXT_CUDA="$WITH_CUDA" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-$(nproc)}" \
-  "$VENV/bin/python" setup.py -q build_ext --build-lib "$WORK/lib" --build-temp "$WORK/tmp" >"$WORK/build.log" 2>&1; then
+if ! env DRO_EXT_CUDA="$WITH_CUDA" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" \
+  MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$VENV/bin/python" setup.py -q build_ext --build-lib "$WORK/lib" \
+  --build-temp "$WORK/tmp" >"$WORK/build.log" 2>&1; then
   { grep -E "error|Error" "$WORK/build.log" || true; } | head -n 40 >&2
   tail -n 20 "$WORK/build.log" >&2
   echo "the build against torch $VERSION failed: full log in $WORK/build.log" >&2
@@ -105,10 +106,11 @@ if [[ "$WITH_CUDA" == 1 ]]; then
 else
   selected=(-k "compile")
 fi
-OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}" DRO_EXT_CUDA="$WITH_CUDA" "$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider -n 2 --dist loadfile \
+OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}" DRO_EXT_CUDA="$WITH_CUDA" \
+  "$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider -n 2 --dist loadfile \
   "${selected[@]}" tests/test_compile_and_opcheck.py tests/test_optim.py tests/test_robust.py tests/test_groups.py \
-  tests/test_group_sums.py tests/test_group_dro_step.py tests/test_group_evaluation.py tests/test_cross_entropy.py tests/test_cross_entropy_groups.py \
-  tests/test_distributed.py "$@" 2>&1 | tee "$OUT_DIR/tests.log"
+  tests/test_group_sums.py tests/test_group_dro_step.py tests/test_group_evaluation.py tests/test_cross_entropy.py \
+  tests/test_cross_entropy_groups.py tests/test_distributed.py "$@" 2>&1 | tee "$OUT_DIR/tests.log"
 if grep -q " skipped" "$OUT_DIR/tests.log"; then
   echo "the build against torch $VERSION skipped tests (see above): it must load and register everywhere" >&2
   exit 1

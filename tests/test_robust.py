@@ -890,6 +890,14 @@ def test_blocked_sums_of_a_selection_are_fixed_order_sum_bits(monkeypatch):
         assert got.dtype == expected.dtype and repr(got.item()) == repr(expected.item()), cut
 
 
+def _peak_growth_mib(script: str, n: int, **env: str) -> float:
+    """How far ru_maxrss (KiB on Linux) rose over what script measures, in a fresh process of one thread given n."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", script, str(n)], cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1",
+                         **env), capture_output=True, text=True, timeout=600, check=True)
+    return int(out.stdout.split()[-1]) / 1024
+
+
 _SUM_PEAK_SCRIPT = """
 import resource, sys, torch
 from dro_ext._divergences import fixed_order_sum
@@ -906,12 +914,7 @@ def test_fixed_order_sum_makes_no_copy_of_its_input():
     """fixed_order_sum of 2^23 + 1 float64 numbers (64 MiB, a partial last chunk) grows the peak memory by its chunks'
     sums and one padded chunk, not by a padded copy of the whole (64 MiB). In a fresh process, where ru_maxrss is
     this call's peak alone."""
-    n = (1 << 23) + 1
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", _SUM_PEAK_SCRIPT, str(n)], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=300, check=True)
-    growth_mib = int(out.stdout.split()[-1]) / 1024
+    growth_mib = _peak_growth_mib(_SUM_PEAK_SCRIPT, (1 << 23) + 1)
     assert growth_mib <= 16, f"peak memory grew by {growth_mib:.0f} MiB"
 
 
@@ -955,10 +958,6 @@ def test_fallback_solve_memory_is_a_float64_copy_and_a_few_blocks():
     110 MiB in all, bounded here at 256 MiB beyond the copy): not by the float64 N-vectors that the passes over the
     whole vector took (1.4 GiB). In a fresh process, where ru_maxrss is this call's peak alone."""
     n = 1 << 23
-    env = dict(os.environ, DRO_EXT_FORCE_PYTHON="1", OMP_NUM_THREADS="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(n)], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=600, check=True)
-    growth_mib = int(out.stdout.split()[-1]) / 1024
+    growth_mib = _peak_growth_mib(_PEAK_SCRIPT, n, DRO_EXT_FORCE_PYTHON="1")
     float64_copy_mib = 8 * n / 2**20
     assert growth_mib <= float64_copy_mib + 256, f"peak memory grew by {growth_mib:.0f} MiB"
