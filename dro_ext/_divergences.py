@@ -501,10 +501,19 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
             small = (u * torch.exp(torch.clamp(z, max=-1.0)) - 1.0) / k
             value = torch.where(z < -1.0, small, (e + at * (e + 1.0)) / k)
             return torch.where(infinite, above * above, _select_positive(u, value, -1.0 / k))
-        u, _, log_u = _cressie_read_parts(t, k)
         if order == 2:
             power -= 1.0
-        return _select_positive(u, torch.exp(log_u * power), 0.0)
+        # u^power at t = +inf is +inf (power > 0) or 0, with slope power a u^(power - 1): +inf for power > 1, else 0
+        # (power = 1 is an integer power, above). Autograd through exp(power log1p(a t)) would form it as inf * 0
+        # there (a weight gradient of NaN), so the infinity is evaluated at a stand-in t = 0 and its limit selected:
+        # t * t for a slope of +inf, a constant for a slope of 0.
+        infinite = t == math.inf
+        u, _, log_u = _cressie_read_parts(torch.where(infinite, 0.0, t), k)
+        finite = _select_positive(u, torch.exp(log_u * power), 0.0)
+        if power > 1.0:
+            above = torch.where(infinite, t, 0.0)
+            return torch.where(infinite, above * above, finite)
+        return torch.where(infinite, math.inf if power > 0.0 else 0.0, finite)
     if name == "smoothed_cvar":
         alpha = required(spec.alpha)
         if order == 0:

@@ -70,6 +70,22 @@ def weight_at_infinity(sign: float, name: str, alpha=None, k=None) -> float:
     return 1.0 / alpha if name in ("cvar", "kl_cvar", "smoothed_cvar") else math.inf
 
 
+def weight_slope_at_infinity(sign: float, name: str, alpha=None, k=None) -> float:
+    """psi*''(+inf) (sign > 0) or psi*''(-inf) (sign < 0): the limits of the table's second derivatives. chi2's
+    psi*'' is 1/2 past t = -2, kl's e^t, cressie_read's (1 + (k - 1) t)^(1/(k - 1) - 1) (+inf for k < 2, 1 at
+    k = 2, 0 for k > 2); the capped divergences' psi*' is constant far right (cvar, kl_cvar) or tends to a
+    constant (smoothed_cvar); every psi*'' is 0 at -inf."""
+    if sign < 0:
+        return 0.0
+    if name == "chi2":
+        return 0.5
+    if name == "kl":
+        return math.inf
+    if name == "cressie_read":
+        return math.inf if k < 2.0 else (1.0 if k == 2.0 else 0.0)
+    return 0.0
+
+
 def dro_loss_with_one_infinite(losses, eta, lam, name, bad_index, alpha=None, k=None, scale=1.0):
     """(value, w, dL/deta) in float64 for losses whose entry bad_index is +inf or -inf and the rest finite.
 

@@ -241,6 +241,26 @@ def test_psi_star_and_weights_at_infinity(backend):
         torch.testing.assert_close(slope, w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("name,params", ref.CASES + [("cressie_read", {"k": 1.2}), ("cressie_read", {"k": 5.0})],
+                         ids=ref.CASE_IDS + ["cressie_read-k1.2", "cressie_read-k5.0"])
+def test_weight_gradient_at_infinity_is_the_limit(backend, name, params, dtype):
+    # d w / d l = psi*''(t) / lam at a loss of +-inf: its limit, never NaN (the fallback's cressie_read at k > 2 formed
+    # exp(p log1p(inf))'s gradient as inf * 0). A finite loss beside them keeps the same formula's finite lanes honest.
+    lam = 0.5
+    losses = torch.tensor([math.inf, -math.inf, 0.75], dtype=dtype, requires_grad=True)
+    weights = dro_ext.dro_weights(losses, 0.25, lam, name, **params)
+    (slope,) = torch.autograd.grad(weights.sum(), losses)
+    kwargs = case_kwargs(params)
+    at_infinity = [ref.weight_slope_at_infinity(s, name, **kwargs) / lam for s in (1.0, -1.0)]
+    torch.testing.assert_close(slope[:2].double(), torch.tensor(at_infinity, dtype=torch.float64), rtol=1e-6, atol=0)
+    t = torch.tensor((0.75 - 0.25) / lam, dtype=torch.float64, requires_grad=True)
+    (first,) = torch.autograd.grad(ref.psi_star(t, name, **kwargs), t, create_graph=True)
+    # cvar's psi*' is a constant past its kink, with no graph left to differentiate: psi*'' = 0.
+    second = torch.autograd.grad(first, t)[0] if first.requires_grad else torch.zeros_like(t)
+    torch.testing.assert_close(slope[2].double(), second / lam, **ref.tolerances(dtype))
+
+
 def test_cvar_subgradient_is_zero_at_the_kink(backend):
     losses = torch.tensor([0.5, 1.0, 2.0])
     w = dro_ext.dro_weights(losses, 1.0, 0.5, "cvar", alpha=0.25)
