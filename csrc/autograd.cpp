@@ -14,7 +14,6 @@
 // A backward that must itself be differentiable (double backward) is composed of differentiable ops;
 // otherwise it calls the kernels directly, below the autograd layer.
 #include <ATen/TensorOperators.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/sum.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -32,11 +31,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using OptDouble = std::optional<double>;
-
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
 
 at::Tensor psi_star_terms(const at::Tensor& losses, const at::Tensor& eta, const at::Tensor& multiplier,
                           double lam, c10::string_view divergence, OptDouble alpha, OptDouble k, double scale,

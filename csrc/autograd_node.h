@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/function.h>
 
@@ -34,5 +35,12 @@ class BelowAutogradUnlessRecording {
  private:
   std::optional<at::AutoDispatchBelowADInplaceOrView> guard_;
 };
+
+// The typed handle of one of this library's ops, for a kernel or a Node to call it through the dispatcher (which
+// picks the backend and, with grad mode on, records the call). Looked up once by each caller's function-local static.
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
 
 }  // namespace dro_ext

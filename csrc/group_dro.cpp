@@ -17,7 +17,6 @@
 #include <ATen/Dispatch.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/TensorSubclassLikeUtils.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -114,11 +113,9 @@ std::tuple<at::Tensor, at::Tensor> call_group_dro_step(const at::Tensor& sums, c
                                                        const at::Tensor& adjustment, double step_size,
                                                        double ema_gamma, bool stale, bool normalize_loss,
                                                        bool update) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("dro_ext::group_dro_step_", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor>(
-                           const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,
-                           const at::Tensor&, const at::Tensor&, double, double, bool, bool, bool)>();
+  static auto op = find_op<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+      const at::Tensor&, double, double, bool, bool, bool)>("dro_ext::group_dro_step_");
   return op.call(sums, counts, log_q, ema_loss, last_loss, seen, active, adjustment, step_size, ema_gamma, stale,
                  normalize_loss, update);
 }

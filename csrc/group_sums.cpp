@@ -10,7 +10,6 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -32,17 +31,17 @@ namespace dro_ext {
 namespace {
 
 // With few groups, consecutive samples often share one, and a single accumulator per group makes each add wait for
-// the one before (a store-to-load chain through memory). kLanes interleaved copies of the accumulators, sample
-// begin + kLanes q + j of a part going to copy j, break those chains; the copies are added in a fixed order at the
+// the one before (a store-to-load chain through memory). kAccumulatorCopies interleaved copies of the accumulators, sample
+// begin + kAccumulatorCopies q + j of a part going to copy j, break those chains; the copies are added in a fixed order at the
 // end. With many groups the chains are rare and the copies would only cost memory and zeroing, so one copy is
 // used: the choice depends on num_groups only, never on the data or the thread count.
-constexpr int64_t kLanes = 4;
-// At most this many groups get lanes: their kLanes rows of accumulators (12 bytes each) stay within L1 (12 KiB).
+constexpr int64_t kAccumulatorCopies = 4;
+// At most this many groups get lanes: their kAccumulatorCopies rows of accumulators (12 bytes each) stay within L1 (12 KiB).
 constexpr int64_t kMaxGroupsForLanes = 256;
 // Parts per at::parallel_for task: the loop over one part of a chunk is tens of microseconds, which a fork and
 // join of the thread pool would cost as much as on a busy machine.
 constexpr int64_t kPartsPerTask = 4;
-static_assert(kLanes == 4, "group_sums_kernel adds the lanes of a part as (l0 + l1) + (l2 + l3)");
+static_assert(kAccumulatorCopies == 4, "group_sums_kernel adds the lanes of a part as (l0 + l1) + (l2 + l3)");
 
 // Samples are read kBlock at a time, all their ids and values first, then their adds: a load of the accumulators
 // is then not queued behind the stores of the samples before it in the same block. With many groups the
@@ -50,7 +49,7 @@ static_assert(kLanes == 4, "group_sums_kernel adds the lanes of a part as (l0 + 
 // waits for it (it may be the same address): reading ahead measured 20% faster at 1024 groups, and no slower with
 // few. The adds still run in sample order, so the sums are the same, bit for bit.
 constexpr int64_t kBlock = 8;
-static_assert(kBlock % kLanes == 0, "a block's samples go to the lanes in turn, as unblocked ones would");
+static_assert(kBlock % kAccumulatorCopies == 0, "a block's samples go to the lanes in turn, as unblocked ones would");
 
 // The samples [begin, end) of one part into its `lanes` rows of num_groups + 1 accumulators (slot num_groups takes
 // the ids outside [0, num_groups), and is dropped). Sample begin + t goes to lane t % LANES, so each lane's chain
@@ -99,7 +98,7 @@ bool group_sums_kernel(const at::Tensor& losses, const at::Tensor& groups, int64
   const scalar_t* x = losses.const_data_ptr<scalar_t>();
   const id_t* ids = groups.const_data_ptr<id_t>();
   const int64_t x_stride = losses.stride(0), id_stride = groups.stride(0);
-  const int64_t lanes = num_groups <= kMaxGroupsForLanes ? kLanes : 1;
+  const int64_t lanes = num_groups <= kMaxGroupsForLanes ? kAccumulatorCopies : 1;
   const int64_t row = num_groups + 1, width = lanes * row;
   const int64_t part = cpu::part_size(n, width);
   const int64_t num_parts = std::max<int64_t>(1, (n + part - 1) / part);
@@ -117,8 +116,8 @@ bool group_sums_kernel(const at::Tensor& losses, const at::Tensor& groups, int64
       std::fill(s, s + width, acc_t(0));  // zeroed here, by the thread that sums into it
       std::fill(c, c + width, int64_t{0});
       const int64_t first = p * part, last = std::min(n, (p + 1) * part);
-      part_in_range[p] = lanes == kLanes
-                             ? sum_part<kLanes>(x, x_stride, ids, id_stride, first, last, num_groups, s, c)
+      part_in_range[p] = lanes == kAccumulatorCopies
+                             ? sum_part<kAccumulatorCopies>(x, x_stride, ids, id_stride, first, last, num_groups, s, c)
                              : sum_part<1>(x, x_stride, ids, id_stride, first, last, num_groups, s, c);
     }
   });
@@ -130,7 +129,7 @@ bool group_sums_kernel(const at::Tensor& losses, const at::Tensor& groups, int64
       const acc_t* ps = part_sums + p * width;
       const int64_t* pc = part_counts + p * width;
       for (int64_t k = begin; k < end; ++k) {
-        const acc_t part_sum = lanes == kLanes ? (ps[k] + ps[row + k]) + (ps[2 * row + k] + ps[3 * row + k]) : ps[k];
+        const acc_t part_sum = lanes == kAccumulatorCopies ? (ps[k] + ps[row + k]) + (ps[2 * row + k] + ps[3 * row + k]) : ps[k];
         sums[k] = p == 0 ? part_sum : sums[k] + part_sum;
         for (int64_t j = 0; j < lanes; ++j) total_counts[k] += pc[j * row + k];
       }
@@ -196,14 +195,9 @@ at::Tensor group_sums_backward_cpu(const at::Tensor& grad_sums, const at::Tensor
   return out;
 }
 
-// ------------------------------------------------------------------------------------------------- autograd
-
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
 }  // namespace
+
+// ------------------------------------------------------------------------------------------------- autograd
 
 std::tuple<at::Tensor, at::Tensor> call_group_sums(const at::Tensor& losses, const at::Tensor& groups,
                                                    int64_t num_groups, bool validate) {

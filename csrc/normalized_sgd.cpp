@@ -36,7 +36,7 @@ constexpr int64_t kStepChunk = 8192;
 // Below this many elements in all, threads cost more than they save.
 constexpr int64_t kSerialBelow = 1 << 16;
 // Independent accumulators, so the compiler vectorizes the sum of squares without reordering a sum.
-constexpr int kLanes = 16;
+constexpr int kSquareSumLanes = 16;
 
 struct Chunk {
   int64_t tensor;
@@ -47,17 +47,17 @@ struct Chunk {
 // sum m^2 over one chunk, every product and sum in double.
 template <typename scalar_t>
 C10_ALWAYS_INLINE double sum_squares_double(const scalar_t* m, int64_t n) {
-  double lanes[kLanes] = {};
+  double lanes[kSquareSumLanes] = {};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
+  for (; i + kSquareSumLanes <= n; i += kSquareSumLanes) {
+    for (int j = 0; j < kSquareSumLanes; ++j) {
       const double v = static_cast<double>(m[i + j]);
       lanes[j] += v * v;
     }
   }
   for (; i < n; ++i) lanes[0] += static_cast<double>(m[i]) * static_cast<double>(m[i]);
   double sum = 0.0;
-  for (int j = 0; j < kLanes; ++j) sum += lanes[j];
+  for (int j = 0; j < kSquareSumLanes; ++j) sum += lanes[j];
   return sum;
 }
 
@@ -66,7 +66,7 @@ C10_ALWAYS_INLINE double sum_squares_double(const scalar_t* m, int64_t n) {
 // per lane) and the block sums in double: as accurate as summing in double, at the speed of float
 // arithmetic. Where float squares could have overflowed or underflowed (a huge or tiny momentum), the
 // chunk is summed again entirely in double.
-constexpr int64_t kSquareBlock = 4 * kLanes;
+constexpr int64_t kSquareBlock = 4 * kSquareSumLanes;
 
 #if defined(__GNUC__)
 // float32, the common case, is written with GCC/Clang vector types: from the scalar-lane loop below GCC
@@ -109,12 +109,12 @@ C10_ALWAYS_INLINE double sum_updated_momentum(const scalar_t* g, scalar_t* m, in
 #if defined(__GNUC__)
   if constexpr (std::is_same_v<scalar_t, float>) return update_momentum_float(g, m, n, keep, take);
 #endif
-  double lanes[kLanes] = {};
+  double lanes[kSquareSumLanes] = {};
   int64_t i = 0;
   for (; i + kSquareBlock <= n; i += kSquareBlock) {
-    opmath_t block_lanes[kLanes] = {};
-    for (int64_t b = 0; b < kSquareBlock; b += kLanes) {
-      for (int j = 0; j < kLanes; ++j) {
+    opmath_t block_lanes[kSquareSumLanes] = {};
+    for (int64_t b = 0; b < kSquareBlock; b += kSquareSumLanes) {
+      for (int j = 0; j < kSquareSumLanes; ++j) {
         const scalar_t stored = static_cast<scalar_t>(keep * static_cast<opmath_t>(m[i + b + j]) +
                                                       take * static_cast<opmath_t>(g[i + b + j]));
         m[i + b + j] = stored;
@@ -122,7 +122,7 @@ C10_ALWAYS_INLINE double sum_updated_momentum(const scalar_t* g, scalar_t* m, in
         block_lanes[j] += v * v;
       }
     }
-    for (int j = 0; j < kLanes; ++j) lanes[j] += static_cast<double>(block_lanes[j]);
+    for (int j = 0; j < kSquareSumLanes; ++j) lanes[j] += static_cast<double>(block_lanes[j]);
   }
   for (; i < n; ++i) {
     const scalar_t stored =
@@ -132,7 +132,7 @@ C10_ALWAYS_INLINE double sum_updated_momentum(const scalar_t* g, scalar_t* m, in
     lanes[0] += v * v;
   }
   double sum = 0.0;
-  for (int j = 0; j < kLanes; ++j) sum += lanes[j];
+  for (int j = 0; j < kSquareSumLanes; ++j) sum += lanes[j];
   return sum;
 }
 

@@ -16,6 +16,7 @@ nothing and the wheel only links. The test therefore needs that build: without o
 elsewhere) it is skipped, saying so, except on CI, where it fails; and CI also fails when ninja compiled anything.
 """
 import email.parser
+import glob
 import importlib.util
 import os
 import re
@@ -82,6 +83,40 @@ def test_a_check_build_takes_its_host_optimization_from_dro_ext_cxx_opt(monkeypa
     monkeypatch.setenv("DRO_EXT_CXX_OPT", "fast")
     with pytest.raises(SystemExit, match="DRO_EXT_CXX_OPT must be"):
         setup_script.extensions()
+
+
+def test_a_unity_build_compiles_every_source_once_and_the_simd_builds_apart(tmp_path, monkeypatch):
+    """unity_sources: every .cpp in one translation unit and every .cu in another, each source #included exactly
+    once by a path that reaches it from the unit's folder; the SIMD builds of the kernels and the Python module's
+    init compiled on their own; a unit rewritten only when its text changes (ninja recompiles what is newer)."""
+    setup_script = _setup_script()
+    monkeypatch.chdir(REPO)
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp") + glob.glob("csrc/cuda/*.cu"))
+    apart = [s for s in sources if s == "csrc/module.cpp" or Path(s).name.startswith("kernels_")]
+    assert len(apart) == 4, apart  # module.cpp and the default, AVX2 and AVX-512 builds
+    units = setup_script.unity_sources(sources, str(tmp_path))
+    assert units[len(units) - len(apart):] == apart
+    included = {}
+    for unit in units[:len(units) - len(apart)]:
+        lines = [line for line in Path(unit).read_text().splitlines() if line.startswith("#include")]
+        included[Path(unit).suffix] = [(Path(unit).parent / re.fullmatch(r'#include "(.+)"', line)[1]).resolve()
+                                       for line in lines]
+    assert set(included) == {".cpp", ".cu"}
+    for suffix, paths in included.items():
+        expected = [(REPO / s).resolve() for s in sources if s.endswith(suffix) and s not in apart]
+        assert paths == expected and all(p.is_file() for p in paths), suffix
+    # The same sources again: no unit is written (its time stays in the past); a unit whose text differs is.
+    past = 1_000_000_000
+    for unit in units[:2]:
+        os.utime(unit, (past, past))
+    Path(units[0]).write_text(Path(units[0]).read_text() + "// edited\n")
+    os.utime(units[0], (past, past))
+    assert setup_script.unity_sources(sources, str(tmp_path)) == units
+    assert os.stat(units[0]).st_mtime != past and "edited" not in Path(units[0]).read_text()
+    assert os.stat(units[1]).st_mtime == past
+    monkeypatch.setenv("DRO_EXT_UNITY_BUILD", "yes")
+    with pytest.raises(SystemExit, match="DRO_EXT_UNITY_BUILD must be 0 or 1"):
+        setup_script.unity_build()
 
 
 def _build(kind: str, out: Path) -> tuple[Path, str]:
