@@ -144,14 +144,18 @@ struct RobustObjectiveBackward final : public torch::autograd::Node {
       at::AutoDispatchBelowADInplaceOrView guard;
       return weights_op.call(saved_losses, saved_eta, lam, divergence, alpha, k);
     }();
+    const at::Tensor scale = grad.to(weights.scalar_type());
     if (at::GradMode::is_enabled() && saved_losses.requires_grad()) {
       // A backward that records (create_graph=True): the weights' own derivative is not implemented, so a second
       // backward through them raises instead of treating them as constants.
       auto not_implemented = make_node<torch::autograd::NotImplemented>("dro_ext::robust_objective's backward");
       not_implemented->set_next_edges(torch::autograd::collect_next_edges(saved_losses));
       torch::autograd::set_history(weights, not_implemented);
+      out[0] = weights * scale;
+    } else {
+      // The weights are this call's own: scaled where they lie, the backward holds one N-vector, not two.
+      out[0] = weights.mul_(scale);
     }
-    out[0] = weights * grad.to(weights.scalar_type());
     return out;
   }
 };

@@ -898,6 +898,28 @@ def _peak_growth_mib(script: str, n: int, **env: str) -> float:
     return int(out.stdout.split()[-1]) / 1024
 
 
+_BACKWARD_PEAK_SCRIPT = """
+import resource, sys, torch, dro_ext
+warm = torch.rand(1 << 16, requires_grad=True)  # the allocator's and the solver's first calls
+dro_ext.robust_objective(warm, 0.5, "chi2")[0].backward()
+x = torch.rand(int(sys.argv[1]), requires_grad=True)
+value, _ = dro_ext.robust_objective(x, 0.5, "chi2")
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+value.backward()
+assert x.grad is not None and x.grad.shape == x.shape
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in KiB is Linux's")
+def test_the_backward_of_the_robust_objective_holds_one_gradient():
+    """robust_objective's backward over 2^24 float32 losses (64 MiB) grows the peak memory by the gradient it returns,
+    the weights scaled where they lie: not by the weights and their scaled copy (128 MiB). In a fresh process."""
+    n = 1 << 24
+    growth_mib = _peak_growth_mib(_BACKWARD_PEAK_SCRIPT, n)
+    assert growth_mib <= 4 * n / 2**20 * 1.5, f"peak memory grew by {growth_mib:.0f} MiB"
+
+
 _SUM_PEAK_SCRIPT = """
 import resource, sys, torch
 from dro_ext._divergences import fixed_order_sum
