@@ -31,12 +31,13 @@ namespace dro_ext {
 namespace {
 
 // With few groups, consecutive samples often share one, and a single accumulator per group makes each add wait for
-// the one before (a store-to-load chain through memory). kAccumulatorCopies interleaved copies of the accumulators, sample
-// begin + kAccumulatorCopies q + j of a part going to copy j, break those chains; the copies are added in a fixed order at the
-// end. With many groups the chains are rare and the copies would only cost memory and zeroing, so one copy is
-// used: the choice depends on num_groups only, never on the data or the thread count.
+// the one before (a store-to-load chain through memory). kAccumulatorCopies interleaved copies of the accumulators,
+// sample begin + kAccumulatorCopies q + j of a part going to copy j, break those chains; the copies are added in a
+// fixed order at the end. With many groups the chains are rare and the copies would only cost memory and zeroing,
+// so one copy is used: the choice depends on num_groups only, never on the data or the thread count.
 constexpr int64_t kAccumulatorCopies = 4;
-// At most this many groups get lanes: their kAccumulatorCopies rows of accumulators (12 bytes each) stay within L1 (12 KiB).
+// At most this many groups get lanes: their kAccumulatorCopies rows of accumulators (12 bytes each) stay within L1
+// (12 KiB).
 constexpr int64_t kMaxGroupsForLanes = 256;
 // Parts per at::parallel_for task: the loop over one part of a chunk is tens of microseconds, which a fork and
 // join of the thread pool would cost as much as on a busy machine.
@@ -129,7 +130,8 @@ bool group_sums_kernel(const at::Tensor& losses, const at::Tensor& groups, int64
       const acc_t* ps = part_sums + p * width;
       const int64_t* pc = part_counts + p * width;
       for (int64_t k = begin; k < end; ++k) {
-        const acc_t part_sum = lanes == kAccumulatorCopies ? (ps[k] + ps[row + k]) + (ps[2 * row + k] + ps[3 * row + k]) : ps[k];
+        const acc_t part_sum =
+            lanes == kAccumulatorCopies ? (ps[k] + ps[row + k]) + (ps[2 * row + k] + ps[3 * row + k]) : ps[k];
         sums[k] = p == 0 ? part_sum : sums[k] + part_sum;
         for (int64_t j = 0; j < lanes; ++j) total_counts[k] += pc[j * row + k];
       }
