@@ -488,14 +488,16 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
         if order > 0 and (integer_power := _cressie_read_integer_power(k)):
             return _cressie_read_integer(t, integer_power, order)
         power = 1.0 / (k - 1.0)
+        # At t = +inf autograd through exp(p log1p(a t)) forms the gradient as exp(inf) * d log1p(inf) = inf * 0 (a
+        # NaN): every form below is evaluated at a stand-in t = 0 there, and its limit selected instead, with t * t
+        # standing for +inf with slope +inf.
+        infinite = t == math.inf
+        above = torch.where(infinite, t, 0.0)
+        u, at, log_u = _cressie_read_parts(torch.where(infinite, 0.0, t), k)
         if order == 0:
-            # (u^(p+1) - 1) / k = (e + a t (1 + e)) / k with e = u^p - 1. At t = +inf its autograd gradient would
-            # be exp(inf) * d log1p(inf) = inf * 0, so it is evaluated at a stand-in t = 0 there, and the result
-            # there is t * t: +inf with slope +inf, as psi* (and 0 with slope 0 elsewhere). Where u^p < 1/e, as
-            # (u u^p - 1) / k: the gradient of 1 + e would keep only the digits of u^p that 1 leaves (see _expm1).
-            infinite = t == math.inf
-            above = torch.where(infinite, t, 0.0)
-            u, at, log_u = _cressie_read_parts(torch.where(infinite, 0.0, t), k)
+            # (u^(p+1) - 1) / k = (e + a t (1 + e)) / k with e = u^p - 1, +inf with slope +inf at t = +inf, as psi*.
+            # Where u^p < 1/e, as (u u^p - 1) / k: the gradient of 1 + e would keep only the digits of u^p that 1
+            # leaves (see _expm1).
             z = log_u * power
             e = torch.expm1(z)
             small = (u * torch.exp(torch.clamp(z, max=-1.0)) - 1.0) / k
@@ -504,16 +506,10 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
         if order == 2:
             power -= 1.0
         # u^power at t = +inf is +inf (power > 0) or 0, with slope power a u^(power - 1): +inf for power > 1, else 0
-        # (power = 1 is an integer power, above). Autograd through exp(power log1p(a t)) would form it as inf * 0
-        # there (a weight gradient of NaN), so the infinity is evaluated at a stand-in t = 0 and its limit selected:
-        # t * t for a slope of +inf, a constant for a slope of 0.
-        infinite = t == math.inf
-        u, _, log_u = _cressie_read_parts(torch.where(infinite, 0.0, t), k)
+        # (power = 1 is an integer power, above).
         finite = _select_positive(u, torch.exp(log_u * power), 0.0)
-        if power > 1.0:
-            above = torch.where(infinite, t, 0.0)
-            return torch.where(infinite, above * above, finite)
-        return torch.where(infinite, math.inf if power > 0.0 else 0.0, finite)
+        at_infinity = above * above if power > 1.0 else (math.inf if power > 0.0 else 0.0)
+        return torch.where(infinite, at_infinity, finite)
     if name == "smoothed_cvar":
         alpha = required(spec.alpha)
         if order == 0:

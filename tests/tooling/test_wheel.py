@@ -16,7 +16,6 @@ nothing and the wheel only links. The test therefore needs that build: without o
 elsewhere) it is skipped, saying so, except on CI, where it fails; and CI also fails when ninja compiled anything.
 """
 import email.parser
-import glob
 import importlib.util
 import os
 import re
@@ -91,7 +90,8 @@ def test_a_unity_build_compiles_every_source_once_and_the_simd_builds_apart(tmp_
     init compiled on their own; a unit rewritten only when its text changes (ninja recompiles what is newer)."""
     setup_script = _setup_script()
     monkeypatch.chdir(REPO)
-    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp") + glob.glob("csrc/cuda/*.cu"))
+    cpp_sources, cuda_sources = setup_script.source_files()
+    sources = cpp_sources + cuda_sources
     apart = [s for s in sources if s == "csrc/module.cpp" or Path(s).name.startswith("kernels_")]
     assert len(apart) == 4, apart  # module.cpp and the default, AVX2 and AVX-512 builds
     units = setup_script.unity_sources(sources, str(tmp_path))
