@@ -11,11 +11,11 @@
 # check that the sources build against it, not only against the pinned 2.14.1 (the two differ in C++ standard and
 # autograd API), and that the Python layer's torch.compile tests pass under its Dynamo: into build/compat, the CPU
 # kernels only (DRO_EXT_CUDA=0: the CUDA objects were most of its time, and each GPU session's own gpu-prebuilt
-# compiles them against this torch before its lease), with the host C++ compiled at -O1 (DRO_EXT_CXX_OPT, setup.py;
-# the CPU kernels in less than half the time), and no sources hash.
+# compiles them against this torch before its lease), with the host C++ unoptimized (DRO_EXT_CXX_OPT=-O0, setup.py;
+# the CPU kernels in a quarter of the time), and no sources hash.
 # The library is abi3 (py_limited_api), so a build made with this Python loads in the GPU machines' 3.12.
-# Importing that torch needs its CUDA libraries: they are taken from the installed torch's nvidia packages
-# (same CUDA major version) instead of downloading several GB of them again.
+# The virtual environment is scripts/torch_venv.sh's. Importing its torch needs its CUDA libraries: they are taken
+# from the installed torch's nvidia packages (same CUDA major version) instead of downloading several GB of them again.
 set -euo pipefail
 
 if [[ $# -lt 2 ]]; then
@@ -43,18 +43,7 @@ EOF
 )"
 export LD_LIBRARY_PATH="$nvidia_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
-if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$VERSION')" 2>/dev/null; then
-  rm -rf "$VENV"
-  "$PYTHON" -m venv "$VENV"
-  "$VENV/bin/pip" install -q --no-deps "torch==$VERSION"
-  "$VENV/bin/pip" install -q filelock typing-extensions sympy networkx jinja2 fsspec numpy ninja \
-    pytest expecttest hypothesis scipy
-fi
-# (a venv made before the check ran its tests in two processes lacks pytest-xdist)
-"$VENV/bin/python" -c "import xdist" 2>/dev/null || "$VENV/bin/pip" install -q pytest-xdist
-# pyproject.toml's license is an SPDX expression with license-files (PEP 639), which setuptools reads from 77 on; a
-# new venv starts with the setuptools its Python bundles (65 for 3.11), which "setuptools<82" alone leaves in place.
-"$VENV/bin/pip" install -q "setuptools>=77,<82"
+PYTHON="$PYTHON" bash scripts/torch_venv.sh "$VERSION"
 TORCH_BUILT="$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
 echo "building against $TORCH_BUILT"
 
