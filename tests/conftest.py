@@ -1,5 +1,4 @@
 """Shared fixtures: every numerical test runs on both the native ops and the PyTorch fallback."""
-import collections
 import os
 import sys
 import zlib
@@ -74,31 +73,3 @@ def _seed(request):
     seed = int(os.environ.get("DRO_EXT_TEST_SEED", "0")) + (zlib.crc32(request.node.nodeid.encode()) & 0xFFFF)
     torch.manual_seed(seed)
     yield
-
-
-# The files that take longest, most of them in processes they start (the demo, the benchmarks' quick run, distributed
-# ranks, wheel builds), longest first, as `--durations` measured them on 2 cores. They are scheduled first, and the
-# others after them by how many tests they hold, so that the two pytest-xdist workers of `make test` finish together
-# instead of one running a long file alone at the end (xdist's own order, by number of tests alone, put these last:
-# the suite kept 186% of the two cores busy). Only the order changes: every test runs, a missing file is ignored.
-LONGEST_FILES_FIRST = (
-    "tests/test_demo.py", "tests/tooling/test_bench.py", "tests/test_precision.py", "tests/test_robust.py",
-    "tests/test_distributed.py", "tests/tooling/test_wheel.py", "tests/test_thread_counts.py", "tests/test_groups.py",
-    "tests/test_exactness_properties.py", "tests/test_cross_entropy.py", "tests/tooling/test_gpu_check.py",
-    "tests/test_optim.py", "tests/test_examples.py", "tests/test_loss.py",
-)
-
-
-def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's --dist loadfile: keep the order below
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(config, items):
-    def path(item):
-        return item.nodeid.split("::", 1)[0]
-
-    first = {name: rank for rank, name in enumerate(LONGEST_FILES_FIRST)}
-    counts = collections.Counter(path(item) for item in items)
-    # (a stable sort: each file's tests keep their order, and stay together)
-    items.sort(key=lambda item: (first.get(path(item), len(first)), -counts[path(item)], path(item)))
