@@ -71,8 +71,9 @@ gpu-prebuilt: $(STAMP)
 
 # CI's check of the same build and tests, for the CPU kernels only (the CUDA objects were most of its time; a GPU
 # session's gpu-prebuilt compiles them against this torch before its lease) and the host C++ unoptimized (-O0: its
-# kernels are only tested, never timed; on a 2-vCPU EPYC the build took 58 s, against 77 s at -O1 and about 170 s at
-# -O3), into build/compat, which no lease takes for a prebuilt library (it has no sources hash).
+# kernels are only tested, never timed; on a 2-vCPU EPYC the build took 58 s, against 77 s at -O1; the same objects
+# take about 330 CPU-s at -O3 in `make setup`), into build/compat, which no lease takes for a prebuilt library (it has
+# no sources hash).
 compat: $(STAMP)
 	DRO_EXT_CUDA=0 DRO_EXT_CXX_OPT=-O0 PYTHON=$(PYTHON) \
 	  bash scripts/build_against_torch.sh $(GPU_TORCH_VERSION) build/compat
