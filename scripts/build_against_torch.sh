@@ -29,7 +29,6 @@ cd "$(dirname "$0")/.."
 REPO="$(pwd)"
 PYTHON="${PYTHON:-python3}"
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
-VENV="$REPO/build/torch-$VERSION"
 WITH_CUDA="${DRO_EXT_CUDA:-1}"
 [[ "$WITH_CUDA" == 0 || "$WITH_CUDA" == 1 ]] || { echo "DRO_EXT_CUDA must be 0 or 1, got $WITH_CUDA" >&2; exit 2; }
 # Objects and the check's copy of the package live beside DIR, so that DIR holds only what a lease carries.
@@ -43,7 +42,7 @@ EOF
 )"
 export LD_LIBRARY_PATH="$nvidia_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
-PYTHON="$PYTHON" bash scripts/torch_venv.sh "$VERSION"
+VENV="$(PYTHON="$PYTHON" bash scripts/torch_venv.sh "$VERSION")"
 TORCH_BUILT="$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
 echo "building against $TORCH_BUILT"
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Makes build/torch-VERSION, the virtual environment with another torch release that build_against_torch.sh builds
-# and tests in (make compat, make gpu-prebuilt), unless a complete one is there:
+# and tests in (make compat, make gpu-prebuilt), unless a complete one is there, and prints its path (the one line it
+# writes on stdout; pip's output goes to stderr):
 #
 #   scripts/torch_venv.sh VERSION
 #
@@ -21,14 +22,14 @@ VENV="$(pwd)/build/torch-$VERSION"
 # Written last: a venv without it (an install that failed or was stopped) is made again.
 COMPLETE="$VENV/.complete"
 
-if [[ -f "$COMPLETE" ]]; then
-  exit 0
+if [[ ! -f "$COMPLETE" ]]; then
+  rm -rf "$VENV"
+  "$PYTHON" -m venv "$VENV" >&2
+  "$VENV/bin/pip" install -q --no-deps "torch==$VERSION" >&2
+  # pyproject.toml's license is an SPDX expression with license-files (PEP 639), which setuptools reads from 77 on;
+  # a new venv starts with the setuptools its Python bundles (65 for 3.11), which "setuptools<82" alone leaves in place.
+  "$VENV/bin/pip" install -q filelock typing-extensions sympy networkx jinja2 fsspec numpy ninja \
+    pytest pytest-xdist expecttest hypothesis scipy "setuptools>=77,<82" >&2
+  touch "$COMPLETE"
 fi
-rm -rf "$VENV"
-"$PYTHON" -m venv "$VENV"
-"$VENV/bin/pip" install -q --no-deps "torch==$VERSION"
-# pyproject.toml's license is an SPDX expression with license-files (PEP 639), which setuptools reads from 77 on; a
-# new venv starts with the setuptools its Python bundles (65 for 3.11), which "setuptools<82" alone leaves in place.
-"$VENV/bin/pip" install -q filelock typing-extensions sympy networkx jinja2 fsspec numpy ninja \
-  pytest pytest-xdist expecttest hypothesis scipy "setuptools>=77,<82"
-touch "$COMPLETE"
+echo "$VENV"
