@@ -128,9 +128,11 @@ class _WeightedGroupObjective(torch.autograd.Function):
             q = _solver.weights(x, eta, solution.n, lam, spec, w=w)
             q_groups = torch.zeros(means.shape, dtype=torch.float64, device=means.device).masked_scatter(present, q)
         ctx.save_for_backward(q_groups, means)
-        ctx.mark_non_differentiable(q_groups)
+        # eta* carries no gradient, as on the other paths (a gradient of zeros through it would be wrong).
+        eta_star = torch.tensor(solution.eta, dtype=acc, device=means.device)
+        ctx.mark_non_differentiable(eta_star, q_groups)
         value = torch.tensor(solution.value, dtype=acc, device=means.device)
-        return value, torch.tensor(solution.eta, dtype=acc, device=means.device), q_groups
+        return value, eta_star, q_groups
 
     @staticmethod
     def backward(ctx: Any, grad_value: torch.Tensor, _grad_eta: torch.Tensor | None,
@@ -234,9 +236,13 @@ def report(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam: flo
     if group is not None and not bool(present.any()):  # (the counts of every rank: all of them raise alike)
         raise ValueError("dro_ext.evaluate: the losses of every rank together are empty")
     means = sums / torch.clamp(counts, min=1.0)
-    # argmax over the present groups: an absent group ranks below every present one, NaN means included.
-    ranked = torch.where(present, means, -torch.inf)
-    worst = torch.argmax(torch.where(torch.isnan(ranked), torch.inf, ranked))
+    # The worst group in three tiers: a NaN mean above every number (+inf included), an absent group below every
+    # present one (-inf included); within the top tier the largest mean, then the lowest id (argmax's first).
+    nan = present & torch.isnan(means)
+    tier = present.to(torch.int8) + nan.to(torch.int8)
+    top = tier == tier.max()
+    largest = torch.where(top & ~nan, means, -torch.inf).max()
+    worst = torch.argmax((top & (nan | (means == largest))).to(torch.int8))
     dtype = losses.dtype
     group_loss = torch.where(present, means, torch.nan).to(dtype)
     return GroupEvaluation(value, eta, group_loss, counts.to(torch.int64), worst, group_loss[worst])

@@ -252,6 +252,16 @@ def test_weighted_gradcheck(backend, name, params, weighting):
         (losses,), eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
+@pytest.mark.parametrize("weighting", ["batch", *WEIGHTINGS])
+def test_eta_star_carries_no_gradient(backend, weighting):
+    # As the sample-level call's: a gradient of zeros through eta* would be silently wrong (it moves with the losses).
+    options = WEIGHTINGS[weighting](4) if weighting in WEIGHTINGS else {}
+    losses, groups = random_batch(12, 4)
+    value, eta = dro_ext.robust_objective(losses.requires_grad_(), 0.7, "chi2", groups=groups, num_groups=4,
+                                          **options)
+    assert value.requires_grad and not eta.requires_grad
+
+
 def test_weighted_without_weight_on_the_present_groups_is_nan(backend):
     # p renormalized over the present groups is 0/0: the value, eta*, the group distribution and the gradient are NaN
     # (q was zeros, which sum to no distribution, and the gradient 0)
@@ -537,6 +547,23 @@ def test_evaluate_worst_group_with_a_nan_group():
     # A NaN group is the worst (its loss is unknown, not small), and Psi is NaN.
     assert result.worst_group.item() == 1 and math.isnan(result.worst_group_loss.item())
     assert math.isnan(result.value.item())
+
+
+@pytest.mark.parametrize("losses, groups, worst, worst_loss", [
+    ([-math.inf, 1.0], [2, 2], 2, -math.inf),            # the only present group's mean is -inf: absent ones rank below
+    ([-math.inf, -math.inf], [1, 2], 1, -math.inf),      # present groups tied at -inf: the lowest present id
+    ([math.inf, math.nan, 1.0], [0, 1, 2], 1, math.nan),  # NaN above +inf
+    ([1.0, math.nan, math.nan], [2, 1, 3], 1, math.nan),  # two NaN groups: the lowest id
+    ([math.inf, 2.0, math.inf], [3, 0, 1], 1, math.inf),  # +inf tied: the lowest id
+    ([0.5, 2.0, 2.0], [0, 3, 1], 1, 2.0),                  # a finite tie: the lowest id
+])
+def test_evaluate_worst_group_ranks_absent_below_and_nan_above(losses, groups, worst, worst_loss):
+    loader = [(torch.tensor(losses, dtype=torch.float64), torch.tensor(groups))]
+    result = dro_ext.evaluate(torch.nn.Identity(), loader, lambda m, b: m(b[0]), 0.5, groups_fn=lambda b: b[1],
+                              num_groups=4, progress=False)
+    assert result.worst_group.item() == worst
+    got = result.worst_group_loss.item()
+    assert (math.isnan(got) and math.isnan(worst_loss)) or got == worst_loss
 
 
 # ---------------------------------------------------------------------------------------------------
