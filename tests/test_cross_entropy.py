@@ -905,6 +905,24 @@ def test_logsumexp_columns_matches_float64_logsumexp(dtype, shape):
 
 
 @native_only
+@pytest.mark.parametrize("rows", [300, 2048, 32000])
+def test_logsumexp_columns_keeps_the_small_terms_after_a_confident_one(rows):
+    # Each column: one term exp(0) = 1 (the target of a confident row) somewhere, and rows - 1 terms each below half
+    # float32's step at 1, which a plain float32 sum after the 1 drops (a 32000-class loss came out 65% low). The
+    # compensated sum keeps the log of the sum within a step at 1 of float64's.
+    generator = torch.Generator().manual_seed(rows)
+    columns = 9
+    matrix = (-17.5 - torch.rand(rows, columns, generator=generator, dtype=torch.float64)).float()
+    at = torch.tensor([0, 1, rows // 2, rows - 1, 63, 64, 65, rows // 3, rows - 2])  # the slab edges too
+    matrix[at, torch.arange(columns)] = 0.0
+    got = torch.ops.dro_ext.logsumexp_columns(matrix)
+    assert torch.equal(got[:, 0], torch.zeros(columns))
+    expected = torch.logsumexp(matrix.double(), dim=0)
+    error = (got[:, 1].double() - expected).abs()
+    assert bool((error <= torch.finfo(torch.float32).eps).all()), f"worst error {error.max().item():.3g}"
+
+
+@native_only
 def test_logsumexp_columns_infinities_nan_and_empty():
     matrix = torch.randn(150, 9, dtype=torch.float64)
     matrix[:, 1] = -math.inf              # every term 0: -inf

@@ -53,5 +53,44 @@ inline acc_t horizontal_sum(const Vectorized<acc_t>& v) {
   return buf[0];
 }
 
+// The sum of the lanes in float64, in lane order.
+template <typename acc_t>
+inline double wide_horizontal_sum(const Vectorized<acc_t>& v) {
+  constexpr int64_t kLanes = Vectorized<acc_t>::size();
+  alignas(64) acc_t buf[kLanes];
+  v.store(buf);
+  double sum = 0;
+  for (int64_t i = 0; i < kLanes; ++i) sum += static_cast<double>(buf[i]);
+  return sum;
+}
+
+// Kahan's compensated sum, lane by lane: a sum of terms in [0, 1] whose largest term, once in, would otherwise drop
+// every later term below half its rounding step (a confident row's 1 against its small probabilities). The terms
+// must be finite or NaN (an inf would turn the compensation NaN).
+template <typename acc_t>
+struct CompensatedSum {
+  Vectorized<acc_t> sum{acc_t(0)};
+  Vectorized<acc_t> lost{acc_t(0)};  // what the roundings of sum dropped, negated
+
+  void add(const Vectorized<acc_t>& x) {
+    const Vectorized<acc_t> term = x - lost;
+    const Vectorized<acc_t> next = sum + term;
+    lost = (next - sum) - term;
+    sum = next;
+  }
+  void scale(const Vectorized<acc_t>& factor) {
+    sum = sum * factor;
+    lost = lost * factor;
+  }
+  // Each lane's sum in float64, sum - lost, not rounded back to acc_t.
+  void store_wide(double* out) const {
+    constexpr int64_t kLanes = Vectorized<acc_t>::size();
+    alignas(64) acc_t sums[kLanes], losts[kLanes];
+    sum.store(sums);
+    lost.store(losts);
+    for (int64_t i = 0; i < kLanes; ++i) out[i] = static_cast<double>(sums[i]) - static_cast<double>(losts[i]);
+  }
+};
+
 }  // namespace
 }  // namespace dro_ext::cpu
