@@ -242,7 +242,7 @@ class NormalizedSGD(Optimizer):
                 _check_step_hyperparameters(group["momentum"], group["eps"], group["weight_decay"], group["norm"])
             if plan.dtensor:  # FSDP2: local shards, one all-reduce for the norm
                 _distributed.sharded_normalized_sgd_step(plan.params, grads, momenta, steps, fused=plan.fused,
-                                                         foreach_momentum=_foreach_momentum_, **options)
+                                                         foreach_momentum=_grouped_foreach_momentum_, **options)
             elif plan.fused:
                 _fused_step(plan.params, grads, momenta, steps, **options)
             else:
@@ -390,6 +390,13 @@ def _foreach_momentum_(grads: list[torch.Tensor], momenta: list[torch.Tensor], s
     torch._foreach_add_(steps, 1.0)
 
 
+def _grouped_foreach_momentum_(grads: list[torch.Tensor], momenta: list[torch.Tensor], steps: list[torch.Tensor], *,
+                               momentum: float, maximize: bool, grad_scale: torch.Tensor | None) -> None:
+    """_foreach_momentum_ on tensors of any devices and dtypes, a (device, dtype) at a time."""
+    for b_grads, b_momenta, b_steps in _group_by_device_and_dtype([grads, momenta, steps]).values():
+        _foreach_momentum_(b_grads, b_momenta, b_steps, momentum=momentum, maximize=maximize, grad_scale=grad_scale)
+
+
 def _check_step_hyperparameters(momentum: float, eps: float, weight_decay: float, norm: str) -> None:
     """The options of a group as a step takes them (set on the group after construction, say), with the errors of the
     fused op's check_step_hyperparameters (csrc/normalized_sgd_checks.h): either step refuses what the other does."""
@@ -427,7 +434,7 @@ def _foreach_step(params: list[torch.Tensor], grads: list[torch.Tensor], momenta
     buckets = _group_by_device_and_dtype([params, grads, momenta, steps])
     sumsq: list[torch.Tensor] = []
     norms_per_bucket: list[torch.Tensor] = []
-    for (device, dtype), ((_, b_grads, b_momenta, b_steps), _) in buckets.items():
+    for (_, b_grads, b_momenta, b_steps) in buckets.values():
         _foreach_momentum_(b_grads, b_momenta, b_steps, momentum=momentum, maximize=maximize, grad_scale=grad_scale)
         # In float64: float32 squares of tiny (< 1e-19) or huge (> 1e19) momenta under- or overflow.
         norms = torch.stack(torch._foreach_norm(b_momenta, 2, dtype=torch.float64))
@@ -436,7 +443,7 @@ def _foreach_step(params: list[torch.Tensor], grads: list[torch.Tensor], momenta
     first_device = next(iter(buckets))[0]
     total = torch.sqrt(torch.stack([s.to(first_device) for s in sumsq]).sum())
     lr_t = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
-    for ((device, dtype), ((b_params, _, b_momenta, _), _)), norms in zip(buckets.items(), norms_per_bucket):
+    for ((device, dtype), (b_params, _, b_momenta, _)), norms in zip(buckets.items(), norms_per_bucket):
         denom = norms if norm == "tensor" else total.to(device).expand_as(norms)
         # A zero momentum must not move p: scale 0 there, not lr/eps (or 0/0 when eps == 0).
         acc = torch.float64 if dtype == torch.float64 else torch.float32
@@ -460,9 +467,14 @@ def _foreach_step(params: list[torch.Tensor], grads: list[torch.Tensor], momenta
 
 def _group_by_device_and_dtype(
     tensor_lists: list[list[torch.Tensor]],
-) -> dict[tuple[torch.device, torch.dtype], tuple[list[list[torch.Tensor]], list[int]]]:
-    """Optimizer._group_tensors_by_device_and_dtype, typed for lists without None: its hint takes and gives lists of
-    optional tensors (a list of tensors is not one: lists are invariant), and it gives back the tensors it got."""
-    return cast("dict[tuple[torch.device, torch.dtype], tuple[list[list[torch.Tensor]], list[int]]]",
-                Optimizer._group_tensors_by_device_and_dtype(
-                    cast("list[list[torch.Tensor | None]]", tensor_lists)))
+) -> dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]]:
+    """The lists' tensors split by the (device, dtype) of the first list's, each part in the lists' order. Not
+    Optimizer._group_tensors_by_device_and_dtype: compiled, that one gives every tensor in one (None, None) part (for
+    Inductor to group), and the step reads the dtype it accumulates in from the part's: a compiled float64 step ran
+    in float32. Device and dtype are static under Dynamo, so this grouping traces to the same graph either way."""
+    parts: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
+    for i, first in enumerate(tensor_lists[0]):
+        part = parts.setdefault((first.device, first.dtype), [[] for _ in tensor_lists])
+        for tensors, tensor_list in zip(part, tensor_lists):
+            tensors.append(tensor_list[i])
+    return parts
