@@ -21,10 +21,11 @@ RuntimeError that names the dro_ext function it came from.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import struct
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Callable, TypeGuard, cast
+from typing import TYPE_CHECKING, Any, Callable, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -143,24 +144,34 @@ class AgreedSettings:
         self.lam, self.spec, self.num_groups = lam, spec, num_groups
         self.weights, self.over, self.eta, self.scale = weights, over, eta, scale
 
-    def named(self, where: str) -> dict[str, float]:
+    def named(self, where: str) -> list[tuple[str, float]]:
+        """The settings as (name, number) pairs, as many whatever they are (the all-reduce's length); a name may
+        repeat, over the numbers of one setting."""
         spec = Spec("chi2", None, None) if self.spec is None else self.spec
         eta = 0.0 if self.eta is None else float(self.eta)
-        # The group weights as the objective takes them, normalized: two numbers that tell weights apart ([1, 2, 3]
-        # from [3, 2, 1] by the first, [1, 1, 4] from [1, 2, 3] by the second); (0, 0) for the batch counts.
-        weights = (0.0, 0.0)
-        if self.weights is not None:
-            p = self.weights.detach().to(device="cpu", dtype=torch.float64)
-            p = p / fixed_order_sum(p)
-            weights = (float(fixed_order_sum(p * torch.arange(1, p.numel() + 1, dtype=torch.float64))),
-                       float(fixed_order_sum(p * p)))
-        return {"the call": float(_AGREED_CALLS.index(where)), "lam": 0.0 if self.lam is None else self.lam,
-                "divergence": float(DIVERGENCES.index(spec.name)),
-                "alpha": -1.0 if spec.alpha is None else spec.alpha, "k": -1.0 if spec.k is None else spec.k,
-                "num_groups": float(self.num_groups or 0), "weighting": weights[0], "weights": weights[1],
-                "over": float(self.over == "groups"), "eta": 0.0 if self.eta is None else 1.0,
-                "eta's value": -math.inf if math.isnan(eta) else eta,  # (NaN never compares equal)
-                "scale": self.scale}
+        weights = [("weighting", piece) for piece in _weights_digest(self.weights)]
+        return [("the call", float(_AGREED_CALLS.index(where))), ("lam", 0.0 if self.lam is None else self.lam),
+                ("divergence", float(DIVERGENCES.index(spec.name))),
+                ("alpha", -1.0 if spec.alpha is None else spec.alpha), ("k", -1.0 if spec.k is None else spec.k),
+                ("num_groups", float(self.num_groups or 0)), *weights,
+                ("over", float(self.over == "groups")), ("eta", 0.0 if self.eta is None else 1.0),
+                ("eta's value", -math.inf if math.isnan(eta) else eta),  # (NaN never compares equal)
+                ("scale", self.scale)]
+
+
+_DIGEST_PIECES = 8  # SHA-256's 32 bytes as 4-byte integers, each exact in float64
+
+
+def _weights_digest(weights: torch.Tensor | None) -> list[float]:
+    """The group weights as the objective takes them (normalized, in float64) as numbers that compare equal exactly
+    where the weights do, up to SHA-256's collisions: any few numbers made from the G weights by sums (two moments,
+    once) tell some different weights apart only by chance. Zeros for the batch counts (None)."""
+    if weights is None:
+        return [0.0] * _DIGEST_PIECES
+    p = weights.detach().to(device="cpu", dtype=torch.float64)
+    p = (p / fixed_order_sum(p) + 0.0).contiguous()  # (+ 0.0: a weight of -0.0 hashes as 0.0)
+    digest = hashlib.sha256(p.numpy().tobytes()).digest()
+    return [float(int.from_bytes(digest[4 * i:4 * i + 4], "little")) for i in range(_DIGEST_PIECES)]
 
 
 @contextlib.contextmanager
@@ -188,10 +199,10 @@ def checked_on_every_rank(group: dist.ProcessGroup | None, where: str,
         return
     check_group(group, where)
     reducer = _GroupReducer(group, device, where)
-    names = list(settings.named(where))
+    names = [name for name, _ in settings.named(where)]
     try:
         yield settings
-        mine = torch.tensor(list(settings.named(where).values()), dtype=torch.float64)
+        mine = torch.tensor([number for _, number in settings.named(where)], dtype=torch.float64)
         held = torch.tensor([float(settings.dtype == dtype) for dtype in _FLOAT_DTYPES], dtype=torch.float64)
     except Exception:
         # (max over the ranks: the refusal flag first; the settings of a refusing rank are never compared)
@@ -205,7 +216,8 @@ def checked_on_every_rank(group: dist.ProcessGroup | None, where: str,
             promoted = settings.promoted_dtype
             settings.promoted_dtype = dtype if promoted is None else torch.promote_types(promoted, dtype)
     # Every rank's value equals the maximum and the minimum alike where they agree.
-    differ = [name for i, name in enumerate(names) if highest[1 + i] != -highest[1 + len(names) + i]]
+    differ = list(dict.fromkeys(name for i, name in enumerate(names)
+                                if highest[1 + i] != -highest[1 + len(names) + i]))
     if differ:
         raise ValueError(f"dro_ext.{where}: the ranks of the process group passed different {', '.join(differ)}; "
                          f"every rank must make the same call with the same lam, divergence (alpha, k), num_groups, "
@@ -536,7 +548,7 @@ def sharded_normalized_sgd_step(params: list[torch.Tensor], grads: list[torch.Te
     ``maximize``, ``grad_scale`` and ``found_inf`` read where it runs), called with ``lr = 0`` so that it
     leaves the parameters as they are; the update with the reduced norm is a second, ``torch._foreach``
     pass. No host sync on that path. Without it, ``foreach_momentum`` (dro_ext.optim's momentum rule, on tensors
-    of one device and dtype) updates the local momenta.
+    of any devices and dtypes) updates the local momenta.
     """
     for i, (p, g) in enumerate(zip(params, grads)):
         _check_grad_layout(p, g, i)
@@ -554,11 +566,7 @@ def sharded_normalized_sgd_step(params: list[torch.Tensor], grads: list[torch.Te
     else:
         if found_inf is not None and bool(found_inf.ne(0).any()):
             return
-        # cast: the helper's hint takes lists of optional tensors, which a list of tensors is not (lists are invariant).
-        tensor_lists = cast("list[list[torch.Tensor | None]]", [local_grads, local_momenta, steps])
-        buckets = torch.optim.Optimizer._group_tensors_by_device_and_dtype(tensor_lists)
-        for (b_grads, b_momenta, b_steps), _ in buckets.values():
-            foreach_momentum(b_grads, b_momenta, b_steps, momentum=momentum, maximize=maximize, grad_scale=grad_scale)
+        foreach_momentum(local_grads, local_momenta, steps, momentum=momentum, maximize=maximize, grad_scale=grad_scale)
 
     # Per-tensor sums of squares of the whole momenta: local partials, all-reduced over the shards. Built
     # from per-tensor device scalars (no host-made index tensors: a host-to-device copy would sync). In

@@ -152,7 +152,7 @@ def robust_objective(
         # The sample-level call on the native op, which checks the losses itself with the same errors; the Python
         # numbers were checked when first seen. (This call is a few microseconds: every check here shows.)
         return _robust_objective_op(losses, *op_scalars(divergence, alpha, k, lam))
-    if group is not None and groups is None and num_groups is None:
+    if group is not None and _plainly_over_samples(groups, num_groups, weighting, group_counts):
         return _distributed().robust_objective(losses, lam, divergence, alpha=alpha, k=k, group=group)
     spec, lam, num_groups, group_weights = _checked_arguments(
         "robust_objective", losses, lam, divergence, alpha, k, groups, num_groups, weighting, group_counts, group)
@@ -179,7 +179,7 @@ def worst_case_weights(losses: torch.Tensor, lam: float, divergence: Divergence 
     With ``groups`` and ``num_groups`` (as :func:`robust_objective` takes them): the worst-case distribution over
     the groups instead, ``q_g = p_g psi*'((m_g - eta*)/lam)``, shape ``(num_groups,)``, 0 for an absent group.
     """
-    if group is not None and groups is None and num_groups is None:
+    if group is not None and _plainly_over_samples(groups, num_groups, weighting, group_counts):
         return _distributed().worst_case_weights(losses, lam, divergence, alpha=alpha, k=k, group=group)
     spec, lam, num_groups, group_weights = _checked_arguments(
         "worst_case_weights", losses, lam, divergence, alpha, k, groups, num_groups, weighting, group_counts, group)
@@ -191,6 +191,14 @@ def worst_case_weights(losses: torch.Tensor, lam: float, divergence: Divergence 
     if _backend.native_for(losses.device.type):
         return torch.ops.dro_ext.robust_weights(losses, eta, lam, spec.name, spec.alpha, spec.k)
     return _fallback_weights(losses, eta, lam, spec)
+
+
+def _plainly_over_samples(groups: torch.Tensor | None, num_groups: int | None,
+                          weighting: str | torch.Tensor | Sequence[float], group_counts: Any) -> bool:
+    """No argument over groups: the call is the sample-level one (a weighting without groups is refused by the checks,
+    with a process group as without one; the distributed sample-level call would ignore it)."""
+    return (groups is None and num_groups is None and group_counts is None
+            and isinstance(weighting, str) and weighting == _BATCH_WEIGHTING)
 
 
 def _checked_arguments(where: str, losses: torch.Tensor, lam: float, divergence: Divergence, alpha: float | None,

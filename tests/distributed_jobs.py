@@ -651,35 +651,53 @@ def job_robust(rank, world):
     # Settings that differ between the ranks (each rank's own inputs fine): every rank raises, naming them, where the
     # ranks solved with their own lam before (sums of no one objective, silently) or aborted on vectors of differing
     # lengths (num_groups). The settings of a call that differs from the others' are caught alike.
-    mismatches = {
-        "lam": lambda: dro_ext.robust_objective(losses, mine(0.6, 0.5), "kl", group=group),
-        "divergence, alpha": lambda: dro_ext.worst_case_weights(losses, 0.5, mine("cvar", "chi2"),
-                                                                alpha=mine(0.5, None), group=group),
-        "num_groups": lambda: dro_ext.robust_objective(losses, 0.5, "chi2", groups=fine, num_groups=mine(4, 3),
-                                                       group=group),
-        "k": lambda: dro_ext.weight_stats(losses=losses, lam=0.5, divergence="cressie_read", k=mine(1.5, 2.0),
-                                          group=group),
-        "the call": lambda: (dro_ext.robust_objective if rank == 1 else dro_ext.worst_case_weights)(
-            losses, 0.5, "chi2", group=group),
+    mismatches = [
+        ("lam", lambda: dro_ext.robust_objective(losses, mine(0.6, 0.5), "kl", group=group)),
+        ("divergence, alpha", lambda: dro_ext.worst_case_weights(losses, 0.5, mine("cvar", "chi2"),
+                                                                 alpha=mine(0.5, None), group=group)),
+        ("num_groups", lambda: dro_ext.robust_objective(losses, 0.5, "chi2", groups=fine, num_groups=mine(4, 3),
+                                                        group=group)),
+        ("k", lambda: dro_ext.weight_stats(losses=losses, lam=0.5, divergence="cressie_read", k=mine(1.5, 2.0),
+                                           group=group)),
+        ("the call", lambda: (dro_ext.robust_objective if rank == 1 else dro_ext.worst_case_weights)(
+            losses, 0.5, "chi2", group=group)),
         # Those that decide which collectives weight_stats makes (gloo aborted the processes with SIGABRT) ...
-        "over": lambda: dro_ext.weight_stats(losses=losses, lam=0.5, groups=fine, num_groups=3,
-                                             over=mine("groups", "samples"), group=group),
-        "eta, eta's value": lambda: dro_ext.weight_stats(losses=losses, lam=0.5, eta=mine(1.0, None), group=group),
+        ("over", lambda: dro_ext.weight_stats(losses=losses, lam=0.5, groups=fine, num_groups=3,
+                                              over=mine("groups", "samples"), group=group)),
+        ("eta, eta's value", lambda: dro_ext.weight_stats(losses=losses, lam=0.5, eta=mine(1.0, None),
+                                                          group=group)),
         # ... and those that gave each rank another answer.
-        "eta's value": lambda: dro_ext.weight_stats(losses=losses, lam=0.5, eta=mine(1.0, 2.0), group=group),
-        "scale": lambda: dro_ext.weight_stats(losses=losses, lam=0.5, eta=1.0, scale=mine(2.0, 1.0), group=group),
-        "weighting, weights": lambda: dro_ext.robust_objective(losses, 0.5, "chi2", groups=fine, num_groups=3,
-                                                               weighting=mine([1.0, 1.0, 5.0], "batch"), group=group),
-        "weighting": lambda: dro_ext.worst_case_weights(losses, 0.5, "chi2", groups=fine, num_groups=3,
-                                                        weighting=mine([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]), group=group),
-    }
-    for names, call in mismatches.items():
+        ("eta's value", lambda: dro_ext.weight_stats(losses=losses, lam=0.5, eta=mine(1.0, 2.0), group=group)),
+        ("scale", lambda: dro_ext.weight_stats(losses=losses, lam=0.5, eta=1.0, scale=mine(2.0, 1.0),
+                                               group=group)),
+        ("weighting", lambda: dro_ext.robust_objective(losses, 0.5, "chi2", groups=fine, num_groups=3,
+                                                       weighting=mine([1.0, 1.0, 5.0], "batch"), group=group)),
+        ("weighting", lambda: dro_ext.worst_case_weights(losses, 0.5, "chi2", groups=fine, num_groups=3,
+                                                          weighting=mine([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]),
+                                                          group=group)),
+        # Weights with the same sum of i p_i and of p_i^2 (what the check compared before: it let these through).
+        ("weighting", lambda: dro_ext.robust_objective(losses, 0.5, "kl", groups=fine, num_groups=4,
+                                                       weighting=mine([1.0, 3.0, 6.0, 6.0], [2.0, 2.0, 5.0, 7.0]),
+                                                       group=group)),
+    ]
+    for names, call in mismatches:
         try:
             call()
         except ValueError as exc:
             assert f"passed different {names};" in str(exc), (names, rank, exc)
         else:
             raise AssertionError(f"rank {rank}: ranks passing different {names} did not raise")
+    # A weighting without groups is refused on every rank, as on one process (the sample-level call over the ranks
+    # ignored it).
+    for call in (dro_ext.robust_objective, dro_ext.worst_case_weights):
+        for options in (dict(weighting="population", group_counts=[1.0, 9.0]), dict(weighting=[1.0, 2.0]),
+                        dict(group_counts=[1.0, 9.0])):
+            try:
+                call(losses, 0.5, "kl", group=group, **options)
+            except ValueError as exc:
+                assert "weighting and group_counts apply over groups" in str(exc), (call, options, rank, exc)
+            else:
+                raise AssertionError(f"rank {rank}: {call.__name__}(group=) with {options} and no groups did not raise")
     close(dro_ext.weight_stats(w, group=group).ess, dro_ext.weight_stats(torch.cat([w, w])).ess,
           "weight_stats after the refusals", rtol=1e-15, atol=0)
     # An empty rank's float32 torch.empty(0) beside float64 losses: the reduction is in float64 (gloo aborted the
