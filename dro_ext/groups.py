@@ -259,7 +259,7 @@ def _reduced_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: 
     rank holds the same values; the sums' gradient goes to the local samples times the world size, which DDP's
     averaging of the gradients over the ranks divides out again: the averaged gradient is the one of the concatenated
     batch. The collective is in float64 whatever each rank's dtype (an empty rank's torch.empty(0) is float32 beside
-    another's float64: gloo aborted the process on the differing sizes)."""
+    another's float64: gloo aborted the process on the differing sizes), and so are the sums it returns."""
     if process_group is None:
         return _masked_group_sums(losses, groups, num_groups, mask)
     # An id out of range on one rank only must raise on every rank, after the collective: raised before it, it left
@@ -285,8 +285,10 @@ def _reduced_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: 
         raise IndexError(f"{_bad_ids_message(num_groups)} (on {int(both[2 * num_groups])} samples of the ranks of "
                          f"the process group)")
     world = float(torch.distributed.get_world_size(process_group))
-    return (_GlobalValueLocalGradient.apply(both[:num_groups].to(sums.dtype), sums, world),
-            both[num_groups:2 * num_groups].to(counts.dtype))
+    # Sums and counts stay float64, whatever this rank's dtype: rounded to it, an empty rank's float32 torch.empty(0)
+    # beside float64 losses updated GroupDROLoss's q from other sums than the other ranks' (their q then apart for
+    # good).
+    return _GlobalValueLocalGradient.apply(both[:num_groups], sums, world), both[num_groups:2 * num_groups]
 
 
 def _all_reduce_group_sums(both: torch.Tensor, num_groups: int, process_group: ProcessGroup,

@@ -709,6 +709,16 @@ def job_robust(rank, world):
           dro_ext.group_dro_loss(losses, want_ids, 3, 0.5, 0.5, "kl"), "an empty float32 rank", rtol=rtol, atol=0)
     close(dro_ext.GroupDROLoss(3, group=group)(mine, mine_ids).double(),
           dro_ext.GroupDROLoss(3)(losses, want_ids), "GroupDROLoss beside an empty float32 rank", rtol=rtol, atol=0)
+    # ... with every rank's q that of one process to the bit (the empty rank rounded the sums to float32, and its q
+    # then stayed apart from the others').
+    for backend in ("native", "python") if _backend.native_available() else ("python",):
+        spread = dro_ext.GroupDROLoss(3, step_size=2.0, group=group).double()
+        single = dro_ext.GroupDROLoss(3, step_size=2.0).double()
+        with _backend.forced_backend(backend):
+            for _ in range(2):  # (in thirds: sums that float32 does not hold)
+                spread(mine / 3, mine_ids)
+                single(losses / 3, want_ids)
+        assert torch.equal(spread.log_q, single.log_q), (rank, backend, spread.log_q, single.log_q)
     # No sample on any rank: DROLoss(group=)'s loss and gradients are 0 (0/0 = NaN before), as group_dro_loss's.
     criterion = dro_ext.DROLoss("chi2", 0.5, eta_init=0.3, group=group).double()
     nothing = torch.zeros(0, dtype=torch.float64, requires_grad=True)
