@@ -154,6 +154,10 @@ def _weighted(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam: 
         # its own to follow); the solve is in float64 anyway.
         losses = losses.to(torch.float64)
     sums, counts = _reduced_group_sums(losses, groups, num_groups, group, where)
+    if group is not None and not bool((counts > 0).any()):
+        # As over samples (one process refuses an empty batch): not NaN. (The counts of every rank, so every rank
+        # raises; an evaluation reads all-reduced numbers on the host anyway.)
+        raise ValueError(f"dro_ext.{where}: the losses of every rank together are empty")
     value, eta, q = _WeightedGroupObjective.apply(sums / torch.clamp(counts, min=1.0), counts > 0,
                                                   counts if weights is None else weights, lam, spec)
     if group is not None:
@@ -165,14 +169,14 @@ def _weighted(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam: 
 
 
 def robust_objective(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam: float, spec: Spec,
-                     weights: torch.Tensor | None = None,
-                     group: ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     weights: torch.Tensor | None = None, group: ProcessGroup | None = None,
+                     where: str = "robust_objective") -> tuple[torch.Tensor, torch.Tensor]:
     """(Psi, eta*) over the group means; Psi in the dtype of losses, eta* in its accumulate dtype."""
     from dro_ext import robust
 
     check_losses(losses, allow_empty=group is not None)
     if weights is not None or group is not None:
-        value, eta, _ = _weighted(losses, groups, num_groups, lam, spec, weights, group, "robust_objective")
+        value, eta, _ = _weighted(losses, groups, num_groups, lam, spec, weights, group, where)
         return value.to(losses.dtype), eta
     x, _, _ = sample_group_means(losses, groups, num_groups)
     value, eta = robust.robust_objective(x, lam, spec.name, alpha=spec.alpha, k=spec.k)
@@ -229,12 +233,10 @@ def sample_weights(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
 def report(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam: float, spec: Spec,
            weights: torch.Tensor | None = None, group: ProcessGroup | None = None) -> GroupEvaluation:
     """Psi over the group means with each group's mean loss and the worst group's, for dro_ext.evaluate."""
-    value, eta = robust_objective(losses, groups, num_groups, lam, spec, weights, group)
+    value, eta = robust_objective(losses, groups, num_groups, lam, spec, weights, group, "evaluate")
     sums, counts = _reduced_group_sums(losses if group is None else losses.to(torch.float64), groups, num_groups,
                                        group, "evaluate")
-    present = counts > 0
-    if group is not None and not bool(present.any()):  # (the counts of every rank: all of them raise alike)
-        raise ValueError("dro_ext.evaluate: the losses of every rank together are empty")
+    present = counts > 0  # (some group is, with a process group too: robust_objective raised otherwise)
     means = sums / torch.clamp(counts, min=1.0)
     # The worst group in three tiers: a NaN mean above every number (+inf included), an absent group below every
     # present one (-inf included); within the top tier the largest mean, then the lowest id (argmax's first).

@@ -834,6 +834,16 @@ def job_group_robust(rank, world):
             assert "the losses of every rank together are empty" in str(e), e
         else:
             raise AssertionError(f"evaluate over no loss on any rank (num_groups={num_groups}) did not raise")
+    # ... and robust_objective and worst_case_weights over groups (they returned NaN).
+    nothing, no_ids = torch.empty(0, dtype=torch.float64), torch.empty(0, dtype=torch.long)
+    for call in (dro_ext.robust_objective, dro_ext.worst_case_weights):
+        for options in ({}, dict(weighting="population", group_counts=[1.0, 2.0, 3.0, 4.0])):
+            try:
+                call(nothing, 0.5, "chi2", groups=no_ids, num_groups=4, group=group, **options)
+            except ValueError as e:
+                assert f"dro_ext.{call.__name__}: the losses of every rank together are empty" in str(e), e
+            else:
+                raise AssertionError(f"{call.__name__} over groups with no loss on any rank did not raise")
 
 
 def job_dies(rank, world):
