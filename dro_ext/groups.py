@@ -457,6 +457,11 @@ class _Float64Configuration(nn.Module):
     population counts past 65504 to inf, every weight to 11 bits; to_empty() after a construction on the meta device
     would leave them uninitialized, and load_state_dict(assign=True) would leave them there)."""
 
+    def _configuration_repr(self, name: str, shown_as: str | None = None) -> str:
+        """", shown_as=[...]" of a configuration tensor for extra_repr (its host copy: no device read), "" where it is
+        None."""
+        return _vector_repr(shown_as or name, self._configuration[name])
+
     def _register_configuration(self, name: str, value: torch.Tensor | None) -> None:
         if "_configuration" not in self.__dict__:
             self._configuration: dict[str, torch.Tensor | None] = {}
@@ -767,9 +772,28 @@ class GroupDROLoss(_Float64Configuration):
         self.seen.copy_(seen | present)
 
     def extra_repr(self) -> str:
-        mode = f"mode={self.mode!r}" + (f", alpha={self.alpha}" if self.alpha is not None else "")
+        mode = f"mode={self.mode!r}" + (f", alpha={self.alpha}, min_var_weight={self.min_var_weight}"
+                                         if self.mode == "greedy_cvar" else "")
+        adjustment = self._configuration["adjustment_term"]
+        adjusted = adjustment is not None and bool((adjustment != 0).any())
+        uniform = bool((self._q_init == self._q_init[0]).all())
         return (f"num_groups={self.num_groups}, step_size={self.step_size}, {mode}, missing={self.missing!r}, "
-                f"normalize_loss={self.normalize_loss}, ema_gamma={self.ema_gamma}")
+                f"normalize_loss={self.normalize_loss}, ema_gamma={self.ema_gamma}"
+                + (self._configuration_repr("adjustment_term") if adjusted else "")
+                + self._configuration_repr("population_shares")
+                + ("" if uniform else _vector_repr("q_init", self._q_init))
+                + ("" if self.group is None else f", group={type(self.group).__name__}"))
+
+
+_REPR_VALUES = 8  # a configuration vector's values shown in a repr, the rest elided
+
+
+def _vector_repr(name: str, values: torch.Tensor | None) -> str:
+    """", name=[v0, v1, ...]" (at most _REPR_VALUES values, 4 significant digits), "" for None."""
+    if values is None:
+        return ""
+    shown = ", ".join(f"{v:.4g}" for v in values[:_REPR_VALUES].tolist())
+    return f", {name}=[{shown}{', ...' if values.numel() > _REPR_VALUES else ''}]"
 
 
 def _shift_from_max(values: torch.Tensor) -> torch.Tensor:

@@ -95,8 +95,11 @@ class DROLoss(_Float64Configuration):
 
     def forward(self, losses: torch.Tensor, groups: torch.Tensor | None = None, *,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        # What self.eta resolves to, without nn.Module.__getattr__'s search (half a microsecond of a call of a few).
-        eta: nn.Parameter = self._parameters["eta"]  # type: ignore[assignment]  # registered in __init__, never None
+        # What self.eta resolves to, without nn.Module.__getattr__'s search (half a microsecond of a call of a few);
+        # under torch.nn.utils.parametrize the parameter dict has no eta, and the attribute serves the parametrized one.
+        eta = self._parameters.get("eta")
+        if eta is None:
+            eta = self.eta
         if self.num_groups is None and groups is None and mask is None and self.group is None:
             return dro_loss(losses, eta, self.lam, self.divergence, alpha=self.alpha, k=self.k, scale=self.scale)
         try:
@@ -163,4 +166,8 @@ class DROLoss(_Float64Configuration):
     def extra_repr(self) -> str:
         params = "".join(f", {n}={v}" for n, v in (("alpha", self.alpha), ("k", self.k)) if v is not None)
         groups = "" if self.num_groups is None else f", num_groups={self.num_groups}"
-        return f"divergence={self.divergence!r}, lam={self.lam}{params}, scale={self.scale}{groups}"
+        if self.num_groups is not None:
+            groups += self._configuration_repr("group_weights")
+        eta_init = "" if self.eta_init == 0.0 else f", eta_init={self.eta_init}"
+        group = "" if self.group is None else f", group={type(self.group).__name__}"
+        return f"divergence={self.divergence!r}, lam={self.lam}{params}, scale={self.scale}{eta_init}{groups}{group}"

@@ -933,6 +933,24 @@ def test_droloss_without_groups_is_unchanged(backend):
         module(losses, torch.zeros(9, dtype=torch.int64))
 
 
+def test_reprs_tell_configurations_apart():
+    # Every setting that changes the objective or the update shows: two modules that print alike computed different
+    # losses (the group weights, the adjustment, the population shares, q_init and min_var_weight were left out).
+    droloss = [dro_ext.DROLoss("chi2", 0.5, num_groups=3), dro_ext.DROLoss("chi2", 0.5, num_groups=3, eta_init=0.2),
+               dro_ext.DROLoss("chi2", 0.5, num_groups=3, weighting=[1.0, 0.0, 5.0])]
+    greedy = dict(mode="greedy_cvar", alpha=0.3)
+    group_dro = [dro_ext.GroupDROLoss(3, 0.1, **greedy), dro_ext.GroupDROLoss(3, 0.1, **greedy, min_var_weight=0.5),
+                 dro_ext.GroupDROLoss(3, 0.1, **greedy, q_init=[1, 0, 1]),
+                 dro_ext.GroupDROLoss(3, 0.1, **greedy, group_counts=[1, 2, 3]),
+                 dro_ext.GroupDROLoss(3, 0.1, **greedy, group_counts=[1, 2, 3], adjustment=3.0)]
+    for modules in (droloss, group_dro):
+        reprs = [repr(m) for m in modules]
+        assert len(set(reprs)) == len(reprs), reprs
+    assert "group_weights=[1, 0, 5]" in repr(droloss[2]) and "q_init=[0.5, 0, 0.5]" in repr(group_dro[2])
+    many = dro_ext.GroupDROLoss(20, 0.1, group_counts=list(range(1, 21)))
+    assert repr(many).count(",") < 30 and "..." in repr(many)  # a long vector is elided
+
+
 @pytest.mark.parametrize("weighting", WEIGHTINGS)
 @pytest.mark.parametrize("name,params", [("chi2", {}), ("cvar", {"alpha": 0.3}), ("cressie_read", {"k": 1.5})],
                          ids=["chi2", "cvar", "cressie_read"])

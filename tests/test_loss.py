@@ -510,6 +510,31 @@ def test_native_op_checks_its_own_arguments(override, match):
         torch.ops.dro_ext.dro_loss(args["losses"], args["eta"], args["lam"], args["divergence"], args["alpha"], args["k"])
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["samples", "groups"])
+def test_dro_loss_module_with_a_parametrized_eta(backend, grouped):
+    # torch.nn.utils.parametrize moves eta out of the parameter dict (the forward read it there: KeyError); the
+    # loss is then the one at the parametrized eta, with its gradient to the raw parameter.
+    import torch.nn.utils.parametrize as parametrize
+
+    class Softplus(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.softplus(x)
+
+    options, args = (dict(num_groups=3), (torch.tensor([0, 1, 2, 0, 1]),)) if grouped else ({}, ())
+    module = dro_ext.DROLoss("chi2", 0.5, eta_init=0.3, **options)
+    parametrize.register_parametrization(module, "eta", Softplus())
+    losses = random_losses(5, torch.float64)
+    value = module(losses, *args)
+    raw = module.parametrizations.eta.original
+    eta = torch.nn.functional.softplus(raw.detach().double()).requires_grad_()
+    expected = (dro_ext.group_dro_loss(losses, args[0], 3, eta, 0.5, "chi2") if grouped
+                else dro_ext.dro_loss(losses, eta, 0.5, "chi2"))
+    torch.testing.assert_close(value.double(), expected.detach(), rtol=1e-6, atol=1e-7)
+    (grad,) = torch.autograd.grad(value, raw)
+    (grad_eta,) = torch.autograd.grad(expected, eta)
+    torch.testing.assert_close(grad.double(), grad_eta * torch.sigmoid(raw.detach().double()), rtol=1e-6, atol=1e-7)
+
+
 def test_dro_loss_module(backend):
     module = dro_ext.DROLoss("smoothed_cvar", lam=0.5, alpha=0.2, eta_init=0.3)
     assert isinstance(module.eta, torch.nn.Parameter) and module.eta.dim() == 0
