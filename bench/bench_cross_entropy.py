@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 
@@ -35,7 +34,7 @@ import torch.nn.functional as F
 import dro_ext
 from dro_ext.cross_entropy import default_chunk_size
 from bench.common import (add_common_arguments, default_min_seconds, device_info, loadavg, markdown_table,
-                          output_dir, partial_writer, result_name, synchronize, time_fn, write_report)
+                          output_dir, partial_writer, pooled, result_name, synchronize, time_fn, write_report)
 
 LAM, DIVERGENCE = 0.5, "chi2"
 IMPLS = ("fused", "eager", "compiled", "mean_ce")
@@ -214,14 +213,14 @@ def bench(device, quick, rounds, min_seconds, kinds=("logits", "linear"), on_cas
         else:
             del runs  # the probe runs in a fresh process; free this one's inputs first
             peaks = cpu_peak_bytes(kind, quick, chunk_sizes)
-        times = {impl: statistics.median(r["median_s"] for r in per_round[impl]) for impl in impls}
+        stats = {impl: pooled(per_round[impl]) for impl in impls}
+        times = {impl: stats[impl]["median_s"] for impl in impls}
         for impl in impls:
             rows.append({
                 "device": str(device), "case": kind, "sizes": describe(kind, sizes), "divergence": DIVERGENCE,
                 "impl": impl, "median_ms": 1e3 * times[impl],
-                "p25_ms": 1e3 * statistics.median(r["p25_s"] for r in per_round[impl]),
-                "p75_ms": 1e3 * statistics.median(r["p75_s"] for r in per_round[impl]),
-                "reps": sum(r["reps"] for r in per_round[impl]),
+                "p25_ms": 1e3 * stats[impl]["p25_s"], "p75_ms": 1e3 * stats[impl]["p75_s"],
+                "reps": stats[impl]["reps"],
                 "time_vs_fused": times[impl] / times["fused"],
                 "peak_extra_MiB": peaks[impl] / 2**20,
                 "memory_vs_eager": peaks[impl] / peaks["eager"] if peaks["eager"] else None,

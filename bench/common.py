@@ -109,9 +109,28 @@ class Timer:
         return start.elapsed_time(end) / 1e3
 
 
+def quartiles(samples: list[float]) -> tuple[float, float]:
+    """(p25, p75) within the samples (the inclusive method: the default one extrapolates past them, as far as 1.5x
+    the range of two samples beyond each end)."""
+    if len(samples) < 2:
+        return samples[0], samples[0]
+    q = statistics.quantiles(samples, n=4, method="inclusive")
+    return q[0], q[2]
+
+
 def summarize(samples: list[float]) -> dict:
-    q = statistics.quantiles(samples, n=4) if len(samples) >= 2 else [samples[0]] * 3
-    return {"median_s": statistics.median(samples), "p25_s": q[0], "p75_s": q[2], "reps": len(samples)}
+    p25, p75 = quartiles(samples)
+    return {"median_s": statistics.median(samples), "p25_s": p25, "p75_s": p75, "reps": len(samples),
+            "samples_s": list(samples)}
+
+
+def pooled(results: list[dict]) -> dict:
+    """summarize()'s of several rounds as one: the median of the rounds' medians (a slow spell hits one round), the
+    quartiles of every repetition of every round together (a round of one or two repetitions has no quartiles of its
+    own: their median over rounds read as no spread at all), and the repetitions counted."""
+    p25, p75 = quartiles([s for r in results for s in r["samples_s"]])
+    return {"median_s": statistics.median(r["median_s"] for r in results), "p25_s": p25, "p75_s": p75,
+            "reps": sum(r["reps"] for r in results)}
 
 
 def time_fn(fn: Callable[[], object], timer: Timer | str | torch.device = "cpu", *, warmup: int = 3,
@@ -132,17 +151,14 @@ def interleaved_rounds(timed: dict[str, Callable[[], object]], timer: Timer, *, 
                        min_reps: int, warmup: int = 3) -> dict[str, dict]:
     """Times every function of `timed` once per round (the median of its repetitions in that round) and
     returns, per function, the median over rounds: a slow spell of a shared machine hits all of them
-    alike instead of the one that happened to run then. min_seconds is per function over all rounds."""
+    alike instead of the one that happened to run then; the quartiles are those of every repetition (pooled()).
+    min_seconds is per function over all rounds."""
     per_round = {key: [] for key in timed}
     for round_index in range(rounds):
         for key, fn in timed.items():
             per_round[key].append(time_fn(fn, timer, warmup=warmup if round_index == 0 else min(warmup, 1),
                                           min_reps=min_reps, min_seconds=min_seconds / rounds))
-    out = {}
-    for key, results in per_round.items():
-        out[key] = {stat: statistics.median(r[stat] for r in results) for stat in ("median_s", "p25_s", "p75_s")}
-        out[key]["reps"] = sum(r["reps"] for r in results)
-    return out
+    return {key: pooled(results) for key, results in per_round.items()}
 
 
 def default_min_seconds(args, device, *, quick: float, full: float) -> float:

@@ -161,7 +161,7 @@ def _optim_over_sgd(device: str, graph: bool, text: str) -> Target:
 # ----------------------------------------------------------------------------------------------- robust objective
 
 # A "tighter tolerance" than the bisection (1e-4 on eta) is read as: |Psi - float64 reference| within ROUNDING_EPS
-# machine epsilons of the dtype times |Psi|. The committed CPU run is within 22 in every case (3.3 in float32); the
+# machine epsilons of the dtype times |Psi|. The committed CPU run is within 1.7 in every case (0.7 in float32); the
 # bisection is within 1 in float32 (Psi is flat at its optimum) and 200 to 300,000 in float64.
 ROUNDING_EPS = 64
 

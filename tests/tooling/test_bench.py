@@ -82,6 +82,17 @@ def test_time_fn_honours_min_reps_and_max_reps():
     assert stats["reps"] == 5
 
 
+def test_quartiles_stay_within_the_samples_and_pool_the_rounds():
+    # The default (exclusive) method put p25 and p75 of two samples 1.5x their range beyond them; and a round of one
+    # repetition has p25 = median = p75, so the median over rounds of per-round quartiles showed no spread.
+    assert common.summarize([1.0, 2.0])["p25_s"] >= 1.0 and common.summarize([1.0, 2.0])["p75_s"] <= 2.0
+    assert common.quartiles([5.0]) == (5.0, 5.0)
+    rounds = [common.summarize([t]) for t in (3.0, 1.0, 2.0)]
+    stats = common.pooled(rounds)
+    assert stats["median_s"] == 2.0 and stats["reps"] == 3
+    assert 1.0 <= stats["p25_s"] < 2.0 < stats["p75_s"] <= 3.0, stats
+
+
 def test_interleaved_rounds_alternate_the_functions():
     order = []
     timed = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
