@@ -120,16 +120,16 @@ def quartiles(samples: list[float]) -> tuple[float, float]:
 
 def summarize(samples: list[float]) -> dict:
     p25, p75 = quartiles(samples)
-    return {"median_s": statistics.median(samples), "p25_s": p25, "p75_s": p75, "reps": len(samples),
-            "samples_s": list(samples)}
+    return {"median_s": statistics.median(samples), "p25_s": p25, "p75_s": p75, "reps": len(samples)}
 
 
 def pooled(results: list[dict]) -> dict:
-    """summarize()'s of several rounds as one: the median of the rounds' medians (a slow spell hits one round), the
-    quartiles of every repetition of every round together (a round of one or two repetitions has no quartiles of its
-    own: their median over rounds read as no spread at all), and the repetitions counted."""
-    p25, p75 = quartiles([s for r in results for s in r["samples_s"]])
-    return {"median_s": statistics.median(r["median_s"] for r in results), "p25_s": p25, "p75_s": p75,
+    """summarize()'s of several rounds as one: the median of the rounds' medians (a slow spell hits one round) between
+    the quartiles of the rounds' medians, which bracket it (one round: its own quartiles), and the repetitions
+    counted. (The median over rounds of per-round quartiles showed no spread where a round had one repetition.)"""
+    medians = [r["median_s"] for r in results]
+    p25, p75 = quartiles(medians) if len(results) > 1 else (results[0]["p25_s"], results[0]["p75_s"])
+    return {"median_s": statistics.median(medians), "p25_s": p25, "p75_s": p75,
             "reps": sum(r["reps"] for r in results)}
 
 
@@ -151,7 +151,7 @@ def interleaved_rounds(timed: dict[str, Callable[[], object]], timer: Timer, *, 
                        min_reps: int, warmup: int = 3) -> dict[str, dict]:
     """Times every function of `timed` once per round (the median of its repetitions in that round) and
     returns, per function, the median over rounds: a slow spell of a shared machine hits all of them
-    alike instead of the one that happened to run then; the quartiles are those of every repetition (pooled()).
+    alike instead of the one that happened to run then; the quartiles are those of the rounds' medians (pooled()).
     min_seconds is per function over all rounds."""
     per_round = {key: [] for key in timed}
     for round_index in range(rounds):

@@ -91,6 +91,11 @@ def test_quartiles_stay_within_the_samples_and_pool_the_rounds():
     stats = common.pooled(rounds)
     assert stats["median_s"] == 2.0 and stats["reps"] == 3
     assert 1.0 <= stats["p25_s"] < 2.0 < stats["p75_s"] <= 3.0, stats
+    # Rounds of many repetitions: the quartiles bracket the median of the rounds' medians, whatever the samples.
+    uneven = common.pooled([common.summarize([1.0] * 7 + [10.0]), common.summarize([10.0]), common.summarize([10.0])])
+    assert uneven["p25_s"] <= uneven["median_s"] == 10.0 <= uneven["p75_s"], uneven
+    single = common.pooled([common.summarize([1.0, 2.0, 4.0])])
+    assert (single["p25_s"], single["median_s"], single["p75_s"]) == (1.5, 2.0, 3.0)
 
 
 def test_interleaved_rounds_alternate_the_functions():
