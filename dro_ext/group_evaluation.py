@@ -154,11 +154,12 @@ def _weighted(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam: 
         # its own to follow); the solve is in float64 anyway.
         losses = losses.to(torch.float64)
     sums, counts = _reduced_group_sums(losses, groups, num_groups, group, where)
-    if group is not None and not bool((counts > 0).any()):
+    present = counts > 0
+    if group is not None and not bool(present.any()):
         # As over samples (one process refuses an empty batch): not NaN. (The counts of every rank, so every rank
         # raises; an evaluation reads all-reduced numbers on the host anyway.)
         raise ValueError(f"dro_ext.{where}: the losses of every rank together are empty")
-    value, eta, q = _WeightedGroupObjective.apply(sums / torch.clamp(counts, min=1.0), counts > 0,
+    value, eta, q = _WeightedGroupObjective.apply(sums / torch.clamp(counts, min=1.0), present,
                                                   counts if weights is None else weights, lam, spec)
     if group is not None:
         # _reduced_group_sums scales the local gradient by the world size for DDP's averaging; undo it here, so

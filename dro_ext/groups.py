@@ -457,10 +457,10 @@ class _Float64Configuration(nn.Module):
     population counts past 65504 to inf, every weight to 11 bits; to_empty() after a construction on the meta device
     would leave them uninitialized, and load_state_dict(assign=True) would leave them there)."""
 
-    def _configuration_repr(self, name: str, shown_as: str | None = None) -> str:
-        """", shown_as=[...]" of a configuration tensor for extra_repr (its host copy: no device read), "" where it is
+    def _configuration_repr(self, name: str) -> str:
+        """", name=[...]" of a configuration tensor for extra_repr (its host copy: no device read), "" where it is
         None."""
-        return _vector_repr(shown_as or name, self._configuration[name])
+        return _vector_repr(name, self._configuration[name])
 
     def _register_configuration(self, name: str, value: torch.Tensor | None) -> None:
         if "_configuration" not in self.__dict__:
