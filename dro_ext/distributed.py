@@ -374,9 +374,9 @@ def _weights(x: torch.Tensor, solution: _solver.Solution, lam: float, spec: Spec
 
 class _DistributedRobustObjective(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, losses: torch.Tensor, lam: float, spec: Spec, group: dist.ProcessGroup
+    def forward(ctx: Any, losses: torch.Tensor, lam: float, spec: Spec, group: dist.ProcessGroup, where: str
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        reducer = _GroupReducer(group, losses.device, "robust_objective")
+        reducer = _GroupReducer(group, losses.device, where)
         solution = _solver.solve(losses.detach().to(torch.float64), lam, spec, reducer)
         eta_t = torch.tensor(solution.eta, dtype=accumulate_dtype(losses.dtype), device=losses.device)
         ctx.save_for_backward(losses)
@@ -386,7 +386,7 @@ class _DistributedRobustObjective(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_value: torch.Tensor, _grad_eta: torch.Tensor | None
-                 ) -> tuple[torch.Tensor | None, None, None, None]:
+                 ) -> tuple[torch.Tensor | None, None, None, None, None]:
         # Danskin: d Psi / d l_i = q_i, this rank's share of the worst-case distribution. Every rank's
         # value is the same Psi, so each rank backpropagates into its own losses only.
         (losses,) = ctx.saved_tensors
@@ -394,7 +394,7 @@ class _DistributedRobustObjective(torch.autograd.Function):
         reducer = _GroupReducer(group, losses.device, "robust_objective (backward)")
         q = _weights(losses.detach().to(torch.float64), solution, lam, spec, reducer)
         grad = (q * grad_value.to(torch.float64)).to(losses.dtype)
-        return first_order_only("robust_objective", (grad,), losses, grad_value)[0], None, None, None
+        return first_order_only("robust_objective", (grad,), losses, grad_value)[0], None, None, None, None
 
 
 def robust_objective(losses: torch.Tensor, lam: float, divergence: Divergence = "chi2", *, alpha: float | None = None,
@@ -411,7 +411,14 @@ def robust_objective(losses: torch.Tensor, lam: float, divergence: Divergence = 
         check_losses(losses, allow_empty=True)
         lam = check_positive("lam", lam)
         agreed.set(lam, spec, None)
-    return _DistributedRobustObjective.apply(losses, lam, spec, group)
+    return checked_robust_objective(losses, lam, spec, group, "robust_objective")
+
+
+def checked_robust_objective(losses: torch.Tensor, lam: float, spec: Spec, group: dist.ProcessGroup,
+                             where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """robust_objective of arguments already checked on every rank (by ``where``, the public call that names its
+    errors: evaluate's checks agree on its settings once, not again here)."""
+    return _DistributedRobustObjective.apply(losses, lam, spec, group, where)
 
 
 def worst_case_weights(losses: torch.Tensor, lam: float, divergence: Divergence = "chi2", *,

@@ -145,9 +145,10 @@ class _WeightedGroupObjective(torch.autograd.Function):
 
 def _weighted(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam: float, spec: Spec,
               weights: torch.Tensor | None, group: ProcessGroup | None = None,
-              where: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(Psi, eta*, q) of the weighted problem over the G group means (weights None: the counts n_g); with a process
-    group, the means of the ranks' losses together, each local loss getting its own partial derivative."""
+              where: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(Psi, eta*, q, sums, counts) of the weighted problem over the G group means (weights None: the counts n_g),
+    with the group sums and counts it solved over; with a process group, the means of the ranks' losses together
+    (sums and counts all-reduced, float64), each local loss getting its own partial derivative."""
     eta_dtype = accumulate_dtype(losses.dtype)
     if group is not None:
         # One dtype on every rank for the all-reduce, whatever each rank's losses (an empty rank has no dtype of
@@ -166,22 +167,31 @@ def _weighted(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam: 
         # that the gradient is the Danskin partial, as robust_objective(group=) gives it without groups.
         world = float(torch.distributed.get_world_size(group))
         value = _GlobalValueLocalGradient.apply(value.detach(), value, 1.0 / world)
-    return value, eta.to(eta_dtype), q
+    return value, eta.to(eta_dtype), q, sums, counts
 
 
 def robust_objective(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam: float, spec: Spec,
-                     weights: torch.Tensor | None = None, group: ProcessGroup | None = None,
-                     where: str = "robust_objective") -> tuple[torch.Tensor, torch.Tensor]:
+                     weights: torch.Tensor | None = None, group: ProcessGroup | None = None) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
     """(Psi, eta*) over the group means; Psi in the dtype of losses, eta* in its accumulate dtype."""
+    value, eta, _, _ = _objective_and_sums(losses, groups, num_groups, lam, spec, weights, group, "robust_objective")
+    return value, eta
+
+
+def _objective_and_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam: float, spec: Spec,
+                        weights: torch.Tensor | None, group: ProcessGroup | None,
+                        where: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(Psi, eta*, sums, counts): robust_objective with the group sums and counts it solved over (all-reduced with a
+    process group, in float64 there), so that evaluate's report reduces the losses once."""
     from dro_ext import robust
 
     check_losses(losses, allow_empty=group is not None)
     if weights is not None or group is not None:
-        value, eta, _ = _weighted(losses, groups, num_groups, lam, spec, weights, group, where)
-        return value.to(losses.dtype), eta
-    x, _, _ = sample_group_means(losses, groups, num_groups)
+        value, eta, _, sums, counts = _weighted(losses, groups, num_groups, lam, spec, weights, group, where)
+        return value.to(losses.dtype), eta, sums, counts
+    x, sums, counts = sample_group_means(losses, groups, num_groups)
     value, eta = robust.robust_objective(x, lam, spec.name, alpha=spec.alpha, k=spec.k)
-    return value.to(losses.dtype), eta
+    return value.to(losses.dtype), eta, sums, counts
 
 
 def worst_case_weights(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam: float, spec: Spec,
@@ -234,9 +244,7 @@ def sample_weights(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
 def report(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam: float, spec: Spec,
            weights: torch.Tensor | None = None, group: ProcessGroup | None = None) -> GroupEvaluation:
     """Psi over the group means with each group's mean loss and the worst group's, for dro_ext.evaluate."""
-    value, eta = robust_objective(losses, groups, num_groups, lam, spec, weights, group, "evaluate")
-    sums, counts = _reduced_group_sums(losses if group is None else losses.to(torch.float64), groups, num_groups,
-                                       group, "evaluate")
+    value, eta, sums, counts = _objective_and_sums(losses, groups, num_groups, lam, spec, weights, group, "evaluate")
     present = counts > 0  # (some group is, with a process group too: robust_objective raised otherwise)
     means = sums / torch.clamp(counts, min=1.0)
     # The worst group in three tiers: a NaN mean above every number (+inf included), an absent group below every

@@ -772,13 +772,16 @@ class GroupDROLoss(_Float64Configuration):
         self.seen.copy_(seen | present)
 
     def extra_repr(self) -> str:
-        mode = f"mode={self.mode!r}" + (f", alpha={self.alpha}, min_var_weight={self.min_var_weight}"
-                                         if self.mode == "greedy_cvar" else "")
+        # The settings the mode reads, only: greedy_cvar takes no step and scores no missing group.
+        if self.mode == "greedy_cvar":
+            mode = f"mode={self.mode!r}, alpha={self.alpha}, min_var_weight={self.min_var_weight}"
+        else:
+            mode = (f"step_size={self.step_size}, mode={self.mode!r}, missing={self.missing!r}, "
+                    f"normalize_loss={self.normalize_loss}")
         adjustment = self._configuration["adjustment_term"]
         adjusted = adjustment is not None and bool((adjustment != 0).any())
         uniform = bool((self._q_init == self._q_init[0]).all())
-        return (f"num_groups={self.num_groups}, step_size={self.step_size}, {mode}, missing={self.missing!r}, "
-                f"normalize_loss={self.normalize_loss}, ema_gamma={self.ema_gamma}"
+        return (f"num_groups={self.num_groups}, {mode}, ema_gamma={self.ema_gamma}"
                 + (self._configuration_repr("adjustment_term") if adjusted else "")
                 + self._configuration_repr("population_shares")
                 + ("" if uniform else _vector_repr("q_init", self._q_init))

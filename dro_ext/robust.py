@@ -583,4 +583,8 @@ def evaluate(
         weights = group_weights.to(losses.device) if group_weights is not None else None
         assert num_groups is not None  # given with groups_fn (checked above)
         return _group_evaluation.report(losses, groups, num_groups, lam, spec, weights, group)
-    return robust_objective(losses, lam, spec.name, alpha=spec.alpha, k=spec.k, group=group)
+    if group is not None:
+        # The losses' dtype is the one all ranks promote to, so a dtype refused here is refused on every rank.
+        check_losses(losses, allow_empty=True)
+        return _distributed().checked_robust_objective(losses, lam, spec, group, "evaluate")
+    return robust_objective(losses, lam, spec.name, alpha=spec.alpha, k=spec.k)

@@ -816,9 +816,22 @@ def job_group_robust(rank, world):
     data = [(torch.randn(n, 3, generator=gen, dtype=torch.float64), torch.randn(n, generator=gen, dtype=torch.float64),
              torch.randint(0, 3, (n,), generator=gen)) for n in (4, 7, 5)]
     loss_fn = lambda m, b: (m(b[0]).squeeze(1) - b[1]) ** 2  # noqa: E731
+    reductions = []
+    all_reduce_group_sums = dro_ext.groups._all_reduce_group_sums
+
+    def counted(*args, **kwargs):
+        reductions.append(1)
+        return all_reduce_group_sums(*args, **kwargs)
+
     for mine in ((data[:1], data[1:]), (data, [])):
-        got = dro_ext.evaluate(model, mine[rank], loss_fn, 0.5, "chi2", groups_fn=lambda b: b[2], num_groups=4,
-                               progress=False, group=group)
+        dro_ext.groups._all_reduce_group_sums, reductions[:] = counted, []
+        try:
+            got = dro_ext.evaluate(model, mine[rank], loss_fn, 0.5, "chi2", groups_fn=lambda b: b[2], num_groups=4,
+                                   progress=False, group=group)
+        finally:
+            dro_ext.groups._all_reduce_group_sums = all_reduce_group_sums
+        # The report's group means are those the objective was solved over: the sums cross the ranks once.
+        assert len(reductions) == 1, f"evaluate over groups all-reduced the group sums {len(reductions)} times"
         ref = dro_ext.evaluate(model, data, loss_fn, 0.5, "chi2", groups_fn=lambda b: b[2], num_groups=4,
                                progress=False)
         assert got.value.dtype == got.group_loss.dtype == torch.float64, (got.value.dtype, got.group_loss.dtype)
@@ -831,7 +844,7 @@ def job_group_robust(rank, world):
             dro_ext.evaluate(model, [], loss_fn, 0.5, "chi2", groups_fn=groups_fn, num_groups=num_groups,
                              progress=False, group=group)
         except ValueError as e:
-            assert "the losses of every rank together are empty" in str(e), e
+            assert "dro_ext.evaluate: the losses of every rank together are empty" in str(e), e
         else:
             raise AssertionError(f"evaluate over no loss on any rank (num_groups={num_groups}) did not raise")
     # ... and robust_objective and worst_case_weights over groups (they returned NaN).

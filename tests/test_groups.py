@@ -947,6 +947,11 @@ def test_reprs_tell_configurations_apart():
         reprs = [repr(m) for m in modules]
         assert len(set(reprs)) == len(reprs), reprs
     assert "group_weights=[1, 0, 5]" in repr(droloss[2]) and "q_init=[0.5, 0, 0.5]" in repr(group_dro[2])
+    # ... and only those: greedy_cvar reads no step size, missing or normalize_loss, eg no alpha or min_var_weight.
+    eg = repr(dro_ext.GroupDROLoss(3, 0.1, missing="stale", normalize_loss=True))
+    assert all(s in eg for s in ("step_size=0.1", "missing='stale'", "normalize_loss=True")), eg
+    assert not any(s in repr(group_dro[0]) for s in ("step_size", "missing", "normalize_loss")), repr(group_dro[0])
+    assert not any(s in eg for s in ("alpha", "min_var_weight")), eg
     many = dro_ext.GroupDROLoss(20, 0.1, group_counts=list(range(1, 21)))
     assert repr(many).count(",") < 30 and "..." in repr(many)  # a long vector is elided
 
