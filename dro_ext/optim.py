@@ -236,6 +236,12 @@ class NormalizedSGD(Optimizer):
             options = dict(lr=group["lr"], momentum=group["momentum"], eps=group["eps"],
                            weight_decay=group["weight_decay"], norm=group["norm"], maximize=group["maximize"],
                            grad_scale=grad_scale, found_inf=found_inf)
+            lr = group["lr"]
+            # A number set on the group after construction (a user's, a scheduler's): the op takes lr as a tensor and
+            # cannot read it, and a negative one ascended, a NaN one made every param NaN. (A tensor lr is checked
+            # when given; its later values are not read: no host sync per step.) 0 <= lr < inf: see eps below.
+            if not isinstance(lr, torch.Tensor) and not 0.0 <= lr < math.inf:
+                raise ValueError(f"dro_ext.NormalizedSGD: lr must be a finite number >= 0.0, got lr={lr}")
             if plan.dtensor or not plan.fused:
                 # Options set on the group after construction, refused as the fused op refuses them (which the sharded
                 # step calls with eps, weight_decay and norm of its own, for the momentum alone).
@@ -244,10 +250,36 @@ class NormalizedSGD(Optimizer):
                 _distributed.sharded_normalized_sgd_step(plan.params, grads, momenta, steps, fused=plan.fused,
                                                          foreach_momentum=_grouped_foreach_momentum_, **options)
             elif plan.fused:
-                _fused_step(plan.params, grads, momenta, steps, **options)
+                try:
+                    _fused_step(plan.params, grads, momenta, steps, **options)
+                except ValueError:
+                    # The op checks every operand before it writes any. Where it refused a state that a cast of the
+                    # model left behind, the state follows the params and the step runs; anything else stands.
+                    if not self._state_follows_params(plan.params, momenta, steps):
+                        raise
+                    _fused_step(plan.params, grads, momenta, steps, **options)
             else:
+                self._state_follows_params(plan.params, momenta, steps)
                 _foreach_step(plan.params, grads, momenta, steps, **options)
         return loss
+
+    def _state_follows_params(self, params: list[torch.Tensor], momenta: list[torch.Tensor],
+                              steps: list[torch.Tensor]) -> bool:
+        """Each momentum moved to its param's dtype and device, and each step count to its device, where the param
+        moved after they were made (``model.double()`` or ``.to(device)`` after a step, which casts a param in place:
+        the same object, a kept plan), as load_state_dict casts a loaded momentum; in the state and in the lists.
+        Whether any moved. Either step then carries the momentum at the param's precision, the fused one as the
+        foreach one."""
+        moved = False
+        for i, p in enumerate(params):
+            m, step = momenta[i], steps[i]
+            if m.dtype != p.dtype or m.device != p.device:
+                momenta[i] = self.state[p]["momentum_buffer"] = m.to(device=p.device, dtype=p.dtype)
+                moved = True
+            if step.device != p.device:
+                steps[i] = self.state[p]["step"] = step.to(p.device)
+                moved = True
+        return moved
 
 
 # A param group's (grads, momenta, steps) for a step.

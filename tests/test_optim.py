@@ -524,6 +524,47 @@ def test_an_option_set_after_construction_is_checked_at_the_step(backend, foreac
     assert torch.equal(p.detach(), torch.ones(2))
 
 
+@pytest.mark.parametrize("foreach", [None, True], ids=["default", "foreach"])
+@pytest.mark.parametrize("value", [-0.5, math.nan, math.inf], ids=["negative", "nan", "inf"])
+def test_an_lr_set_after_construction_is_checked_at_the_step(backend, foreach, value):
+    """A number set as lr after construction (by hand, by a scheduler's bug): a negative one stepped uphill and a NaN
+    one made the params NaN, on either step, where the constructor refuses both."""
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = NormalizedSGD([p], lr=0.1, foreach=foreach)
+    opt.param_groups[0]["lr"] = value
+    p.grad = torch.ones(2)
+    with pytest.raises(ValueError, match="lr must be a finite number >= 0.0"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(2))
+
+
+@pytest.mark.parametrize("foreach", [None, True], ids=["default", "foreach"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16], ids=["to-float64", "to-float16"])
+def test_a_model_cast_after_a_step_steps_as_a_loaded_state_would(backend, foreach, dtype):
+    """model.double() after a step casts each param in place (the same object): the fused step refused the float32
+    momentum it had made ("momenta[0] must match params[0]") where the foreach step carried it on in float32. Both
+    now cast the momentum to the param, as load_state_dict casts a loaded one: the steps equal a resumed run's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = NormalizedSGD(model.parameters(), lr=0.1, foreach=foreach)
+    x = torch.randn(5, 3)
+    model(x).square().sum().backward()
+    opt.step()
+    resumed_model = copy.deepcopy(model).to(dtype)
+    resumed = NormalizedSGD(resumed_model.parameters(), lr=0.1, foreach=foreach)
+    resumed.load_state_dict(opt.state_dict())
+    model.to(dtype)
+    for m, o in ((model, opt), (resumed_model, resumed)):
+        for _ in range(2):
+            o.zero_grad()
+            m(x.to(dtype)).square().sum().backward()
+            o.step()
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        assert p.dtype == dtype and torch.equal(p.detach(), q.detach())
+        assert opt.state[p]["momentum_buffer"].dtype == dtype
+        assert torch.equal(opt.state[p]["momentum_buffer"], resumed.state[q]["momentum_buffer"])
+
+
 def test_a_state_dict_it_did_not_save_is_named_at_the_step(backend):
     """torch.optim.SGD's state_dict (no step count), a momentum of another shape: a clear error on either step (a bare
     KeyError, or on the fallback a broadcasting error, before); a Python number as the step count is taken."""
