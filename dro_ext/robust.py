@@ -562,10 +562,14 @@ def evaluate(
                         raise ValueError(
                             f"dro_ext: per_sample_loss_fn must return a 1-D tensor of per-sample losses, got {shape}"
                         )
-                    chunks.append(losses.detach())
+                    # Copies: a loss function may hand back the same buffer each batch (an out= tensor, a replayed
+                    # CUDA graph's static output: every chunk was then the last batch's) or a view of a larger one
+                    # (which the chunk kept alive whole). So may groups_fn.
+                    chunks.append(losses.detach().clone(memory_format=torch.contiguous_format))
                     if groups_fn is not None:
-                        group_chunks.append(groups_fn(batch))
-                        check_groups(group_chunks[-1], losses)
+                        ids = groups_fn(batch)
+                        check_groups(ids, losses)
+                        group_chunks.append(ids.clone(memory_format=torch.contiguous_format))
         finally:
             for module, training in modes:
                 module.training = training

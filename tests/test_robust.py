@@ -734,6 +734,53 @@ def test_evaluate(backend, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_evaluate_keeps_each_batch_when_the_loss_function_reuses_its_output(backend):
+    """A per-sample loss function that writes each batch's losses (and group ids) into one buffer, as an out= tensor
+    or a replayed CUDA graph's static output does: evaluate kept that buffer by reference, so every batch counted as
+    the last one (Psi 2.10 for 1.16). A view of a wider output kept the whole output alive."""
+    torch.manual_seed(3)
+    model = torch.nn.Linear(3, 1).double()
+    batches = [(torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 2]) + i % 2) for i in range(3)]
+    with torch.no_grad():
+        losses = torch.cat([model(x).squeeze(1) ** 2 for x, _ in batches])
+    all_ids = torch.cat([ids for _, ids in batches])
+    buffer, id_buffer = torch.empty(4, dtype=torch.float64), torch.empty(4, dtype=torch.int64)
+
+    def into_buffer(m, batch):
+        return torch.pow(m(batch[0]).squeeze(1), 2, out=buffer)
+
+    def ids_into_buffer(batch):
+        return id_buffer.copy_(batch[1])
+
+    value, eta = dro_ext.evaluate(model, batches, into_buffer, 0.5, progress=False)
+    expected = dro_ext.robust_objective(losses, 0.5)
+    torch.testing.assert_close((value, eta), expected, rtol=1e-12, atol=0)
+    got = dro_ext.evaluate(model, batches, into_buffer, 0.5, groups_fn=ids_into_buffer, num_groups=4, progress=False)
+    torch.testing.assert_close(got.value, dro_ext.robust_objective(losses, 0.5, groups=all_ids, num_groups=4)[0],
+                               rtol=1e-12, atol=0)
+    assert got.group_count.tolist() == torch.bincount(all_ids, minlength=4).tolist()
+    kept = []
+
+    def as_a_view(m, batch):
+        wide = torch.cat([m(batch[0]) ** 2, torch.zeros(batch[0].shape[0], 1000, dtype=torch.float64)], 1)
+        return wide[:, 0]
+
+    real_cat = torch.cat
+
+    def recording_cat(tensors, *args, **kwargs):
+        kept.extend(t for t in tensors if isinstance(t, torch.Tensor) and t.dtype == torch.float64)
+        return real_cat(tensors, *args, **kwargs)
+
+    torch.cat = recording_cat
+    try:
+        dro_ext.evaluate(model, batches, as_a_view, 0.5, progress=False)
+    finally:
+        torch.cat = real_cat
+    chunks = [t for t in kept if t.numel() == 4]
+    assert chunks and all(t.untyped_storage().nbytes() == 4 * 8 for t in chunks), \
+        [t.untyped_storage().nbytes() for t in chunks]
+
+
 def test_evaluate_rejects_non_per_sample_losses():
     model = torch.nn.Linear(2, 1)
     loader = [(torch.randn(5, 2), torch.randn(5))]
