@@ -6,6 +6,7 @@
 #include <c10/util/Optional.h>
 
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "divergences.h"
@@ -55,10 +56,18 @@ inline void check_positive(const char* arg, double value) {
                     arg, "=", value);
 }
 
-// The arguments every loss op takes after the tensors: lam > 0 and a valid divergence with its parameters.
+// lam no smaller than float64's smallest normal number, whose reciprocal is finite: the kernels multiply by 1/lam,
+// and a subnormal lam's is inf (t = 0 * inf was NaN at a loss equal to the shift). dro_ext._divergences' check_lam.
+inline void check_lam(double lam) {
+  TORCH_CHECK_VALUE(lam >= std::numeric_limits<double>::min() && std::isfinite(lam),
+                    "dro_ext: lam must be a finite number > 0 (and no smaller than 2.2250738585072014e-308, "
+                    "float64's smallest normal number), got lam=", lam);
+}
+
+// The arguments every loss op takes after the tensors: lam (check_lam) and a valid divergence with its parameters.
 inline DivergenceSpec check_divergence_args(double lam, c10::string_view divergence, std::optional<double> alpha,
                                             std::optional<double> k) {
-  check_positive("lam", lam);
+  check_lam(lam);
   return parse_divergence(std::string(divergence), alpha, k);
 }
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from typing import Any, Callable, Literal, NamedTuple, Sequence, TypeVar, get_args
 
 import torch
@@ -76,6 +77,20 @@ def check_positive(name: str, value: object) -> float:
     return value
 
 
+# The smallest lam taken: float64's smallest normal number, whose reciprocal is finite (a subnormal lam's 1/lam is inf
+# or loses digits, and the kernels multiply by it: t = 0 * inf gave NaN at a loss equal to the shift).
+MIN_LAM = sys.float_info.min
+
+
+def check_lam(value: object) -> float:
+    """lam, a finite number >= MIN_LAM (csrc/checks.h's check_lam, with its message)."""
+    value = real_number("lam", value)
+    if not MIN_LAM <= value < math.inf:
+        raise ValueError(f"dro_ext: lam must be a finite number > 0 (and no smaller than {MIN_LAM!r}, float64's "
+                         f"smallest normal number), got lam={value}")
+    return value
+
+
 # Validated Python numbers: checked_scalars' (divergence, alpha, k, lam, scale) and op_scalars' tuples. A
 # training step calls the loss with the same Python numbers every time, and at a few thousand samples checking them
 # again costs a visible share of the step.
@@ -102,7 +117,7 @@ def checked_scalars(divergence: str, alpha: float | None, k: float | None, lam: 
             return _CHECKED_SCALARS[key]
     except (KeyError, TypeError):  # TypeError: an unhashable argument, which the checks below reject
         pass
-    return _remember(key, (check_divergence(divergence, alpha, k), check_positive("lam", lam),
+    return _remember(key, (check_divergence(divergence, alpha, k), check_lam(lam),
                            check_positive("scale", scale)))
 
 

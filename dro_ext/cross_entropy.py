@@ -28,7 +28,7 @@ from dro_ext._first_order import first_order_only, refuse_forward_ad
 from dro_ext.group_reduction import check_forward_groups, check_num_groups
 from dro_ext._divergences import (
     Divergence, Spec, accumulate_dtype, as_eta, check_dense, check_divergence, check_floating_dtype,
-    check_positive, fallback_dtype, fixed_order_sum, fixed_order_sums, real_number,
+    check_lam, check_positive, fallback_dtype, fixed_order_sum, fixed_order_sums, real_number,
 )
 from dro_ext._divergences import penalized_value as _penalized_value_torch
 from dro_ext._divergences import psi_star as _psi_star_torch
@@ -97,7 +97,7 @@ def check_linear_target_range(targets, num_classes: int, ignore_index: int, nati
 
 def _checked_scalars(lam, divergence, alpha, k, scale, ignore_index, label_smoothing):
     spec = check_divergence(divergence, alpha, k)
-    return (spec, check_positive("lam", lam), check_positive("scale", scale), _check_ignore_index(ignore_index),
+    return (spec, check_lam(lam), check_positive("scale", scale), _check_ignore_index(ignore_index),
             _check_label_smoothing(label_smoothing))
 
 
@@ -666,7 +666,7 @@ class _DROCrossEntropyBase(nn.Module):
             num_groups = check_num_groups(num_groups)
         self.num_groups = num_groups
         self.divergence, self.alpha, self.k = check_divergence(divergence, alpha, k)
-        self.lam = check_positive("lam", lam)
+        self.lam = check_lam(lam)
         self.scale = check_positive("scale", scale)
         self.ignore_index = _check_ignore_index(ignore_index)
         self.label_smoothing = _check_label_smoothing(label_smoothing)

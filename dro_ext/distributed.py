@@ -33,7 +33,7 @@ import torch.distributed as dist
 from dro_ext import _solver
 from dro_ext._first_order import first_order_only
 from dro_ext._divergences import (
-    DIVERGENCES, Divergence, Spec, accumulate_dtype, check_divergence, check_losses, check_positive,
+    DIVERGENCES, Divergence, Spec, accumulate_dtype, check_divergence, check_lam, check_losses,
     fixed_order_sum, input_device,
 )
 
@@ -409,7 +409,7 @@ def robust_objective(losses: torch.Tensor, lam: float, divergence: Divergence = 
     with checked_on_every_rank(group, "robust_objective", input_device(losses)) as agreed:
         spec = check_divergence(divergence, alpha, k)
         check_losses(losses, allow_empty=True)
-        lam = check_positive("lam", lam)
+        lam = check_lam(lam)
         agreed.set(lam, spec, None)
     return checked_robust_objective(losses, lam, spec, group, "robust_objective")
 
@@ -432,7 +432,7 @@ def worst_case_weights(losses: torch.Tensor, lam: float, divergence: Divergence 
     with checked_on_every_rank(group, "worst_case_weights", input_device(losses)) as agreed:
         spec = check_divergence(divergence, alpha, k)
         check_losses(losses, allow_empty=True)
-        lam = check_positive("lam", lam)
+        lam = check_lam(lam)
         agreed.set(lam, spec, None)
     reducer = _GroupReducer(group, losses.device, "worst_case_weights")
     x = losses.detach().to(torch.float64)

@@ -31,6 +31,7 @@ from dro_ext._divergences import (
     check_dense,
     check_divergence,
     check_losses,
+    check_lam,
     check_positive,
     fallback_dtype,
     fixed_order_broadcast,
@@ -370,7 +371,7 @@ def group_dro_loss(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
     num_groups = check_num_groups(num_groups)  # (the length of the collective a refusal joins)
     try:
         spec = check_divergence(divergence, alpha, k)
-        lam, scale = check_positive("lam", lam), check_positive("scale", scale)
+        lam, scale = check_lam(lam), check_positive("scale", scale)
         # a rank may hold no samples (with group); the concatenated batch must hold some
         check_losses(losses, allow_empty=group is not None)
         check_groups(groups, losses)

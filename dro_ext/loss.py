@@ -12,6 +12,7 @@ from dro_ext._divergences import (
     Divergence,
     check_divergence,
     check_losses,
+    check_lam,
     check_positive,
     fallback_dtype,
     fixed_order_broadcast,
@@ -71,7 +72,7 @@ class DROLoss(_Float64Configuration):
         super().__init__()
         spec = check_divergence(divergence, alpha, k)
         self.divergence, self.alpha, self.k = spec
-        self.lam = check_positive("lam", lam)
+        self.lam = check_lam(lam)
         self.scale = check_positive("scale", scale)
         self.eta_init = real_number("eta_init", eta_init)
         if not math.isfinite(self.eta_init):

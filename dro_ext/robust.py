@@ -37,7 +37,7 @@ from dro_ext._divergences import (
     as_eta,
     check_divergence,
     check_losses,
-    check_positive,
+    check_lam,
     checked_scalars,
     fixed_order_sum,
     input_device,
@@ -213,7 +213,7 @@ def _checked_arguments(where: str, losses: torch.Tensor, lam: float, divergence:
         if losses.device.type == "meta":
             raise NotImplementedError(f"dro_ext.{where} solves over the losses' values, which a meta tensor does not "
                                       f"hold")
-        lam = check_positive("lam", lam)
+        lam = check_lam(lam)
         checked_num_groups, group_weights = _group_evaluation.check_group_arguments(
             losses, groups, num_groups, weighting, group_counts, where)
         agreed.set(lam, spec, checked_num_groups, weights=group_weights)
@@ -535,7 +535,7 @@ def evaluate(
     chunks: list[torch.Tensor] = []
     with _checked_on_every_rank(group, "evaluate") as agreed:
         spec = check_divergence(divergence, alpha, k)
-        lam = check_positive("lam", lam)
+        lam = check_lam(lam)
         if (groups_fn is None) != (num_groups is None):
             given, missing = ("groups_fn", "num_groups") if num_groups is None else ("num_groups", "groups_fn")
             raise ValueError(f"dro_ext.evaluate: {given} was given without {missing}; over groups pass both")

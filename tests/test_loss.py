@@ -510,6 +510,52 @@ def test_native_op_checks_its_own_arguments(override, match):
         torch.ops.dro_ext.dro_loss(args["losses"], args["eta"], args["lam"], args["divergence"], args["alpha"], args["k"])
 
 
+def _calls_taking_lam():
+    """Every public call that takes lam, as lam -> its result (the native ops among them). The training objectives
+    with cvar, linear in t: chi2's t^2 overflows float64 at such a lam (a documented limit), cvar's value is exact."""
+    losses, eta, ids = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64), \
+        torch.tensor([0, 1, 1])
+    logits, targets = torch.randn(3, 4, dtype=torch.float64), torch.tensor([0, 3, 1])
+    hidden, weight = torch.randn(3, 2, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    model = torch.nn.Identity()
+    calls = {
+        "dro_loss": lambda lam: dro_ext.dro_loss(losses, eta, lam, "cvar", alpha=0.5),
+        "dro_weights": lambda lam: dro_ext.dro_weights(losses, eta, lam, "chi2"),
+        "robust_objective": lambda lam: dro_ext.robust_objective(losses, lam, "chi2"),
+        "worst_case_weights": lambda lam: dro_ext.worst_case_weights(losses, lam, "kl"),
+        "robust_objective over groups": lambda lam: dro_ext.robust_objective(losses, lam, groups=ids, num_groups=2),
+        "weight_stats": lambda lam: dro_ext.weight_stats(losses=losses, lam=lam),
+        "evaluate": lambda lam: dro_ext.evaluate(model, [losses], lambda m, b: m(b), lam, progress=False),
+        "DROLoss": lambda lam: dro_ext.DROLoss("cvar", lam, alpha=0.5)(losses),
+        "group_dro_loss": lambda lam: dro_ext.group_dro_loss(losses, ids, 2, eta, lam, "cvar", alpha=0.5),
+        "dro_cross_entropy": lambda lam: dro_ext.dro_cross_entropy(logits, targets, eta, lam, "cvar", alpha=0.5),
+        "dro_linear_cross_entropy": lambda lam: dro_ext.dro_linear_cross_entropy(hidden, weight, targets, eta, lam,
+                                                                                 "cvar", alpha=0.5),
+        "DROCrossEntropyLoss": lambda lam: dro_ext.DROCrossEntropyLoss("cvar", lam, alpha=0.5)(logits, targets),
+    }
+    if _backend.native_available():
+        calls["native dro_loss"] = lambda lam: torch.ops.dro_ext.dro_loss(losses, eta, lam, "chi2", None, None)
+        calls["native robust_objective"] = lambda lam: torch.ops.dro_ext.robust_objective(losses, lam, "kl", None,
+                                                                                            None)
+    return calls
+
+
+@pytest.mark.parametrize("call", list(_calls_taking_lam()))
+def test_a_lam_below_the_smallest_normal_double_is_refused(backend, call):
+    """A subnormal lam passed 'lam > 0': the kernels multiply by 1/lam, inf there, and t = 0 * inf made the value NaN
+    at a loss equal to the shift (the robust objective NaN for chi2, kl and cressie_read; the fallback's cvar inf).
+    Every call refuses it, naming lam; the smallest normal double itself is taken, with no NaN (below the README's
+    range, 1e-300, an intermediate such as t / alpha may overflow to inf, which says so)."""
+    fn = _calls_taking_lam()[call]
+    for lam in (1e-310, 5e-324, sys.float_info.min / 2):
+        with pytest.raises(ValueError, match=r"lam must be a finite number > 0 \(and no smaller than "
+                                             r"2\.2250738585072014e-308"):
+            fn(lam)
+    result = fn(sys.float_info.min)
+    values = [t for t in (result if isinstance(result, tuple) else (result,)) if isinstance(t, torch.Tensor)]
+    assert values and not any(bool(torch.isnan(t).any()) for t in values if t.is_floating_point()), result
+
+
 @pytest.mark.parametrize("grouped", [False, True], ids=["samples", "groups"])
 def test_dro_loss_module_with_a_parametrized_eta(backend, grouped):
     # torch.nn.utils.parametrize moves eta out of the parameter dict (the forward read it there: KeyError); the
