@@ -184,8 +184,9 @@ def input_device(*values: object) -> torch.device:
     return torch.device("cpu")
 
 
-def as_eta(eta: float | torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
-    """eta as a 0-d tensor on the losses' device; a Python number becomes a constant (no gradient)."""
+def as_eta(eta: float | torch.Tensor, losses: torch.Tensor, losses_name: str = "losses") -> torch.Tensor:
+    """eta as a 0-d tensor on the device of ``losses`` (the argument named ``losses_name``: the cross-entropies'
+    logits or hidden); a Python number becomes a constant (no gradient)."""
     if isinstance(eta, torch.Tensor):
         if eta.dim() != 0:
             raise ValueError(f"dro_ext: eta must be a 0-d tensor, got shape {tuple(eta.shape)}")
@@ -193,7 +194,8 @@ def as_eta(eta: float | torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
             raise TypeError(f"dro_ext: eta must have a floating dtype, got {eta.dtype}")
         if eta.device != losses.device:
             raise ValueError(
-                f"dro_ext: eta is on {eta.device} but losses is on {losses.device}; move them to the same device"
+                f"dro_ext: eta is on {eta.device} but {losses_name} is on {losses.device}; move them to the same "
+                f"device"
             )
         return eta
     return torch.tensor(real_number("eta", eta), dtype=accumulate_dtype(losses.dtype), device=losses.device)

@@ -289,7 +289,7 @@ def dro_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, eta: torch.Te
     refuse_forward_ad("dro_cross_entropy", logits, eta)
     _check_float_tensor("logits", logits)
     _check_targets(targets, logits.shape[:-1], f"logits of shape {tuple(logits.shape)}", logits.device)
-    eta = as_eta(eta, logits)
+    eta = as_eta(eta, logits, "logits")
     num_classes = logits.shape[-1]
     if num_classes == 0:  # before the reshape, which cannot infer -1 beside a 0
         raise ValueError(f"dro_ext: logits must have at least one class, got shape {tuple(logits.shape)}")
@@ -636,7 +636,7 @@ def dro_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets
         lam, divergence, alpha, k, scale, ignore_index, label_smoothing)
     refuse_forward_ad("dro_linear_cross_entropy", hidden, weight, bias, eta)
     h, weight, bias, y, chunk_size = _check_linear_args(hidden, weight, targets, bias, chunk_size)
-    eta = as_eta(eta, h)
+    eta = as_eta(eta, h, "hidden")
     token_groups, num_groups = _check_token_groups(groups, num_groups, targets)
     if token_groups is not None:
         from dro_ext.cross_entropy_groups import grouped_dro_linear_cross_entropy

@@ -49,6 +49,10 @@ if TYPE_CHECKING:
 
 __all__ = ["GroupDROLoss", "group_dro_loss"]
 
+# GroupDROLoss's error for its state on another device than the losses (csrc/group_dro_step.h's check says it too).
+_STATE_DEVICE_MESSAGE = ("dro_ext: GroupDROLoss's state is on {device} but the losses are on {expected}; move the "
+                         "module to the losses' device (module.to(device))")
+
 
 if _backend.native_available():
 
@@ -70,9 +74,7 @@ if _backend.native_available():
         return losses.new_empty(())
 
     def _check_state_device(operand: torch.Tensor, others: tuple[torch.Tensor, ...]) -> None:
-        _backend.check_fake_operands_on(
-            operand.device, others, "dro_ext: GroupDROLoss's state is on {device} but the losses are on {expected}; "
-            "move the module to the losses' device (module.to(device))")
+        _backend.check_fake_operands_on(operand.device, others, _STATE_DEVICE_MESSAGE)
 
     # Looked up once: resolving an overload costs a few hundred ns per call.
     _group_dro_step_op = torch.ops.dro_ext.group_dro_step_.default
@@ -690,6 +692,8 @@ class GroupDROLoss(_Float64Configuration):
                     raise TypeError(f"dro_ext: update must be a bool, got {update!r}")
                 if mask is not None:
                     check_mask(mask, losses)
+                if self.log_q.device != losses.device:  # (the composition's first mixed op raised torch's own error)
+                    raise ValueError(_STATE_DEVICE_MESSAGE.format(device=self.log_q.device, expected=losses.device))
             except Exception as error:  # (whatever a check raises: see group_dro_loss)
                 _refuse_on_every_rank(error, self.num_groups, self.group, "GroupDROLoss", input_device(losses, groups))
             fused = self.mode == "eg" and _backend.native_for(losses.device.type)

@@ -1177,3 +1177,16 @@ def test_a_positive_infinite_logit_gives_nan_as_f_cross_entropy(backend, dtype):
         assert math.isnan(dro_ext.dro_cross_entropy(logits, targets, 0.5, LAM, "chi2", **by_group).item())
         assert math.isnan(dro_ext.dro_linear_cross_entropy(hidden, weight, targets, 0.5, LAM, "chi2", bias=bias,
                                                            **by_group).item())
+
+
+def test_an_eta_on_another_device_names_logits_or_hidden(backend):
+    """The device error named "losses", which neither cross-entropy takes."""
+    logits, targets = torch.randn(4, 3), torch.randint(0, 3, (4,))
+    hidden, weight = torch.randn(4, 2), torch.randn(3, 2)
+    eta = torch.tensor(0.0, device="meta")
+    with pytest.raises(ValueError, match="eta is on meta but logits is on cpu"):
+        dro_ext.dro_cross_entropy(logits, targets, eta, 0.5)
+    with pytest.raises(ValueError, match="eta is on meta but logits is on cpu"):
+        dro_ext.DROCrossEntropyLoss().to("meta")(logits, targets)
+    with pytest.raises(ValueError, match="eta is on meta but hidden is on cpu"):
+        dro_ext.dro_linear_cross_entropy(hidden, weight, targets, eta, 0.5)

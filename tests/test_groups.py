@@ -1146,3 +1146,12 @@ def test_a_refused_call_frees_its_inputs_without_the_garbage_collector(backend):
     finally:
         if enabled:
             gc.enable()
+
+
+@pytest.mark.parametrize("mode", ["eg", "greedy_cvar"])
+def test_group_dro_state_on_another_device_is_named(backend, mode):
+    """greedy_cvar (and eg on the fallback) raised torch's "Tensor on device cpu is not on the expected device meta!"
+    from inside the composition; every path now says what the native eg step says."""
+    module = dro_ext.GroupDROLoss(3, mode=mode, **({"alpha": 0.5} if mode == "greedy_cvar" else {})).to("meta")
+    with pytest.raises(ValueError, match="GroupDROLoss's state is on meta but the losses are on cpu; move the module"):
+        module(torch.rand(4), torch.tensor([0, 1, 2, 1]))
