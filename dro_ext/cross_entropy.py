@@ -271,8 +271,8 @@ def dro_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, eta: torch.Te
     ``mean_i lam*psi*((l_i - scale*eta)/lam) + scale*eta`` (0 when n == 0, with zero gradients). Gradients
     flow to ``logits`` and ``eta``; the native op keeps only the per-row logsumexp (as the row's max and the log
     of the sum below it) and weight (3N floats) for backward. Each row's loss is formed in float32 (float64 for
-    float64 logits); its t, weight and value term and their sums in float64 on the CPU and in the fallback, and on
-    CUDA in float32 except where 1/lam is no normal float32. The result is float32 for float16/bfloat16 logits (as
+    float64 logits); its t, weight and value term and their sums in float64, on the CPU, on CUDA and in the
+    fallback. The result is float32 for float16/bfloat16 logits (as
     ``F.cross_entropy``'s under autocast, so that GradScaler's scaled gradient does not overflow on its way in), and
     has the logits' dtype otherwise.
 

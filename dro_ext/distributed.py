@@ -3,8 +3,9 @@
 Three pieces, each reached from the public API by a keyword or by the parameters' type:
 
 - ``DROLoss(..., group=pg)``: the loss of each rank is rescaled by ``world_size * n_local / N`` (``N``
-  from one all-reduce of a scalar), so that the gradients DDP (or FSDP2) averages over the ranks are those
-  of the objective on the concatenated batch, whatever the local batch sizes. See :func:`batch_scale`.
+  from one all-reduce of two numbers: the count and a refusal flag), so that the gradients DDP (or FSDP2)
+  averages over the ranks are those of the objective on the concatenated batch, whatever the local batch sizes.
+  See :func:`batch_scale`.
 - ``NormalizedSGD`` on DTensor (FSDP2) parameters: :func:`sharded_normalized_sgd_step` updates the local
   shards and takes the norm of the whole, unsharded momentum from one all-reduce of per-tensor sums of
   squares per param group (on the device: no host sync). Plain tensors (DDP, or ``eta`` beside sharded

@@ -258,7 +258,7 @@ def _reduced_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: 
                         mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sums, counts) of the batch, or, with a process group, of the concatenated batch of its ranks.
 
-    Over ranks, (sums, counts) are all-reduced together (one collective of 2G numbers, and two counts below) so every
+    Over ranks, (sums, counts) are all-reduced together (one collective of 2G + 2 numbers: two counts below) so every
     rank holds the same values; the sums' gradient goes to the local samples times the world size, which DDP's
     averaging of the gradients over the ranks divides out again: the averaged gradient is the one of the concatenated
     batch. The collective is in float64 whatever each rank's dtype (an empty rank's torch.empty(0) is float32 beside
@@ -557,8 +557,8 @@ class GroupDROLoss(_Float64Configuration):
     ``state_dict`` starts over).
 
     ``group`` (a process group): the per-group sums and counts are all-reduced once per call (one collective of
-    ``2 * num_groups`` numbers), so every rank updates the same ``q`` from the concatenated batch and returns the
-    same loss, that of the concatenated batch; the gradients of the local losses are scaled so that DDP's average
+    ``2 * num_groups + 2`` numbers: with the counts of bad ids and of refusing ranks), so every rank updates the
+    same ``q`` from the concatenated batch and returns the same loss, that of the concatenated batch; the gradients of the local losses are scaled so that DDP's average
     over the ranks is the gradient of that loss.
 
     Per step on CUDA nothing is read on the host: no ``.item()``, no data-dependent shapes (ids out of range fail

@@ -44,7 +44,7 @@ class DROLoss(_Float64Configuration):
     is averaged over the ranks; with equal local batch sizes the averaged gradients (model and eta) are
     exactly those of this loss on the concatenated batch. For unequal local batches pass ``group`` (a
     process group, e.g. ``torch.distributed.group.WORLD``): each rank's loss is then multiplied by
-    ``world_size * n_local / N`` (N from one all-reduce of a scalar per call, see
+    ``world_size * n_local / N`` (N from one all-reduce of two numbers per call, see
     :func:`dro_ext.distributed.batch_scale`), so that the averaged gradients are again those of the
     concatenated batch; the mean over the ranks of the returned values is the loss of that batch.
 
