@@ -181,7 +181,7 @@ if _backend.native_available():
     @torch.library.register_fake("dro_ext::dro_cross_entropy_chunk_")
     def _dro_cross_entropy_chunk_fake(logits, targets, eta, inv_count, lam, divergence, alpha=None, k=None,
                                       scale=1.0, ignore_index=-100, label_smoothing=0.0, compute_grad=True):
-        return logits.new_empty((2,), dtype=accumulate_dtype(logits.dtype))
+        return logits.new_empty((2,), dtype=torch.float64)
 
     def _dro_cross_entropy_setup_context(ctx, inputs, output):
         logits, targets, eta, lam, divergence, alpha, k, scale, ignore_index, label_smoothing = inputs
@@ -314,8 +314,9 @@ def dro_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, eta: torch.Te
 
 
 def _chunk_fallback_(logits, targets, eta, inv_count, lam, spec, scale, ignore_index, label_smoothing, compute_grad):
-    """dro_cross_entropy_chunk_ in PyTorch: the chunk's {sum value_term, sum w} over kept rows, and (compute_grad)
-    the logits overwritten by inv_count * w_i * (softmax_i - q_i)."""
+    """dro_cross_entropy_chunk_ in PyTorch: the chunk's {sum value_term, sum w} over kept rows (in the terms' dtype,
+    float64 where the device has it, as the op returns them), and (compute_grad) the logits overwritten by
+    inv_count * w_i * (softmax_i - q_i)."""
     acc = accumulate_dtype(logits.dtype)
     x = logits.to(acc)  # the logits themselves unless they must be cast up
     keep = targets != ignore_index
@@ -342,7 +343,7 @@ def _chunk_fallback_(logits, targets, eta, inv_count, lam, spec, scale, ignore_i
     t = (losses - g_eta) / lam
     weights = torch.where(keep, _psi_star_torch(t, spec, 1), 0.0)
     value_sum = fixed_order_sum(torch.where(keep, _penalized_value_torch(losses, t, lam, g_eta, spec), 0.0))
-    sums = torch.stack([value_sum, fixed_order_sum(weights)]).to(acc)
+    sums = torch.stack([value_sum, fixed_order_sum(weights)])
     if compute_grad:
         grad = unnormalized.div_(row_sum[:, None])  # softmax
         grad.sub_(label_smoothing / x.shape[1])
@@ -441,7 +442,10 @@ def _linear_cross_entropy_chunks(hidden, weight, bias, targets, eta, lam, diverg
     if grad_weight_needed and rows == 0:
         grad_weight.zero_()
     grad_bias = torch.zeros((vocab,), dtype=acc, device=hidden.device) if grad_bias_needed else hidden.new_empty((0,))
-    sums = torch.zeros((2,), dtype=acc, device=hidden.device)
+    # The chunks' sums added up in float64 (the op's and the fallback's dtype; float32 on a device without float64)
+    # and divided by the kept count last: in float32 a sum past its range was inf where the mean is not, and the
+    # value moved with the chunk size (35 float32 steps at one-row chunks against 0.07 at one chunk).
+    sums = torch.zeros((2,), dtype=fallback_dtype(hidden.dtype, hidden.device), device=hidden.device)
     buffer = logits_buffer(rows, chunk_size, hidden, weight)
     for start in range(0, rows, chunk_size):
         end = min(rows, start + chunk_size)
@@ -467,8 +471,9 @@ def _linear_cross_entropy_chunks(hidden, weight, bias, targets, eta, lam, diverg
                 grad_bias += fixed_order_sums(logits, 0, dtype=acc)
         del logits
     any_kept = kept > 0
-    value = torch.where(any_kept, sums[0] * inv_count, 0.0)
-    mean_weight = torch.where(any_kept, sums[1] * inv_count, 1.0)
+    count = kept.clamp(min=1).to(sums.dtype)
+    value = torch.where(any_kept, sums[0] / count, 0.0).to(acc)
+    mean_weight = torch.where(any_kept, sums[1] / count, 1.0).to(acc)
     if grad_bias_needed:
         grad_bias = grad_bias.to(bias.dtype)
     return value, mean_weight, grad_hidden, grad_weight, grad_bias

@@ -1190,3 +1190,28 @@ def test_an_eta_on_another_device_names_logits_or_hidden(backend):
         dro_ext.DROCrossEntropyLoss().to("meta")(logits, targets)
     with pytest.raises(ValueError, match="eta is on meta but hidden is on cpu"):
         dro_ext.dro_linear_cross_entropy(hidden, weight, targets, eta, 0.5)
+
+
+def test_linear_value_is_summed_over_chunks_in_float64(backend):
+    """The chunk loop added the chunks' sums in float32 and divided by the count last: a chunk's sum past float32's
+    range made the value inf where the mean is finite (kl, one row at t = 92 among 1000: the value is 9.0e36), and the
+    value moved with the chunk size (35 float32 steps off at one-row chunks, 0.07 at one chunk)."""
+    rows = 1000
+    hidden, weight = torch.zeros(rows, 2), torch.zeros(3, 2)
+    hidden[0, 0], weight[1, 0] = 100.0, 1.0  # row 0's logits (0, 100, 0), target 0: a loss of 100
+    targets = torch.zeros(rows, dtype=torch.int64)
+    losses = F.cross_entropy((hidden @ weight.T).double(), targets, reduction="none")
+    expected = float((torch.expm1(losses - 8.0)).mean() + 8.0)
+    for chunk_size in (None, 10):
+        value = dro_ext.dro_linear_cross_entropy(hidden, weight, targets, 8.0, 1.0, "kl", chunk_size=chunk_size)
+        assert math.isfinite(float(value)) and abs(float(value) - expected) <= 2e-7 * expected, (chunk_size, value)
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(4096, 8), torch.randn(6, 8) / 3
+    targets = torch.randint(0, 6, (4096,))
+    losses = F.cross_entropy((hidden @ weight.T).double(), targets, reduction="none")
+    expected = ref.dro_loss(losses, 1.5, 1.0, "chi2")
+    for chunk_size in (None, 64, 1):
+        value = dro_ext.dro_linear_cross_entropy(hidden, weight, targets, 1.5, 1.0, "chi2", chunk_size=chunk_size)
+        # Each per-token loss is within a float32 rounding of the float64 one; their mean then within about that too,
+        # whatever the chunks (summed in float32, one-row chunks put the value 4.4 float32 steps off here).
+        assert abs(float(value) - float(expected)) <= 2 * 2**-23 * abs(float(expected)), (chunk_size, value, expected)

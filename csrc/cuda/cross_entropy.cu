@@ -181,12 +181,13 @@ row_forward_kernel(const scalar_t* logits, const int64_t* targets, int64_t num_c
 // and BlockReduce combines the threads in a fixed tree. Then either
 //  - (finalize) value = sum value_term / n (0 if n == 0), mean_weight = sum w / n (1 if n == 0), and
 //    scaled_weights_i = w_i / n (scaled_weights may be the raw weights themselves where term_t is acc_t); or
-//  - (sums) sums[0] = sum value_term, sums[1] = sum w, for the chunk op.
+//  - (sums) sums[0] = sum value_term, sums[1] = sum w, for the chunk op, in term_t (float64: the chunks' sums are
+//    added up before they are divided by the kept count, and float32 ones overflow where the mean does not).
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kReduceThreads)
 reduce_rows_kernel(const int64_t* targets, int64_t rows, int64_t ignore_index, const term_t* value_terms,
                    const term_t* weights, acc_t* scaled_weights, acc_t* value_out, acc_t* mean_weight_out,
-                   acc_t* sums_out) {
+                   term_t* sums_out) {
   __shared__ term_t shared_inv_count;
   term_t value_sum = 0, weight_sum = 0;
   int64_t kept = 0;
@@ -201,8 +202,8 @@ reduce_rows_kernel(const int64_t* targets, int64_t rows, int64_t ignore_index, c
   const int64_t total_kept = cuda::block_reduce<kReduceThreads>(kept, cuda::Sum());
   if (sums_out != nullptr) {
     if (threadIdx.x == 0) {
-      sums_out[0] = static_cast<acc_t>(total_value);
-      sums_out[1] = static_cast<acc_t>(total_weight);
+      sums_out[0] = total_value;
+      sums_out[1] = total_weight;
     }
     return;
   }
@@ -276,7 +277,7 @@ void launch_forward(const at::Tensor& logits, const at::Tensor& targets, const a
         raw_weights.const_data_ptr<term_t>(), scaled_weights ? scaled_weights->mutable_data_ptr<acc_t>() : nullptr,
         value ? value->mutable_data_ptr<acc_t>() : nullptr,
         mean_weight ? mean_weight->mutable_data_ptr<acc_t>() : nullptr,
-        sums ? sums->mutable_data_ptr<acc_t>() : nullptr);
+        sums ? sums->mutable_data_ptr<term_t>() : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -306,7 +307,7 @@ at::Tensor dro_cross_entropy_chunk_cuda(const at::Tensor& logits, const at::Tens
                                                              k, scale, label_smoothing);
   const c10::cuda::CUDAGuard guard(logits.device());
   const at::Tensor y = targets.contiguous();
-  at::Tensor sums = at::empty({2}, logits.options().dtype(accumulate_type(logits.scalar_type())));
+  at::Tensor sums = at::empty({2}, logits.options().dtype(c10::CppTypeToScalarType<term_t>::value));
   launch_forward(logits, y, eta, &inv_count, spec, TermArgs{scale, lam, ignore_index, label_smoothing}, nullptr,
                  nullptr, compute_grad, nullptr, nullptr, &sums);
   return sums;
