@@ -518,8 +518,19 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
             z = log_u * power
             e = torch.expm1(z)
             small = (u * torch.exp(torch.clamp(z, max=-1.0)) - 1.0) / k
-            value = torch.where(z < -1.0, small, (e + at * (e + 1.0)) / k)
-            return torch.where(infinite, above * above, _select_positive(u, value, -1.0 / k))
+            value = _select_positive(u, torch.where(z < -1.0, small, (e + at * (e + 1.0)) / k), -1.0 / k)
+            if integer_power := _cressie_read_integer_power(k):
+                # At t >= 0 the integer powers' products of positive terms, t (1 + t/2) (k = 2) and
+                # t (v^2 + v + 1)/3 with v = 1 + t/2 (k = 3/2), a few roundings in all (README: kappa 4), where
+                # exp(p log u) carries the rounding of log u (up to 4x the bound at t = 2e7). Below 0 the general
+                # form stays: the factored forms' derivatives cancel as u -> 0, where its own keep their digits.
+                # (Evaluated at t = 0 where not taken, so that no -inf reaches their backward.)
+                at_least_zero = torch.where(t >= 0, torch.where(infinite, 0.0, t), 0.0)
+                half = at_least_zero * 0.5 + 1.0
+                factored = (at_least_zero * half if integer_power == 1
+                            else at_least_zero * (half * half + half + 1.0) / 3.0)
+                value = torch.where(t >= 0, factored, value)
+            return torch.where(infinite, above * above, value)
         if order == 2:
             power -= 1.0
         # u^power at t = +inf is +inf (power > 0) or 0, with slope power a u^(power - 1): +inf for power > 1, else 0

@@ -280,6 +280,22 @@ def test_cressie_read_powers(backend, k, dtype):
                 assert abs(g - e) <= tol * max(abs(e), abs(v) * 1e-3, 1e-300), (order, v, g, e)
 
 
+@pytest.mark.parametrize("k", [2.0, 1.5])
+def test_cressie_read_integer_powers_psi_star_meets_kappa_4_at_large_t(backend, k):
+    """The README's bound for psi_star at k = 2 and 3/2, kappa u |psi*(t)| with kappa = 4: the fallback formed psi*
+    as exp(p log u) at every k, whose error grows with log u (4.1x the bound at k = 3/2, t = 2e7); its autograd
+    gradient is psi*' to a few roundings too."""
+    t = torch.logspace(0, 12, 601, dtype=torch.float64).requires_grad_()
+    value = dro_ext.psi_star(t, "cressie_read", k=k)
+    (grad,) = torch.autograd.grad(value.sum(), t)
+    eps = 2.0**-52
+    for v, g, d in zip(t.tolist(), value.tolist(), grad.tolist()):
+        exact = mp_psi_star(v, "cressie_read", k=k, order=0)
+        assert abs(g - float(exact)) <= 4 * eps * abs(float(exact)), (v, g, exact)
+        slope = mp_psi_star(v, "cressie_read", k=k, order=1)
+        assert abs(d - float(slope)) <= 8 * eps * abs(float(slope)), (v, d, slope)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 def test_cressie_read_k_near_one_is_kl(backend, dtype):
     # k = 1 + 1e-12 returned 0 in float32 (1 + (k - 1) t rounds to 1); the limit k -> 1 is the KL value.
