@@ -558,8 +558,8 @@ class GroupDROLoss(_Float64Configuration):
 
     ``group`` (a process group): the per-group sums and counts are all-reduced once per call (one collective of
     ``2 * num_groups + 2`` numbers: with the counts of bad ids and of refusing ranks), so every rank updates the
-    same ``q`` from the concatenated batch and returns the same loss, that of the concatenated batch; the gradients of the local losses are scaled so that DDP's average
-    over the ranks is the gradient of that loss.
+    same ``q`` from the concatenated batch and returns the same loss, that of the concatenated batch; the gradients
+    of the local losses are scaled so that DDP's average over the ranks is the gradient of that loss.
 
     Per step on CUDA nothing is read on the host: no ``.item()``, no data-dependent shapes (ids out of range fail
     through a device-side assertion; :func:`dro_ext.group_sums` runs with ``validate=False``).
