@@ -92,6 +92,10 @@ class NormalizedSGD(Optimizer):
             sit on one device); None picks it where it is loaded, has a kernel for the group's device and
             ``foreach`` is not True, and the foreach implementation elsewhere.
 
+    The momentum has its parameter's dtype and device: where a model is cast or moved after a step
+    (``model.double()``, ``model.to(device)``), the next step casts each momentum to its parameter, as
+    ``load_state_dict`` casts a loaded one. ``lr`` and the other options set on a group later are checked at the step.
+
     Works with ``torch.amp.GradScaler`` (it passes ``grad_scale``/``found_inf``: gradients are unscaled
     inside the step and a step with an inf/NaN gradient is skipped entirely). The fused step reads them
     where it runs, without a host sync; the fallback reads ``found_inf`` on the host.
