@@ -811,3 +811,30 @@ def test_the_demo_without_its_extras_names_the_install_command(monkeypatch):
         importlib.reload(dro_ext.demo)
     monkeypatch.undo()
     importlib.reload(dro_ext.demo)  # every extra there again: imports
+
+
+def test_worst_group_is_over_the_groups_present():
+    """A split without one of the four groups (load_spurious_digits(held_out_agreement=0.0)) has a NaN accuracy for
+    it, which min() returned or passed over by where it stood: the worst-group curve read [nan, nan, nan] and the
+    model selection kept epoch 1 whatever followed."""
+    from dro_ext.demo.data import load_spurious_digits
+    from dro_ext.demo.experiments import group_accuracy, train_with_groups, validation_score
+
+    assert validation_score([math.nan, 40.0, 10.0, math.nan]) == (10.0, 25.0)
+    data = load_spurious_digits(seed=0, held_out_agreement=0.0)
+    assert torch.bincount(data.g_test, minlength=4).tolist()[0] == 0  # the case: group 0 absent from the test split
+    run = train_with_groups(data, "erm", 0.1, None, seed=0, epochs=2)
+    accuracy = run.extra["test_group_accuracy"]
+    assert math.isnan(accuracy[0]) and not any(math.isnan(v) for v in run.curve), run.curve
+    assert claims.worst_group_accuracy(run) == min(v for v in accuracy if not math.isnan(v))
+
+
+def test_accuracy_cell_says_below_for_a_loss_beyond_the_noise():
+    """A mean gain of -10 points at a standard error of 0.3 read "the gain is within 2 of them"."""
+    c = dict(mean_gain_standard_error=0.3, gain_counts=False, mean_gain=-10.0, classes_improved=0, num_classes=10,
+             worst_class=0, worst_class_gain=-10.0, largest_gain_class=0, gains=[-10.0] * 10, seeds=3)
+    assert "below minus 2 of them" in report._accuracy_cell(c, "m")
+    c.update(mean_gain=-0.4)
+    assert "within 2 of them" in report._accuracy_cell(c, "m")
+    c.update(mean_gain=0.7, gain_counts=True)
+    assert "beyond 2 of them" in report._accuracy_cell(c, "m")

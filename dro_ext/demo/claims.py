@@ -35,6 +35,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from dro_ext.demo.data import worst_group
 from dro_ext.demo.training import Run
 
 # A run's level: the mean of its exact objective over its last TAIL_EPOCHS epochs, not the last epoch alone.
@@ -182,7 +183,7 @@ def compare_accuracy(baseline_runs: list, method_runs: list) -> dict:
 
 def worst_group_accuracy(run: Run) -> float:
     """The test accuracy (%) of the run's worst group (:func:`dro_ext.demo.experiments.spurious_digits`)."""
-    return min(run.extra["test_group_accuracy"])
+    return worst_group(run.extra["test_group_accuracy"])
 
 
 def _mean_and_spread(values: list) -> dict:

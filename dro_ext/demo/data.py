@@ -30,6 +30,18 @@ HELD_OUT_AGREEMENT = 0.5
 SPURIOUS_GROUPS = 4  # (label, bar) pairs
 
 
+def present_groups(group_accuracy: Sequence[float]) -> list[float]:
+    """The accuracies of the groups with samples: an empty group's is NaN (the mean of nothing), which Python's min
+    returned or passed over by where it stood in the list (a split without one of the four groups)."""
+    return [a for a in group_accuracy if a == a]
+
+
+def worst_group(group_accuracy: Sequence[float]) -> float:
+    """The lowest accuracy over the groups with samples (NaN where none has any)."""
+    present = present_groups(group_accuracy)
+    return min(present) if present else float("nan")
+
+
 class Split(NamedTuple):
     """A train/test split as float32 feature tensors and targets (float32 ages or int64 labels)."""
 

@@ -30,7 +30,7 @@ from torch import nn
 
 import dro_ext
 from dro_ext.demo.data import (PAPER_RHO, SPURIOUS_GROUPS, GroupSplit, Split, load_imbalanced_digits,
-                               load_spurious_digits, make_age_regression)
+                               load_spurious_digits, make_age_regression, present_groups, worst_group)
 from dro_ext.demo.training import (BATCH_SIZE, Run, RunOne, fixed_batches, lr_search, make_optimizer, seeded_model,
                                    shuffled_batches, train)
 
@@ -338,7 +338,7 @@ def group_objective(method: str, strength: float | None
 
 
 def group_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, groups: torch.Tensor) -> list:
-    """Accuracy (%) of each group."""
+    """Accuracy (%) of each group (NaN for a group without samples in the split)."""
     model.eval()
     with torch.no_grad():
         correct = (model(x).argmax(1) == y).float()
@@ -365,7 +365,7 @@ def train_with_groups(data: GroupSplit, method: str, lr: float, strength: float 
     robust_parameters = [] if module is None else list(module.to(device).parameters())  # DROLoss's eta
     optimizer = make_optimizer("nsgd", [*model.parameters(), *robust_parameters], lr)
     order = _generator(seed)
-    run = Run("nsgd", lr, seed, curve=[min(group_accuracy(model, x_test, y_test, g_test))])
+    run = Run("nsgd", lr, seed, curve=[worst_group(group_accuracy(model, x_test, y_test, g_test))])
     run.extra.update(method=method, strength=strength)
     best_score = None
     for epoch in range(1, epochs + 1):
@@ -377,7 +377,7 @@ def train_with_groups(data: GroupSplit, method: str, lr: float, strength: float 
             loss.backward()
             optimizer.step()
         test_group_accuracy = group_accuracy(model, x_test, y_test, g_test)
-        run.curve.append(min(test_group_accuracy))
+        run.curve.append(worst_group(test_group_accuracy))
         val_group_accuracy = group_accuracy(model, x_val, y_val, g_val)
         score = validation_score(val_group_accuracy)
         if best_score is None or score > best_score:
@@ -392,8 +392,10 @@ def train_with_groups(data: GroupSplit, method: str, lr: float, strength: float 
 def validation_score(val_group_accuracy: Sequence[float]) -> tuple:
     """What model selection maximizes, over a run's epochs and then over the hyperparameter grid: the worst-group
     validation accuracy, then the mean of the groups' validation accuracies (a tie-break: a model that predicts
-    one class everywhere scores 0 on both groups of the other label, whatever its strength)."""
-    return min(val_group_accuracy), sum(val_group_accuracy) / len(val_group_accuracy)
+    one class everywhere scores 0 on both groups of the other label, whatever its strength), over the groups with
+    samples."""
+    present = present_groups(val_group_accuracy)
+    return worst_group(present), sum(present) / len(present) if present else float("nan")
 
 
 def spurious_digits(settings: Settings, seed: int, device: str = "cpu", probe: int = 0) -> dict:

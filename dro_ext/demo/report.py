@@ -79,7 +79,7 @@ def plot_worst_group_curves(ax: Any, result: dict) -> None:
 
 
 def plot_group_accuracy(ax: Any, result: dict) -> None:
-    """Panel (f): each group's test accuracy at the end of training, one bar per method (the mean over the
+    """Panel (f): each group's test accuracy at the epoch kept for its best validation score, one bar per method (the mean over the
     seeds), a line from the lowest to the highest seed."""
     methods = list(result["methods"])
     width = 0.8 / len(methods)
@@ -301,7 +301,9 @@ def _accuracy_cell(c: dict, method: str) -> str:
     if math.isinf(c["mean_gain_standard_error"]):
         noise = "one seed: no gain counts"
     else:
-        counts = "beyond" if c["gain_counts"] else "within"
+        # Where it does not count, the gain is within the noise or below it (a loss beyond the noise is no "within").
+        below = c["mean_gain"] < -GAIN_STANDARD_ERRORS * c["mean_gain_standard_error"]
+        counts = "beyond" if c["gain_counts"] else ("below minus" if below else "within")
         noise = (f"the mean gain's standard error over the seeds {c['mean_gain_standard_error']:.1f} points (the gain "
                  f"is {counts} {GAIN_STANDARD_ERRORS:g} of them)")
     return (f"{method} better on {c['classes_improved']}/{c['num_classes']} classes; mean gain {c['mean_gain']:+.1f} "
