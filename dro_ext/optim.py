@@ -51,6 +51,11 @@ if _backend.native_available():
             _backend.check_fake_operands_on(params[0].device, [*params, *grads, *momenta, *steps],
                                             "dro_ext: a tensor of the step is on {device} but params[0] is on "
                                             "{expected}; every tensor of one call must sit on one device")
+        for i, (p, m) in enumerate(zip(params, momenta)):
+            # As the op refuses it (csrc/normalized_sgd_checks.h), so that a traced step takes the path the eager one
+            # takes where a model cast after a step left the momentum in its old dtype (NormalizedSGD.step's except).
+            if m.dtype != p.dtype:
+                raise ValueError(f"dro_ext: momenta[{i}] must match params[{i}] ({p.dtype}), got {m.dtype}")
         return None
 
 
@@ -254,6 +259,10 @@ class NormalizedSGD(Optimizer):
                 _distributed.sharded_normalized_sgd_step(plan.params, grads, momenta, steps, fused=plan.fused,
                                                          foreach_momentum=_grouped_foreach_momentum_, **options)
             elif plan.fused:
+                if torch.compiler.is_compiling():
+                    # Traced: the op's refusal below would reach the except as Dynamo's own error, so the state
+                    # follows the params before the call (free at run time: a traced check).
+                    self._state_follows_params(plan.params, momenta, steps)
                 try:
                     _fused_step(plan.params, grads, momenta, steps, **options)
                 except ValueError:

@@ -743,6 +743,36 @@ def test_a_compiled_step_keeps_each_dtype(backend, foreach):
     assert_compiled_steps_follow_eager(mixed, 3, dict(backend="aot_eager", fullgraph=foreach is None))
 
 
+@pytest.mark.parametrize("foreach", [None, True], ids=["default", "foreach"])
+def test_a_step_compiled_again_after_the_model_is_cast_follows_it(backend, foreach):
+    """A step compiled before model.double() and compiled again after it (torch._dynamo.reset(): Dynamo's guards do
+    not see a param cast in place) refused the float32 momentum inside the traced step, where the eager step casts
+    it; both now step as a run resumed from a state_dict into the float64 model."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = NormalizedSGD(model.parameters(), lr=0.1, foreach=foreach)
+    x = torch.randn(4, 3)
+    torch._dynamo.reset()
+    try:
+        model(x).square().sum().backward()
+        torch.compile(opt.step, backend="aot_eager")()
+        resumed_model = copy.deepcopy(model).double()
+        resumed = NormalizedSGD(resumed_model.parameters(), lr=0.1, foreach=foreach)
+        resumed.load_state_dict(opt.state_dict())
+        model.double()
+        torch._dynamo.reset()
+        step = torch.compile(opt.step, backend="aot_eager")
+        for m, run_step in ((model, step), (resumed_model, resumed.step)):
+            m.zero_grad()
+            m(x.double()).square().sum().backward()
+            run_step()
+    finally:
+        torch._dynamo.reset()
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        assert opt.state[p]["momentum_buffer"].dtype == torch.float64
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-15, atol=0)
+
+
 def test_a_compiled_step_leaves_float64_parameters_alone_at_lr_0(backend):
     p = torch.nn.Parameter(torch.tensor([1.0 + 1e-10, 2.0 + 3e-12], dtype=torch.float64))
     opt = NormalizedSGD([p], lr=0.0, foreach=True)
