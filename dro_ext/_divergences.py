@@ -510,7 +510,8 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
         # standing for +inf with slope +inf.
         infinite = t == math.inf
         above = torch.where(infinite, t, 0.0)
-        u, at, log_u = _cressie_read_parts(torch.where(infinite, 0.0, t), k)
+        finite_t = torch.where(infinite, 0.0, t)
+        u, at, log_u = _cressie_read_parts(finite_t, k)
         if order == 0:
             # (u^(p+1) - 1) / k = (e + a t (1 + e)) / k with e = u^p - 1, +inf with slope +inf at t = +inf, as psi*.
             # Where u^p < 1/e, as (u u^p - 1) / k: the gradient of 1 + e would keep only the digits of u^p that 1
@@ -525,7 +526,7 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
                 # exp(p log u) carries the rounding of log u (up to 4x the bound at t = 2e7). Below 0 the general
                 # form stays: the factored forms' derivatives cancel as u -> 0, where its own keep their digits.
                 # (Evaluated at t = 0 where not taken, so that no -inf reaches their backward.)
-                at_least_zero = torch.where(t >= 0, torch.where(infinite, 0.0, t), 0.0)
+                at_least_zero = torch.where(t >= 0, finite_t, 0.0)
                 half = at_least_zero * 0.5 + 1.0
                 factored = (at_least_zero * half if integer_power == 1
                             else at_least_zero * (half * half + half + 1.0) / 3.0)

@@ -432,7 +432,8 @@ def _linear_cross_entropy_chunks(hidden, weight, bias, targets, eta, lam, diverg
     hidden, weight = hidden.contiguous(), weight.contiguous()
     keep = targets != ignore_index
     kept = keep.sum()
-    inv_count = 1.0 / kept.clamp(min=1).to(acc)
+    count = kept.clamp(min=1)
+    inv_count = 1.0 / count.to(acc)
     compute_grad = grad_hidden_needed or grad_weight_needed or grad_bias_needed
     grad_hidden = torch.empty_like(hidden) if grad_hidden_needed else hidden.new_empty((0,))
     # In the input dtype, like the gradient autograd would produce: each chunk's matmul accumulates in float32
@@ -471,9 +472,9 @@ def _linear_cross_entropy_chunks(hidden, weight, bias, targets, eta, lam, diverg
                 grad_bias += fixed_order_sums(logits, 0, dtype=acc)
         del logits
     any_kept = kept > 0
-    count = kept.clamp(min=1).to(sums.dtype)
-    value = torch.where(any_kept, sums[0] / count, 0.0).to(acc)
-    mean_weight = torch.where(any_kept, sums[1] / count, 1.0).to(acc)
+    means = sums / count.to(sums.dtype)
+    value = torch.where(any_kept, means[0], 0.0).to(acc)
+    mean_weight = torch.where(any_kept, means[1], 1.0).to(acc)
     if grad_bias_needed:
         grad_bias = grad_bias.to(bias.dtype)
     return value, mean_weight, grad_hidden, grad_weight, grad_bias

@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -33,7 +34,7 @@ SPURIOUS_GROUPS = 4  # (label, bar) pairs
 def present_groups(group_accuracy: Sequence[float]) -> list[float]:
     """The accuracies of the groups with samples: an empty group's is NaN (the mean of nothing), which Python's min
     returned or passed over by where it stood in the list (a split without one of the four groups)."""
-    return [a for a in group_accuracy if a == a]
+    return [a for a in group_accuracy if not math.isnan(a)]
 
 
 def worst_group(group_accuracy: Sequence[float]) -> float:

@@ -395,7 +395,9 @@ def validation_score(val_group_accuracy: Sequence[float]) -> tuple:
     one class everywhere scores 0 on both groups of the other label, whatever its strength), over the groups with
     samples."""
     present = present_groups(val_group_accuracy)
-    return worst_group(present), sum(present) / len(present) if present else float("nan")
+    if not present:
+        return float("nan"), float("nan")
+    return min(present), sum(present) / len(present)
 
 
 def spurious_digits(settings: Settings, seed: int, device: str = "cpu", probe: int = 0) -> dict:

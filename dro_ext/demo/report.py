@@ -79,8 +79,8 @@ def plot_worst_group_curves(ax: Any, result: dict) -> None:
 
 
 def plot_group_accuracy(ax: Any, result: dict) -> None:
-    """Panel (f): each group's test accuracy at the epoch kept for its best validation score, one bar per method (the mean over the
-    seeds), a line from the lowest to the highest seed."""
+    """Panel (f): each group's test accuracy at the epoch kept for its best validation score, one bar per method
+    (the mean over the seeds), a line from the lowest to the highest seed."""
     methods = list(result["methods"])
     width = 0.8 / len(methods)
     for i, method in enumerate(methods):
