@@ -26,6 +26,9 @@ auto make_node(Args&&... args) {
 
 // Where a Node's backward calls an op through the dispatcher: with autograd when grad mode is on (a double backward
 // records the call), below it otherwise (no second pass through the Autograd kernel). Held for the call's scope.
+// Made after the Node has unpacked its saved tensors: unpacking runs the saved-tensor hooks, and non-reentrant
+// checkpointing's hook recomputes the forward there, which must record (and save) what the first forward did;
+// below autograd it recorded nothing, and checkpoint refused the recomputation.
 class BelowAutogradUnlessRecording {
  public:
   BelowAutogradUnlessRecording() {

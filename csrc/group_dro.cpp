@@ -235,8 +235,10 @@ struct GroupDROLossBackward final : public torch::autograd::Node {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     torch::autograd::variable_list out(1);
     if (!grads[0].defined() || !should_compute_output(0)) return out;
+    const at::Tensor saved_groups = groups.unpack();
+    const at::Tensor saved_weights = grad_weights.unpack();
     const BelowAutogradUnlessRecording below_autograd;
-    out[0] = call_group_sums_backward(scale_weights(grads[0], grad_weights.unpack()), groups.unpack(), losses_dtype);
+    out[0] = call_group_sums_backward(scale_weights(grads[0], saved_weights), saved_groups, losses_dtype);
     return out;
   }
 };

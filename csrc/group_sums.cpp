@@ -229,8 +229,9 @@ struct GroupSumsBackward final : public torch::autograd::Node {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     torch::autograd::variable_list out(1);
     if (!grads[0].defined() || !should_compute_output(0)) return out;
+    const at::Tensor saved_groups = groups.unpack();
     const BelowAutogradUnlessRecording below_autograd;
-    out[0] = call_group_sums_backward(grads[0], groups.unpack(), losses_dtype);
+    out[0] = call_group_sums_backward(grads[0], saved_groups, losses_dtype);
     return out;
   }
 };
@@ -252,8 +253,9 @@ struct GroupGatherBackward final : public torch::autograd::Node {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     torch::autograd::variable_list out(1);
     if (!grads[0].defined() || !should_compute_output(0)) return out;
+    const at::Tensor saved_groups = groups.unpack();
     const BelowAutogradUnlessRecording below_autograd;
-    out[0] = std::get<0>(call_group_sums(grads[0].to(at::kDouble), groups.unpack(), num_groups, false))
+    out[0] = std::get<0>(call_group_sums(grads[0].to(at::kDouble), saved_groups, num_groups, false))
                  .to(grad_sums_dtype);
     return out;
   }

@@ -548,7 +548,9 @@ class GroupDROLoss(_Float64Configuration):
     under the current ``q`` and leaves the state alone (e.g. the micro-batches of an accumulated step, all but one).
     ``update=None`` (the default) is ``self.training``: a module in ``train()`` mode (as constructed) updates, one
     in ``eval()`` mode does not, as BatchNorm's running statistics (and the authors' evaluation passes) behave.
-    ``q`` carries no gradient. The state lives in buffers, so ``state_dict()`` saves it and ``load_state_dict``
+    ``q`` carries no gradient. An updating forward is refused inside a backward pass: torch.utils.checkpoint recomputes
+    its region's forward there, which would update ``q`` twice from one batch: checkpoint the model, and call the
+    module on its outputs, outside the region. The state lives in buffers, so ``state_dict()`` saves it and ``load_state_dict``
     resumes the run bitwise: ``log_q``, ``ema_loss``, ``last_loss`` (each group's last mean loss) and ``seen``
     (which groups have appeared). They are of the default dtype at construction; a step computes in the wider
     of their dtype and the losses' accumulate dtype. An empty batch is allowed (a rank without samples): it
@@ -676,6 +678,13 @@ class GroupDROLoss(_Float64Configuration):
             # As BatchNorm's running statistics: a module in eval() mode evaluates under the current q and leaves
             # the state alone (an evaluation pass over held-out groups must not train q on them).
             update = self.training
+        if update is True and torch._C._current_graph_task_id() != -1 and not torch.compiler.is_compiling():
+            # A forward run by a backward pass: torch.utils.checkpoint recomputing the region that holds this module.
+            # Updated again, q would take two steps from one batch, and the gradient would be that of a loss under
+            # another q than the one returned.
+            raise RuntimeError("dro_ext.GroupDROLoss: an updating forward ran inside a backward pass (a checkpoint "
+                               "recomputing its region?), which would update q twice from one batch; call the "
+                               "module outside the checkpointed region")
         # A training step's call with plain dense tensors goes straight to the native step (group_sums and the update
         # in one call, csrc/group_dro.cpp), which checks them itself with the same errors as the checks below. (The
         # step is a few microseconds on the CPU at a few thousand losses: every check here shows.)

@@ -13,6 +13,7 @@ import torch
 
 import dro_ext
 from dro_ext import _backend
+from dro_ext.group_reduction import gather_by_group
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 SIZES = [1, 7, 1000, 2**16 + 3]
@@ -216,6 +217,28 @@ def test_group_means_gradient_is_grad_mean_over_group_size(backend):
     torch.testing.assert_close(grad, q[groups] / n_g[groups], rtol=1e-15, atol=0)
     ref_sums, ref_counts, _ = reference(losses, groups, num_groups)
     torch.testing.assert_close(means.detach(), ref_sums / ref_counts.clamp_min(1), rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("op", ["group_sums", "gather_by_group"])
+def test_checkpointed_sums_and_gathers_match_the_plain_ones(backend, op, use_reentrant):
+    # torch.utils.checkpoint recomputes the region's forward where backward first unpacks a saved tensor (non-reentrant:
+    # in the Node's own unpack). The native Nodes unpacked below autograd at first, so the recomputation recorded
+    # nothing and checkpoint refused it.
+    values = torch.randn(200 if op == "group_sums" else 6, dtype=torch.float64)
+    groups = torch.randint(0, 6, (200,))
+    weight = torch.randn((), dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(6 if op == "group_sums" else 200, dtype=torch.float64)
+
+    def region(w):
+        if op == "group_sums":
+            return dro_ext.group_sums(w * values, groups, 6)[0]
+        return gather_by_group(w * values, groups)
+
+    (want,) = torch.autograd.grad(region(weight), weight, grad_out)
+    # (.backward(): a reentrant checkpoint takes no torch.autograd.grad)
+    torch.utils.checkpoint.checkpoint(region, weight, use_reentrant=use_reentrant).backward(grad_out)
+    assert torch.equal(weight.grad, want)
 
 
 # ------------------------------------------------------------------------------------------------- determinism

@@ -834,6 +834,52 @@ def test_group_dro_compiles_fullgraph(backend, kwargs):
         torch.testing.assert_close(compiled_module.q, eager.q, rtol=1e-6, atol=1e-7)
 
 
+MODES = [dict(step_size=0.7, missing="stale"), dict(mode="greedy_cvar", alpha=0.4)]
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("kwargs", MODES, ids=["eg", "greedy_cvar"])
+def test_group_dro_without_update_under_checkpoint_matches_the_plain_call(backend, kwargs, use_reentrant):
+    # The native step's Node unpacked its saved tensors below autograd, where non-reentrant checkpointing recomputes
+    # the region: the recomputation recorded nothing and checkpoint refused it.
+    losses, groups = random_batch(12, 4, absent=(1,))
+    module = group_dro64(4, **kwargs)
+    module(losses, groups)  # a q away from uniform
+    weight = torch.tensor(1.3, dtype=torch.float64, requires_grad=True)
+
+    def region(w):
+        return module(w * losses, groups, update=False)
+
+    (want,) = torch.autograd.grad(region(weight), weight)
+    # (.backward(): a reentrant checkpoint takes no torch.autograd.grad)
+    torch.utils.checkpoint.checkpoint(region, weight, use_reentrant=use_reentrant).backward()
+    assert torch.equal(weight.grad, want)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("kwargs", MODES, ids=["eg", "greedy_cvar"])
+def test_an_updating_forward_that_a_checkpoint_recomputes_raises(backend, kwargs, use_reentrant):
+    # Recomputed in backward, the update would run twice for one batch (two steps of q), and the gradient would be
+    # that of the loss under the second q, not of the value returned.
+    losses, groups = random_batch(12, 4, absent=(1,))
+    module, once = group_dro64(4, **kwargs), group_dro64(4, **kwargs)
+    weight = torch.tensor(1.3, dtype=torch.float64, requires_grad=True)
+
+    def region(w):
+        return module(w * losses, groups)
+
+    value = torch.utils.checkpoint.checkpoint(region, weight, use_reentrant=use_reentrant)
+    with pytest.raises(RuntimeError, match="updating forward ran inside a backward pass"):
+        value.backward()
+    once(losses * 1.3, groups)
+    assert torch.equal(module.log_q, once.log_q) and torch.equal(module.ema_loss, once.ema_loss)
+    # The pattern the message offers: the model checkpointed, the module called on its outputs.
+    weight.grad = None
+    module(torch.utils.checkpoint.checkpoint(lambda w: w * losses, weight, use_reentrant=use_reentrant), groups).backward()
+    (want,) = torch.autograd.grad(once(weight * losses, groups), weight)
+    assert torch.equal(weight.grad, want) and torch.equal(module.log_q, once.log_q)
+
+
 def test_group_dro_nan_is_not_dropped(backend):
     module = dro_ext.GroupDROLoss(3, 0.5)
     losses = torch.tensor([1.0, math.nan, 2.0])
