@@ -318,23 +318,29 @@ struct CressieRead {
   acc_t first_power;   // p = 1 / (k - 1)
   acc_t second_power;  // p - 1 = (2 - k) / (k - 1)
   acc_t flat_limit;    // max(2 psi*(-inf), -1/a) = max(-2/k, -1/(k - 1)) (see direct_below)
+  acc_t log_floor;     // the acc_t just above -1 (see log_base)
   C10_HOST_DEVICE explicit CressieRead(double k)
       : k_minus_1(static_cast<acc_t>(k - 1.0)),
         inv_k(static_cast<acc_t>(1.0 / k)),
         first_power(static_cast<acc_t>(1.0 / (k - 1.0))),
         second_power(static_cast<acc_t>((2.0 - k) / (k - 1.0))),
-        flat_limit(static_cast<acc_t>(-2.0 / k > -1.0 / (k - 1.0) ? -2.0 / k : -1.0 / (k - 1.0))) {}
+        flat_limit(static_cast<acc_t>(-2.0 / k > -1.0 / (k - 1.0) ? -2.0 / k : -1.0 / (k - 1.0))),
+        log_floor(static_cast<acc_t>(-1.0 + (sizeof(acc_t) == sizeof(float) ? 0x1p-24 : 0x1p-53))) {}
   C10_HOST_DEVICE inline acc_t direct_below() const { return flat_limit; }
   template <typename T>
   C10_HOST_DEVICE inline T base(T t) const {
     using M = Math<T>;
     return M::fmadd(t, M::constant(k_minus_1), M::constant(1.0));
   }
-  // log(u) = log1p(a t); only meaningful where u > 0 (every caller selects those lanes).
+  // log(u) = log1p(a t); only meaningful where u > 0 (every caller selects those lanes). The callers select on
+  // base(t), a fused multiply-add in the SIMD builds and on the device, which can leave u > 0 where the product here
+  // rounds to -1 itself: log1p(-1) is -inf there (psi*'' = inf for k > 2; the AVX2 float32 log1p returns a finite
+  // value instead, and psi*' came out half its value). The floor makes it the log of the smallest u above 0 that
+  // the product can tell from 0, as near the true one as the rounding of t lets any be.
   template <typename T>
   C10_HOST_DEVICE inline T log_base(T t) const {
     using M = Math<T>;
-    return M::log1p(t * M::constant(k_minus_1));
+    return M::log1p(M::max(t * M::constant(k_minus_1), M::constant(log_floor)));
   }
   // u^p - 1 for u > 0.
   template <typename T>

@@ -89,12 +89,14 @@ bool sum_part(const scalar_t* x, int64_t x_stride, const id_t* ids, int64_t id_s
 
 // One pass over the samples: part p (a run of whole chunks, cpu::part_size) adds its samples in index order into
 // its own lanes of partial sums and counts; then, for every group, each part's lanes are added ((l0 + l1) + (l2 +
-// l3)) and the parts in part order. Counts are integers (exact at any N) converted once. Returns whether every id
-// was in [0, num_groups).
+// l3)) and the parts in part order. The partial sums are float64 whatever the losses' dtype, rounded once into the
+// accumulate dtype: a part runs up to a third of the samples, and a group's samples added one after another in
+// float32 drift by about one rounding each where they are alike (a group mean of 0.1 came out 0.096 at 2^24 samples).
+// Counts are integers (exact at any N) converted once. Returns whether every id was in [0, num_groups).
 template <typename scalar_t, typename id_t>
 bool group_sums_kernel(const at::Tensor& losses, const at::Tensor& groups, int64_t num_groups,
                        at::opmath_type<scalar_t>* sums, at::opmath_type<scalar_t>* counts) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = double;
   const int64_t n = losses.numel();
   const scalar_t* x = losses.const_data_ptr<scalar_t>();
   const id_t* ids = groups.const_data_ptr<id_t>();
@@ -124,6 +126,7 @@ bool group_sums_kernel(const at::Tensor& losses, const at::Tensor& groups, int64
   });
   // Part by part over a range of groups (rows read in order, not one strided column per group), the same sums in the
   // same order for every group: part 0, then + part 1, ...
+  std::vector<acc_t> total_sums(num_groups);
   std::vector<int64_t> total_counts(num_groups, 0);
   at::parallel_for(0, num_groups, cpu::kReductionChunk, [&](int64_t begin, int64_t end) {
     for (int64_t p = 0; p < num_parts; ++p) {
@@ -132,11 +135,14 @@ bool group_sums_kernel(const at::Tensor& losses, const at::Tensor& groups, int64
       for (int64_t k = begin; k < end; ++k) {
         const acc_t part_sum =
             lanes == kAccumulatorCopies ? (ps[k] + ps[row + k]) + (ps[2 * row + k] + ps[3 * row + k]) : ps[k];
-        sums[k] = p == 0 ? part_sum : sums[k] + part_sum;
+        total_sums[k] = p == 0 ? part_sum : total_sums[k] + part_sum;
         for (int64_t j = 0; j < lanes; ++j) total_counts[k] += pc[j * row + k];
       }
     }
-    for (int64_t k = begin; k < end; ++k) counts[k] = static_cast<acc_t>(total_counts[k]);
+    for (int64_t k = begin; k < end; ++k) {
+      sums[k] = static_cast<at::opmath_type<scalar_t>>(total_sums[k]);
+      counts[k] = static_cast<at::opmath_type<scalar_t>>(total_counts[k]);
+    }
   });
   return std::all_of(part_in_range.begin(), part_in_range.end(), [](char ok) { return ok != 0; });
 }
@@ -240,8 +246,8 @@ struct GroupSumsBackward final : public torch::autograd::Node {
 // gather gave them 0), formed in float64 and rounded once. A gradient that reaches a gather is often alike within a
 // group (each sample's equal share of its group's weight: robust_objective's over groups, the second derivative of
 // group means), and group_sums adds a part's samples one after another: in float32 each add of alike terms rounds
-// the same way, and a group's sum of 2^18 of them drifted by 1e-5 relative. (The forward sums of losses are no such
-// sums, and keep the accumulate dtype: float64 accumulators cost their kernel 10-30% on the CPU.)
+// the same way, and a group's sum of 2^18 of them drifted by 1e-5 relative. (The CPU kernel sums in float64 anyway;
+// the cast is for CUDA's, whose block sums are in the values' dtype.)
 struct GroupGatherBackward final : public torch::autograd::Node {
   torch::autograd::SavedVariable groups;
   int64_t num_groups = 0;

@@ -424,18 +424,19 @@ def checked_robust_objective(losses: torch.Tensor, lam: float, spec: Spec, group
 
 def worst_case_weights(losses: torch.Tensor, lam: float, divergence: Divergence = "chi2", *,
                        alpha: float | None = None, k: float | None = None,
-                       group: dist.ProcessGroup) -> torch.Tensor:
+                       group: dist.ProcessGroup, where: str = "worst_case_weights") -> torch.Tensor:
     """This rank's share of :func:`dro_ext.worst_case_weights` over the losses of every rank.
 
-    The returned weights (dtype of ``losses``) sum to one over all the ranks together.
+    The returned weights (dtype of ``losses``) sum to one over all the ranks together. ``where``: the public call
+    that the errors name (weight_stats takes its weights from here).
     """
-    group = check_group(group, "worst_case_weights")
-    with checked_on_every_rank(group, "worst_case_weights", input_device(losses)) as agreed:
+    group = check_group(group, where)
+    with checked_on_every_rank(group, where, input_device(losses)) as agreed:
         spec = check_divergence(divergence, alpha, k)
         check_losses(losses, allow_empty=True)
         lam = check_lam(lam)
         agreed.set(lam, spec, None)
-    reducer = _GroupReducer(group, losses.device, "worst_case_weights")
+    reducer = _GroupReducer(group, losses.device, where)
     x = losses.detach().to(torch.float64)
     solution = _solver.solve(x, lam, spec, reducer)
     return _weights(x, solution, lam, spec, reducer).to(losses.dtype)
@@ -543,7 +544,7 @@ def sharded_normalized_sgd_step(params: list[torch.Tensor], grads: list[torch.Te
                                 steps: list[torch.Tensor], *, lr: float | torch.Tensor, momentum: float, eps: float,
                                 weight_decay: float, norm: str, maximize: bool, grad_scale: torch.Tensor | None,
                                 found_inf: torch.Tensor | None, fused: bool,
-                                foreach_momentum: Callable[..., None]) -> None:
+                                foreach_momentum: Callable[..., None], descend: Callable[..., None]) -> None:
     """One NormalizedSGD step over a param group holding DTensor (FSDP2-sharded) parameters.
 
     The update is elementwise, so it runs on the local shards (``to_local()``, which shares storage with
@@ -556,7 +557,8 @@ def sharded_normalized_sgd_step(params: list[torch.Tensor], grads: list[torch.Te
     ``maximize``, ``grad_scale`` and ``found_inf`` read where it runs), called with ``lr = 0`` so that it
     leaves the parameters as they are; the update with the reduced norm is a second, ``torch._foreach``
     pass. No host sync on that path. Without it, ``foreach_momentum`` (dro_ext.optim's momentum rule, on tensors
-    of any devices and dtypes) updates the local momenta.
+    of any devices and dtypes) updates the local momenta. ``descend`` (dro_ext.optim's update, likewise) moves the
+    local params: half ones in float32, rounded once, as the unsharded steps do.
     """
     for i, (p, g) in enumerate(zip(params, grads)):
         _check_grad_layout(p, g, i)
@@ -606,8 +608,6 @@ def sharded_normalized_sgd_step(params: list[torch.Tensor], grads: list[torch.Te
             if not isinstance(decay, torch.Tensor):
                 decay = torch.full((), decay, dtype=torch.float64, device=device)  # a fill, not a copy
             decay = torch.where(skip, 1.0, decay)
-    if weight_decay != 0.0:
-        torch._foreach_mul_(local_params, decay)
-    # p += m * (-scale): per-tensor device scalars, no momentum-sized temporary.
-    steps_down = [(-s).to(m.dtype) for s, m in zip(scale.unbind(), local_momenta)]
-    torch._foreach_addcmul_(local_params, local_momenta, steps_down)
+    # Per-tensor device scalars, no momentum-sized temporary. (The factor rounded to a half param's dtype overflowed
+    # float16 where ||m|| < lr / 65504, and a float16 step came out inf and NaN.)
+    descend(local_params, local_momenta, list(scale.unbind()), decay if weight_decay != 0.0 else None)

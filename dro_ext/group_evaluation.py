@@ -256,4 +256,8 @@ def report(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam: flo
     worst = torch.argmax((top & (nan | (means == largest))).to(torch.int8))
     dtype = losses.dtype
     group_loss = torch.where(present, means, torch.nan).to(dtype)
-    return GroupEvaluation(value, eta, group_loss, counts.to(torch.int64), worst, group_loss[worst])
+    # The counts as the objective took them are float32 for half and float32 losses (float64 over ranks), exact to
+    # 2^24 samples a group, which a whole dataset passes: the report counts in int64.
+    exact_counts = (counts.to(torch.int64) if counts.dtype == torch.float64
+                    else torch.bincount(groups.reshape(-1).long(), minlength=num_groups))
+    return GroupEvaluation(value, eta, group_loss, exact_counts, worst, group_loss[worst])

@@ -370,6 +370,17 @@ def group_dro_loss(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
     present) the value is 0 with zero gradients, as :class:`GroupDROLoss` and the fused cross-entropy give for a
     batch of padding alone: a micro-batch of it then adds nothing to an accumulated gradient.
     """
+    return _group_dro_objective(losses, groups, num_groups, eta, lam, divergence, weighting=weighting,
+                           group_counts=group_counts, alpha=alpha, k=k, scale=scale, group=group, mask=mask,
+                           where="group_dro_loss")
+
+
+def _group_dro_objective(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, eta: torch.Tensor | float,
+                    lam: float, divergence: Divergence, *, weighting: str | torch.Tensor | Sequence[float],
+                    group_counts: Any, alpha: float | None, k: float | None, scale: float,
+                    group: ProcessGroup | None, mask: torch.Tensor | None, where: str) -> torch.Tensor:
+    """:func:`group_dro_loss`, its errors naming ``where``, the public call (``DROLoss`` over groups is this too: a
+    refusal on another rank then names the call every rank made)."""
     num_groups = check_num_groups(num_groups)  # (the length of the collective a refusal joins)
     try:
         spec = check_divergence(divergence, alpha, k)
@@ -385,8 +396,8 @@ def group_dro_loss(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
         # Every check, the settings' too, whatever it raises (an OverflowError for lam=10**400): a rank that raised
         # before the collective left the others waiting in it, or pairing it with that rank's next call (the sums of
         # another batch, silently).
-        _refuse_on_every_rank(error, num_groups, group, "group_dro_loss", input_device(losses, groups))
-    sums, counts = _reduced_group_sums(losses, groups, num_groups, group, "group_dro_loss", mask)
+        _refuse_on_every_rank(error, num_groups, group, where, input_device(losses, groups))
+    sums, counts = _reduced_group_sums(losses, groups, num_groups, group, where, mask)
     acc = fallback_dtype(losses.dtype, losses.device)
     m, present = _group_means(sums, counts, acc)
     p = counts.to(acc) if weights is None else torch.where(present, weights.to(acc), 0.0)
@@ -548,10 +559,10 @@ class GroupDROLoss(_Float64Configuration):
     under the current ``q`` and leaves the state alone (e.g. the micro-batches of an accumulated step, all but one).
     ``update=None`` (the default) is ``self.training``: a module in ``train()`` mode (as constructed) updates, one
     in ``eval()`` mode does not, as BatchNorm's running statistics (and the authors' evaluation passes) behave.
-    ``q`` carries no gradient. An updating forward is refused inside a backward pass: torch.utils.checkpoint recomputes
-    its region's forward there, which would update ``q`` twice from one batch: checkpoint the model, and call the
-    module on its outputs, outside the region. The state lives in buffers, so ``state_dict()`` saves it and ``load_state_dict``
-    resumes the run bitwise: ``log_q``, ``ema_loss``, ``last_loss`` (each group's last mean loss) and ``seen``
+    ``q`` carries no gradient. An updating forward is refused inside a backward pass: torch.utils.checkpoint
+    recomputes its region's forward there, which would update ``q`` twice from one batch: checkpoint the model,
+    and call the module on its outputs, outside the region. The state lives in buffers, so ``state_dict()`` saves
+    it and ``load_state_dict`` resumes the run bitwise: ``log_q``, ``ema_loss``, ``last_loss`` (each group's last mean loss) and ``seen``
     (which groups have appeared). They are of the default dtype at construction; a step computes in the wider
     of their dtype and the losses' accumulate dtype. An empty batch is allowed (a rank without samples): it
     returns 0 and updates the state as a batch where every group is absent. A NaN loss is not dropped: its group's
@@ -678,7 +689,7 @@ class GroupDROLoss(_Float64Configuration):
             # As BatchNorm's running statistics: a module in eval() mode evaluates under the current q and leaves
             # the state alone (an evaluation pass over held-out groups must not train q on them).
             update = self.training
-        if update is True and torch._C._current_graph_task_id() != -1 and not torch.compiler.is_compiling():
+        if update is True and not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
             # A forward run by a backward pass: torch.utils.checkpoint recomputing the region that holds this module.
             # Updated again, q would take two steps from one batch, and the gradient would be that of a loss under
             # another q than the one returned.

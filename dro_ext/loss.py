@@ -21,11 +21,11 @@ from dro_ext._divergences import (
 from dro_ext.group_reduction import check_forward_groups
 from dro_ext.groups import (
     _Float64Configuration,
+    _group_dro_objective,
     _group_weights,
     _refuse_on_every_rank,
     check_mask,
     check_num_groups,
-    group_dro_loss,
 )
 from dro_ext.ops import dro_loss
 
@@ -124,9 +124,9 @@ class DROLoss(_Float64Configuration):
         if self.num_groups is not None:
             assert groups is not None  # given with num_groups (check_forward_groups)
             weighting = "batch" if self.group_weights is None else self.group_weights
-            return group_dro_loss(losses, groups, self.num_groups, eta, self.lam, self.divergence,
-                                  weighting=weighting, alpha=self.alpha, k=self.k, scale=self.scale, group=self.group,
-                                  mask=mask)
+            return _group_dro_objective(losses, groups, self.num_groups, eta, self.lam, self.divergence,
+                                   weighting=weighting, group_counts=None, alpha=self.alpha, k=self.k,
+                                   scale=self.scale, group=self.group, mask=mask, where="DROLoss")
         # Over samples, with a process group or a mask (the plain call returned above).
         if losses.numel() == 0:
             # A rank without samples (only with a group: checked above): its share of the concatenated batch's

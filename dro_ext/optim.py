@@ -257,7 +257,8 @@ class NormalizedSGD(Optimizer):
                 _check_step_hyperparameters(group["momentum"], group["eps"], group["weight_decay"], group["norm"])
             if plan.dtensor:  # FSDP2: local shards, one all-reduce for the norm
                 _distributed.sharded_normalized_sgd_step(plan.params, grads, momenta, steps, fused=plan.fused,
-                                                         foreach_momentum=_grouped_foreach_momentum_, **options)
+                                                         foreach_momentum=_grouped_foreach_momentum_,
+                                                         descend=_grouped_descend_, **options)
             elif plan.fused:
                 if torch.compiler.is_compiling():
                     # Traced: the op's refusal below would reach the except as Dynamo's own error, so the state
@@ -488,26 +489,37 @@ def _foreach_step(params: list[torch.Tensor], grads: list[torch.Tensor], momenta
     first_device = next(iter(buckets))[0]
     total = torch.sqrt(torch.stack([s.to(first_device) for s in sumsq]).sum())
     lr_t = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
-    for ((device, dtype), (b_params, _, b_momenta, _)), norms in zip(buckets.items(), norms_per_bucket):
+    decay = 1.0 - lr_t * weight_decay if weight_decay != 0.0 else None
+    for ((device, _), (b_params, _, b_momenta, _)), norms in zip(buckets.items(), norms_per_bucket):
         denom = norms if norm == "tensor" else total.to(device).expand_as(norms)
         # A zero momentum must not move p: scale 0 there, not lr/eps (or 0/0 when eps == 0).
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
-        scale = torch.where(denom > 0, lr_t / (denom + eps), torch.zeros_like(denom)).to(acc)
-        # float16/bfloat16: p = decay p - scale m in float32, rounded once, as the fused kernel forms it. The factor
-        # lr / (||m|| + eps) need not fit their range (1.4e6 for a float16 momentum of 6e-8, lr 0.1), nor its
-        # product with m their precision, though the step itself does.
-        wide = acc != dtype
-        targets = [p.to(acc) for p in b_params] if wide else b_params
-        if weight_decay != 0.0:
-            decay = 1.0 - lr_t * weight_decay
-            if isinstance(decay, torch.Tensor):
-                torch._foreach_mul_(targets, decay.to(device=device, dtype=acc))
-            else:
-                torch._foreach_mul_(targets, decay)
-        torch._foreach_addcmul_(targets, [m.to(acc) for m in b_momenta] if wide else b_momenta,
-                                list(scale.unbind()), value=-1)
-        if wide:
-            torch._foreach_copy_(b_params, targets)
+        _descend_(b_params, b_momenta, torch.where(denom > 0, lr_t / (denom + eps), torch.zeros_like(denom)), decay)
+
+
+def _descend_(params: list[torch.Tensor], momenta: list[torch.Tensor], scales: torch.Tensor,
+              decay: float | torch.Tensor | None) -> None:
+    """p <- decay p - s m for params of one device and dtype, s their entries of the 1-D ``scales`` (any float dtype),
+    ``decay`` None without weight decay. float16/bfloat16: in float32, rounded once, as the fused kernel forms it. The
+    factor lr / (||m|| + eps) need not fit their range (1.4e6 for a float16 momentum of 6e-8, lr 0.1), nor its product
+    with m their precision, though the step itself does."""
+    dtype, device = params[0].dtype, params[0].device
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    wide = acc != dtype
+    targets = [p.to(acc) for p in params] if wide else params
+    if decay is not None:
+        torch._foreach_mul_(targets, decay.to(device=device, dtype=acc) if isinstance(decay, torch.Tensor) else decay)
+    torch._foreach_addcmul_(targets, [m.to(acc) for m in momenta] if wide else momenta,
+                            list(scales.to(acc).unbind()), value=-1)
+    if wide:
+        torch._foreach_copy_(params, targets)
+
+
+def _grouped_descend_(params: list[torch.Tensor], momenta: list[torch.Tensor], scales: list[torch.Tensor],
+                      decay: float | torch.Tensor | None) -> None:
+    """_descend_ on params of any devices and dtypes, a (device, dtype) at a time; ``scales`` one 0-d tensor per
+    param, on its device."""
+    for b_params, b_momenta, b_scales in _group_by_device_and_dtype([params, momenta, scales]).values():
+        _descend_(b_params, b_momenta, torch.stack(b_scales), decay)
 
 
 def _group_by_device_and_dtype(

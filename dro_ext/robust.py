@@ -293,8 +293,11 @@ def weight_stats(
             w = weights
         else:
             assert losses is not None and lam is not None  # (checked)
-            if eta is None:
-                w = worst_case_weights(losses, lam, divergence, alpha=alpha, k=k, group=group)
+            if eta is None and group is not None:
+                w = _distributed().worst_case_weights(losses, lam, divergence, alpha=alpha, k=k, group=group,
+                                                      where="weight_stats")
+            elif eta is None:
+                w = worst_case_weights(losses, lam, divergence, alpha=alpha, k=k)
             elif group is not None and losses.numel() == 0:
                 # A rank without samples has no weights of its own (dro_weights takes no empty batch), and still
                 # takes part in the collectives below.

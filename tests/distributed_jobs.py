@@ -267,6 +267,28 @@ def job_fsdp(rank, world):
                 close(full(opt.state[p]["momentum_buffer"]), ref_opt.state[q]["momentum_buffer"],
                       f"{what}: momentum {i}", **tol)
 
+    # Half params under a momentum far below lr / 65504: the step's factor lr / (||m|| + eps) lies past float16's
+    # range though the step does not; formed in float32 and rounded once, as the unsharded steps form it (rounded to
+    # the params' dtype first, it made a float16 step inf and NaN, and a bfloat16 one off by its rounding).
+    for backend in BACKENDS:
+        for dtype in (torch.float16, torch.bfloat16):
+            for options in (dict(), dict(foreach=True)):
+                what = f"FSDP2 NormalizedSGD {backend} {dtype} {options}, a momentum of 2e-7"
+                with _backend.forced_backend(backend):
+                    ref_model, _ = build_model(dtype)
+                    model, _ = build_model(dtype)
+                    shard(model, mesh)
+                    ref_params, params = list(ref_model.parameters()), list(model.parameters())
+                    grads = [torch.full(p.shape, 2e-7, dtype=dtype) for p in ref_params]
+                    grads[0][0, 0] = 0.0  # a zero entry: 0 times the factor, NaN where it was inf
+                    for p, g in zip(ref_params, grads):
+                        p.grad = g.clone()
+                    set_grads(params, grads, mesh)
+                    dro_ext.NormalizedSGD(ref_params, lr=0.1, weight_decay=0.01, **options).step()
+                    dro_ext.NormalizedSGD(params, lr=0.1, weight_decay=0.01, **options).step()
+                    for i, (p, q) in enumerate(zip(params, ref_params)):
+                        close(full(p), q, f"{what}: param {i}", rtol=0, atol=0)
+
     # HSDP (a 2-D mesh: replicate x shard): the norm is reduced over the shard dim only, never double
     # counted over the replicas. On 2 ranks: 2 replicas of a 1-way shard, then 1 replica of a 2-way shard.
     for shape in ((world, 1), (1, world)):

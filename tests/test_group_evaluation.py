@@ -549,6 +549,21 @@ def test_evaluate_worst_group_with_a_nan_group():
     assert math.isnan(result.value.item())
 
 
+@pytest.mark.parametrize("weighting", ["batch", "population"])
+def test_evaluate_counts_a_group_past_float32s_integers_exactly(backend, weighting):
+    # float32 losses: the objective's group counts are float32, exact to 2^24 samples a group; the report's int64
+    # counts were those rounded (2^24 + 1 read 2^24).
+    big = 2**24 + 1
+    groups = torch.zeros(big + 3, dtype=torch.int64)
+    groups[-3:] = torch.tensor([1, 2, 2])
+    losses = torch.ones(big + 3)
+    result = dro_ext.evaluate(torch.nn.Identity(), [(losses, groups)], lambda m, b: m(b[0]), 0.5,
+                              groups_fn=lambda b: b[1], num_groups=4, weighting=weighting,
+                              group_counts=[big, 1, 2, 5] if weighting == "population" else None, progress=False)
+    assert result.group_count.tolist() == [big, 1, 2, 0]
+    assert result.group_loss[:3].tolist() == [1.0, 1.0, 1.0]
+
+
 @pytest.mark.parametrize("losses, groups, worst, worst_loss", [
     ([-math.inf, 1.0], [2, 2], 2, -math.inf),            # the only present group's mean is -inf: absent ones rank below
     ([-math.inf, -math.inf], [1, 2], 1, -math.inf),      # present groups tied at -inf: the lowest present id

@@ -875,7 +875,8 @@ def test_an_updating_forward_that_a_checkpoint_recomputes_raises(backend, kwargs
     assert torch.equal(module.log_q, once.log_q) and torch.equal(module.ema_loss, once.ema_loss)
     # The pattern the message offers: the model checkpointed, the module called on its outputs.
     weight.grad = None
-    module(torch.utils.checkpoint.checkpoint(lambda w: w * losses, weight, use_reentrant=use_reentrant), groups).backward()
+    outputs = torch.utils.checkpoint.checkpoint(lambda w: w * losses, weight, use_reentrant=use_reentrant)
+    module(outputs, groups).backward()
     (want,) = torch.autograd.grad(once(weight * losses, groups), weight)
     assert torch.equal(weight.grad, want) and torch.equal(module.log_q, once.log_q)
 

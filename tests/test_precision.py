@@ -280,6 +280,48 @@ def test_cressie_read_powers(backend, k, dtype):
                 assert abs(g - e) <= tol * max(abs(e), abs(v) * 1e-3, 1e-300), (order, v, g, e)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("k", [4.0, 6.0, 100.0])
+def test_cressie_read_derivatives_within_a_rounding_above_the_kink(backend, k, dtype):
+    """Losses at and just above u = 1 + (k-1) t = 0, where t (k - 1) rounds to -1 itself: the SIMD builds chose the
+    branch on u formed in one fused rounding (u > 0) and took log1p of the product rounded on its own, log1p(-1):
+    psi*'' came out inf (float64, k = 4; the AVX2 float32 log1p returns an arbitrary finite value there instead).
+    At the kink the derivatives jump from 0 within a rounding of t, so a build may give 0 (u rounded to 0) or the
+    power of a u within a rounding of the true one."""
+    a = k - 1.0
+    t = torch.tensor([-1.0 / a], dtype=dtype)
+    losses = [t]
+    for _ in range(8):  # the next floats up, across the point where the product leaves -1
+        losses.append(torch.nextafter(losses[-1], torch.zeros_like(t)))
+    x = torch.cat(losses).requires_grad_()
+    weights = dro_ext.dro_weights(x, 0.0, 1.0, "cressie_read", k=k)
+    (second,) = torch.autograd.grad(weights.sum(), x)
+    unit = 2.0 ** (-52 if dtype == torch.float64 else -23)
+    for v, w, d in zip(x.tolist(), weights.tolist(), second.tolist()):
+        u = 1 + mpmath.mpf(a) * mpmath.mpf(v)  # exactly, from the loss as given
+        if u <= 0:
+            assert w == 0 and d == 0, (v, w, d)
+            continue
+        # u is known to the rounding of its product, about `unit`: the power of any u in [u - unit, u + unit]
+        # (clamped at 0), or 0 where the rounding left none above 0.
+        low, high = max(u - unit, mpmath.mpf(0)), u + unit
+        first_range = (low ** (1 / mpmath.mpf(a)), high ** (1 / mpmath.mpf(a)))
+        assert math.isfinite(w) and math.isfinite(d), (v, w, d)
+        assert w == 0 or float(first_range[0]) * (1 - 1e-3) <= w <= float(first_range[1]) * (1 + 1e-3), (
+            v, w, [float(b) for b in first_range])
+
+
+@pytest.mark.parametrize("divergence", ["chi2", "kl"])
+def test_a_long_sum_of_alike_terms_stays_within_a_few_roundings(backend, divergence):
+    """2^22 float32 losses alike: the native kernels added their 256 chunks' sums one after another in float32,
+    which drifted by a rounding each (19 float32 roundings off here); in float64 the value is the chunks' own
+    roundings off."""
+    x = torch.full((2**22,), 0.1)
+    value = dro_ext.dro_loss(x, torch.tensor(0.0), 1.0, divergence)
+    exact = dro_ext.dro_loss(x.double(), torch.tensor(0.0, dtype=torch.float64), 1.0, divergence)
+    assert abs(value.double().item() / exact.item() - 1) <= 8 * 2.0**-24 * 2, (value.item(), exact.item())
+
+
 @pytest.mark.parametrize("k", [2.0, 1.5])
 def test_cressie_read_integer_powers_psi_star_meets_kappa_4_at_large_t(backend, k):
     """The README's bound for psi_star at k = 2 and 3/2, kappa u |psi*(t)| with kappa = 4: the fallback formed psi*

@@ -149,7 +149,8 @@ inline F two_to_n(const Reduced& red) { return from_bits(add_int(shift_left_23(b
 #endif
 
 // exp(x) = 2^n e^r, e^r by a degree-5 polynomial on |r| <= ln(2)/2: about 2 ulp. Past log(FLT_MAX) the result
-// overflows to inf, as it should; below log(FLT_MIN) = -87.34 it is 0 (as ATen's exp_u20 does), never a
+// overflows to inf, as it should; below log(FLT_MIN) = -87.34 it is 0 (as ATen's exp_u20 does; AVX2: below -86.99,
+// where n = -126 and 2^(n-1) has no exponent field, so 1.2e-38 to 1.7e-38 come out 0 too), never a
 // subnormal: every addition that reads a subnormal costs a microcode assist (measured: kl's robust objective,
 // whose weights exp((l - max l)/lam) reach far below, three times slower with them). The clamps keep +-inf
 // from making r NaN (AVX-512 zeroes the low lanes with a mask instead); with the constant first, NaN passes
