@@ -621,6 +621,9 @@ def job_robust(rank, world):
         except (TypeError, ValueError) as exc:
             want = word if rank == (0 if name == "GroupDROLoss" else 1) else "another rank"
             assert want in str(exc), (name, rank, exc)
+            # The other rank names the call it made (DROLoss over groups named group_dro_loss there).
+            if want == "another rank":
+                assert f"dro_ext.{name.split('(')[0].split(',')[0]}:" in str(exc), (name, rank, exc)
         else:
             raise AssertionError(f"rank {rank}: {name} with inputs refused on one rank did not raise")
     # The evaluation calls likewise (their checks agreed on by one all-reduce before their first collective): inputs
@@ -879,6 +882,13 @@ def job_group_robust(rank, world):
                 assert f"dro_ext.{call.__name__}: the losses of every rank together are empty" in str(e), e
             else:
                 raise AssertionError(f"{call.__name__} over groups with no loss on any rank did not raise")
+    # weight_stats over samples takes the worst case from worst_case_weights, whose errors named that call.
+    try:
+        dro_ext.weight_stats(losses=nothing, lam=0.5, group=group)
+    except ValueError as e:
+        assert "dro_ext.weight_stats: the losses of every rank together are empty" in str(e), e
+    else:
+        raise AssertionError("weight_stats with no loss on any rank did not raise")
 
 
 def job_dies(rank, world):
