@@ -637,6 +637,9 @@ def dro_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets
     token then depends on its whole group's mean loss, known only after every chunk: the forward is one chunked pass
     for the per-token losses (no gradients, the value), and the backward a second one that recomputes each chunk's
     logits and writes their gradient (one more matmul per chunk; see :func:`dro_ext.linear_cross_entropy_losses`).
+    float16 hidden takes the same two passes without groups, when anything requires grad: the logits' gradient is
+    then formed with the upstream gradient (GradScaler's scale) in it, where at a unit upstream gradient it lay in
+    float16's subnormals.
     """
     spec, lam, scale, ignore_index, label_smoothing = _checked_scalars(
         lam, divergence, alpha, k, scale, ignore_index, label_smoothing)
@@ -649,9 +652,17 @@ def dro_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets
 
         return grouped_dro_linear_cross_entropy(h, weight, bias, y, token_groups, num_groups, eta, lam, spec, scale,
                                                 ignore_index, label_smoothing, chunk_size)
+    grad = torch.is_grad_enabled()
+    if h.dtype == torch.float16 and grad and any(t is not None and t.requires_grad for t in (h, weight, bias, eta)):
+        # The gradients formed in the forward are at a unit upstream gradient, where float16's range loses the small
+        # ones (each logit's (w_i / N)(p - y) is 1e-8 and below at tens of thousands of tokens) before GradScaler's
+        # scale can reach them: the second pass forms them in backward, with the scale in.
+        from dro_ext.cross_entropy_groups import two_pass_dro_linear_cross_entropy
+
+        return two_pass_dro_linear_cross_entropy(h, weight, bias, y, eta, lam, spec, scale, ignore_index,
+                                                 label_smoothing, chunk_size)
     native = _backend.native_for(h.device.type)
     check_linear_target_range(y, weight.shape[0], ignore_index, native)
-    grad = torch.is_grad_enabled()
     needs = [grad and t is not None and t.requires_grad for t in (h, weight, bias)]
     anchors = [_anchor(t) for t in (h, weight, bias, eta) if grad and t is not None and t.requires_grad]
     value, *_ = _linear_cross_entropy_with_grads(

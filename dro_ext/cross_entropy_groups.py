@@ -387,6 +387,18 @@ def grouped_dro_cross_entropy(x, y, token_groups, num_groups, eta, lam, spec, sc
                              accumulate_dtype(x.dtype))
 
 
+def two_pass_dro_linear_cross_entropy(h, weight, bias, y, eta, lam, spec, scale, ignore_index, label_smoothing,
+                                      chunk_size):
+    """dro_linear_cross_entropy over the kept tokens from their losses (one chunked pass) and a second pass in
+    backward that forms the logits' gradient with the upstream gradient in it: for float16, where the one-pass op's
+    gradients, formed in the forward at a unit upstream gradient, underflowed before GradScaler's scale reached them."""
+    from dro_ext.loss import masked_dro_loss
+
+    losses = _linear_row_losses_checked(h, weight, bias, y, ignore_index, label_smoothing, chunk_size)
+    value = masked_dro_loss(losses, y != ignore_index, eta, lam, spec.name, spec.alpha, spec.k, scale)
+    return value.to(accumulate_dtype(h.dtype))
+
+
 def grouped_dro_linear_cross_entropy(h, weight, bias, y, token_groups, num_groups, eta, lam, spec, scale,
                                      ignore_index, label_smoothing, chunk_size):
     losses = _linear_row_losses_checked(h, weight, bias, y, ignore_index, label_smoothing, chunk_size)

@@ -146,23 +146,7 @@ class DROLoss(_Float64Configuration):
         return value * batch_scale(count, self.group, losses.device).to(value.dtype)
 
     def _masked(self, losses: torch.Tensor, mask: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
-        """The per-sample objective over the samples where mask is True, from one dro_loss of all of them: a sample
-        left out stands at l = scale*eta, where its term lam psi*(0) + scale*eta is scale*eta for every divergence
-        (and, since it moves with eta, its gradient to eta cancels out), so that with n samples, n_kept kept,
-
-            value = scale*eta + (dro_loss - scale*eta) * n / n_kept.
-
-        In float64 (where the device has it): the difference cancels the digits of scale*eta. No host read: n_kept
-        stays a tensor, and 0 kept gives 0 with zero gradients."""
-        acc = fallback_dtype(losses.dtype, losses.device)
-        eta_acc = eta.to(acc)
-        shift = self.scale * eta_acc
-        # (a fixed-order broadcast: eta's gradient through the samples left out, summed in a fixed order)
-        x = torch.where(mask, losses.to(acc), fixed_order_broadcast(shift, losses.shape))
-        full = dro_loss(x, eta_acc, self.lam, self.divergence, alpha=self.alpha, k=self.k, scale=self.scale)
-        kept = mask.sum()
-        value = shift + (full - shift) * (x.numel() / torch.clamp(kept, min=1).to(acc))
-        return torch.where(kept > 0, value, 0.0).to(losses.dtype)
+        return masked_dro_loss(losses, mask, eta, self.lam, self.divergence, self.alpha, self.k, self.scale)
 
     def extra_repr(self) -> str:
         params = "".join(f", {n}={v}" for n, v in (("alpha", self.alpha), ("k", self.k)) if v is not None)
@@ -172,3 +156,25 @@ class DROLoss(_Float64Configuration):
         eta_init = "" if self.eta_init == 0.0 else f", eta_init={self.eta_init}"
         group = "" if self.group is None else f", group={type(self.group).__name__}"
         return f"divergence={self.divergence!r}, lam={self.lam}{params}, scale={self.scale}{eta_init}{groups}{group}"
+
+
+def masked_dro_loss(losses: torch.Tensor, mask: torch.Tensor, eta: torch.Tensor, lam: float, divergence: Divergence,
+                    alpha: float | None, k: float | None, scale: float) -> torch.Tensor:
+    """The per-sample objective over the samples where mask is True (DROLoss's mask; the float16 linear
+    cross-entropy's kept tokens), from one dro_loss of all of them: a sample left out stands at l = scale*eta, where
+    its term lam psi*(0) + scale*eta is scale*eta for every divergence (and, since it moves with eta, its gradient
+    to eta cancels out), so that with n samples, n_kept kept,
+
+        value = scale*eta + (dro_loss - scale*eta) * n / n_kept.
+
+    In float64 (where the device has it): the difference cancels the digits of scale*eta. No host read: n_kept
+    stays a tensor, and 0 kept gives 0 with zero gradients."""
+    acc = fallback_dtype(losses.dtype, losses.device)
+    eta_acc = eta.to(acc)
+    shift = scale * eta_acc
+    # (a fixed-order broadcast: eta's gradient through the samples left out, summed in a fixed order)
+    x = torch.where(mask, losses.to(acc), fixed_order_broadcast(shift, losses.shape))
+    full = dro_loss(x, eta_acc, lam, divergence, alpha=alpha, k=k, scale=scale)
+    kept = mask.sum()
+    value = shift + (full - shift) * (x.numel() / torch.clamp(kept, min=1).to(acc))
+    return torch.where(kept > 0, value, 0.0).to(losses.dtype)

@@ -685,6 +685,42 @@ def check_a_grad_scaler_scale_reaches_float16_gradients(call: str, device) -> No
         torch.testing.assert_close(got, expected, rtol=1e-3, atol=0)
 
 
+def test_float16_linear_gradients_keep_what_the_grad_scaler_scale_keeps(backend):
+    """Under float16 autocast and GradScaler's 2^16, the fused linear cross-entropy's gradients are as good as those
+    of F.linear + dro_cross_entropy. It formed them in the forward at a unit upstream gradient: each logit's
+    (w_i / N)(p - y) of 16384 tokens over 2048 classes lay in float16's subnormals, and the scale applied in backward
+    could not restore them (the weight gradient of the rows no token targets was 90% off)."""
+    gen = torch.Generator().manual_seed(3)
+    n, h_size, vocab = 16384, 8, 2048
+    eta = 7.5  # near the losses (log 2048 = 7.6): weights near 1, each logit's gradient near p / N
+    hidden = torch.randn(n, h_size, generator=gen) * 0.5
+    weight = torch.randn(vocab, h_size, generator=gen) * 0.05
+    targets = torch.randint(0, 64, (n,), generator=gen)  # rows 64 and up are nobody's target: the softmax term alone
+    targets[::97] = -100
+    # float64 reference of the same float16 operands and logits (as autocast's F.linear rounds them)
+    h64, w64 = hidden.half().double().requires_grad_(), weight.half().double().requires_grad_()
+    z = h64 @ w64.T
+    z = z + (z.detach().half().double() - z.detach())
+    dro_ext.dro_cross_entropy(z, targets, eta, LAM).backward()
+
+    def gradients(fused):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.float16):
+            value = (dro_ext.dro_linear_cross_entropy(h, w, targets, eta, LAM) if fused
+                     else dro_ext.dro_cross_entropy(F.linear(h, w), targets, eta, LAM))
+        (value * 2.0**16).backward()
+        return h.grad.double() / 2.0**16, w.grad.double() / 2.0**16
+
+    def error(got, want):
+        return float((got - want).norm() / want.norm())
+
+    fused = gradients(True)
+    for got, unfused, want in zip(fused, gradients(False), (h64.grad, w64.grad)):
+        assert error(got, want) <= 2 * error(unfused, want) + 1e-4, (error(got, want), error(unfused, want))
+    # the rows of the classes no token targets
+    assert error(fused[1][64:], w64.grad[64:]) <= 2e-3
+
+
 @pytest.mark.parametrize("call", GRAD_SCALER_CALLS)
 def test_a_grad_scaler_scale_reaches_float16_gradients(backend, call):
     check_a_grad_scaler_scale_reaches_float16_gradients(call, "cpu")
