@@ -381,6 +381,14 @@ def _check_loaded_state(state: dict[str, Any], p: torch.Tensor, index: int) -> N
     if momentum.shape != p.shape:
         raise ValueError(f"dro_ext.NormalizedSGD: the momentum_buffer of param {index} of its group has shape "
                          f"{tuple(momentum.shape)}, the param {tuple(p.shape)}: a state_dict of another model?")
+    if _distributed.has_dtensor([p]) != _distributed.has_dtensor([momentum]):
+        # A whole momentum beside a param's local shard (a single process's state_dict loaded into a sharded model,
+        # or the reverse): the foreach step broadcast one into the other on some ranks and waited in the norm's
+        # collective on the others.
+        kinds = ("a DTensor", "a plain tensor") if _distributed.has_dtensor([p]) else ("a plain tensor", "a DTensor")
+        raise ValueError(f"dro_ext.NormalizedSGD: param {index} of its group is {kinds[0]} and its loaded "
+                         f"momentum_buffer {kinds[1]}: load a sharded model's optimizer state with "
+                         "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict, which shards it")
     if not isinstance(step, torch.Tensor):
         state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device)
 

@@ -289,6 +289,31 @@ def job_fsdp(rank, world):
                     for i, (p, q) in enumerate(zip(params, ref_params)):
                         close(full(p), q, f"{what}: param {i}", rtol=0, atol=0)
 
+    # A single process's optimizer state_dict loaded into the sharded model's optimizer (whole momenta beside local
+    # shards): refused on every rank at the step, before any collective. The foreach step broadcast a gradient
+    # shard into a whole momentum on one rank and waited in the norm's all-reduce on the other.
+    for options in (dict(), dict(foreach=True)):
+        ref_model, _ = build_model(torch.float64)
+        model, _ = build_model(torch.float64)
+        shard(model, mesh)
+        ref_params, params = list(ref_model.parameters()), list(model.parameters())
+        grads = synthetic_grads(0, [p.shape for p in ref_params], torch.float64)
+        for p, g in zip(ref_params, grads):
+            p.grad = g.clone()
+        ref_opt = dro_ext.NormalizedSGD(ref_params, lr=0.1, **options)
+        ref_opt.step()
+        opt = dro_ext.NormalizedSGD(params, lr=0.1, **options)
+        opt.load_state_dict(ref_opt.state_dict())
+        set_grads(params, grads, mesh)
+        before = [full(p).clone() for p in params]
+        try:
+            opt.step()
+        except ValueError as exc:
+            assert "set_optimizer_state_dict" in str(exc), exc
+        else:
+            raise AssertionError(f"FSDP2 NormalizedSGD {options} stepped from a single process's state")
+        assert all(torch.equal(full(p), b) for p, b in zip(params, before)), "a refused step moved the params"
+
     # HSDP (a 2-D mesh: replicate x shard): the norm is reduced over the shard dim only, never double
     # counted over the replicas. On 2 ranks: 2 replicas of a 1-way shard, then 1 replica of a 2-way shard.
     for shape in ((world, 1), (1, world)):
