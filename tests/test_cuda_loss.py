@@ -11,6 +11,7 @@ import reference as ref
 from reference import case_kwargs
 from cuda_cases import (DEVICE, DTYPES, LAYOUTS, ON_CUDA, SIZES, SKIP_WITHOUT_CUDA, make_losses,
                         native_backend, needs_cuda, on_test_device)  # noqa: F401 (native_backend: an autouse fixture)
+from test_precision import KINK_KS, check_cressie_read_derivatives_above_the_kink
 
 pytestmark = SKIP_WITHOUT_CUDA
 
@@ -51,6 +52,12 @@ def test_loss_and_gradients_match_float64_reference(name, params, n, dtype, layo
                              scale=scale, **case_kwargs(params))
     eta_tol = dict(rtol=1e-5, atol=1e-5) if dtype != torch.float64 else dict(rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grad_eta.double().cpu(), exp_eta.cpu(), **eta_tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("k", KINK_KS)
+def test_cressie_read_derivatives_within_a_rounding_above_the_kink(k, dtype):
+    check_cressie_read_derivatives_above_the_kink(k, dtype, DEVICE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
