@@ -371,14 +371,14 @@ def group_dro_loss(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
     batch of padding alone: a micro-batch of it then adds nothing to an accumulated gradient.
     """
     return _group_dro_objective(losses, groups, num_groups, eta, lam, divergence, weighting=weighting,
-                           group_counts=group_counts, alpha=alpha, k=k, scale=scale, group=group, mask=mask,
-                           where="group_dro_loss")
+                                group_counts=group_counts, alpha=alpha, k=k, scale=scale, group=group, mask=mask,
+                                where="group_dro_loss")
 
 
 def _group_dro_objective(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, eta: torch.Tensor | float,
-                    lam: float, divergence: Divergence, *, weighting: str | torch.Tensor | Sequence[float],
-                    group_counts: Any, alpha: float | None, k: float | None, scale: float,
-                    group: ProcessGroup | None, mask: torch.Tensor | None, where: str) -> torch.Tensor:
+                         lam: float, divergence: Divergence, *, weighting: str | torch.Tensor | Sequence[float],
+                         group_counts: Any, alpha: float | None, k: float | None, scale: float,
+                         group: ProcessGroup | None, mask: torch.Tensor | None, where: str) -> torch.Tensor:
     """:func:`group_dro_loss`, its errors naming ``where``, the public call (``DROLoss`` over groups is this too: a
     refusal on another rank then names the call every rank made)."""
     num_groups = check_num_groups(num_groups)  # (the length of the collective a refusal joins)
@@ -562,8 +562,8 @@ class GroupDROLoss(_Float64Configuration):
     ``q`` carries no gradient. An updating forward is refused inside a backward pass: torch.utils.checkpoint
     recomputes its region's forward there, which would update ``q`` twice from one batch: checkpoint the model,
     and call the module on its outputs, outside the region. The state lives in buffers, so ``state_dict()`` saves
-    it and ``load_state_dict`` resumes the run bitwise: ``log_q``, ``ema_loss``, ``last_loss`` (each group's last mean loss) and ``seen``
-    (which groups have appeared). They are of the default dtype at construction; a step computes in the wider
+    it and ``load_state_dict`` resumes the run bitwise: ``log_q``, ``ema_loss``, ``last_loss`` (each group's last
+    mean loss) and ``seen`` (which groups have appeared). They are of the default dtype at construction; a step computes in the wider
     of their dtype and the losses' accumulate dtype. An empty batch is allowed (a rank without samples): it
     returns 0 and updates the state as a batch where every group is absent. A NaN loss is not dropped: its group's
     mean is NaN, and an update from it makes ``q`` NaN, which the state then keeps (``reset_parameters()`` or a saved
