@@ -561,7 +561,8 @@ class GroupDROLoss(_Float64Configuration):
     in ``eval()`` mode does not, as BatchNorm's running statistics (and the authors' evaluation passes) behave.
     ``q`` carries no gradient. An updating forward is refused inside a backward pass: torch.utils.checkpoint
     recomputes its region's forward there, which would update ``q`` twice from one batch: checkpoint the model,
-    and call the module on its outputs, outside the region. The state lives in buffers, so ``state_dict()`` saves
+    and call the module on its outputs, outside the region. (A compiled module cannot check: its graph holds no
+    such test, and inside a checkpointed region it updates twice.) The state lives in buffers, so ``state_dict()`` saves
     it and ``load_state_dict`` resumes the run bitwise: ``log_q``, ``ema_loss``, ``last_loss`` (each group's last
     mean loss) and ``seen`` (which groups have appeared). They are of the default dtype at construction; a step computes in the wider
     of their dtype and the losses' accumulate dtype. An empty batch is allowed (a rank without samples): it

@@ -168,13 +168,14 @@ def masked_dro_loss(losses: torch.Tensor, mask: torch.Tensor, eta: torch.Tensor,
         value = scale*eta + (dro_loss - scale*eta) * n / n_kept.
 
     In float64 (where the device has it): the difference cancels the digits of scale*eta. No host read: n_kept
-    stays a tensor, and 0 kept gives 0 with zero gradients."""
+    stays a tensor, and 0 kept gives 0 with zero gradients, an empty batch too (which dro_loss does not take)."""
     acc = fallback_dtype(losses.dtype, losses.device)
     eta_acc = eta.to(acc)
     shift = scale * eta_acc
     # (a fixed-order broadcast: eta's gradient through the samples left out, summed in a fixed order)
     x = torch.where(mask, losses.to(acc), fixed_order_broadcast(shift, losses.shape))
-    full = dro_loss(x, eta_acc, lam, divergence, alpha=alpha, k=k, scale=scale)
+    # (empty: x's sum, 0, keeps the losses in the graph, for their empty gradient)
+    full = shift + x.sum() if x.numel() == 0 else dro_loss(x, eta_acc, lam, divergence, alpha=alpha, k=k, scale=scale)
     kept = mask.sum()
     value = shift + (full - shift) * (x.numel() / torch.clamp(kept, min=1).to(acc))
     return torch.where(kept > 0, value, 0.0).to(losses.dtype)

@@ -179,6 +179,20 @@ def test_empty_batch_gives_zero(backend):
     assert torch.autograd.grad(value, logits)[0].shape == (0, 9)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_linear_empty_batch_gives_zero_with_zero_gradients(backend, dtype):
+    # (a rank or micro-batch without tokens; float16's two passes raised there, their dro_loss taking no empty batch)
+    hidden = torch.zeros(0, 4, dtype=dtype, requires_grad=True)
+    weight = torch.randn(3, 4).to(dtype).requires_grad_()
+    bias = torch.randn(3).to(dtype).requires_grad_()
+    eta = torch.tensor(0.5, requires_grad=True)
+    value = dro_ext.dro_linear_cross_entropy(hidden, weight, torch.zeros(0, dtype=torch.long), eta, LAM, "kl",
+                                             bias=bias)
+    assert value.item() == 0.0
+    grads = torch.autograd.grad(value, (hidden, weight, bias, eta))
+    assert grads[0].shape == (0, 4) and all(not bool(g.any()) for g in grads[1:]), grads
+
+
 def masked_batch(dtype=torch.float32):
     """Logits with masked classes (-inf), as a vocabulary mask or a constrained decoder gives: a masked prefix
     longer than a CUDA row block's threads and than the CPU kernel's block of a row (2048 logits, whose running
