@@ -10,7 +10,8 @@ import torch
 import dro_ext
 from cuda_cases import (DEVICE, DTYPES, ON_CUDA, SKIP_WITHOUT_CUDA, make_losses, native_backend,  # noqa: F401
                         needs_cuda, on_test_device)
-from test_group_sums import assert_sums_close, check_gather_adjoint_sums_alike_terms, sum_dtype
+from test_group_sums import (assert_sums_close, check_a_large_group_of_alike_float32_losses,
+                             check_gather_adjoint_sums_alike_terms, sum_dtype)
 
 pytestmark = SKIP_WITHOUT_CUDA
 
@@ -63,6 +64,12 @@ def test_gradient_and_means_composition(dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_the_gathers_adjoint_sums_alike_terms_within_a_rounding(dtype):
     check_gather_adjoint_sums_alike_terms(dtype, DEVICE)
+
+
+@pytest.mark.parametrize("num_groups", [4, 2**16])
+def test_a_large_group_of_alike_float32_losses_sums_within_a_rounding(num_groups):
+    # (2^20 samples: a group of 900K; under the emulation 2^22 would sort for minutes)
+    check_a_large_group_of_alike_float32_losses(num_groups, DEVICE, n=2**20)
 
 
 def test_gradcheck_and_gradgradcheck_float64():

@@ -4,8 +4,8 @@
 //   group_sums           keys: each id, or the sentinel G for an id outside [0, G) (which raises a device flag), and
 //                        the losses in the accumulation dtype; a stable radix sort of the pairs by key (CUB); then
 //                        blocks over fixed parts of each group's sorted segment (group g's segment [lo, hi) found
-//                        by binary search, cut into `parts` equal spans) write per-block partial sums, which one
-//                        thread per group adds in part order. counts[g] = hi - lo, exact.
+//                        by binary search, cut into `parts` equal spans) write per-block partial sums (float64),
+//                        which one thread per group adds in part order and rounds once. counts[g] = hi - lo, exact.
 //   group_sums_backward  one elementwise launch: grad_l_i = grad_sums[g_i], 0 for an id outside [0, G).
 //
 // Deterministic: the sort is stable and its order a function of the keys only, each block sums a fixed span in a
@@ -61,11 +61,14 @@ __device__ __forceinline__ int64_t lower_bound(const int* __restrict__ sorted_ke
   return lo;
 }
 
-// Block b sums part b % parts of group b / parts's segment of the sorted values; part 0 also writes the count.
+// Block b sums part b % parts of group b / parts's segment of the sorted values; part 0 also writes the count. The
+// sums are float64 whatever acc_t is, as on the CPU: from num_groups >= kMaxReduceBlocks on, one block takes a whole
+// group, and each of its threads adds 1/kThreads of the group one value after another (8192 of them for a group of
+// 2^21), which in float32 drifts by about a rounding per value where the values are alike.
 template <typename acc_t>
 __global__ void __launch_bounds__(kThreads) group_part_sums_kernel(
     const int* __restrict__ sorted_keys, const acc_t* __restrict__ sorted_values, int64_t n, int parts,
-    acc_t* __restrict__ partials, acc_t* __restrict__ counts) {
+    double* __restrict__ partials, acc_t* __restrict__ counts) {
   const int64_t group = blockIdx.x / parts;
   const int part = static_cast<int>(blockIdx.x % parts);
   __shared__ int64_t bounds[2];
@@ -75,24 +78,25 @@ __global__ void __launch_bounds__(kThreads) group_part_sums_kernel(
   const int64_t span = (hi - lo + parts - 1) / parts;
   const int64_t begin = lo + part * span;
   const int64_t end = begin + span < hi ? begin + span : hi;
-  acc_t s = acc_t(0);
-  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) s += sorted_values[i];
-  const acc_t sum = block_reduce(s, Sum());
+  double s = 0.0;
+  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) s += static_cast<double>(sorted_values[i]);
+  const double sum = block_reduce(s, Sum());
   if (threadIdx.x == 0) {
     partials[blockIdx.x] = sum;
     if (part == 0) counts[group] = static_cast<acc_t>(hi - lo);
   }
 }
 
-// sums[g] = the parts of group g added in part order.
+// sums[g] = the parts of group g added in part order (float64), rounded once into acc_t.
 template <typename acc_t>
-__global__ void __launch_bounds__(kThreads) group_combine_kernel(const acc_t* __restrict__ partials, int64_t num_groups,
-                                                                 int parts, acc_t* __restrict__ sums) {
+__global__ void __launch_bounds__(kThreads) group_combine_kernel(const double* __restrict__ partials,
+                                                                 int64_t num_groups, int parts,
+                                                                 acc_t* __restrict__ sums) {
   const int64_t group = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (group >= num_groups) return;
-  acc_t s = partials[group * parts];
+  double s = partials[group * parts];
   for (int p = 1; p < parts; ++p) s += partials[group * parts + p];
-  sums[group] = s;
+  sums[group] = static_cast<acc_t>(s);
 }
 
 std::tuple<at::Tensor, at::Tensor> group_sums_cuda(const at::Tensor& losses, const at::Tensor& groups,
@@ -129,7 +133,7 @@ std::tuple<at::Tensor, at::Tensor> group_sums_cuda(const at::Tensor& losses, con
   // cut depends on n and num_groups only.
   const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kMaxReduceBlocks / num_groups,
                                                                              ceil_div(n, kThreads))));
-  at::Tensor partials = at::empty({num_groups * parts}, options);
+  at::Tensor partials = at::empty({num_groups * parts}, options.dtype(at::kDouble));
   AT_DISPATCH_FLOATING_TYPES(options.dtype().toScalarType(), "dro_ext_cuda_group_sums", [&] {
     using acc_t = scalar_t;
     size_t temp_bytes = 0;
@@ -145,10 +149,10 @@ std::tuple<at::Tensor, at::Tensor> group_sums_cuda(const at::Tensor& losses, con
     sort_by_group(temp.mutable_data_ptr());
     group_part_sums_kernel<acc_t><<<static_cast<unsigned int>(num_groups * parts), kThreads, 0, stream>>>(
         sorted_keys.const_data_ptr<int>(), sorted_values.const_data_ptr<acc_t>(), n, parts,
-        partials.mutable_data_ptr<acc_t>(), counts.mutable_data_ptr<acc_t>());
+        partials.mutable_data_ptr<double>(), counts.mutable_data_ptr<acc_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     group_combine_kernel<acc_t><<<static_cast<unsigned int>(ceil_div(num_groups, kThreads)), kThreads, 0, stream>>>(
-        partials.const_data_ptr<acc_t>(), num_groups, parts, sums.mutable_data_ptr<acc_t>());
+        partials.const_data_ptr<double>(), num_groups, parts, sums.mutable_data_ptr<acc_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {sums, counts};

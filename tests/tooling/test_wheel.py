@@ -19,6 +19,7 @@ import email.parser
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -117,6 +118,37 @@ def test_a_unity_build_compiles_every_source_once_and_the_simd_builds_apart(tmp_
     monkeypatch.setenv("DRO_EXT_UNITY_BUILD", "yes")
     with pytest.raises(SystemExit, match="DRO_EXT_UNITY_BUILD must be 0 or 1"):
         setup_script.unity_build()
+
+
+def test_a_unity_unit_is_rewritten_when_a_source_or_header_it_reads_changes(tmp_path, monkeypatch):
+    """The units carry a digest of their members and of csrc/'s headers: ninja's log of what a unit includes can be
+    lost (a build of another configuration in the same folder drops it), and the CUDA unit then kept its old object
+    through edits to its .cu files; a unit whose digest moves is rewritten, so ninja recompiles it regardless."""
+    setup_script = _setup_script()
+    tree = tmp_path / "tree"
+    shutil.copytree(REPO / "csrc", tree / "csrc")
+    monkeypatch.setattr(setup_script, "ROOT", str(tree))
+    monkeypatch.chdir(REPO)
+    cpp_sources, cuda_sources = setup_script.source_files()
+    folder = str(tmp_path / "unity")
+    units = setup_script.unity_sources(cpp_sources + cuda_sources, folder)
+    cpp_unit, cuda_unit = (Path(u) for u in units[:2])
+    assert cpp_unit.suffix == ".cpp" and cuda_unit.suffix == ".cu"
+
+    def texts():
+        setup_script.unity_sources(cpp_sources + cuda_sources, folder)
+        return cpp_unit.read_text(), cuda_unit.read_text()
+
+    before = texts()
+    assert texts() == before  # nothing changed: nothing rewritten
+    a_cu = tree / cuda_sources[0]
+    a_cu.write_text(a_cu.read_text() + "// edited\n")
+    after_cu = texts()
+    assert after_cu[0] == before[0] and after_cu[1] != before[1]  # the .cu unit alone
+    header = tree / "csrc" / "checks.h"
+    header.write_text(header.read_text() + "// edited\n")
+    after_header = texts()
+    assert after_header[0] != after_cu[0] and after_header[1] != after_cu[1]  # both units read the headers
 
 
 def _build(kind: str, out: Path) -> tuple[Path, str]:
