@@ -246,8 +246,8 @@ struct GroupSumsBackward final : public torch::autograd::Node {
 // gather gave them 0), formed in float64 and rounded once. A gradient that reaches a gather is often alike within a
 // group (each sample's equal share of its group's weight: robust_objective's over groups, the second derivative of
 // group means), and group_sums adds a part's samples one after another: in float32 each add of alike terms rounds
-// the same way, and a group's sum of 2^18 of them drifted by 1e-5 relative. (The CPU kernel sums in float64 anyway;
-// the cast is for CUDA's, whose block sums are in the values' dtype.)
+// the same way, and a group's sum of 2^18 of them drifted by 1e-5 relative. (The kernels sum in float64 whatever the
+// dtype; the cast makes a half gradient's sums round once, into its own dtype, not through float32 first.)
 struct GroupGatherBackward final : public torch::autograd::Node {
   torch::autograd::SavedVariable groups;
   int64_t num_groups = 0;

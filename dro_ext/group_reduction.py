@@ -64,8 +64,7 @@ def _fallback_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups:
 
     float32 (and half) losses are added in float64 and the sums rounded once: one after another in float32, a group's
     sum drifts by up to n_g roundings, and systematically where its terms are alike (a gradient of equal weights
-    within a group: 9e-4 relative at 2^18 terms a group), as the native CPU op does (CUDA's trees over fixed spans of
-    each group stay within a few roundings)."""
+    within a group: 9e-4 relative at 2^18 terms a group), as the native op does on the CPU and on CUDA."""
     acc = accumulate_dtype(losses.dtype)
     x = losses.to(torch.float64 if acc == torch.float32 else acc)
     width = num_groups

@@ -125,8 +125,8 @@ class DROLoss(_Float64Configuration):
             assert groups is not None  # given with num_groups (check_forward_groups)
             weighting = "batch" if self.group_weights is None else self.group_weights
             return _group_dro_objective(losses, groups, self.num_groups, eta, self.lam, self.divergence,
-                                   weighting=weighting, group_counts=None, alpha=self.alpha, k=self.k,
-                                   scale=self.scale, group=self.group, mask=mask, where="DROLoss")
+                                        weighting=weighting, group_counts=None, alpha=self.alpha, k=self.k,
+                                        scale=self.scale, group=self.group, mask=mask, where="DROLoss")
         # Over samples, with a process group or a mask (the plain call returned above).
         if losses.numel() == 0:
             # A rank without samples (only with a group: checked above): its share of the concatenated batch's
@@ -135,7 +135,7 @@ class DROLoss(_Float64Configuration):
             # where raising (dro_loss takes no empty batch) would leave the other ranks waiting.
             value = losses.sum() + 0.0 * eta.to(losses.dtype)
         elif mask is not None:
-            value = self._masked(losses, mask, eta)
+            value = masked_dro_loss(losses, mask, eta, self.lam, self.divergence, self.alpha, self.k, self.scale)
         else:
             value = dro_loss(losses, eta, self.lam, self.divergence, alpha=self.alpha, k=self.k, scale=self.scale)
         if self.group is None:
@@ -144,9 +144,6 @@ class DROLoss(_Float64Configuration):
 
         count = losses.shape[0] if mask is None else mask.sum()  # (kept samples: a count on the device)
         return value * batch_scale(count, self.group, losses.device).to(value.dtype)
-
-    def _masked(self, losses: torch.Tensor, mask: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
-        return masked_dro_loss(losses, mask, eta, self.lam, self.divergence, self.alpha, self.k, self.scale)
 
     def extra_repr(self) -> str:
         params = "".join(f", {n}={v}" for n, v in (("alpha", self.alpha), ("k", self.k)) if v is not None)
