@@ -19,6 +19,7 @@
 #include <ATen/TensorSubclassLikeUtils.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
@@ -130,6 +131,18 @@ void check_state_needs_no_grad(const at::Tensor& x, const at::Tensor& log_q, con
               "dro_ext: GroupDROLoss's state (log_q, ema_loss, last_loss) must not require grad");
 }
 
+// An updating step run by a backward pass: torch.utils.checkpoint recomputing a region that holds GroupDROLoss.
+// Updated again, q would take two steps from one batch, and the gradient would be that of a loss under another q
+// than the one returned. GroupDROLoss refuses its eager calls in Python; the check here also covers the graphs that
+// torch.compile makes of it, which run this op again when an eager checkpoint recomputes them (Python checks run
+// once, while the graph is traced). Under a checkpoint that torch.compile itself traces, the op runs in the forward
+// only: the partitioner recomputes no op that updates a state in place.
+void refuse_update_inside_backward(bool update) {
+  TORCH_CHECK(!update || torch::autograd::get_current_graph_task_id() == -1,
+              "dro_ext.GroupDROLoss: an updating forward ran inside a backward pass (a checkpoint recomputing its "
+              "region?), which would update q twice from one batch; call the module outside the checkpointed region");
+}
+
 void bump_state_versions(bool update, const at::Tensor& log_q, const at::Tensor& ema_loss,
                          const at::Tensor& last_loss, const at::Tensor& seen) {
   if (!update) return;
@@ -160,6 +173,7 @@ std::tuple<at::Tensor, at::Tensor> group_dro_step_autograd(const at::Tensor& sum
                                                            double step_size, double ema_gamma, bool stale,
                                                            bool normalize_loss, bool update) {
   check_state_needs_no_grad(sums, log_q, ema_loss, last_loss);
+  refuse_update_inside_backward(update);
   auto [loss, weights] = [&] {
     at::AutoDispatchBelowADInplaceOrView guard;
     return call_group_dro_step(sums, counts, log_q, ema_loss, last_loss, seen, active, adjustment, step_size,
@@ -248,6 +262,7 @@ at::Tensor group_dro_loss_autograd(const at::Tensor& losses, const at::Tensor& g
                                    const at::Tensor& active, const at::Tensor& adjustment, double step_size,
                                    double ema_gamma, bool stale, bool normalize_loss, bool update, bool validate) {
   check_state_needs_no_grad(losses, log_q, ema_loss, last_loss);
+  refuse_update_inside_backward(update);
   auto [loss, weights] = [&] {
     at::AutoDispatchBelowADInplaceOrView guard;
     return group_dro_loss_steps(losses, groups, num_groups, log_q, ema_loss, last_loss, seen, active, adjustment,

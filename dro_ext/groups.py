@@ -52,6 +52,27 @@ __all__ = ["GroupDROLoss", "group_dro_loss"]
 # GroupDROLoss's error for its state on another device than the losses (csrc/group_dro_step.h's check says it too).
 _STATE_DEVICE_MESSAGE = ("dro_ext: GroupDROLoss's state is on {device} but the losses are on {expected}; move the "
                          "module to the losses' device (module.to(device))")
+# (csrc/group_dro.cpp's refuse_update_inside_backward says it too)
+_UPDATE_INSIDE_BACKWARD_MESSAGE = (
+    "dro_ext.GroupDROLoss: an updating forward ran inside a backward pass (a checkpoint recomputing its region?), "
+    "which would update q twice from one batch; call the module outside the checkpointed region")
+
+
+@torch.library.custom_op("dro_ext::refuse_update_inside_backward_", mutates_args=("log_q",))
+def _refuse_update_inside_backward(log_q: torch.Tensor) -> None:
+    """GroupDROLoss's refusal of an updating forward inside a backward pass, as an op of the graphs torch.compile
+    makes of its composed update (the greedy CVaR mode, the fallback; the native step checks itself). Its Python
+    check runs once, while the graph is traced; and a checkpoint region that torch.compile traces has its ops
+    recomputed in the backward pass from the state as the forward left it, updated: the loss's gradient would then
+    weigh the groups by q after a second step, silently. The op runs again with that recomputation, and refuses.
+    It declares log_q updated (and leaves it alone) so that the step's reads of the state come after it."""
+    if torch._C._current_graph_task_id() != -1:
+        raise RuntimeError(_UPDATE_INSIDE_BACKWARD_MESSAGE)
+
+
+@_refuse_update_inside_backward.register_fake
+def _(log_q: torch.Tensor) -> None:
+    return None
 
 
 if _backend.native_available():
@@ -561,8 +582,9 @@ class GroupDROLoss(_Float64Configuration):
     in ``eval()`` mode does not, as BatchNorm's running statistics (and the authors' evaluation passes) behave.
     ``q`` carries no gradient. An updating forward is refused inside a backward pass: torch.utils.checkpoint
     recomputes its region's forward there, which would update ``q`` twice from one batch: checkpoint the model,
-    and call the module on its outputs, outside the region. (A compiled module cannot check: its graph holds no
-    such test, and inside a checkpointed region it updates twice.) The state lives in buffers, so ``state_dict()``
+    and call the module on its outputs, outside the region. A compiled module refuses it too: its graph runs the
+    test again with the recomputation, whether torch.compile traced the checkpoint (which would otherwise recompute
+    the loss's gradient weights from the updated ``q``) or an eager checkpoint runs the compiled module again. The state lives in buffers, so ``state_dict()``
     saves it and ``load_state_dict`` resumes the run bitwise: ``log_q``, ``ema_loss``, ``last_loss`` (each group's
     last mean loss) and ``seen`` (which groups have appeared). They are of the default dtype at construction; a step
     computes in the wider
@@ -695,9 +717,7 @@ class GroupDROLoss(_Float64Configuration):
             # A forward run by a backward pass: torch.utils.checkpoint recomputing the region that holds this module.
             # Updated again, q would take two steps from one batch, and the gradient would be that of a loss under
             # another q than the one returned.
-            raise RuntimeError("dro_ext.GroupDROLoss: an updating forward ran inside a backward pass (a checkpoint "
-                               "recomputing its region?), which would update q twice from one batch; call the "
-                               "module outside the checkpointed region")
+            raise RuntimeError(_UPDATE_INSIDE_BACKWARD_MESSAGE)
         # A training step's call with plain dense tensors goes straight to the native step (group_sums and the update
         # in one call, csrc/group_dro.cpp), which checks them itself with the same errors as the checks below. (The
         # step is a few microseconds on the CPU at a few thousand losses: every check here shows.)
@@ -734,6 +754,8 @@ class GroupDROLoss(_Float64Configuration):
         dtype = torch.promote_types(accumulate_dtype(losses.dtype), self.log_q.dtype)
         m, present = _group_means(sums, counts, dtype)
         if update:
+            if torch.compiler.is_compiling():
+                _refuse_update_inside_backward(self.log_q)
             with torch.no_grad():
                 # The update in float64 (where the device has it), rounded once into the state, as the native step
                 # does: in a float32 state's dtype a step_size past 3.4e38 would act as infinite and send groups to

@@ -1,6 +1,7 @@
 """DRO over groups: group_dro_loss (the penalized objective over group means), GroupDROLoss (online Group DRO) and
 DROLoss(num_groups=...), against float64 references written from the formulas of docs/design.md section 1.9."""
 import copy
+import functools
 import gc
 import math
 import weakref
@@ -879,6 +880,34 @@ def test_an_updating_forward_that_a_checkpoint_recomputes_raises(backend, kwargs
     module(outputs, groups).backward()
     (want,) = torch.autograd.grad(once(weight * losses, groups), weight)
     assert torch.equal(weight.grad, want) and torch.equal(module.log_q, once.log_q)
+
+
+@pytest.mark.parametrize("placement", ["checkpoint compiled", "compiled module in an eager checkpoint"])
+@pytest.mark.parametrize("kwargs", MODES, ids=["eg", "greedy_cvar"])
+def test_a_compiled_updating_forward_that_a_checkpoint_recomputes_raises(backend, kwargs, placement):
+    # The Python check runs once, while the graph is traced. A checkpoint that torch.compile traces recomputed the
+    # update in the backward pass from the state the forward had updated: the value and q were right, but the
+    # gradient weighed the groups by q after a second step. Around a compiled module, an eager checkpoint ran its
+    # graph again: q took two steps.
+    losses, groups = random_batch(12, 4, absent=(1,))
+    module, once = group_dro64(4, **kwargs), group_dro64(4, **kwargs)
+    module(2 * losses.flip(0), groups)  # an EMA and a q away from their start, so that a second step moves them
+    once(2 * losses.flip(0), groups)
+    weight = torch.tensor(1.3, dtype=torch.float64, requires_grad=True)
+    torch._dynamo.reset()
+    if placement == "checkpoint compiled":
+        region = torch.compile(lambda w: torch.utils.checkpoint.checkpoint(lambda v: module(v * losses, groups), w,
+                                                                         use_reentrant=False),
+                               backend="aot_eager", fullgraph=True)
+    else:
+        compiled = torch.compile(lambda w: module(w * losses, groups), backend="aot_eager", fullgraph=True)
+        region = functools.partial(torch.utils.checkpoint.checkpoint, compiled, use_reentrant=False)
+    value = region(weight)
+    with pytest.raises(RuntimeError, match="updating forward ran inside a backward pass"):
+        value.backward()
+    torch.testing.assert_close(value, once(losses * 1.3, groups), rtol=1e-12, atol=0)
+    torch.testing.assert_close(module.log_q, once.log_q, rtol=1e-12, atol=0)
+    torch.testing.assert_close(module.ema_loss, once.ema_loss, rtol=1e-12, atol=0)
 
 
 def test_group_dro_nan_is_not_dropped(backend):
