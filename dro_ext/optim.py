@@ -17,6 +17,7 @@ from itertools import repeat
 from typing import Any, Callable, Literal, cast, overload
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
@@ -90,7 +91,9 @@ class NormalizedSGD(Optimizer):
             fixed length of Algorithm 1 and stays invariant to the scale of the loss (see DEFAULT_EPS).
             A momentum that is exactly zero never moves the parameters, whatever eps.
         weight_decay: decoupled: ``p *= 1 - lr*weight_decay`` each step, independent of the momentum.
-        norm: ``"global"`` (over the whole group, the paper's) or ``"tensor"`` (each tensor alone).
+        norm: ``"global"`` (over the whole group, the paper's) or ``"tensor"`` (each tensor alone). A param whose
+            ``.grad`` is None takes no part in the step, as in torch.optim: it does not move, and its momentum is
+            neither decayed nor counted in the norm.
         maximize: ascend instead of descend.
         foreach: True selects the ``torch._foreach_*`` implementation (also what ``fused=False`` runs).
         fused: True selects the fused native op (it must be built, and every parameter of a group must
@@ -437,7 +440,7 @@ def _foreach_momentum_(grads: list[torch.Tensor], momenta: list[torch.Tensor], s
     # each op, 0.999 m would round back to m in bfloat16 (its spacing is 2^-8 of m): a momentum that never decays.
     wide = acc != momenta[0].dtype
     targets = [m.to(acc) for m in momenta] if wide else momenta
-    torch._foreach_mul_(targets, momentum)
+    torch._foreach_mul_(targets, _foreach_factor(momentum, momenta[0].device, acc))
     torch._foreach_addcmul_(targets, [g.to(acc) for g in grads] if wide else grads, list(take.to(acc).unbind()))
     if wide:
         torch._foreach_copy_(momenta, targets)
@@ -466,14 +469,21 @@ def _check_step_hyperparameters(momentum: float, eps: float, weight_decay: float
         raise ValueError(f"dro_ext: norm must be 'global' or 'tensor', got '{norm}'")
 
 
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def _check_each_param_once(params: list[torch.Tensor]) -> None:
     """No param twice in a group's step (torch.optim only warns): the foreach step would update it twice. The fused op
     refuses it with the same error (check_each_tensor_once)."""
-    first: dict[int, int] = {}
+    first: dict[object, int] = {}
+    compiling = torch.compiler.is_compiling()
     for i, p in enumerate(params):
-        # By identity (the same tensor object, as torch.optim's warning finds it), not by address: FakeTensors (a
-        # traced step) share a null one.
-        j = first.setdefault(id(p), i)
+        if p.numel() == 0:  # (empty ones may share a null address)
+            continue
+        # By address, as the op: two Parameters made of one tensor are the same memory. By identity where there is
+        # no address to read: traced, fake or meta tensors (which share a null one) and tensor subclasses (DTensor).
+        by_identity = compiling or p.__class__ not in _PLAIN_TENSOR_TYPES or p.is_meta or is_fake(p)
+        j = first.setdefault(id(p) if by_identity else (p.device, p.data_ptr()), i)
         if j != i:
             raise ValueError(f"dro_ext: params[{j}] and params[{i}] are the same memory; the step updates each in "
                              f"place, so each must appear once")
@@ -515,11 +525,24 @@ def _descend_(params: list[torch.Tensor], momenta: list[torch.Tensor], scales: t
     wide = acc != dtype
     targets = [p.to(acc) for p in params] if wide else params
     if decay is not None:
-        torch._foreach_mul_(targets, decay.to(device=device, dtype=acc) if isinstance(decay, torch.Tensor) else decay)
+        torch._foreach_mul_(targets, _foreach_factor(decay, device, acc))
     torch._foreach_addcmul_(targets, [m.to(acc) for m in momenta] if wide else momenta,
                             list(scales.to(acc).unbind()), value=-1)
     if wide:
         torch._foreach_copy_(params, targets)
+
+
+def _foreach_factor(value: float | torch.Tensor, device: torch.device, dtype: torch.dtype) -> float | torch.Tensor:
+    """A factor for torch._foreach_mul_ on tensors of ``device`` accumulated in ``dtype``: a one-element tensor (an lr
+    given as a tensor, and the weight decay's factor made from it) as the 0-d tensor the op takes; a float as it is,
+    but under torch.compile as a 0-d tensor (formed in float64, rounded once, as the op rounds the float): Inductor
+    writes the example value of a float that Dynamo made symbolic (an lr or momentum that a scheduler changes) into
+    its foreach kernel, and the compiled step kept using the first value it recompiled for."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=dtype).reshape(())
+    if torch.compiler.is_compiling():
+        return (torch.ones((), dtype=torch.float64, device=device) * value).to(dtype)
+    return value
 
 
 def _grouped_descend_(params: list[torch.Tensor], momenta: list[torch.Tensor], scales: list[torch.Tensor],

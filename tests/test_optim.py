@@ -798,6 +798,51 @@ def test_a_compiled_step_follows_a_changing_lr_weight_decay_and_eps(backend, for
         backend="aot_eager", fullgraph=backend == "native" and foreach is None), before_step=schedule)
 
 
+def test_an_inductor_compiled_foreach_step_follows_a_changing_momentum_and_lr(backend):
+    """A scheduler changing momentum and lr (OneCycleLR's way) under Inductor: the foreach step passed momentum and
+    the weight decay's factor 1 - lr*wd to torch._foreach_mul_ as floats, whose example values (those of the first
+    recompile) Inductor wrote into its kernel, so the compiled step kept them (a momentum update 0.8 m + 0.5 g)."""
+    def one_group():
+        params = make_params(SHAPES[:2])
+        return params, NormalizedSGD(params, lr=0.1, momentum=0.9, weight_decay=0.1, foreach=True)
+
+    def schedule(opt, i):
+        opt.param_groups[0].update(lr=0.1 / (i + 1), momentum=0.9 - 0.1 * i)
+
+    assert_compiled_steps_follow_eager(one_group, 5, dict(backend="inductor"), before_step=schedule)
+
+
+@pytest.mark.parametrize("foreach", [None, True], ids=["default", "foreach"])
+def test_a_one_element_lr_tensor_with_weight_decay_steps(backend, foreach):
+    # An lr of shape (1,) (the docs take a one-element tensor) made a (1,) decay factor, which torch._foreach_mul_
+    # refused ("scalar tensor expected to be 0 dim"); the fused op took it.
+    want = make_params(SHAPES[:3])
+    got = [p.detach().clone().requires_grad_() for p in want]
+    steppers = (NormalizedSGD(want, lr=0.1, weight_decay=0.2, foreach=foreach),
+                NormalizedSGD(got, lr=torch.tensor([0.1]), weight_decay=0.2, foreach=foreach))
+    for _ in range(2):
+        for opt, params in zip(steppers, (want, got)):
+            for p in params:
+                p.grad = torch.full_like(p, 0.5)
+            opt.step()
+    for p, q in zip(want, got):
+        torch.testing.assert_close(q, p, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("foreach", [None, True], ids=["default", "foreach"])
+def test_two_parameters_over_one_tensor_are_refused_on_every_path(backend, foreach):
+    # The fused op compares addresses; the foreach step compared Python objects, and updated the memory twice.
+    memory = torch.ones(3)
+    params = [torch.nn.Parameter(memory), torch.nn.Parameter(memory), torch.nn.Parameter(torch.zeros(0)),
+              torch.nn.Parameter(torch.zeros(0))]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = NormalizedSGD(params, lr=0.1, foreach=foreach)
+    with pytest.raises(ValueError, match=r"params\[0\] and params\[1\] are the same memory"):
+        opt.step()
+    assert memory.tolist() == [1.0, 1.0, 1.0]
+
+
 def test_converges_on_example_3_1_where_sgd_momentum_diverges(backend):
     # Paper Example 3.1: l(x; xi) = x^2 (1 + xi/(x^2+1))^2, Rademacher xi, chi2 DRO with lambda = 1.
     # The objective grows like x^4 and its gradient noise like x, so from x = 10 a step size that SGD
