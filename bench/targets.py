@@ -11,12 +11,13 @@
 - robust objective (bench_robust): at N = 128, 4096 and 65536 at least 20x faster than fast-dro's RobustLoss on
   the same device; solved to the rounding of its dtype at 2^22.
 - cross-entropy (bench_cross_entropy): time and memory against the eager and compiled logits paths; the linear op over
-  groups of sequences within 1.35x of the ungrouped op's time at the same chunk size, hence about the same memory
-  (its second pass recomputes the logits: one more matmul of the three).
+  groups of sequences within 1.35x of the ungrouped op's time at the same chunk size (its second pass recomputes the
+  logits: one more matmul of the three), and its peak extra memory within GROUPED_CE_MEMORY_RATIO of the ungrouped
+  op's.
 - group sums (bench_groups): group_sums forward + backward at least 2x faster than the fastest composition (one-hot
   matmul, index_add_) at every N >= 4096 and G; its peak extra memory O(N + G), at most GROUP_SUMS_BYTES_PER_ITEM
   bytes per sample or group at every (N, G); a whole GroupDROLoss step at least 2x faster than the same step composed
-  on the fastest of the two, at every N >= 4096 and G.
+  on the fastest of the two, at every N >= 4096 and G, and its peak extra memory within the same bytes per item.
 
     python -m bench.targets [DIR ...]       # default: bench/results
 
@@ -241,7 +242,26 @@ GROUP_SUMS_TARGETS = tuple(target for device in ("cpu", "cuda") for target in (
                        unit=" B/(N+G)"),
     _group_sums_target(device, "GroupDROLoss step fwd+bwd at N >= 4096: speedup >= 2x over the same step composed on "
                        "the one-hot matmul or index_add_, every G", _group_sums_speedup, 4096, impl="GroupDROLoss",
-                       at_least=2.0)))
+                       at_least=2.0),
+    _group_sums_target(device, f"GroupDROLoss step peak extra memory O(N + G): <= {GROUP_SUMS_BYTES_PER_ITEM} B per "
+                       "(N + G), every (N, G)", _group_sums_memory, 0, impl="GroupDROLoss",
+                       at_most=GROUP_SUMS_BYTES_PER_ITEM, unit=" B/(N+G)")))
+
+# The grouped linear cross-entropy's peak extra memory over the ungrouped op's, at the same chunk size: "the same
+# memory" (its per-row logsumexp, losses and group sums add O(N + G) to the chunk's logits).
+GROUPED_CE_MEMORY_RATIO = 1.1
+
+
+def _grouped_over_ungrouped_memory(sizes: str):
+    """The linear case's `fused grouped` peak extra memory over the `fused` row's, at these sizes."""
+    def values(rows):
+        peaks = {r["impl"]: _number(r.get("peak_extra_MiB")) for r in rows
+                 if r.get("case") == "linear" and r.get("sizes") == sizes}
+        if "fused grouped" not in peaks:
+            return {}
+        return {"linear": peaks["fused grouped"] / peaks.get("fused", math.nan)}
+    return values
+
 
 CE_CPU_LOGITS = "N=4096, C=32000, float32"
 CE_CPU_LINEAR = "N=2048, H=1024, V=32000, float32"
@@ -282,6 +302,11 @@ TARGETS = (
     *(_cross_entropy(device, "linear", sizes, "over 4 groups of sequences, at the same chunk size (its memory): "
                      "within 1.35x of the ungrouped op's time", "fused grouped", _time_over_fused, at_most=1.35,
                      unit="x ungrouped")
+      for device, sizes in (("cpu", CE_CPU_LINEAR), ("cuda", CE_GPU_LINEAR))),
+    *(Target("cross-entropy", "cross_entropy", device, f"dro_linear_cross_entropy {sizes}: over 4 groups of "
+             f"sequences, peak extra memory within {GROUPED_CE_MEMORY_RATIO}x of the ungrouped op's",
+             _grouped_over_ungrouped_memory(sizes), at_most=GROUPED_CE_MEMORY_RATIO, cases=("linear",),
+             unit="x ungrouped")
       for device, sizes in (("cpu", CE_CPU_LINEAR), ("cuda", CE_GPU_LINEAR))),
 )
 

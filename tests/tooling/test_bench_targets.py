@@ -222,16 +222,19 @@ def test_the_gpu_cross_entropy_target_takes_its_own_sizes_only(tmp_path):
     assert verdicts(tmp_path, "10% of eager's peak memory")["cross_entropy_h100.json"][1] == "MISSED in 1 of 1"
 
 
-def test_the_grouped_linear_target_reads_the_grouped_row(tmp_path):
-    def rows(grouped, other_chunk):
+def test_the_grouped_linear_targets_read_the_grouped_row_against_the_ungrouped_one(tmp_path):
+    def rows(grouped, other_chunk, grouped_peak=100.0):
         common = {"device": "cuda:0", "case": "linear", "sizes": targets.CE_GPU_LINEAR, "memory_vs_eager": 0.1}
-        return [dict(common, impl="fused", time_vs_fused=1.0),
-                dict(common, impl="fused chunk=512", time_vs_fused=other_chunk),
-                dict(common, impl="fused grouped", time_vs_fused=grouped)]
-    write(tmp_path, "cross_entropy_h100", rows(1.3, 2.0))
-    assert verdicts(tmp_path, "over 4 groups")["cross_entropy_h100.json"] == ("1.3x ungrouped", "met")
-    write(tmp_path, "cross_entropy_h100", rows(1.4, 1.0))
-    assert verdicts(tmp_path, "over 4 groups")["cross_entropy_h100.json"] == ("1.4x ungrouped", "MISSED in 1 of 1")
+        return [dict(common, impl="fused", time_vs_fused=1.0, peak_extra_MiB=100.0),
+                dict(common, impl="fused chunk=512", time_vs_fused=other_chunk, peak_extra_MiB=10.0),
+                dict(common, impl="fused grouped", time_vs_fused=grouped, peak_extra_MiB=grouped_peak)]
+    time, memory = "ungrouped op's time", "peak extra memory within"
+    write(tmp_path, "cross_entropy_h100", rows(1.3, 2.0, grouped_peak=105.0))
+    assert verdicts(tmp_path, time)["cross_entropy_h100.json"] == ("1.3x ungrouped", "met")
+    assert verdicts(tmp_path, memory)["cross_entropy_h100.json"] == ("1.05x ungrouped", "met")
+    write(tmp_path, "cross_entropy_h100", rows(1.4, 1.0, grouped_peak=150.0))
+    assert verdicts(tmp_path, time)["cross_entropy_h100.json"] == ("1.4x ungrouped", "MISSED in 1 of 1")
+    assert verdicts(tmp_path, memory)["cross_entropy_h100.json"] == ("1.5x ungrouped", "MISSED in 1 of 1")
 
 
 def test_the_committed_cpu_results_match_the_readers_schema():
@@ -239,7 +242,7 @@ def test_the_committed_cpu_results_match_the_readers_schema():
     # benchmark that stopped measuring a case would leave them 'not measured'); the verdicts themselves are the
     # results'.
     cpu = [t for t in targets.TARGETS if t.device == "cpu"]
-    assert len(cpu) == 15
+    assert len(cpu) == 17
     for target in cpu:
         files = targets.result_files([str(ROOT / "bench" / "results")], target.bench, "cpu")
         assert [os.path.basename(path) for path, _ in files] == [f"{target.bench}.json"], target.text
@@ -288,3 +291,16 @@ def test_group_sums_targets_read_n_from_4096_for_time_and_every_row_for_memory(t
                                                                            "MISSED in 1 of 6")
     assert verdicts(tmp_path, "group_sums peak")["groups_h100.json"] == (
         f"{targets.GROUP_SUMS_BYTES_PER_ITEM + 1} B/(N+G) (worst: N=128 G=4)", "MISSED in 1 of 9")
+
+
+def test_the_group_dro_targets_read_the_group_dro_rows_for_time_and_memory(tmp_path):
+    rows = [dict(r, impl="GroupDROLoss" if r["impl"] == "group_sums" else "Group DRO, index_add")
+            for r in group_rows([2.5] * 9, bytes_per_item=6.0, device="cuda:0")]
+    write(tmp_path, "groups_h100", rows)
+    assert verdicts(tmp_path, "GroupDROLoss step fwd+bwd")["groups_h100.json"] == ("2.5x (worst: N=4096 G=4)", "met")
+    assert verdicts(tmp_path, "GroupDROLoss step peak")["groups_h100.json"] == ("6 B/(N+G) (worst: N=128 G=4)", "met")
+    rows[-2]["peak_bytes_per_n_plus_g"] = 10.0 * targets.GROUP_SUMS_BYTES_PER_ITEM
+    write(tmp_path, "groups_h100", rows)
+    assert verdicts(tmp_path, "GroupDROLoss step peak")["groups_h100.json"] == (
+        f"{10 * targets.GROUP_SUMS_BYTES_PER_ITEM} B/(N+G) (worst: N=1048576 G=1024)", "MISSED in 1 of 9")
+    assert verdicts(tmp_path, "group_sums peak")["groups_h100.json"][1] == "not measured (no such rows)"
