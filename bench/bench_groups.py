@@ -29,8 +29,8 @@ import functools
 import torch
 
 import dro_ext
-from bench.common import (add_common_arguments, check_device, count_host_syncs, cuda_peak_bytes, default_min_seconds,
-                          device_info, interleaved_rounds, loadavg, markdown_table, partial_writer, progress, publish,
+from bench.common import (add_common_arguments, check_device, count_host_syncs, default_min_seconds, device_info,
+                          interleaved_rounds, loadavg, markdown_table, partial_writer, peak_bytes, progress, publish,
                           result_name, Timer)
 
 FULL_SIZES = (128, 4096, 1 << 20)
@@ -129,30 +129,6 @@ def forward_backward(fn, losses, groups, num_groups, grad_out):
         # The sums get the fixed upstream gradient; a scalar (a loss over the groups) gets 1.
         return torch.autograd.grad(out, losses, grad_out if out.dim() else None)
     return run
-
-
-def cpu_peak_bytes(run) -> int:
-    """Peak of the running sum of CPU allocations and frees while run() executes (torch.profiler's memory events),
-    above where it started: what one call needs beyond its inputs (its outputs freed at the end included)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    # Each op's own net allocation (its children's excluded; a free outside any op is a "[memory]" event), counted
-    # when the op starts if it allocated and when it ends if it freed: a temporary that a child op (aten::empty)
-    # allocates and its parent frees before returning is counted. Within one op's own code its allocations and
-    # frees are netted.
-    deltas = sorted((e.time_range.start if e.self_cpu_memory_usage > 0 else e.time_range.end, e.self_cpu_memory_usage)
-                    for e in prof.events() if e.self_cpu_memory_usage != 0)
-    live = peak = 0
-    for _, delta in deltas:
-        live += delta
-        peak = max(peak, live)
-    return peak
-
-
-def peak_bytes(run, device) -> int:
-    return cuda_peak_bytes(run, device) if torch.device(device).type == "cuda" else cpu_peak_bytes(run)
 
 
 def make_inputs(n, num_groups, device, seed=0):

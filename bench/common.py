@@ -265,6 +265,32 @@ def cuda_peak_bytes(fn: Callable[[], object], device) -> int | None:
     return torch.cuda.max_memory_allocated(device) - base
 
 
+def cpu_peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak of the running sum of CPU allocations and frees while fn() executes (torch.profiler's memory events),
+    above where it started: what one call needs beyond its inputs (its outputs freed at the end included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    # Each op's own net allocation (its children's excluded; a free outside any op is a "[memory]" event), counted
+    # when the op starts if it allocated and when it ends if it freed: a temporary that a child op (aten::empty)
+    # allocates and its parent frees before returning is counted. Within one op's own code its allocations and
+    # frees are netted.
+    deltas = sorted((e.time_range.start if e.self_cpu_memory_usage > 0 else e.time_range.end, e.self_cpu_memory_usage)
+                    for e in prof.events() if e.self_cpu_memory_usage != 0)
+    live = peak = 0
+    for _, delta in deltas:
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def peak_bytes(fn: Callable[[], object], device) -> int:
+    """The peak memory fn() allocates above what was held before it, on the CPU or a CUDA device."""
+    peak = cuda_peak_bytes(fn, device)
+    return cpu_peak_bytes(fn) if peak is None else peak
+
+
 # The start of the warning torch.cuda.set_sync_debug_mode("warn") gives for every synchronizing CUDA call.
 SYNC_WARNING = "called a synchronizing CUDA operation"
 

@@ -332,7 +332,8 @@ def test_quick_train_json_has_every_case_and_implementation(quick_run):
     for r in rows:
         assert r["mode"] == "eager" and r["median_ms"] > 0 and r["p25_ms"] <= r["median_ms"] <= r["p75_ms"], r
         assert r["per_s"] == pytest.approx(r["batch"] / (r["median_ms"] / 1e3)) and r["saved_MiB"] > 0
-        assert r["host_syncs"] is None and r["cuda_peak_MiB"] is None and r["note"] == ""  # CPU run
+        assert r["host_syncs"] is None and r["peak_MiB"] > 0 and r["note"] == ""  # CPU run
+        assert (r["x_dro_ext"] is not None) == (r["impl"] in bench_train.FAST_DRO), r
     assert all(r["x_erm"] == 1.0 for r in rows if r["impl"] == bench_train.ERM)
     # the linear cross-entropy keeps no logits for backward
     lm = {r["impl"]: r for r in rows if r["case"] == "lm-head"}
@@ -367,8 +368,8 @@ def test_train_cases_run_in_a_process_each_on_the_cpu(tmp_path, monkeypatch):
     def fake_case(case, mode, shared):
         calls.append((case, mode, shared))
         return [{"device": "cpu", "case": case, "mode": mode, "impl": bench_train.ERM, "median_ms": 1.0,
-                 "p25_ms": 1.0, "p75_ms": 1.0, "per_s": 1.0, "x_erm": 1.0, "saved_MiB": 1.0, "cuda_peak_MiB": None,
-                 "host_syncs": None, "note": ""}]
+                 "p25_ms": 1.0, "p75_ms": 1.0, "per_s": 1.0, "x_erm": 1.0, "x_dro_ext": None, "saved_MiB": 1.0,
+                 "peak_MiB": 1.0, "host_syncs": None, "note": ""}]
 
     monkeypatch.setattr(bench_train, "_bench_case_in_a_process", fake_case)
     args = ["--quick", "--out", str(tmp_path), "--no-plot", "--cases", "resnet18", "lm-head", "--rounds", "1",

@@ -159,6 +159,25 @@ def test_a_failing_implementation_is_reported_in_its_row_and_the_others_run():
     assert rows[1]["median_ms"] is None and rows[1]["note"] == "failed: RuntimeError: no kernel"
 
 
+def test_rows_give_the_cpu_peak_memory_and_fast_dros_ratio_to_the_exact_objective():
+    # fast-dro's rows are readings against ERM and against dro_ext's exact objective (a stand-in here: fast-dro's
+    # checkout is not needed to check the row); every timed row records the peak memory of a step, CPU included.
+    def stand_in(problem, model, criterion, batch):
+        return bench_train.IMPLS[bench_train.ROBUST].objective(problem, model, criterion, batch)
+
+    problem = bench_train.make_problem("mlp-large-batch", "cpu", sizes=dict(batch=256, features=3, hidden=16))
+    impls = [bench_train.IMPLS[bench_train.ERM], bench_train.IMPLS[bench_train.ROBUST],
+             bench_train.Impl(bench_train.FAST_DRO_CHI2, stand_in)]
+    rows = bench_train.bench_case(problem, impls, "eager", "cpu", bench_train.Timer("cpu"), rounds=1,
+                                  min_seconds=0.01, min_reps=1)
+    by_impl = {r["impl"]: r for r in rows}
+    fast_dro, robust = by_impl[bench_train.FAST_DRO_CHI2], by_impl[bench_train.ROBUST]
+    assert fast_dro["x_dro_ext"] == pytest.approx(fast_dro["median_ms"] / robust["median_ms"])
+    assert robust["x_dro_ext"] is None and by_impl[bench_train.ERM]["x_dro_ext"] is None
+    # The hidden activations alone are 256 x 16 float32 (16 KiB) per layer.
+    assert all(r["peak_MiB"] * 2**20 >= 256 * 16 * 4 for r in rows)
+
+
 def test_a_failure_names_its_root_cause():
     # Dynamo raises a tracing error "from" the error that happened: the row must say what that was.
     def wrapped():
