@@ -206,6 +206,37 @@ def test_cuda_grouped_matches_the_cpu(linear):
         torch.testing.assert_close(cuda.cpu(), cpu, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("linear", [False, True], ids=["logits", "linear"])
+def test_cuda_grouped_reads_nothing_on_the_host(linear):
+    # Over groups (per sequence and per token, ignored tokens, label smoothing), forward and backward: the group
+    # sums, their objective and the linear op's two chunked passes read no device value on the host.
+    torch.manual_seed(0)
+    targets = torch.randint(0, 3001, (4, 9), device=DEVICE)
+    targets[:, :2] = -100
+    eta = torch.tensor(8.0, device=DEVICE, requires_grad=True)
+    if linear:
+        inputs = [(torch.randn(4, 9, 64, device=DEVICE) / 8).requires_grad_(),
+                  torch.randn(3001, 64, device=DEVICE, requires_grad=True)]
+    else:
+        inputs = [torch.randn(4, 9, 3001, device=DEVICE, requires_grad=True)]
+    per_sequence = torch.tensor([0, 2, 2, 1], device=DEVICE)
+    per_token = torch.randint(0, 3, (4, 9), device=DEVICE)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host synchronization raises
+    try:
+        for groups in (per_sequence, per_token):
+            if linear:
+                value = dro_ext.dro_linear_cross_entropy(*inputs, targets, eta, LAM, "kl", groups=groups,
+                                                         num_groups=3, chunk_size=16)
+            else:
+                value = dro_ext.dro_cross_entropy(*inputs, targets, eta, LAM, "kl", groups=groups, num_groups=3,
+                                                  label_smoothing=0.1)
+            grads = torch.autograd.grad(value, (*inputs, eta))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(value) and all(torch.isfinite(g).all() for g in grads)
+
+
 @pytest.mark.parametrize("call", list(SECOND_DERIVATIVE_CALLS))
 def test_cuda_a_second_derivative_raises(call):
     check_a_second_derivative_raises(call, DEVICE)
