@@ -121,7 +121,8 @@ def test_the_weights_gradient_to_eta(backend, two_threads, name, params):
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
 def test_a_one_row_chunk_of_a_wide_vocabulary(backend, two_threads, label_smoothing):
     # A chunk of one row had its logits' sums (and label smoothing's mean) as one torch reduction, which torch splits
-    # between threads past 32768 elements.
+    # between threads past 32768 elements. (A hidden size of 8: the BLAS splits larger matmuls by the thread count,
+    # which the linear ops' own steps cannot undo; docs/design.md section 2.5.)
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(3, 8, generator=generator)
     weight = 0.3 * torch.randn(50000, 8, generator=generator)
@@ -222,3 +223,23 @@ def test_the_loss_gradients_that_a_second_backward_differentiates(backend, two_t
                 *torch.autograd.grad(grad_x, (c, eta, x), direction, retain_graph=True),
                 *torch.autograd.grad(grad_eta, (c, eta, x))]
     _assert_same_bits(*two_threads(run))
+
+
+@pytest.mark.parametrize("name, params", CASES, ids=CASE_IDS)
+def test_the_float64_redo_of_a_map_follows_the_losses_not_where_a_vector_ends(backend, two_threads, name, params):
+    # Losses near G eta = 1e9 at lam = 1e-30: every t = (l - G eta)/lam fits float32, but |G eta| / lam does not. The
+    # map's overflow check read a partial vector's unused lanes as losses of 0 (|t| = |G eta| / lam): a false alarm
+    # that redid the map in float64 where a task of at::parallel_for ended off a vector's boundary (here the first
+    # of two threads' halves, 8k + 4 losses) or the batch did (one loss fewer), and not elsewhere.
+    shift, lam = 1e9, 1e-30
+    steps = torch.randint(-3, 40, (2 * (8 * 4096 + 4),), generator=torch.Generator().manual_seed(5))
+    losses = (shift + 64.0 * steps.double()).float()  # exact float32 numbers, 64 apart
+    kw = case_kwargs(params)
+
+    def run():
+        x = losses.clone().requires_grad_()
+        value = dro_ext.dro_loss(x, shift, lam, name, **kw)
+        return [value.detach(), *torch.autograd.grad(value, x), dro_ext.dro_weights(losses, shift, lam, name, **kw)]
+    one, two = two_threads(run)
+    _assert_same_bits(one, two)
+    _assert_same_bits(one[2][:-1], dro_ext.dro_weights(losses[:-1], shift, lam, name, **kw))

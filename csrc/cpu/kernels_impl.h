@@ -279,6 +279,16 @@ bool map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affi
       }
       return mult_v * derivative<ORDER>(div_v, d * inv_lam_v);
     };
+    // A partial vector: its unused lanes hold shift (d = 0), not the load's zeros (|d| = |shift|), which the check
+    // took for an overflow where |shift| / lam is past FLT_MAX though no loss's t is: the float64 redo then ran or not
+    // by where a task ended (off a vector's boundary or on it), and so by the thread count.
+    auto load_part = [&](const scalar_t* p, int64_t count) {
+      if constexpr (kCheck) {
+        return V::set(shift_v, load<acc_t>(p, count), count);
+      } else {
+        return load<acc_t>(p, count);
+      }
+    };
     int64_t i = begin;
 #if defined(DRO_EXT_SIMD_FLOAT)
     if constexpr (std::is_same_v<scalar_t, acc_t>) {
@@ -287,7 +297,7 @@ bool map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affi
         constexpr uintptr_t kAlign = cpu::simd::kRegisterBytes;
         const uintptr_t misalignment = reinterpret_cast<uintptr_t>(out_v + i) % kAlign;
         const int64_t head = std::min<int64_t>(end - i, (kAlign - misalignment) % kAlign / sizeof(scalar_t));
-        if (head > 0) store<acc_t>(out_v + i, term(load<acc_t>(x_v + i, head)), head);
+        if (head > 0) store<acc_t>(out_v + i, term(load_part(x_v + i, head)), head);
         for (i += head; i + V::size() <= end; i += V::size()) {
           prefetch_ahead(x_v, i, V::size(), end);
           cpu::simd::stream(out_v + i, term(V::loadu(x_v + i)));
@@ -300,9 +310,8 @@ bool map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affi
       prefetch_ahead(x_v, i, V::size(), end);
       store<acc_t>(out_v + i, term(load<acc_t>(x_v + i, V::size())), V::size());
     }
-    if (i < end) store<acc_t>(out_v + i, term(load<acc_t>(x_v + i, end - i)), end - i);
+    if (i < end) store<acc_t>(out_v + i, term(load_part(x_v + i, end - i)), end - i);
     if constexpr (kCheck) {
-      // (A partial vector's unused lanes hold the load's zeros, |d| = |shift|: at worst a false alarm, a redo.)
       acc_t lanes[V::size()];
       lowest.store(lanes);
       const acc_t peak = -*std::min_element(lanes, lanes + V::size());
