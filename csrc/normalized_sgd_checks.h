@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -43,20 +44,37 @@ inline void check_step_scalar(const char* name, const at::Tensor& t, c10::Device
   }
 }
 
-// No tensor given twice in a list the step updates in place: the CPU kernel would update it twice, and the CUDA
-// kernel's blocks, which run at once, would race on it (a step count shared by two params loses increments).
+// No two tensors of a list the step updates in place on shared memory: the CPU kernel would update the shared
+// elements once per tensor, from two threads at once where their chunks run in parallel, and the CUDA kernel's blocks,
+// which run at once, would race on them (a step count shared by two params loses increments). A tensor's memory is
+// taken as the bytes from its first element to its last through its strides; two such spans that meet count as
+// shared, so two interleaved strided views of one tensor (apart element by element) are refused too.
 inline void check_each_tensor_once(const char* name, at::TensorList list) {
-  std::vector<std::pair<const void*, size_t>> starts;
-  starts.reserve(list.size());
+  struct Span {
+    uintptr_t begin, end;
+    size_t index;
+  };
+  std::vector<Span> spans;
+  spans.reserve(list.size());
   for (const auto i : c10::irange(list.size())) {
-    if (list[i].numel() > 0) starts.emplace_back(list[i].const_data_ptr(), i);  // empty ones may share nullptr
+    const at::Tensor& t = list[i];
+    if (t.numel() == 0) continue;  // empty ones may share nullptr
+    int64_t last = 0;              // the last element's offset from the first
+    for (const auto d : c10::irange(t.dim())) last += (t.size(d) - 1) * t.stride(d);
+    const auto begin = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+    spans.push_back({begin, begin + static_cast<uintptr_t>((last + 1) * t.element_size()), i});
   }
-  std::sort(starts.begin(), starts.end());
-  for (size_t j = 1; j < starts.size(); ++j) {
-    TORCH_CHECK_VALUE(starts[j].first != starts[j - 1].first, "dro_ext: ", name, "[",
-                      std::min(starts[j - 1].second, starts[j].second), "] and ", name, "[",
-                      std::max(starts[j - 1].second, starts[j].second),
-                      "] are the same memory; the step updates each in place, so each must appear once");
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  uintptr_t reach = 0;  // the furthest end of the spans before
+  size_t reacher = 0;   // whose it is
+  for (size_t j = 0; j < spans.size(); ++j) {
+    TORCH_CHECK_VALUE(j == 0 || spans[j].begin >= reach, "dro_ext: ", name, "[", std::min(reacher, spans[j].index),
+                      "] and ", name, "[", std::max(reacher, spans[j].index),
+                      "] share memory; the step updates each in place, so no two may overlap");
+    if (spans[j].end > reach) {
+      reach = spans[j].end;
+      reacher = spans[j].index;
+    }
   }
 }
 

@@ -473,20 +473,31 @@ _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _check_each_param_once(params: list[torch.Tensor]) -> None:
-    """No param twice in a group's step (torch.optim only warns): the foreach step would update it twice. The fused op
-    refuses it with the same error (check_each_tensor_once)."""
-    first: dict[object, int] = {}
+    """No two params of a group's step on shared memory (torch.optim only warns of one given twice): the foreach step
+    would update the shared elements twice. The fused op refuses them with the same error and the same notion of
+    shared memory (check_each_tensor_once): the spans from each tensor's first element to its last meet."""
+    seen: dict[int, int] = {}  # by identity, where there is no address to read
+    spans: list[tuple[torch.device, int, int, int]] = []
     compiling = torch.compiler.is_compiling()
     for i, p in enumerate(params):
         if p.numel() == 0:  # (empty ones may share a null address)
             continue
-        # By address, as the op: two Parameters made of one tensor are the same memory. By identity where there is
-        # no address to read: traced, fake or meta tensors (which share a null one) and tensor subclasses (DTensor).
-        by_identity = compiling or p.__class__ not in _PLAIN_TENSOR_TYPES or p.is_meta or is_fake(p)
-        j = first.setdefault(id(p) if by_identity else (p.device, p.data_ptr()), i)
-        if j != i:
-            raise ValueError(f"dro_ext: params[{j}] and params[{i}] are the same memory; the step updates each in "
-                             f"place, so each must appear once")
+        if compiling or p.__class__ not in _PLAIN_TENSOR_TYPES or p.is_meta or is_fake(p):
+            # Traced, fake or meta tensors (which share a null address) and tensor subclasses (DTensor).
+            j = seen.setdefault(id(p), i)
+            if j != i:
+                raise ValueError(_SHARED_MEMORY_MESSAGE.format(j, i))
+            continue
+        last = sum((size - 1) * stride for size, stride in zip(p.shape, p.stride()))
+        spans.append((p.device, p.data_ptr(), p.data_ptr() + (last + 1) * p.element_size(), i))
+    spans.sort(key=lambda span: (str(span[0]), span[1]))
+    for (device, _, reach, j), (next_device, begin, _, i) in zip(spans, spans[1:]):
+        if device == next_device and begin < reach:
+            raise ValueError(_SHARED_MEMORY_MESSAGE.format(min(i, j), max(i, j)))
+
+
+_SHARED_MEMORY_MESSAGE = ("dro_ext: params[{}] and params[{}] share memory; the step updates each in place, so no two "
+                          "may overlap")
 
 
 def _foreach_step(params: list[torch.Tensor], grads: list[torch.Tensor], momenta: list[torch.Tensor],

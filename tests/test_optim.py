@@ -628,7 +628,7 @@ def test_a_param_given_twice_is_refused_by_every_step(backend, foreach):
     with pytest.warns(UserWarning, match="duplicate parameters"):
         opt = NormalizedSGD([p, q, p], lr=0.1, foreach=foreach)
     p.grad, q.grad = torch.ones(3), torch.ones(2)
-    with pytest.raises(ValueError, match=r"params\[0\] and params\[2\] are the same memory"):
+    with pytest.raises(ValueError, match=r"params\[0\] and params\[2\] share memory"):
         opt.step()
     assert torch.equal(p.detach(), torch.ones(3)) and torch.equal(q.detach(), torch.ones(2))
 
@@ -652,12 +652,12 @@ def test_native_op_rejects_a_tensor_given_twice():
     p, q, m, n = torch.zeros(3), torch.zeros(2), torch.zeros(3), torch.zeros(2)
     g = torch.ones(3)
     step, lr = torch.zeros(()), torch.tensor(0.1)
-    with pytest.raises(ValueError, match=r"steps\[0\] and steps\[1\] are the same memory"):
+    with pytest.raises(ValueError, match=r"steps\[0\] and steps\[1\] share memory"):
         torch.ops.dro_ext.normalized_sgd_step_([p, q], [g, g[:2]], [m, n], [step, step], lr, 0.9, 0.0)
-    with pytest.raises(ValueError, match=r"params\[0\] and params\[2\] are the same memory"):
+    with pytest.raises(ValueError, match=r"params\[0\] and params\[2\] share memory"):
         torch.ops.dro_ext.normalized_sgd_step_([p, q, p], [g, g[:2], g], [m, n, m.clone()],
                                                [step, torch.zeros(()), torch.zeros(())], lr, 0.9, 0.0)
-    with pytest.raises(ValueError, match=r"momenta\[0\] and momenta\[1\] are the same memory"):
+    with pytest.raises(ValueError, match=r"momenta\[0\] and momenta\[1\] share memory"):
         torch.ops.dro_ext.normalized_sgd_step_([p, p.clone()], [g, g], [m, m], [step, torch.zeros(())], lr, 0.9, 0.0)
     # Nothing was touched by the refused calls; the same call with distinct tensors runs (the same grad twice too).
     assert float(step) == 0.0 and not p.any() and not m.any()
@@ -830,17 +830,34 @@ def test_a_one_element_lr_tensor_with_weight_decay_steps(backend, foreach):
 
 
 @pytest.mark.parametrize("foreach", [None, True], ids=["default", "foreach"])
-def test_two_parameters_over_one_tensor_are_refused_on_every_path(backend, foreach):
-    # The fused op compares addresses; the foreach step compared Python objects, and updated the memory twice.
-    memory = torch.ones(3)
-    params = [torch.nn.Parameter(memory), torch.nn.Parameter(memory), torch.nn.Parameter(torch.zeros(0)),
-              torch.nn.Parameter(torch.zeros(0))]
+@pytest.mark.parametrize("views", ["one tensor twice", "overlapping", "interleaved"])
+def test_parameters_on_shared_memory_are_refused_on_every_path(backend, foreach, views):
+    # The foreach step compared Python objects, and updated shared elements twice; the fused op compared start
+    # addresses only, and updated the elements two overlapping views share from two threads at once. Both now refuse
+    # spans that meet, interleaved strided views included (apart element by element, but not checked so finely).
+    memory = torch.ones(4, 40)
+    first, second = {"one tensor twice": (memory, memory), "overlapping": (memory[:3], memory[2:]),
+                     "interleaved": (memory[:, ::2], memory[:, 1::2])}[views]
+    params = [torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(first), torch.nn.Parameter(torch.ones(5)),
+              torch.nn.Parameter(second), torch.nn.Parameter(torch.zeros(0))]
     for p in params:
         p.grad = torch.ones_like(p)
     opt = NormalizedSGD(params, lr=0.1, foreach=foreach)
-    with pytest.raises(ValueError, match=r"params\[0\] and params\[1\] are the same memory"):
+    with pytest.raises(ValueError, match=r"params\[1\] and params\[3\] share memory"):
         opt.step()
-    assert memory.tolist() == [1.0, 1.0, 1.0]
+    assert torch.equal(memory, torch.ones(4, 40))
+
+
+@pytest.mark.parametrize("foreach", [None, True], ids=["default", "foreach"])
+def test_neighbouring_views_of_one_tensor_step_as_separate_tensors(backend, foreach):
+    memory = torch.ones(4, 40)
+    params = [torch.nn.Parameter(memory[:2]), torch.nn.Parameter(memory[2:])]
+    apart = [torch.nn.Parameter(torch.ones(2, 40)), torch.nn.Parameter(torch.ones(2, 40))]
+    for group in (params, apart):
+        for p in group:
+            p.grad = torch.arange(80.0).reshape(2, 40)
+        NormalizedSGD(group, lr=0.1, foreach=foreach).step()
+    assert torch.equal(memory, torch.cat([p.detach() for p in apart]))
 
 
 def test_converges_on_example_3_1_where_sgd_momentum_diverges(backend):
