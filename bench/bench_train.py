@@ -35,10 +35,11 @@ ones. Within a case the implementations run side by side, in interleaved rounds.
 
 Recorded per row: the step time (median and quartiles of interleaved rounds; on CUDA each timed call runs several
 steps back to back, as a training loop does, and the time is per step), samples or tokens per second, the ratio to
-ERM's step in the same mode (and for fast-dro's rows, to dro_ext's exact robust objective's with the same optimizer:
-its chi2 is the problem of fast-dro's chi2 row), the bytes autograd saves for backward (every device) and the peak memory a step
-allocates (CUDA: the allocator's peak; CPU: torch.profiler's allocation events), and the host synchronizations in one
-step (CUDA: counted with torch.cuda.set_sync_debug_mode; not applicable on the CPU). Writes <out>/train.{json,csv,md,png} (train_<card>.* on CUDA).
+ERM's step in the same mode (and for fast-dro's rows, to dro_ext's exact robust objective's with the same
+optimizer: its chi2 is the problem of fast-dro's chi2 row), the bytes autograd saves for backward (every device) and
+the peak memory a step allocates (CUDA: the allocator's peak; CPU: torch.profiler's allocation events), and the host
+synchronizations in one step (CUDA: counted with torch.cuda.set_sync_debug_mode; not applicable on the CPU). Writes
+<out>/train.{json,csv,md,png} (train_<card>.* on CUDA).
 """
 from __future__ import annotations
 
@@ -528,12 +529,13 @@ def table_rows(rows, *, quick: bool = False):
 NOTE = ("The whole step: zero_grad, forward, per-sample loss, objective, backward, optimizer step, on one fixed batch "
         "per case. `x ERM` is the step time over ERM's in the same mode (eager, graph: the step replayed from one CUDA "
         "graph, compile: the objective under torch.compile); `target` is dro_ext's bound on it (1.05 for the "
-        "sample-level rows, 1.10 for the exact robust objective; ERM and fast-dro are readings). `x dro_ext` (fast-dro's "
-        "rows): the step time over dro_ext's exact robust objective's, with the same optimizer (its chi2 at lam 0.1 is "
-        "the problem of fast-dro's chi2 row, solved exactly each step as fast-dro's are). `saved MiB`: what autograd keeps for backward beyond the parameters and the batch; `peak MiB`: "
-        "the most a step allocates above what was held before it (CUDA: the allocator's peak; CPU: torch.profiler's "
-        "allocation events); `syncs` (CUDA): the host synchronizations in one step, from "
-        "torch.cuda.set_sync_debug_mode. Times are medians over interleaved rounds{steps}.")
+        "sample-level rows, 1.10 for the exact robust objective; ERM and fast-dro are readings). `x dro_ext` "
+        "(fast-dro's rows): the step time over dro_ext's exact robust objective's, with the same optimizer (its chi2 "
+        "at lam 0.1 is the problem of fast-dro's chi2 row, solved exactly each step as fast-dro's are). `saved MiB`: "
+        "what autograd keeps for backward beyond the parameters and the batch; `peak MiB`: the most a step allocates "
+        "above what was held before it (CUDA: the allocator's peak; CPU: torch.profiler's allocation events); `syncs` "
+        "(CUDA): the host synchronizations in one step, from torch.cuda.set_sync_debug_mode. Times are medians over "
+        "interleaved rounds{steps}.")
 STEPS_NOTE = ("; each timed call runs {steps} steps back to back (the host launching ahead of the device) and the time "
               "is per step")
 

@@ -134,9 +134,9 @@ void check_state_needs_no_grad(const at::Tensor& x, const at::Tensor& log_q, con
 // An updating step run by a backward pass: torch.utils.checkpoint recomputing a region that holds GroupDROLoss.
 // Updated again, q would take two steps from one batch, and the gradient would be that of a loss under another q
 // than the one returned. GroupDROLoss refuses its eager calls in Python; the check here also covers the graphs that
-// torch.compile makes of it, which run this op again when an eager checkpoint recomputes them (Python checks run
-// once, while the graph is traced). Under a checkpoint that torch.compile itself traces, the op runs in the forward
-// only: the partitioner recomputes no op that updates a state in place.
+// torch.compile makes of it (Python checks run once, while the graph is traced): an eager checkpoint runs a compiled
+// module's graph again, and a checkpoint that torch.compile traces recomputes this op in the backward pass from the
+// state as the forward left it (on copies: q is not updated again, but the gradient weights are a second step's).
 void refuse_update_inside_backward(bool update) {
   TORCH_CHECK(!update || torch::autograd::get_current_graph_task_id() == -1,
               "dro_ext.GroupDROLoss: an updating forward ran inside a backward pass (a checkpoint recomputing its "

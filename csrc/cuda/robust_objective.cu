@@ -14,8 +14,9 @@
 //                       exponential per loss once the spacing allows (divergences.h, ExcessFirstRunTable); a
 //                       bracket far wider than its root's scale (a far outlier below the losses) is cut into
 //                       parts of equally many float64 values instead (split_by_order). The bracket shrinks by
-//                       kSplit + 1 per pass, so the convergence test (width <= 4 eps max(|a|, |b|, |max l|), the
-//                       CPU's 4 eps max |l| for nonnegative losses) holds after a number of passes known in
+//                       kSplit + 1 per pass, so the convergence test (width <= 4 eps max(|a|, |b|, |max l|),
+//                       coarser than the CPU's, whose Newton steps stop at 4 eps (2 |eta| + the weighted mean
+//                       |l - eta|)) holds after a number of passes known in
 //                       advance (8 for float32 sums, 17 for float64; a pass or two more beside a far outlier):
 //                       that is the fixed budget, plus three. eta* is then interpolated linearly
 //                       between the bracket ends, and chi2 (piecewise linear) solves its final segment exactly.
@@ -313,8 +314,9 @@ __device__ void multisection_step(SolverState* st, const double* sums, double n,
   st->gb = ngb;
   st->eta = interpolate(na, nb, nga, ngb);
   // Converged within 4 eps of the root's scale: the larger of the bracket's ends, or |max l| if larger (a root near
-  // 0 is resolved as finely as the losses allow, not to denormals). For nonnegative losses this is the CPU's
-  // tolerance, 4 eps max |l|; beside a far outlier below, |l| of the outlier would leave the root unresolved.
+  // 0 is resolved as finely as the losses allow, not to denormals). Coarser than the CPU's test (4 eps times
+  // 2 |eta| + the psi''-weighted mean |l - eta|) where max l is far above eta; beside a far outlier below, |l| of the
+  // outlier would leave the root unresolved.
   if (nb - na <= st->tol_unit * fmax(fmax(fabs(na), fabs(nb)), fabs(st->hi))) return stop(true);
   if (st->passes >= budget) stop(false);
 }
