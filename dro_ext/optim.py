@@ -17,7 +17,6 @@ from itertools import repeat
 from typing import Any, Callable, Literal, cast, overload
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
@@ -94,6 +93,12 @@ class NormalizedSGD(Optimizer):
         norm: ``"global"`` (over the whole group, the paper's) or ``"tensor"`` (each tensor alone). A param whose
             ``.grad`` is None takes no part in the step, as in torch.optim: it does not move, and its momentum is
             neither decayed nor counted in the norm.
+
+    No two params may share memory (each is updated in place): two whose memory spans, from the first element to
+    the last, meet are refused, as is one given twice; interleaved strided views of one tensor are refused too,
+    though apart element by element (give them storages of their own). A foreach step compiled by torch.compile
+    checks only that no param is given twice (a traced step has no addresses to compare); the fused op checks at
+    run time.
         maximize: ascend instead of descend.
         foreach: True selects the ``torch._foreach_*`` implementation (also what ``fused=False`` runs).
         fused: True selects the fused native op (it must be built, and every parameter of a group must
@@ -270,8 +275,11 @@ class NormalizedSGD(Optimizer):
                 try:
                     _fused_step(plan.params, grads, momenta, steps, **options)
                 except ValueError:
-                    # The op checks every operand before it writes any. Where it refused a state that a cast of the
-                    # model left behind, the state follows the params and the step runs; anything else stands.
+                    # The op checks every operand before it writes any. Where it refused params on shared memory,
+                    # they are named by their places in their group (the op's are in its list, of the params with a
+                    # gradient). Where it refused a state that a cast of the model left behind, the state follows the
+                    # params and the step runs; anything else stands.
+                    _refuse_shared_memory(self, group, plan.params)
                     if not self._state_follows_params(plan.params, momenta, steps):
                         raise
                     _fused_step(plan.params, grads, momenta, steps, **options)
@@ -323,7 +331,8 @@ class _GroupPlan:
         if self.fused and not self.dtensor:
             _check_one_device(params)
         elif not self.fused:
-            _check_each_param_once(params)  # (once per plan: a kept plan keeps its params)
+            # (Once per plan: a kept plan keeps its params. The fused op checks its lists itself, at no cost here.)
+            _refuse_shared_memory(optimizer, group, params)
         self.reusable = keeping and 0 < len(params) == self.num_params
         # The state entries that a kept plan's later steps read. Only for a plan that is kept: while compiling (when
         # none is) dynamo traced this read of the state dict wrongly for a second param group (wrong steps).
@@ -472,32 +481,50 @@ def _check_step_hyperparameters(momentum: float, eps: float, weight_decay: float
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def _check_each_param_once(params: list[torch.Tensor]) -> None:
-    """No two params of a group's step on shared memory (torch.optim only warns of one given twice): the foreach step
-    would update the shared elements twice. The fused op refuses them with the same error and the same notion of
-    shared memory (check_each_tensor_once): the spans from each tensor's first element to its last meet."""
-    seen: dict[int, int] = {}  # by identity, where there is no address to read
-    spans: list[tuple[torch.device, int, int, int]] = []
+def _refuse_shared_memory(optimizer: Optimizer, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+    """The refusal of a group's params on shared memory (_params_sharing_memory), naming them by their places in the
+    group (``params`` are those with a gradient, in the group's order) and the group by its place."""
+    shared = _params_sharing_memory(params)
+    if shared is None:
+        return
+    places = [i for i, p in enumerate(group["params"]) if p.grad is not None]
+    number = next(k for k, g in enumerate(optimizer.param_groups) if g is group)
+    raise ValueError(f"dro_ext: params[{places[shared[0]]}] and params[{places[shared[1]]}] of param group {number} "
+                     "share memory; the step updates each in place, so no two may overlap")
+
+
+def _params_sharing_memory(params: list[torch.Tensor]) -> tuple[int, int] | None:
+    """Two places in ``params`` whose memory is shared, or None: the step updates each param in place, so the foreach
+    step would update shared elements twice, and the fused op's threads (or CUDA blocks) at once. Shared as the fused
+    op's check_each_tensor_once takes it: the spans from each tensor's first element to its last meet, which counts
+    two interleaved strided views of one tensor (apart element by element) as shared too. Where there is no address
+    to read (a traced step, fake or meta tensors, which share a null one, and tensor subclasses such as DTensor), by
+    identity: the same tensor given twice."""
+    seen: dict[int, int] = {}
+    spans: dict[torch.device, list[tuple[int, int, int]]] = {}
     compiling = torch.compiler.is_compiling()
     for i, p in enumerate(params):
-        if p.numel() == 0:  # (empty ones may share a null address)
+        # (A FakeTensor's class is its own; a meta tensor's address, and an empty one's, is null.)
+        begin = 0 if compiling or p.__class__ not in _PLAIN_TENSOR_TYPES else p.data_ptr()
+        if begin == 0:
+            if p.numel() > 0 and seen.setdefault(id(p), i) != i:
+                return seen[id(p)], i
             continue
-        if compiling or p.__class__ not in _PLAIN_TENSOR_TYPES or p.is_meta or is_fake(p):
-            # Traced, fake or meta tensors (which share a null address) and tensor subclasses (DTensor).
-            j = seen.setdefault(id(p), i)
-            if j != i:
-                raise ValueError(_SHARED_MEMORY_MESSAGE.format(j, i))
-            continue
-        last = sum((size - 1) * stride for size, stride in zip(p.shape, p.stride()))
-        spans.append((p.device, p.data_ptr(), p.data_ptr() + (last + 1) * p.element_size(), i))
-    spans.sort(key=lambda span: (str(span[0]), span[1]))
-    for (device, _, reach, j), (next_device, begin, _, i) in zip(spans, spans[1:]):
-        if device == next_device and begin < reach:
-            raise ValueError(_SHARED_MEMORY_MESSAGE.format(min(i, j), max(i, j)))
-
-
-_SHARED_MEMORY_MESSAGE = ("dro_ext: params[{}] and params[{}] share memory; the step updates each in place, so no two "
-                          "may overlap")
+        if p.is_contiguous():
+            end = begin + p.nbytes
+        elif p.numel() > 0:
+            end = begin + (1 + sum((size - 1) * stride for size, stride in zip(p.shape, p.stride()))) * p.itemsize
+        else:
+            end = begin
+        if end > begin:  # (an empty view holds no memory, wherever its address)
+            spans.setdefault(p.device, []).append((begin, end, i))
+    for device_spans in spans.values():
+        device_spans.sort()
+        # Sorted by start, any overlap shows between neighbours (a span that meets a later one meets the next too).
+        for (_, reach, j), (begin, _, i) in zip(device_spans, device_spans[1:]):
+            if begin < reach:
+                return min(i, j), max(i, j)
+    return None
 
 
 def _foreach_step(params: list[torch.Tensor], grads: list[torch.Tensor], momenta: list[torch.Tensor],

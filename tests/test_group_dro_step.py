@@ -339,6 +339,15 @@ def test_opcheck_group_dro_loss(update, dtype):
     torch.library.opcheck(torch.ops.dro_ext.group_dro_loss_.default, (losses, groups, 5, *args[2:], update, True))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_opcheck_refuse_update_inside_backward(dtype):
+    # The composed update's check op (GroupDROLoss's greedy CVaR mode and the fallback, compiled): defined in
+    # Python on both backends; it declares log_q updated and leaves it alone.
+    log_q = torch.log(torch.full((5,), 0.2, dtype=dtype))
+    torch.library.opcheck(torch.ops.dro_ext.refuse_update_inside_backward_.default, (log_q,))
+    assert torch.equal(log_q, torch.log(torch.full((5,), 0.2, dtype=dtype)))
+
+
 @native_only
 def test_double_backward_of_the_fused_step():
     """The gradient weights are constants of the step: d loss / d l is linear in the upstream gradient, which the

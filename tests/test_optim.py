@@ -628,7 +628,7 @@ def test_a_param_given_twice_is_refused_by_every_step(backend, foreach):
     with pytest.warns(UserWarning, match="duplicate parameters"):
         opt = NormalizedSGD([p, q, p], lr=0.1, foreach=foreach)
     p.grad, q.grad = torch.ones(3), torch.ones(2)
-    with pytest.raises(ValueError, match=r"params\[0\] and params\[2\] share memory"):
+    with pytest.raises(ValueError, match=r"params\[0\] and params\[2\] of param group 0 share memory"):
         opt.step()
     assert torch.equal(p.detach(), torch.ones(3)) and torch.equal(q.detach(), torch.ones(2))
 
@@ -834,16 +834,19 @@ def test_a_one_element_lr_tensor_with_weight_decay_steps(backend, foreach):
 def test_parameters_on_shared_memory_are_refused_on_every_path(backend, foreach, views):
     # The foreach step compared Python objects, and updated shared elements twice; the fused op compared start
     # addresses only, and updated the elements two overlapping views share from two threads at once. Both now refuse
-    # spans that meet, interleaved strided views included (apart element by element, but not checked so finely).
+    # spans that meet, interleaved strided views included (apart element by element, but not checked so finely),
+    # naming the params by their places in their group (a frozen param before them has no gradient).
     memory = torch.ones(4, 40)
     first, second = {"one tensor twice": (memory, memory), "overlapping": (memory[:3], memory[2:]),
                      "interleaved": (memory[:, ::2], memory[:, 1::2])}[views]
-    params = [torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(first), torch.nn.Parameter(torch.ones(5)),
+    frozen = torch.nn.Parameter(torch.ones(2))
+    params = [frozen, torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(first), torch.nn.Parameter(torch.ones(5)),
               torch.nn.Parameter(second), torch.nn.Parameter(torch.zeros(0))]
-    for p in params:
+    other = torch.nn.Parameter(torch.ones(3))
+    for p in [other, *params[1:]]:
         p.grad = torch.ones_like(p)
-    opt = NormalizedSGD(params, lr=0.1, foreach=foreach)
-    with pytest.raises(ValueError, match=r"params\[1\] and params\[3\] share memory"):
+    opt = NormalizedSGD([dict(params=[other]), dict(params=params)], lr=0.1, foreach=foreach)
+    with pytest.raises(ValueError, match=r"params\[2\] and params\[4\] of param group 1 share memory"):
         opt.step()
     assert torch.equal(memory, torch.ones(4, 40))
 
