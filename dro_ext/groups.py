@@ -584,14 +584,14 @@ class GroupDROLoss(_Float64Configuration):
     recomputes its region's forward there, which would update ``q`` twice from one batch: checkpoint the model,
     and call the module on its outputs, outside the region. A compiled module refuses it too: its graph runs the
     test again with the recomputation, whether torch.compile traced the checkpoint (which would otherwise recompute
-    the loss's gradient weights from the updated ``q``) or an eager checkpoint runs the compiled module again. The
-    state lives in buffers, so ``state_dict()`` saves it and ``load_state_dict`` resumes the run bitwise:
-    ``log_q``, ``ema_loss``, ``last_loss`` (each group's last mean loss) and ``seen`` (which groups have appeared).
-    They are of the default dtype at construction; a step computes in the wider of their dtype and the losses'
-    accumulate dtype. An empty batch is allowed (a rank without samples): it
-    returns 0 and updates the state as a batch where every group is absent. A NaN loss is not dropped: its group's
-    mean is NaN, and an update from it makes ``q`` NaN, which the state then keeps (``reset_parameters()`` or a saved
-    ``state_dict`` starts over).
+    the loss's gradient weights from the updated ``q``) or an eager checkpoint runs the compiled module again (but a
+    CUDA graph's replay, as ``mode="reduce-overhead"`` makes, runs kernels only: no check). The state lives in
+    buffers, so ``state_dict()`` saves it and ``load_state_dict`` resumes the run bitwise: ``log_q``, ``ema_loss``,
+    ``last_loss`` (each group's last mean loss) and ``seen`` (which groups have appeared). They are of the default
+    dtype at construction; a step computes in the wider of their dtype and the losses' accumulate dtype. An empty
+    batch is allowed (a rank without samples): it returns 0 and updates the state as a batch where every group is
+    absent. A NaN loss is not dropped: its group's mean is NaN, and an update from it makes ``q`` NaN, which the
+    state then keeps (``reset_parameters()`` or a saved ``state_dict`` starts over).
 
     ``group`` (a process group): the per-group sums and counts are all-reduced once per call (one collective of
     ``2 * num_groups + 2`` numbers: with the counts of bad ids and of refusing ranks), so every rank updates the
