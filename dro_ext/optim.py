@@ -94,11 +94,11 @@ class NormalizedSGD(Optimizer):
             ``.grad`` is None takes no part in the step, as in torch.optim: it does not move, and its momentum is
             neither decayed nor counted in the norm.
 
-    No two params may share memory (each is updated in place): two whose memory spans, from the first element to
-    the last, meet are refused, as is one given twice; interleaved strided views of one tensor are refused too,
-    though apart element by element (give them storages of their own). A foreach step compiled by torch.compile
-    checks only that no param is given twice (a traced step has no addresses to compare); the fused op checks at
-    run time.
+    No two params may share memory (each is updated in place). As ATen's own overlap checks: two dense params whose
+    bytes, from the first element to the last, meet are refused, as is one given twice; a strided view with gaps (a
+    column slice) is compared only with the same view given twice, so views apart element by element step. A
+    foreach step compiled by torch.compile checks only that no param is given twice (a traced step has no addresses
+    to compare); the fused op checks at run time.
         maximize: ascend instead of descend.
         foreach: True selects the ``torch._foreach_*`` implementation (also what ``fused=False`` runs).
         fused: True selects the fused native op (it must be built, and every parameter of a group must
@@ -496,28 +496,24 @@ def _refuse_shared_memory(optimizer: Optimizer, group: dict[str, Any], params: l
 def _params_sharing_memory(params: list[torch.Tensor]) -> tuple[int, int] | None:
     """Two places in ``params`` whose memory is shared, or None: the step updates each param in place, so the foreach
     step would update shared elements twice, and the fused op's threads (or CUDA blocks) at once. Shared as the fused
-    op's check_each_tensor_once takes it: the spans from each tensor's first element to its last meet, which counts
-    two interleaved strided views of one tensor (apart element by element) as shared too. Where there is no address
-    to read (a traced step, fake or meta tensors, which share a null one, and tensor subclasses such as DTensor), by
-    identity: the same tensor given twice."""
-    seen: dict[int, int] = {}
+    op's check_each_tensor_once takes it, after ATen's own overlap checks: a dense tensor holds the bytes from its
+    first element to its last, and two such spans that meet are shared; a strided view with gaps counts as shared
+    only with the same view given twice. Where there is no address to read (a traced step, fake or meta tensors,
+    which share a null one, and tensor subclasses such as DTensor), by identity: the same tensor given twice."""
+    seen: dict[object, int] = {}
     spans: dict[torch.device, list[tuple[int, int, int]]] = {}
     compiling = torch.compiler.is_compiling()
     for i, p in enumerate(params):
         # (A FakeTensor's class is its own; a meta tensor's address, and an empty one's, is null.)
         begin = 0 if compiling or p.__class__ not in _PLAIN_TENSOR_TYPES else p.data_ptr()
-        if begin == 0:
-            if p.numel() > 0 and seen.setdefault(id(p), i) != i:
-                return seen[id(p)], i
-            continue
-        if p.is_contiguous():
-            end = begin + p.nbytes
+        if begin != 0 and (p.is_contiguous() or _dense(p)):
+            nbytes = p.nbytes
+            if nbytes > 0:
+                spans.setdefault(p.device, []).append((begin, begin + nbytes, i))
         elif p.numel() > 0:
-            end = begin + (1 + sum((size - 1) * stride for size, stride in zip(p.shape, p.stride()))) * p.itemsize
-        else:
-            end = begin
-        if end > begin:  # (an empty view holds no memory, wherever its address)
-            spans.setdefault(p.device, []).append((begin, end, i))
+            j = seen.setdefault(id(p) if begin == 0 else (p.device, begin, p.shape, p.stride()), i)
+            if j != i:
+                return j, i
     for device_spans in spans.values():
         device_spans.sort()
         # Sorted by start, any overlap shows between neighbours (a span that meets a later one meets the next too).
@@ -525,6 +521,19 @@ def _params_sharing_memory(params: list[torch.Tensor]) -> tuple[int, int] | None
             if begin < reach:
                 return min(i, j), max(i, j)
     return None
+
+
+def _dense(p: torch.Tensor) -> bool:
+    """Whether p's elements fill the bytes from its first to its last, in some order of its dims (channels_last, a
+    transpose): ATen's is_non_overlapping_and_dense."""
+    expected = 1
+    for stride, size in sorted(zip(p.stride(), p.shape)):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _foreach_step(params: list[torch.Tensor], grads: list[torch.Tensor], momenta: list[torch.Tensor],

@@ -830,15 +830,16 @@ def test_a_one_element_lr_tensor_with_weight_decay_steps(backend, foreach):
 
 
 @pytest.mark.parametrize("foreach", [None, True], ids=["default", "foreach"])
-@pytest.mark.parametrize("views", ["one tensor twice", "overlapping", "interleaved"])
+@pytest.mark.parametrize("views", ["one tensor twice", "overlapping", "one strided view twice", "a transpose"])
 def test_parameters_on_shared_memory_are_refused_on_every_path(backend, foreach, views):
     # The foreach step compared Python objects, and updated shared elements twice; the fused op compared start
     # addresses only, and updated the elements two overlapping views share from two threads at once. Both now refuse
-    # spans that meet, interleaved strided views included (apart element by element, but not checked so finely),
-    # naming the params by their places in their group (a frozen param before them has no gradient).
+    # dense tensors whose spans meet and a strided view given twice, naming the params by their places in their group
+    # (a frozen param before them has no gradient).
     memory = torch.ones(4, 40)
     first, second = {"one tensor twice": (memory, memory), "overlapping": (memory[:3], memory[2:]),
-                     "interleaved": (memory[:, ::2], memory[:, 1::2])}[views]
+                     "one strided view twice": (memory[:, ::2], memory[:, ::2]),
+                     "a transpose": (memory[1:], memory.t())}[views]
     frozen = torch.nn.Parameter(torch.ones(2))
     params = [frozen, torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(first), torch.nn.Parameter(torch.ones(5)),
               torch.nn.Parameter(second), torch.nn.Parameter(torch.zeros(0))]
@@ -852,15 +853,21 @@ def test_parameters_on_shared_memory_are_refused_on_every_path(backend, foreach,
 
 
 @pytest.mark.parametrize("foreach", [None, True], ids=["default", "foreach"])
-def test_neighbouring_views_of_one_tensor_step_as_separate_tensors(backend, foreach):
+@pytest.mark.parametrize("halves", ["rows", "columns", "every other column"])
+def test_views_of_one_tensor_apart_step_as_separate_tensors(backend, foreach, halves):
+    # Row halves hold spans that do not meet; column halves and interleaved columns share no element, and as in
+    # ATen's overlap checks a view with gaps is not compared by span (no refusal where nothing is shared).
     memory = torch.ones(4, 40)
-    params = [torch.nn.Parameter(memory[:2]), torch.nn.Parameter(memory[2:])]
-    apart = [torch.nn.Parameter(torch.ones(2, 40)), torch.nn.Parameter(torch.ones(2, 40))]
+    views = {"rows": (memory[:2], memory[2:]), "columns": (memory[:, :20], memory[:, 20:]),
+             "every other column": (memory[:, ::2], memory[:, 1::2])}[halves]
+    params = [torch.nn.Parameter(view) for view in views]
+    apart = [torch.nn.Parameter(view.clone()) for view in views]
     for group in (params, apart):
         for p in group:
-            p.grad = torch.arange(80.0).reshape(2, 40)
+            p.grad = torch.arange(80.0).reshape(p.shape)
         NormalizedSGD(group, lr=0.1, foreach=foreach).step()
-    assert torch.equal(memory, torch.cat([p.detach() for p in apart]))
+    for p, q in zip(params, apart):
+        assert torch.equal(p.detach(), q.detach())
 
 
 def test_converges_on_example_3_1_where_sgd_momentum_diverges(backend):
