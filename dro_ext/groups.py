@@ -58,6 +58,14 @@ _UPDATE_INSIDE_BACKWARD_MESSAGE = (
     "which would update q twice from one batch; call the module outside the checkpointed region")
 
 
+def _refuse_inside_backward() -> None:
+    """An updating forward run by a backward pass (torch.utils.checkpoint recomputing the region that holds the
+    module) is refused: updated again, q would take two steps from one batch, and the gradient would be that of a
+    loss under another q than the one returned."""
+    if torch._C._current_graph_task_id() != -1:
+        raise RuntimeError(_UPDATE_INSIDE_BACKWARD_MESSAGE)
+
+
 @torch.library.custom_op("dro_ext::refuse_update_inside_backward_", mutates_args=("log_q",))
 def _refuse_update_inside_backward(log_q: torch.Tensor) -> None:
     """GroupDROLoss's refusal of an updating forward inside a backward pass, as an op of the graphs torch.compile
@@ -66,8 +74,7 @@ def _refuse_update_inside_backward(log_q: torch.Tensor) -> None:
     recomputed in the backward pass from the state as the forward left it, updated: the loss's gradient would then
     weigh the groups by q after a second step, silently. The op runs again with that recomputation, and refuses.
     It declares log_q updated (and leaves it alone) so that the step's reads of the state come after it."""
-    if torch._C._current_graph_task_id() != -1:
-        raise RuntimeError(_UPDATE_INSIDE_BACKWARD_MESSAGE)
+    _refuse_inside_backward()
 
 
 @_refuse_update_inside_backward.register_fake
@@ -713,11 +720,8 @@ class GroupDROLoss(_Float64Configuration):
             # As BatchNorm's running statistics: a module in eval() mode evaluates under the current q and leaves
             # the state alone (an evaluation pass over held-out groups must not train q on them).
             update = self.training
-        if update is True and not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
-            # A forward run by a backward pass: torch.utils.checkpoint recomputing the region that holds this module.
-            # Updated again, q would take two steps from one batch, and the gradient would be that of a loss under
-            # another q than the one returned.
-            raise RuntimeError(_UPDATE_INSIDE_BACKWARD_MESSAGE)
+        if update is True and not torch.compiler.is_compiling():
+            _refuse_inside_backward()  # (compiled, the graph's ops check: the native step's, or the check op below)
         # A training step's call with plain dense tensors goes straight to the native step (group_sums and the update
         # in one call, csrc/group_dro.cpp), which checks them itself with the same errors as the checks below. (The
         # step is a few microseconds on the CPU at a few thousand losses: every check here shows.)

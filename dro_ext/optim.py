@@ -93,17 +93,17 @@ class NormalizedSGD(Optimizer):
         norm: ``"global"`` (over the whole group, the paper's) or ``"tensor"`` (each tensor alone). A param whose
             ``.grad`` is None takes no part in the step, as in torch.optim: it does not move, and its momentum is
             neither decayed nor counted in the norm.
+        maximize: ascend instead of descend.
+        foreach: True selects the ``torch._foreach_*`` implementation (also what ``fused=False`` runs).
+        fused: True selects the fused native op (it must be built, and every parameter of a group must
+            sit on one device); None picks it where it is loaded, has a kernel for the group's device and
+            ``foreach`` is not True, and the foreach implementation elsewhere.
 
     No two params may share memory (each is updated in place). As ATen's own overlap checks: two dense params whose
     bytes, from the first element to the last, meet are refused, as is one given twice; a strided view with gaps (a
     column slice) is compared only with the same view given twice, so views apart element by element step. A
     foreach step compiled by torch.compile checks only that no param is given twice (a traced step has no addresses
     to compare); the fused op checks at run time.
-        maximize: ascend instead of descend.
-        foreach: True selects the ``torch._foreach_*`` implementation (also what ``fused=False`` runs).
-        fused: True selects the fused native op (it must be built, and every parameter of a group must
-            sit on one device); None picks it where it is loaded, has a kernel for the group's device and
-            ``foreach`` is not True, and the foreach implementation elsewhere.
 
     The momentum has its parameter's dtype and device: where a model is cast or moved after a step
     (``model.double()``, ``model.to(device)``), the next step casts each momentum to its parameter, as
