@@ -97,6 +97,17 @@ if not _native_loaded and not _force_python and os.environ.get("DRO_EXT_WARN_FAL
     warnings.warn(f"dro_ext: native ops unavailable, using the PyTorch fallback ({_load_error})")
 
 
+def check_fake_devices(main_name: str, main: torch.Tensor, **others: torch.Tensor | None) -> None:
+    """In a fake kernel, the native kernels' device check, with their message: each of ``others`` (None skipped) on
+    the device of ``main``. The dispatcher runs the fake kernel whenever any operand is on the meta device, so a CPU
+    call with one operand left there (a buffer of a model built on meta and never materialized) would otherwise
+    return uninitialized CPU memory, and an op that updates a state would write it there."""
+    for name, t in others.items():
+        if t is not None and t.device != main.device:
+            raise ValueError(f"dro_ext: {name} is on {t.device} but {main_name} is on {main.device}; move them to the "
+                             "same device")
+
+
 def check_fake_operands_on(device: torch.device, tensors: Iterable[torch.Tensor | None], message: str) -> None:
     """In a fake kernel, every tensor of ``tensors`` (None skipped) on ``device``, or ``message``'s ValueError as the
     native kernel raises it. The dispatcher runs the fake kernel whenever any operand is on the meta device (a state

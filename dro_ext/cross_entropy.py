@@ -158,6 +158,7 @@ if _backend.native_available():
     def _dro_cross_entropy_fake(logits, targets, eta, lam, divergence, alpha=None, k=None, scale=1.0,
                                 ignore_index=-100, label_smoothing=0.0):
         torch._check(logits.dim() == 2, lambda: "dro_ext: logits must be a 2-D tensor (N, C)")
+        _backend.check_fake_devices("logits", logits, targets=targets, eta=eta)
         acc = accumulate_dtype(logits.dtype)
         rows = logits.shape[0]
         return (logits.new_empty((), dtype=acc), logits.new_empty((), dtype=acc),
@@ -166,11 +167,13 @@ if _backend.native_available():
     @torch.library.register_fake("dro_ext::dro_cross_entropy_backward")
     def _dro_cross_entropy_backward_fake(grad, logits, targets, lse, row_weight, ignore_index=-100,
                                          label_smoothing=0.0):
+        _backend.check_fake_devices("logits", logits, grad=grad, targets=targets, lse=lse, row_weight=row_weight)
         return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("dro_ext::dro_cross_entropy_backward_")
     def _dro_cross_entropy_backward_inplace_fake(grad, logits, targets, lse, row_weight, ignore_index=-100,
                                                  label_smoothing=0.0):
+        _backend.check_fake_devices("logits", logits, grad=grad, targets=targets, lse=lse, row_weight=row_weight)
         return None
 
     @torch.library.register_fake("dro_ext::logsumexp_columns")
@@ -181,6 +184,7 @@ if _backend.native_available():
     @torch.library.register_fake("dro_ext::dro_cross_entropy_chunk_")
     def _dro_cross_entropy_chunk_fake(logits, targets, eta, inv_count, lam, divergence, alpha=None, k=None,
                                       scale=1.0, ignore_index=-100, label_smoothing=0.0, compute_grad=True):
+        _backend.check_fake_devices("logits", logits, targets=targets, eta=eta, inv_count=inv_count)
         return logits.new_empty((2,), dtype=torch.float64)
 
     def _dro_cross_entropy_setup_context(ctx, inputs, output):
@@ -484,6 +488,7 @@ def _linear_cross_entropy_chunks(hidden, weight, bias, targets, eta, lam, diverg
 def _linear_cross_entropy_with_grads_fake(hidden, weight, bias, targets, eta, lam, divergence, alpha, k, scale,
                                           ignore_index, label_smoothing, chunk_size, native, grad_hidden_needed,
                                           grad_weight_needed, grad_bias_needed, anchors):
+    _backend.check_fake_devices("hidden", hidden, weight=weight, bias=bias, targets=targets, eta=eta)
     acc = accumulate_dtype(hidden.dtype)
     return (hidden.new_empty((), dtype=acc), hidden.new_empty((), dtype=acc),
             torch.empty_like(hidden, memory_format=torch.contiguous_format) if grad_hidden_needed

@@ -122,6 +122,7 @@ def _cross_entropy_row_losses(logits: torch.Tensor, targets: torch.Tensor, ignor
 
 @_cross_entropy_row_losses.register_fake
 def _cross_entropy_row_losses_fake(logits, targets, ignore_index, label_smoothing, native):
+    _backend.check_fake_devices("logits", logits, targets=targets)
     acc = accumulate_dtype(logits.dtype)
     rows = logits.shape[0]
     return logits.new_empty((rows,), dtype=acc), logits.new_empty((rows, 2), dtype=acc)
@@ -191,6 +192,7 @@ def _linear_row_losses(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
 
 @_linear_row_losses.register_fake
 def _linear_row_losses_fake(hidden, weight, bias, targets, ignore_index, label_smoothing, chunk_size, native):
+    _backend.check_fake_devices("hidden", hidden, weight=weight, bias=bias, targets=targets)
     acc = accumulate_dtype(hidden.dtype)
     rows = hidden.shape[0]
     return hidden.new_empty((rows,), dtype=acc), hidden.new_empty((rows, 2), dtype=acc)
@@ -242,6 +244,7 @@ def _linear_row_losses_backward_op(
 @_linear_row_losses_backward_op.register_fake
 def _linear_row_losses_backward_fake(row_weight, hidden, weight, bias, targets, lse, ignore_index, label_smoothing,
                                      chunk_size, native, grad_hidden_needed, grad_weight_needed, grad_bias_needed):
+    _backend.check_fake_devices("hidden", hidden, row_weight=row_weight, weight=weight, bias=bias, targets=targets, lse=lse)
     return (torch.empty_like(hidden, memory_format=torch.contiguous_format) if grad_hidden_needed
             else hidden.new_empty((0,)),
             torch.empty_like(weight, memory_format=torch.contiguous_format) if grad_weight_needed

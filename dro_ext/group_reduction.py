@@ -32,11 +32,13 @@ if _backend.native_available():
     def _group_sums_fake(losses: torch.Tensor, groups: torch.Tensor, num_groups: int,
                          validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         torch._check(losses.dim() == 1, lambda: "dro_ext: losses must be a 1-D tensor")
+        _backend.check_fake_devices("losses", losses, groups=groups)
         acc = accumulate_dtype(losses.dtype)
         return losses.new_empty((num_groups,), dtype=acc), losses.new_empty((num_groups,), dtype=acc)
 
     @torch.library.register_fake("dro_ext::group_sums_backward")
     def _group_sums_backward_fake(grad_sums: torch.Tensor, groups: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        _backend.check_fake_devices("grad_sums", grad_sums, groups=groups)
         return groups.new_empty(groups.shape, dtype=dtype)
 
     # Looked up once: resolving the overload costs a few hundred ns per call.

@@ -98,6 +98,7 @@ if _backend.native_available():
                              ema_loss: torch.Tensor, last_loss: torch.Tensor, seen: torch.Tensor,
                              active: torch.Tensor, adjustment: torch.Tensor, step_size: float, ema_gamma: float,
                              stale: bool, normalize_loss: bool, update: bool, validate: bool) -> torch.Tensor:
+        _backend.check_fake_devices("losses", losses, groups=groups)
         _check_state_device(losses, (log_q, ema_loss, last_loss, seen, active, adjustment))
         return losses.new_empty(())
 

@@ -45,6 +45,7 @@ if _backend.native_available():
     def _dro_loss_fake(losses: torch.Tensor, eta: torch.Tensor, lam: float, divergence: str, alpha: float | None = None,
                        k: float | None = None, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         torch._check(losses.dim() == 1, lambda: "dro_ext: losses must be a 1-D tensor")
+        _backend.check_fake_devices("losses", losses, eta=eta)
         value = losses.new_empty(())
         mean_weight = losses.new_empty((), dtype=accumulate_dtype(losses.dtype))
         return value, mean_weight
@@ -53,12 +54,14 @@ if _backend.native_available():
     def _psi_star_terms_fake(losses: torch.Tensor, eta: torch.Tensor, multiplier: torch.Tensor, lam: float,
                              divergence: str, alpha: float | None = None, k: float | None = None, scale: float = 1.0,
                              order: int = 1) -> torch.Tensor:
+        _backend.check_fake_devices("losses", losses, eta=eta, multiplier=multiplier)
         return torch.empty_like(losses, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("dro_ext::dro_loss_backward")
     def _dro_loss_backward_fake(grad: torch.Tensor, losses: torch.Tensor, eta: torch.Tensor, mean_weight: torch.Tensor,
                                 lam: float, divergence: str, alpha: float | None = None, k: float | None = None,
                                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        _backend.check_fake_devices("losses", losses, grad=grad, eta=eta, mean_weight=mean_weight)
         return torch.empty_like(losses, memory_format=torch.contiguous_format), torch.empty_like(eta)
 
     # The autograd formulas of these ops are registered in C++ (csrc/autograd.cpp): a Python

@@ -75,11 +75,13 @@ if _backend.native_available():
     @torch.library.register_fake("dro_ext::robust_weights")
     def _robust_weights_fake(losses: torch.Tensor, eta_star: torch.Tensor, lam: float, divergence: str,
                              alpha: float | None = None, k: float | None = None) -> torch.Tensor:
+        _backend.check_fake_devices("losses", losses, eta_star=eta_star)
         return torch.empty_like(losses, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("dro_ext::weight_stats")
     def _weight_stats_fake(weights: torch.Tensor, groups: torch.Tensor | None = None, num_groups: int = 0
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        _backend.check_fake_devices("weights", weights, groups=groups)
         acc = accumulate_dtype(weights.dtype)
         scalar = weights.new_empty((), dtype=acc)
         width = num_groups if groups is not None else 0

@@ -103,6 +103,75 @@ def test_meta_tensors_give_the_shapes_or_a_clear_refusal(backend):
             call()
 
 
+def _op_calls():
+    """op name -> (a function making its arguments, every tensor on the CPU, with the operands' names), for the ops
+    whose fake kernel a call with an operand on the meta device reaches: the compiled ops, when loaded, and the
+    custom ops of the Python layer (which exist on both backends)."""
+    n, g, c, h = 6, 3, 5, 4
+    ids = lambda: torch.tensor([0, 1, 2, 0, 1, 2])  # noqa: E731
+    state = lambda: [torch.zeros(g), torch.zeros(g), torch.zeros(g), torch.zeros(g, dtype=torch.bool),  # noqa: E731
+                     torch.ones(g, dtype=torch.bool), torch.zeros(g)]
+    calls = {
+        "cross_entropy_row_losses": lambda: [torch.randn(n, c), torch.randint(0, c, (n,)), -100, 0.0, False],
+        "linear_cross_entropy_row_losses": lambda: [torch.randn(n, h), torch.randn(c, h), torch.randn(c),
+                                                    torch.randint(0, c, (n,)), -100, 0.0, 4, False],
+        "linear_cross_entropy_with_grads": lambda: [torch.randn(n, h), torch.randn(c, h), torch.randn(c),
+                                                    torch.randint(0, c, (n,)), torch.tensor(0.1), 0.5, "chi2", None,
+                                                    None, 1.0, -100, 0.0, 4, False, True, True, True, []],
+    }
+    if _backend.native_available() and not _backend._force_python:
+        calls.update({
+            "dro_loss": lambda: [torch.rand(n), torch.tensor(0.1), 0.5, "chi2"],
+            "psi_star_terms": lambda: [torch.rand(n), torch.tensor(0.1), torch.tensor(1.0), 0.5, "chi2"],
+            "dro_loss_backward": lambda: [torch.tensor(1.0), torch.rand(n), torch.tensor(0.1), torch.tensor(1.0), 0.5,
+                                          "chi2"],
+            "robust_weights": lambda: [torch.rand(n), torch.tensor(0.1), 0.5, "chi2"],
+            "weight_stats": lambda: [torch.rand(n), ids(), g],
+            "group_sums": lambda: [torch.rand(n), ids(), g],
+            "group_sums_backward": lambda: [torch.rand(g), ids(), torch.float32],
+            "group_dro_step_": lambda: [torch.rand(g), torch.ones(g), *state(), 0.01, 0.1, False, False, True],
+            "group_dro_loss_": lambda: [torch.rand(n), ids(), g, *state(), 0.01, 0.1, False, False, True, True],
+            "dro_cross_entropy": lambda: [torch.randn(n, c), torch.randint(0, c, (n,)), torch.tensor(0.1), 0.5,
+                                          "chi2"],
+            "dro_cross_entropy_chunk_": lambda: [torch.randn(n, c), torch.randint(0, c, (n,)), torch.tensor(0.1),
+                                                 torch.tensor(1.0 / n), 0.5, "chi2"],
+            "dro_cross_entropy_backward": lambda: [torch.tensor(1.0), torch.randn(n, c), torch.randint(0, c, (n,)),
+                                                   torch.zeros(n, 2), torch.ones(n)],
+        })
+    return calls
+
+
+def test_an_operand_left_on_the_meta_device_is_refused_by_every_op():
+    """The dispatcher runs an op's fake kernel when any operand is on the meta device: a CPU call with one operand
+    left there (a buffer of a model built on meta and never materialized) returned uninitialized CPU memory, and
+    GroupDROLoss wrote it into its state. Every op refuses it, as its native kernel refuses a CUDA operand beside
+    CPU ones, with a ValueError naming the devices; with every operand on meta it gives meta tensors."""
+    for name, make in _op_calls().items():
+        op = getattr(torch.ops.dro_ext, name).default
+        operands = [i for i, arg in enumerate(make()) if isinstance(arg, torch.Tensor)]
+        assert len(operands) >= 2, name
+        for i in operands:
+            args = make()
+            args[i] = args[i].to("meta")
+            with pytest.raises(ValueError, match="is on (meta|cpu) but .* (is|are) on (cpu|meta); move the"):
+                op(*args)
+        args = [arg.to("meta") if isinstance(arg, torch.Tensor) else arg for arg in make()]
+        outputs = [t for t in torch.utils._pytree.tree_leaves(op(*args)) if isinstance(t, torch.Tensor)]
+        assert all(t.device.type == "meta" for t in outputs), name
+
+
+def test_group_dro_loss_refuses_ids_on_the_meta_device_and_keeps_its_state(backend):
+    module = dro_ext.GroupDROLoss(3, step_size=0.5)
+    module(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 1, 2]))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    losses, groups = torch.rand(6), torch.empty(6, dtype=torch.long, device="meta")
+    for update in (True, False):
+        with pytest.raises(ValueError, match="groups is on meta but losses is on cpu"):
+            module(losses, groups, update=update)
+    for key, value in module.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 def test_float8_is_refused_naming_the_argument(backend, dtype):
     """float8 is a floating dtype to torch, but no kernel is compiled for it: the fallback computed in it (a float8
