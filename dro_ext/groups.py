@@ -585,7 +585,9 @@ class GroupDROLoss(_Float64Configuration):
 
     ``forward(losses, groups, update=None, *, mask=None)``: with ``update=True`` the state is first updated from the
     batch and the returned loss uses the updated ``q`` (as the references do); ``update=False`` returns the loss
-    under the current ``q`` and leaves the state alone (e.g. the micro-batches of an accumulated step, all but one).
+    under the current ``q`` and leaves the state alone. Under gradient accumulation, one micro-batch with
+    ``update=True`` and the rest with ``update=False`` move ``q`` once a step on that micro-batch's group means alone:
+    not the step of the accumulated batch taken whole, whose update needs every micro-batch's group sums first.
     ``update=None`` (the default) is ``self.training``: a module in ``train()`` mode (as constructed) updates, one
     in ``eval()`` mode does not, as BatchNorm's running statistics (and the authors' evaluation passes) behave.
     ``q`` carries no gradient. An updating forward is refused inside a backward pass: torch.utils.checkpoint

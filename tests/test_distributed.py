@@ -201,6 +201,49 @@ def test_example_ddp_and_fsdp2_train_the_same_model(tmp_path):
     assert len(printed["ddp"]) == 2 and printed["ddp"] == printed["fsdp2_unequal"], printed
 
 
+HF_RECIPE_RANK = """
+import os, sys, importlib.util, torch
+spec = importlib.util.spec_from_file_location("recipe", sys.argv[1])
+recipe = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(recipe)
+trainer, losses = recipe.train(steps=3, output_dir=sys.argv[2], batch_size=4, length=16, vocab=128)
+assert type(trainer.model_wrapped).__name__ == "DistributedDataParallel", type(trainer.model_wrapped)
+torch.save([p.detach() for p in trainer.model.parameters()], os.path.join(sys.argv[2], f"rank{os.environ['RANK']}.pt"))
+"""
+
+
+def test_example_hf_trainer_trains_one_model_under_ddp(tmp_path):
+    """examples/hf_trainer.py under torchrun (2 ranks, DDP over gloo): the loss is computed inside the model's
+    forward, so DDP averages every gradient, eta's included, and the ranks, which read different batches, hold the
+    same parameters after every step. (The recipe called the body of the model past DDP's wrapper: an
+    AttributeError, and with the wrapper taken off, ranks whose parameters drifted apart.)"""
+    pytest.importorskip("transformers", reason="the examples extra: pip install 'dro_ext[examples]'")
+    import torch
+
+    script = tmp_path / "hf_rank.py"
+    script.write_text(HF_RECIPE_RANK)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", str(script),
+               str(ROOT / "examples" / "hf_trainer.py"), str(tmp_path)]
+    ((rc, log),) = _run([command], tmp_path, SHORT_TIMEOUT)
+    assert rc == 0, log[-4000:]
+    rank0, rank1 = (torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD))
+    assert len(rank0) == len(rank1) > 0
+    for a, b in zip(rank0, rank1):
+        assert torch.equal(a, b)
+    untrained = load_example_model()
+    assert any(not torch.equal(a, b) for a, b in zip(rank0, untrained.parameters()))
+
+
+def load_example_model():
+    """The recipe's untrained model, as each rank builds it (seed 0)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_recipe", ROOT / "examples" / "hf_trainer.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    return recipe.add_dro_loss(recipe.tiny_gpt2(128, 16, seed=0))
+
+
 def test_group_errors_name_the_problem():
     """In this (non-distributed) process: group= without an initialized process group, or of a wrong type,
     is a clear error, raised before any collective."""
