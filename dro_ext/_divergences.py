@@ -43,6 +43,15 @@ def real_number(name: str, value: object) -> float:
         raise ValueError(f"dro_ext: {name} must be within float64's range, got {value!r}") from None
 
 
+def wide_number(value: Any) -> Any:
+    """A hyperparameter as the fused ops read it, in float64: a tensor widened (on its device), a numpy scalar as a
+    Python float (numpy would form ``1 - lr * weight_decay`` in float32, and a float16 tensor in float16); a Python
+    number, symbolic under torch.compile or not, as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.to(torch.float64)
+    return value if isinstance(value, (int, float)) else float(value)
+
+
 def check_divergence(divergence: str, alpha: float | None = None, k: float | None = None) -> Spec:
     if divergence not in DIVERGENCES:
         raise ValueError(f"dro_ext: unknown divergence {divergence!r}; expected one of {', '.join(DIVERGENCES)}")

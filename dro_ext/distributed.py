@@ -35,7 +35,7 @@ from dro_ext import _solver
 from dro_ext._first_order import first_order_only
 from dro_ext._divergences import (
     DIVERGENCES, Divergence, Spec, accumulate_dtype, check_divergence, check_lam, check_losses,
-    fixed_order_sum, input_device,
+    fixed_order_sum, input_device, wide_number,
 )
 
 if TYPE_CHECKING:
@@ -600,6 +600,7 @@ def sharded_normalized_sgd_step(params: list[torch.Tensor], grads: list[torch.Te
     # p <- (1 - lr wd) p - lr m / (||m|| + eps); a zero momentum does not move p.
     if isinstance(lr, torch.Tensor) and lr.device.type == "cpu":
         lr = float(lr)  # a CPU scalar is read on the host, without a device sync
+    lr, weight_decay = wide_number(lr), wide_number(weight_decay)  # 1 - lr wd in float64, as the fused op forms it
     scale = torch.where(norms > 0, lr / (norms + eps), 0.0)
     decay = 1.0 - lr * weight_decay  # a float, or a tensor on the device of a device-resident lr
     if skip is not None:  # GradScaler found inf/NaN: the fused op skipped the momentum, skip the update too

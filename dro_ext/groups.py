@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -668,7 +669,7 @@ class GroupDROLoss(_Float64Configuration):
             if counts is None:
                 raise ValueError("dro_ext: adjustment needs group_counts (the N_g of C_g / sqrt(N_g)), got "
                                  "group_counts=None")
-            if isinstance(adjustment, torch.Tensor) or not isinstance(adjustment, (int, float)):
+            if isinstance(adjustment, torch.Tensor) or not isinstance(adjustment, numbers.Real):
                 c = _finite_vector("adjustment", adjustment, num_groups)
             else:
                 c = torch.full((num_groups,), real_number("adjustment", adjustment), dtype=torch.float64,

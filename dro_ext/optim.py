@@ -22,7 +22,7 @@ from torch.optim.optimizer import ParamsT
 
 from dro_ext import _backend
 from dro_ext import distributed as _distributed
-from dro_ext._divergences import FLOATING_DTYPES
+from dro_ext._divergences import FLOATING_DTYPES, wide_number
 
 __all__ = ["NormalizedSGD", "DEFAULT_EPS"]
 
@@ -441,6 +441,7 @@ def _foreach_momentum_(grads: list[torch.Tensor], momenta: list[torch.Tensor], s
     tensor's first step (step == 0, m == 0), negated for maximize and divided by GradScaler's grad_scale; steps += 1.
     The fused op's kernels apply the same rule (csrc/normalized_sgd.cpp, csrc/cuda/normalized_sgd.cu)."""
     acc = torch.float64 if momenta[0].dtype == torch.float64 else torch.float32
+    momentum = wide_number(momentum)
     started = torch.stack(steps).clamp_max(1.0).to(torch.float64)
     take = (-1.0 if maximize else 1.0) * (1.0 - momentum * started)
     if grad_scale is not None:
@@ -553,7 +554,7 @@ def _foreach_step(params: list[torch.Tensor], grads: list[torch.Tensor], momenta
         sumsq.append(norms.square().sum())
     first_device = next(iter(buckets))[0]
     total = torch.sqrt(torch.stack([s.to(first_device) for s in sumsq]).sum())
-    lr_t = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
+    lr_t, weight_decay = wide_number(lr), wide_number(weight_decay)
     decay = 1.0 - lr_t * weight_decay if weight_decay != 0.0 else None
     for ((device, _), (b_params, _, b_momenta, _)), norms in zip(buckets.items(), norms_per_bucket):
         denom = norms if norm == "tensor" else total.to(device).expand_as(norms)

@@ -618,6 +618,21 @@ def test_adjustment_enters_the_update_not_the_value(backend):
     assert torch.equal(losses, torch.tensor([1.0, 1.0], dtype=torch.float64))
 
 
+def test_an_adjustment_of_any_real_type(backend):
+    """A numpy scalar adjustment acts as the same Python number (np.float32 and np.int64 raised a TypeError that did
+    not name the argument: they are numbers.Real, not float or int)."""
+    import numpy as np
+
+    losses, groups = torch.tensor([0.5, 1.5, 2.5, 0.25]), torch.tensor([0, 1, 2, 1])
+    counts = [10.0, 20.0, 40.0]
+    want = dro_ext.GroupDROLoss(3, 0.5, adjustment=2.0, group_counts=counts)
+    want(losses, groups)
+    for adjustment in (np.float32(2.0), np.int64(2), np.float64(2.0)):
+        module = dro_ext.GroupDROLoss(3, 0.5, adjustment=adjustment, group_counts=counts)
+        module(losses, groups)
+        assert torch.equal(module.log_q, want.log_q), type(adjustment)
+
+
 def test_log_space_update_does_not_overflow(backend):
     module = dro_ext.GroupDROLoss(3, 50.0)
     for _ in range(20):

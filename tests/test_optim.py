@@ -565,6 +565,36 @@ def test_a_model_cast_after_a_step_steps_as_a_loaded_state_would(backend, foreac
         assert torch.equal(opt.state[p]["momentum_buffer"], resumed.state[q]["momentum_buffer"])
 
 
+@pytest.mark.parametrize("foreach", [None, True], ids=["default", "foreach"])
+def test_hyperparameters_of_a_narrow_type_act_at_the_value_given(backend, foreach):
+    """lr, momentum and weight_decay given as float32 or float16 numbers (numpy scalars, 0-d tensors) act at the value
+    they hold, in float64 as the fused op reads them: the foreach step formed 1 - lr * weight_decay in the number's
+    own dtype (an error of 2e-4 on a float64 param for a float16 weight_decay, 4e-8 for a float32 lr)."""
+    import numpy as np
+
+    def run(lr, momentum, weight_decay):
+        p = torch.nn.Parameter(torch.linspace(1.0, 2.0, 5, dtype=torch.float64))
+        opt = NormalizedSGD([p], lr=lr, momentum=momentum, weight_decay=weight_decay, eps=0.0, foreach=foreach)
+        for g in ([1.0, 0.0, 2.0, 0.0, 0.5], [0.5, -1.0, 0.0, 3.0, 1.0]):
+            p.grad = torch.tensor(g, dtype=torch.float64)
+            opt.step()
+        return p.detach()
+
+    def reference(lr, momentum, weight_decay):
+        p, m = torch.linspace(1.0, 2.0, 5, dtype=torch.float64), None
+        for g in ([1.0, 0.0, 2.0, 0.0, 0.5], [0.5, -1.0, 0.0, 3.0, 1.0]):
+            g = torch.tensor(g, dtype=torch.float64)
+            m = g if m is None else momentum * m + (1 - momentum) * g
+            p = (1 - lr * weight_decay) * p - lr * m / m.norm()
+        return p
+
+    for lr, momentum, weight_decay in ((np.float32(0.3), np.float32(0.7), np.float32(0.1)),
+                                       (0.3, 0.7, torch.tensor(0.1, dtype=torch.float16)),
+                                       (torch.tensor(0.3), 0.7, torch.tensor(0.1))):
+        values = [float(v) for v in (lr, momentum, weight_decay)]
+        torch.testing.assert_close(run(lr, momentum, weight_decay), reference(*values), rtol=4e-16, atol=0)
+
+
 def test_a_state_dict_it_did_not_save_is_named_at_the_step(backend):
     """torch.optim.SGD's state_dict (no step count), a momentum of another shape: a clear error on either step (a bare
     KeyError, or on the fallback a broadcasting error, before); a Python number as the step count is taken."""
