@@ -372,13 +372,21 @@ def default_chunk_size(rows: int, hidden: int, vocab: int, element_size: int = 4
      - about CHUNK_LOGIT_BYTES[device_type] of logits (32 MiB on the CPU, 512 MiB on CUDA): every chunk reads and
        writes the whole weight gradient once (its addmm), so too small a chunk turns the (V, H) accumulation into
        the bottleneck."""
-    def pow2_floor(x):
-        return 1 << max(0, int(x).bit_length() - 1)
-
     budget = CHUNK_LOGIT_BYTES.get(device_type, CHUNK_LOGIT_BYTES["cpu"])
-    matched = pow2_floor(max(1, math.ceil(rows / max(1, math.ceil(vocab / max(1, hidden))))))
-    by_bytes = pow2_floor(max(1, budget // max(1, vocab * element_size)))
+    matched = _pow2_floor(max(1, -(-rows // max(1, -(-vocab // max(1, hidden))))))
+    by_bytes = _pow2_floor(max(1, budget // max(1, vocab * element_size)))
     return max(1, min(rows, max(matched, by_bytes)))
+
+
+def _pow2_floor(x: int) -> int:
+    """The largest power of two at most x (x >= 1), found by comparisons: on a row count that torch.compile made
+    symbolic each comparison guards a range, so one compiled graph serves every batch size of a power-of-two bucket
+    (``int(x).bit_length()`` guarded the exact value: a recompile for every batch size, and a failure at the
+    ninth under fullgraph=True)."""
+    power = 1
+    while 2 * power <= x:
+        power *= 2
+    return power
 
 
 @torch.library.custom_op("dro_ext::linear_cross_entropy_with_grads", mutates_args=())

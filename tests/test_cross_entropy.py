@@ -1111,6 +1111,34 @@ def test_compiled_fullgraph_matches_eager(backend):
             torch.testing.assert_close(a.grad, b.grad)
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["tokens", "groups"])
+def test_compiled_with_dynamic_rows_serves_a_bucket_of_batch_sizes(backend, grouped):
+    """Compiled with dynamic shapes and the default chunk size, one graph serves every row count of a power-of-two
+    bucket of the chunk's rows (the chunk size's power of two was taken with int.bit_length(), which guarded the exact
+    row count: a recompile for every batch size and, under fullgraph=True, a failure at the ninth); each call equals
+    eager. Here ceil(V/H) = 32, so 12 row counts from 67 to 771 fall in 5 buckets."""
+    torch._dynamo.reset()
+    eta = torch.tensor(0.5)
+
+    def loss(hidden, weight, targets, groups):
+        extra = dict(groups=groups, num_groups=7) if grouped else {}
+        return dro_ext.dro_linear_cross_entropy(hidden, weight, targets, eta, LAM, "chi2", **extra)
+
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(loss, backend=counting_backend, fullgraph=True, dynamic=True)
+    weight = torch.randn(256, 8)
+    for n in (64 * j + 3 for j in range(1, 13)):
+        hidden, targets = torch.randn(n, 8), torch.arange(n) % 256
+        groups = torch.arange(n) % 7 if grouped else None
+        torch.testing.assert_close(compiled(hidden, weight, targets, groups), loss(hidden, weight, targets, groups))
+    assert len(graphs) <= 6, len(graphs)
+
+
 @native_only
 def test_native_result_is_the_same_on_any_thread_count():
     logits, targets = torch.randn(700, 300), torch.randint(0, 300, (700,))
