@@ -6,21 +6,39 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import warnings
 from collections.abc import Iterable, Iterator
 
 import torch  # noqa: F401  (loads libtorch, which dro_ext._C links against)
 
+# The ops of csrc/ that the Python layer calls or registers kernels for (tests/test_backend.py checks that the
+# library defines exactly these). A library that loads without one of them was built from older sources than this
+# Python layer (an editable install after a pull, before its rebuild): it is not used.
+COMPILED_OPS = (
+    "_cpu_capability", "dro_cross_entropy", "dro_cross_entropy_backward", "dro_cross_entropy_backward_",
+    "dro_cross_entropy_chunk_", "dro_loss", "dro_loss_backward", "group_dro_loss_", "group_dro_step_", "group_sums",
+    "group_sums_backward", "logsumexp_columns", "normalized_sgd_step_", "psi_star_terms", "robust_objective",
+    "robust_weights", "weight_stats",
+)
+
 _native_loaded = False
 _load_error: Exception | None = None
 try:
-    # The compiled extension: no Python names and no stub for the type checker to read.
-    from dro_ext import _C  # type: ignore[attr-defined]  # noqa: F401  (registers torch.ops.dro_ext.*)
-
+    # The compiled extension, which registers torch.ops.dro_ext.* (imported by its full name: a failed
+    # `from dro_ext import _C` inside the package's own import reads as a circular import).
+    importlib.import_module("dro_ext._C")
     _native_loaded = True
 except ImportError as exc:  # built without the extension, or built for another torch
     _load_error = exc
+if _native_loaded:
+    _missing_ops = [name for name in COMPILED_OPS if not hasattr(torch.ops.dro_ext, name)]
+    if _missing_ops:
+        _native_loaded = False
+        _load_error = ImportError(
+            f"dro_ext._C lacks the ops {', '.join(_missing_ops)}: it was built from older sources than this Python "
+            "layer; rebuild it (pip install --no-build-isolation -e ., or make build)")
 
 _force_python = os.environ.get("DRO_EXT_FORCE_PYTHON", "0").lower() not in ("", "0", "false", "no")
 
@@ -93,7 +111,12 @@ def forced_backend(name: str) -> Iterator[None]:
         _force_python = previous
 
 
-if not _native_loaded and not _force_python and os.environ.get("DRO_EXT_WARN_FALLBACK", "0") == "1":
+# A library that is there but cannot be used (built for another torch, or from older sources) is a broken install
+# that would silently run the slower fallback: it is said always. Without a library (a pure-Python install) the
+# fallback is the install's own choice, said only when asked (DRO_EXT_WARN_FALLBACK=1).
+_library_absent = isinstance(_load_error, ModuleNotFoundError) and _load_error.name == "dro_ext._C"
+if not _native_loaded and not _force_python and (
+        not _library_absent or os.environ.get("DRO_EXT_WARN_FALLBACK", "0") == "1"):
     warnings.warn(f"dro_ext: native ops unavailable, using the PyTorch fallback ({_load_error})")
 
 

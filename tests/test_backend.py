@@ -172,6 +172,88 @@ def test_group_dro_loss_refuses_ids_on_the_meta_device_and_keeps_its_state(backe
         assert torch.equal(value, before[key]), key
 
 
+# A copy of the package (without its compiled library) imported in a fresh process, with setuptools' editable
+# finder taken out, which would otherwise hand the copy this checkout's library.
+_IMPORT_COPY = """
+import sys, warnings
+sys.meta_path[:] = [f for f in sys.meta_path if "Editable" not in getattr(f, "__name__", type(f).__name__)]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import torch, dro_ext
+    from dro_ext import _backend
+assert dro_ext.__file__.startswith(sys.argv[1]), dro_ext.__file__
+assert dro_ext.backend() == "python"
+print("ERROR:", _backend.load_error())
+print("WARNINGS:", [str(w.message) for w in caught if str(w.message).startswith("dro_ext")])
+print("VALUE:", dro_ext.dro_loss(torch.tensor([1.0, 2.0, 3.0]), 0.5, 1.0).item())
+"""
+
+
+def _import_a_copy(tmp_path, library_file=None, library_text=None):
+    """Imports a copy of dro_ext holding `library_file` (written from `library_text`) in place of dro_ext._C, in a
+    fresh process; returns its printed lines."""
+    import os
+    import pathlib
+    import shutil
+    import subprocess
+    import sys
+
+    source = pathlib.Path(dro_ext.__file__).parent
+    shutil.copytree(source, tmp_path / "dro_ext", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    if library_file is not None:
+        (tmp_path / "dro_ext" / library_file).write_text(library_text)
+    env = {k: v for k, v in os.environ.items() if k not in ("DRO_EXT_FORCE_PYTHON", "DRO_EXT_WARN_FALLBACK")}
+    env["PYTHONPATH"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_COPY, str(tmp_path)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_without_its_library_the_package_runs_the_fallback_quietly(tmp_path):
+    out = _import_a_copy(tmp_path)
+    assert "ERROR: No module named 'dro_ext._C'" in out, out  # not "partially initialized module" (a circular import)
+    assert "WARNINGS: []" in out and "VALUE:" in out, out
+
+
+def test_a_library_that_cannot_load_is_said_at_import(tmp_path):
+    """A library there but unusable (built for another torch, truncated: here an empty file) is a broken install that
+    would run the slower fallback in silence: the import warns, naming the loader's error, and the fallback runs."""
+    out = _import_a_copy(tmp_path, "_C.abi3.so", "")
+    assert "WARNINGS: ['dro_ext: native ops unavailable, using the PyTorch fallback (" in out, out
+    assert "VALUE:" in out, out
+
+
+def test_a_library_older_than_the_python_layer_is_set_aside(tmp_path):
+    """A library that loads but lacks ops the Python layer calls (an editable install after a pull that added an op,
+    before the rebuild): `import dro_ext` raised "operator dro_ext::group_sums does not exist" from a fake kernel's
+    registration. It now runs the fallback and warns, naming the missing ops and the rebuild."""
+    stale = ("import torch\n_lib = torch.library.Library('dro_ext', 'DEF')\n"
+             "_lib.define('dro_loss(Tensor losses, Tensor eta, float lam, str divergence, float? alpha=None, "
+             "float? k=None, float scale=1.) -> (Tensor, Tensor)')\n")
+    out = _import_a_copy(tmp_path, "_C.py", stale)
+    assert "lacks the ops _cpu_capability, dro_cross_entropy" in out and "rebuild it" in out, out
+    assert "WARNINGS: ['dro_ext: native ops unavailable" in out and "VALUE:" in out, out
+
+
+def test_the_compiled_ops_list_is_what_the_library_defines():
+    """_backend.COMPILED_OPS, which a stale library is checked against, is every op the library registers: loaded
+    alone in a fresh process, without the Python layer's own custom ops."""
+    import subprocess
+    import sys
+
+    if not _backend.native_available():
+        pytest.fail(f"the extension did not load: {_backend.load_error()}")
+    from dro_ext import _C
+
+    script = ("import sys, torch\ntorch.ops.load_library(sys.argv[1])\n"
+              "print(sorted(n.split('::')[1].split('.')[0] for n in torch._C._dispatch_get_all_op_names() "
+              "if n.startswith('dro_ext::')))")
+    proc = subprocess.run([sys.executable, "-c", script, _C.__file__], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert eval(proc.stdout) == sorted(_backend.COMPILED_OPS)
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 def test_float8_is_refused_naming_the_argument(backend, dtype):
     """float8 is a floating dtype to torch, but no kernel is compiled for it: the fallback computed in it (a float8
