@@ -476,10 +476,12 @@ double warm_start(const at::Tensor& x, const DivergenceSpec& spec, double lam, d
 }
 
 // Whether float32 sums resolve eta at this lam: lam at least 256 roundings of the largest |loss| (else t moves by
-// more than 1/256 per rounding of eta), and 1/lam a normal float32 (else t is inf or 0 for every loss). Where they
-// do not, the iterative solvers run on a float64 copy of the losses.
-bool float32_resolves(const at::Tensor& x, double lam, double largest) {
-  return lam >= 256.0 * machine_epsilon(x) * largest && float32_forms_t(lam);
+// more than 1/256 per rounding of eta), 1/lam a normal float32 (else t is inf or 0 for every loss), and every t
+// within the divergence's float32 limit (cpu/kernels.h's float32_t_limit: cressie_read at a k - 1 near float32's
+// largest). Where they do not, the iterative solvers run on a float64 copy of the losses.
+bool float32_resolves(const at::Tensor& x, const DivergenceSpec& spec, double lam, double largest) {
+  return lam >= 256.0 * machine_epsilon(x) * largest && float32_forms_t(lam) &&
+         2.0 * largest / lam <= cpu::float32_t_limit(spec);
 }
 
 // Where Newton over all N starts. float64 losses of a divergence with exponential weights (kl_cvar, smoothed_cvar)
@@ -495,7 +497,7 @@ double newton_start(const at::Tensor& x, const DivergenceSpec& spec, double lam,
     const at::Tensor narrow = x.to(at::kFloat);
     const auto [narrow_lo, narrow_hi] = min_max(narrow);
     if (narrow_lo < narrow_hi && std::isfinite(narrow_lo) && std::isfinite(narrow_hi) &&
-        float32_resolves(narrow, lam, std::max(-narrow_lo, narrow_hi))) {
+        float32_resolves(narrow, spec, lam, std::max(-narrow_lo, narrow_hi))) {
       const double eta = newton_root(narrow, spec, lam, narrow_lo, narrow_hi,
                                      warm_start(narrow, spec, lam, narrow_lo, narrow_hi), 0.0).eta;
       if (std::isfinite(eta) && eta > lo && eta < hi) return eta;
@@ -515,7 +517,7 @@ Solution solve(const at::Tensor& x, const DivergenceSpec& spec, double lam) {
     sol = solve_cvar(x, spec.alpha);  // a selection: exact in any dtype
   } else {
     const at::Tensor xs =
-        x.scalar_type() != at::kDouble && !float32_resolves(x, lam, std::max(-lo, hi)) ? x.to(at::kDouble) : x;
+        x.scalar_type() != at::kDouble && !float32_resolves(x, spec, lam, std::max(-lo, hi)) ? x.to(at::kDouble) : x;
     if (spec.kind == Divergence::KL) {
       sol = solve_kl(xs, spec, lam, hi);
     } else {

@@ -329,6 +329,35 @@ def test_a_long_sum_of_alike_terms_stays_within_a_few_roundings(backend, diverge
     assert abs(value.double().item() / exact.item() - 1) <= 8 * 2.0**-24 * 2, (value.item(), exact.item())
 
 
+def test_cressie_read_float32_weights_where_k_minus_1_times_t_passes_float32(backend):
+    """cressie_read's u = 1 + (k - 1) t overflowed float32 where t and the weight u^(1/(k-1)) do not (k = 100,
+    lam = 1e-37, t near 1e37: u = 1e39, a weight near 2.5): the float32 map gave inf weights, and so the loss's
+    gradient; it is now redone in float64 as a t past float32 is (within the README's range: 1/lam a normal float32,
+    t finite in float64)."""
+    losses = torch.tensor([0.1, 0.5, 0.9, 1.3, 1.7]).requires_grad_()
+    eta, lam, k = torch.tensor(0.3), 1e-37, 100.0
+    value = dro_ext.dro_loss(losses, eta, lam, "cressie_read", k=k)
+    (grad,) = torch.autograd.grad(value, losses)
+    weights = dro_ext.dro_weights(losses.detach(), eta, lam, "cressie_read", k=k)
+    for i, v in enumerate(losses.tolist()):
+        t = (mp.mpf(v) - mp.mpf(eta.item())) / mp.mpf(lam)
+        w = float(mp_psi_star(t, "cressie_read", k=k, order=1))
+        assert weights[i].item() == pytest.approx(w, rel=1e-6), (i, weights[i].item(), w)
+        assert grad[i].item() == pytest.approx(w / 5, rel=1e-6), (i, grad[i].item(), w / 5)
+
+
+@pytest.mark.parametrize("k", [1e38, 1e39], ids=["k-1 in float32", "k-1 past float32"])
+def test_cressie_read_float32_robust_objective_at_a_k_near_float32s_largest(backend, k):
+    """At such a k, psi*(t) = (u^(k/(k-1)) - 1)/k is t to within 1e-36 for u > 0, so Psi is the mean loss and the
+    worst case the uniform distribution; the float32 solver's (k - 1) t overflowed (Psi 1.43 for a mean of 0.9, all
+    the weight on the largest loss) or was NaN where k - 1 is no float32. The solve now runs on a float64 copy."""
+    losses = torch.tensor([0.1, 0.5, 0.9, 1.3, 1.7])
+    value, _ = dro_ext.robust_objective(losses, 0.1, "cressie_read", k=k)
+    assert value.item() == pytest.approx(0.9, rel=1e-6)
+    weights = dro_ext.worst_case_weights(losses, 0.1, "cressie_read", k=k)
+    torch.testing.assert_close(weights, torch.full((5,), 0.2), rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("k", [2.0, 1.5])
 def test_cressie_read_integer_powers_psi_star_meets_kappa_4_at_large_t(backend, k):
     """The README's bound for psi_star at k = 2 and 3/2, kappa u |psi*(t)| with kappa = 4: the fallback formed psi*

@@ -152,11 +152,22 @@ inline PenalizedMean penalized_mean(const at::Tensor& x, const DivergenceSpec& s
   return {value, mean_weight};
 }
 
+// The largest |t| whose float32 terms spec's divergence forms without an intermediate overflow, past which the map
+// below is redone in float64: float32's largest (t itself), but for cressie_read, whose u = 1 + (k - 1) t overflows
+// float32 once |t| passes FLT_MAX / (k - 1) while its weight u^(1/(k-1)) stays small (k = 100, t = 1e37: u = 1e39,
+// a weight of 2.5, which came out inf), and -1 (every map redone) where k - 1 itself is past float32's range.
+inline double float32_t_limit(const DivergenceSpec& spec) {
+  constexpr double kFloatMax = std::numeric_limits<float>::max();
+  const double k_minus_1 = spec.k - 1.0;
+  if (spec.kind != Divergence::CressieRead || !(k_minus_1 > 1.0)) return kFloatMax;
+  return k_minus_1 > kFloatMax ? -1.0 : kFloatMax / k_minus_1;
+}
+
 // out_i = multiplier * psi*^(order)((x_i - shift) / lam) over the contiguous x into out (x's shape, contiguous),
 // whose dtype may be narrower than x's: x a float64 copy of out's losses, whose terms go through a float64 buffer.
 // Where a float32 t overflowed (t = (x - shift) / lam past float32's range at a tiny lam, though the term need not
-// be: cressie_read's weight grows as t^(1/(k-1))), the map is redone on a float64 copy of x, as penalized_mean redoes
-// its sums.
+// be: cressie_read's weight grows as t^(1/(k-1))), or passed float32_t_limit, the map is redone on a float64 copy of
+// x, as penalized_mean redoes its sums.
 inline void map_derivative_over(const at::Tensor& x, at::Tensor& out, const DivergenceSpec& spec, double shift,
                                 double lam, double multiplier, int64_t order, int64_t avx512_min_values) {
   const KernelTable& kernels = cpu_kernels(x.numel(), avx512_min_values);

@@ -244,12 +244,14 @@ std::array<double, 3> reduce_terms(const scalar_t* x, int64_t n, const Div& div,
 // and a streaming store skips the read-for-ownership a cached store of a cold line costs.
 constexpr int64_t kStreamingBytes = int64_t(8) << 20;
 
-// Returns whether some t = (x - shift) / lam overflowed float32 (never for float64): its term is then inf or NaN
-// where it need not be (cressie_read's weight ~ t^(1/(k-1)) fits float32 long after t does), and the caller redoes
-// the map on a float64 copy, as the reductions redo a pass whose float32 result overflowed. Each vector's |d| against
-// FLT_MAX lam, kept as a running minimum of -|d|: two instructions a vector, no pass of its own.
+// Returns whether some t = (x - shift) / lam passed t_limit (float32_t_limit; never checked for float64): its term
+// is then inf or NaN where it need not be (cressie_read's weight ~ t^(1/(k-1)) fits float32 long after t, or
+// (k - 1) t, does), and the caller redoes the map on a float64 copy, as the reductions redo a pass whose float32
+// result overflowed. Each vector's |d| against t_limit lam, kept as a running minimum of -|d|: two instructions a
+// vector, no pass of its own.
 template <int64_t ORDER, typename scalar_t, typename Div>
-bool map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affine affine, double multiplier) {
+bool map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affine affine, double multiplier,
+               double t_limit) {
   using acc_t = at::opmath_type<scalar_t>;
   using V = Vectorized<acc_t>;
   constexpr bool kCheck = !std::is_same_v<acc_t, double>;
@@ -315,7 +317,7 @@ bool map_order(const scalar_t* x, scalar_t* out, int64_t n, const Div& div, Affi
       acc_t lanes[V::size()];
       lowest.store(lanes);
       const acc_t peak = -*std::min_element(lanes, lanes + V::size());
-      if (static_cast<double>(peak) * affine.inv_lam > static_cast<double>(std::numeric_limits<acc_t>::max())) {
+      if (static_cast<double>(peak) * affine.inv_lam > t_limit) {
         overflowed.store(true, std::memory_order_relaxed);
       }
     }
@@ -450,24 +452,25 @@ bool map_derivative_impl(
   bool overflowed = false;
   TORCH_INTERNAL_ASSERT(x.is_contiguous() && out.is_contiguous() && x.numel() == out.numel());
   TORCH_INTERNAL_ASSERT(order >= 0 && order <= 2);
+  const double t_limit = float32_t_limit(spec);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dro_ext_map", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* data = x.const_data_ptr<scalar_t>();
     scalar_t* result = out.mutable_data_ptr<scalar_t>();
     visit_divergence<acc_t>(spec, [&](const auto& div) {
       switch (order) {
-        case 0: overflowed = map_order<0>(data, result, x.numel(), div, affine, multiplier); break;
+        case 0: overflowed = map_order<0>(data, result, x.numel(), div, affine, multiplier, t_limit); break;
         case 1:
           if constexpr (requires { div.coarse_first_scale(); }) {
             if (div.coarse_ok()) {
               overflowed = map_order<kUnscaledFirst>(data, result, x.numel(), div, affine,
-                                                     multiplier * div.coarse_first_scale());
+                                                     multiplier * div.coarse_first_scale(), t_limit);
               break;
             }
           }
-          overflowed = map_order<1>(data, result, x.numel(), div, affine, multiplier);
+          overflowed = map_order<1>(data, result, x.numel(), div, affine, multiplier, t_limit);
           break;
-        default: overflowed = map_order<2>(data, result, x.numel(), div, affine, multiplier); break;
+        default: overflowed = map_order<2>(data, result, x.numel(), div, affine, multiplier, t_limit); break;
       }
     });
   });
