@@ -20,7 +20,7 @@ the losses through the group means: the gradient of ``l_i`` is ``q_{g_i} / n_{g_
 per-point weights), in float64 on either backend (the native solver takes no weights), the value still
 differentiable through the group means.
 
-``group=`` (a process group): the per-group sums and counts of the ranks' losses are all-reduced once (2G + 2 numbers,
+``group=`` (a process group): the per-group sums and counts of the ranks' losses are all-reduced once (2G + 3 numbers,
 ``dro_ext.groups``' reduction over ranks), and every rank solves the same weighted problem over the G global means
 (weights n_g for "batch": the same Psi as over the concatenated losses), with no further collective; so every rank
 gets the same value, eta* and q. As :func:`dro_ext.robust_objective` with ``group=`` and no groups, the gradient of
@@ -217,7 +217,7 @@ def sample_weights(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
     the group means at eta (unnormalized, as weight_stats takes them).
 
     With a process group, of this rank's samples within the ranks' samples together: the group means and counts
-    are those of every rank (one all-reduce of 2G + 2 numbers), the worst case is solved over them as
+    are those of every rank (one all-reduce of 2G + 3 numbers), the worst case is solved over them as
     robust_objective(group=) solves it (the same q on every rank), and the weights of all ranks' samples sum to
     what they would over the concatenated batch."""
     from dro_ext import robust

@@ -288,8 +288,8 @@ def _reduced_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: 
                         mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sums, counts) of the batch, or, with a process group, of the concatenated batch of its ranks.
 
-    Over ranks, (sums, counts) are all-reduced together (one collective of 2G + 2 numbers: two counts below) so every
-    rank holds the same values; the sums' gradient goes to the local samples times the world size, which DDP's
+    Over ranks, (sums, counts) are all-reduced together (one collective of 2G + 3 numbers: num_groups and two counts
+    below) so every rank holds the same values; the sums' gradient goes to the local samples times the world size, which DDP's
     averaging of the gradients over the ranks divides out again: the averaged gradient is the one of the concatenated
     batch. The collective is in float64 whatever each rank's dtype (an empty rank's torch.empty(0) is float32 beside
     another's float64: gloo aborted the process on the differing sizes), and so are the sums it returns."""
@@ -328,15 +328,29 @@ def _all_reduce_group_sums(both: torch.Tensor, num_groups: int, process_group: P
                            where: str) -> torch.Tensor:
     """The all-reduce of _reduced_group_sums' vector [sums, counts, bad ids, refused ranks] (float64, 2G + 2), back on
     the vector's device. Where a rank refused its inputs (_refuse_on_every_rank) a rank on the CPU raises (the count
-    is read without a sync); on a device the refusing rank's NaN sums make every rank's result NaN instead."""
+    is read without a sync); on a device the refusing rank's NaN sums make every rank's result NaN instead.
+
+    The vector travels behind one more number, num_groups, whose sum over the ranks must be the world size times this
+    rank's: ranks given different num_groups all-reduce vectors of different lengths, which gloo let the ranks of the
+    shorter one finish, each reading a mix of the others' sums and counts (silently wrong values and q), while the
+    others failed. A mismatch raises on the CPU (no sync) and fails an asynchronous assertion on a device."""
     from dro_ext.distributed import _collective_device, another_rank_refused, check_group, functional_all_reduce
 
     check_group(process_group, where)
     device = _collective_device(process_group, both.device)
-    reduced = functional_all_reduce(both.to(device), process_group, where).to(both.device)
-    if reduced.device.type == "cpu" and not torch.compiler.is_compiling() and bool(reduced[2 * num_groups + 1] > 0):
-        raise another_rank_refused(where)
-    return reduced
+    vector = torch.cat([torch.full((1,), float(num_groups), dtype=both.dtype, device=both.device), both])
+    reduced = functional_all_reduce(vector.to(device), process_group, where).to(both.device)
+    expected = float(num_groups * torch.distributed.get_world_size(process_group))
+    message = (f"dro_ext.{where}: num_groups differs between the ranks of the process group (this rank's is "
+               f"{num_groups}); pass the same num_groups on every rank")
+    if reduced.device.type == "cpu" and not torch.compiler.is_compiling():
+        if float(reduced[0]) != expected:
+            raise ValueError(message)
+        if bool(reduced[2 * num_groups + 2] > 0):
+            raise another_rank_refused(where)
+    else:
+        torch._assert_async(reduced[0] == expected, message)
+    return reduced[1:]
 
 
 def _refuse_on_every_rank(error: Exception, num_groups: int, process_group: ProcessGroup | None, where: str,
@@ -605,8 +619,8 @@ class GroupDROLoss(_Float64Configuration):
     state then keeps (``reset_parameters()`` or a saved ``state_dict`` starts over).
 
     ``group`` (a process group): the per-group sums and counts are all-reduced once per call (one collective of
-    ``2 * num_groups + 2`` numbers: with the counts of bad ids and of refusing ranks), so every rank updates the
-    same ``q`` from the concatenated batch and returns the same loss, that of the concatenated batch; the gradients
+    ``2 * num_groups + 3`` numbers: with num_groups, checked to agree, and the counts of bad ids and of refusing
+    ranks), so every rank updates the same ``q`` from the concatenated batch and returns the same loss, that of the concatenated batch; the gradients
     of the local losses are scaled so that DDP's average over the ranks is the gradient of that loss.
 
     Per step on CUDA nothing is read on the host: no ``.item()``, no data-dependent shapes (ids out of range fail

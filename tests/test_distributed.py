@@ -244,6 +244,56 @@ def load_example_model():
     return recipe.add_dro_loss(recipe.tiny_gpt2(128, 16, seed=0))
 
 
+NUM_GROUPS_RANK = """
+import datetime, os, sys, torch, torch.distributed as dist
+import dro_ext, dro_ext.distributed
+rank, world, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
+                        timeout=datetime.timedelta(seconds=20))
+losses = torch.tensor([0.5, 1.5, -0.25, 2.0, 0.75], dtype=torch.float64)[: rank + 2]
+ids = torch.arange(rank + 2) % 3
+
+
+def call(num_groups, phase):
+    try:
+        value = dro_ext.group_dro_loss(losses, ids, num_groups, 0.1, 0.5, group=dist.group.WORLD)
+        print(f"{phase} RETURNED {value.item()!r}", flush=True)
+    except Exception as e:
+        print(f"{phase} RAISED {type(e).__name__}: {e}", flush=True)
+
+
+# The check itself: every rank passes num_groups=3, but rank 1 sees the count of another rank's num_groups in the
+# reduced vector (as a rank whose vector was cut short by a longer one would).
+reduce = dro_ext.distributed.functional_all_reduce
+if rank == 1:
+    dro_ext.distributed.functional_all_reduce = lambda t, *a: reduce(t, *a) + (torch.arange(t.numel()) == 0)
+call(3, "CHECK")
+dro_ext.distributed.functional_all_reduce = reduce
+dist.barrier()
+# The user error: rank 0 passes num_groups=4, the others 3 (vectors of 11 and 9 numbers).
+call(4 if rank == 0 else 3, "MISMATCH")
+os._exit(0)
+"""
+
+
+def test_num_groups_that_differ_between_ranks_give_no_value(tmp_path):
+    """group_dro_loss(group=) (so GroupDROLoss and DROLoss(num_groups=) too) with num_groups 4 on one rank and 3 on
+    two others: gloo let the two finish their all-reduce of a shorter vector, and they returned a value made of the
+    other ranks' numbers (0.757 for 1.307). The vector now carries num_groups, whose sum over the ranks shows a rank
+    given another; no rank returns a value."""
+    script = tmp_path / "num_groups_rank.py"
+    script.write_text(NUM_GROUPS_RANK)
+    world = 3
+    commands = [[sys.executable, str(script), str(rank), str(world), str(tmp_path / "store")] for rank in range(world)]
+    logs = [log for _, log in _run(commands, tmp_path, SHORT_TIMEOUT)]
+    checks = [re.findall(r"CHECK (RETURNED|RAISED) (.*)", log) for log in logs]
+    assert checks[1] == [("RAISED", "ValueError: dro_ext.group_dro_loss: num_groups differs between the ranks of the "
+                                    "process group (this rank's is 3); pass the same num_groups on every rank")], logs
+    for rank in (0, 2):  # the ranks that saw a sum of num_groups that agrees: the value of the concatenated batch
+        assert checks[rank] and checks[rank][0][0] == "RETURNED", logs[rank][-3000:]
+    assert not any("MISMATCH RETURNED" in log for log in logs), logs
+
+
 def test_group_errors_name_the_problem():
     """In this (non-distributed) process: group= without an initialized process group, or of a wrong type,
     is a clear error, raised before any collective."""
