@@ -19,6 +19,12 @@
 #include <limits>
 
 namespace dro_ext::cpu::simd {
+// One namespace per capability (CPU_CAPABILITY, csrc/cpu/simd_capability.h), as ATen's Vectorized has: these inline
+// functions are compiled into the AVX2 and the AVX-512 builds alike, and a function whose signature is the same in
+// both (set(float), set_int, two_to_n(const Reduced&)) had one mangled name for two bodies. Where the compiler did
+// not inline them (-O0: CI's build against torch 2.11), the linker kept one body for both builds, and the AVX-512
+// expm1 scaled by the AVX2 build's 2^n: kl's psi*(1) read 0.36 for e - 1.
+inline namespace CPU_CAPABILITY {
 
 #if defined(CPU_CAPABILITY_AVX512)
 using F = __m512;
@@ -276,6 +282,7 @@ inline F log1p(F x) {
   return select(not_less(x, set(std::numeric_limits<float>::infinity())), x, result);
 }
 
+}  // namespace CPU_CAPABILITY
 }  // namespace dro_ext::cpu::simd
 
 #endif
