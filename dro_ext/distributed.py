@@ -127,8 +127,9 @@ class AgreedSettings:
     """What every rank of an evaluation call must pass alike, set inside checked_on_every_rank's ``with`` body once
     checked: the call's lam, divergence (with alpha and k), number of groups (0 over samples), group weights (None
     for the batch counts), and weight_stats' ``over``, ``eta`` and ``scale``. Those that decide which collectives the
-    call makes (``num_groups``, ``over``, whether ``eta`` is given) would otherwise abort gloo; the others would give
-    each rank the answer to another problem."""
+    call makes (``num_groups``, ``over``, whether ``eta`` is given) would otherwise make ranks all-reduce vectors of
+    different lengths, which gloo either aborts or lets some ranks finish with a mix of the others' numbers; the
+    others would give each rank the answer to another problem."""
 
     def __init__(self) -> None:
         self.set(None, None, None)
