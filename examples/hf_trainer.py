@@ -13,7 +13,8 @@ subclass only keeps ``eta`` out of weight decay.
 With gradient accumulation the Trainer divides each micro-batch's objective by the number of micro-batches: the step
 follows the mean of the micro-batches' DRO objectives, as it follows the mean of their mean losses without DRO. That
 is not the objective of the accumulated batch taken whole, which weighs every token against all the others (the DRO
-objective is no mean over tokens); a larger batch per device is.
+objective is no mean over tokens); a larger batch per device is. Under DDP likewise each rank's objective is over
+its own batch and DDP averages their gradients (``DROLinearCrossEntropyLoss`` takes no process group).
 
 ``--per-sequence`` makes the sequences, not the tokens, the units the DRO objective weighs (sequence-level DRO): each
 sequence of a batch is a group (``groups`` of shape ``(batch,)``, broadcast over its tokens), its loss the mean over
