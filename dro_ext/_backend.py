@@ -126,9 +126,8 @@ def check_fake_devices(main_name: str, main: torch.Tensor, **others: torch.Tenso
     call with one operand left there (a buffer of a model built on meta and never materialized) would otherwise
     return uninitialized CPU memory, and an op that updates a state would write it there."""
     for name, t in others.items():
-        if t is not None and t.device != main.device:
-            raise ValueError(f"dro_ext: {name} is on {t.device} but {main_name} is on {main.device}; move them to the "
-                             "same device")
+        check_fake_operands_on(main.device, [t], f"dro_ext: {name} is on {{device}} but {main_name} is on "
+                               "{expected}; move them to the same device")
 
 
 def check_fake_operands_on(device: torch.device, tensors: Iterable[torch.Tensor | None], message: str) -> None:

@@ -289,10 +289,11 @@ def _reduced_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: 
     """(sums, counts) of the batch, or, with a process group, of the concatenated batch of its ranks.
 
     Over ranks, (sums, counts) are all-reduced together (one collective of 2G + 3 numbers: num_groups and two counts
-    below) so every rank holds the same values; the sums' gradient goes to the local samples times the world size, which DDP's
-    averaging of the gradients over the ranks divides out again: the averaged gradient is the one of the concatenated
-    batch. The collective is in float64 whatever each rank's dtype (an empty rank's torch.empty(0) is float32 beside
-    another's float64: gloo aborted the process on the differing sizes), and so are the sums it returns."""
+    below) so every rank holds the same values; the sums' gradient goes to the local samples times the world size,
+    which DDP's averaging of the gradients over the ranks divides out again: the averaged gradient is the one of the
+    concatenated batch. The collective is in float64 whatever each rank's dtype (an empty rank's torch.empty(0) is
+    float32 beside another's float64: gloo aborted the process on the differing sizes), and so are the sums it
+    returns."""
     if process_group is None:
         return _masked_group_sums(losses, groups, num_groups, mask)
     # An id out of range on one rank only must raise on every rank, after the collective: raised before it, it left
@@ -311,9 +312,8 @@ def _reduced_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: 
         sums, counts = _masked_group_sums(losses, groups, num_groups, mask)
         bad = torch.zeros((), dtype=torch.float64, device=losses.device)
     refused = torch.zeros((), dtype=torch.float64, device=losses.device)  # inputs passed (_refuse_on_every_rank: 1)
-    both = _all_reduce_group_sums(torch.cat([sums.detach().to(torch.float64), counts.to(torch.float64),
-                                             torch.stack([bad, refused])]),
-                                  num_groups, process_group, where)
+    both = _all_reduce_group_sums([sums.detach().to(torch.float64), counts.to(torch.float64),
+                                   torch.stack([bad, refused])], num_groups, process_group, where)
     if counted and bool(both[2 * num_groups] > 0):
         raise IndexError(f"{_bad_ids_message(num_groups)} (on {int(both[2 * num_groups])} samples of the ranks of "
                          f"the process group)")
@@ -324,11 +324,12 @@ def _reduced_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: 
     return _GlobalValueLocalGradient.apply(both[:num_groups], sums, world), both[num_groups:2 * num_groups]
 
 
-def _all_reduce_group_sums(both: torch.Tensor, num_groups: int, process_group: ProcessGroup,
+def _all_reduce_group_sums(parts: list[torch.Tensor], num_groups: int, process_group: ProcessGroup,
                            where: str) -> torch.Tensor:
-    """The all-reduce of _reduced_group_sums' vector [sums, counts, bad ids, refused ranks] (float64, 2G + 2), back on
-    the vector's device. Where a rank refused its inputs (_refuse_on_every_rank) a rank on the CPU raises (the count
-    is read without a sync); on a device the refusing rank's NaN sums make every rank's result NaN instead.
+    """The all-reduce of _reduced_group_sums' vector [sums, counts, bad ids, refused ranks] (float64, 2G + 2, given as
+    its parts, which are concatenated once here), back on the parts' device. Where a rank refused its inputs
+    (_refuse_on_every_rank) a rank on the CPU raises (the count is read without a sync); on a device the refusing
+    rank's NaN sums make every rank's result NaN instead.
 
     The vector travels behind one more number, num_groups, whose sum over the ranks must be the world size times this
     rank's: ranks given different num_groups all-reduce vectors of different lengths, which gloo let the ranks of the
@@ -337,19 +338,23 @@ def _all_reduce_group_sums(both: torch.Tensor, num_groups: int, process_group: P
     from dro_ext.distributed import _collective_device, another_rank_refused, check_group, functional_all_reduce
 
     check_group(process_group, where)
-    device = _collective_device(process_group, both.device)
-    vector = torch.cat([torch.full((1,), float(num_groups), dtype=both.dtype, device=both.device), both])
-    reduced = functional_all_reduce(vector.to(device), process_group, where).to(both.device)
+    local = parts[0].device
+    device = _collective_device(process_group, local)
+    vector = torch.cat([torch.full((1,), float(num_groups), dtype=torch.float64, device=local), *parts])
+    reduced = functional_all_reduce(vector.to(device), process_group, where).to(local)
     expected = float(num_groups * torch.distributed.get_world_size(process_group))
-    message = (f"dro_ext.{where}: num_groups differs between the ranks of the process group (this rank's is "
-               f"{num_groups}); pass the same num_groups on every rank")
+
+    def mismatch() -> str:
+        return (f"dro_ext.{where}: num_groups differs between the ranks of the process group (this rank's is "
+                f"{num_groups}); pass the same num_groups on every rank")
+
     if reduced.device.type == "cpu" and not torch.compiler.is_compiling():
         if float(reduced[0]) != expected:
-            raise ValueError(message)
+            raise ValueError(mismatch())
         if bool(reduced[2 * num_groups + 2] > 0):
             raise another_rank_refused(where)
     else:
-        torch._assert_async(reduced[0] == expected, message)
+        torch._assert_async(reduced[0] == expected, mismatch())
     return reduced[1:]
 
 
@@ -359,11 +364,11 @@ def _refuse_on_every_rank(error: Exception, num_groups: int, process_group: Proc
     group make in _reduced_group_sums, so that they raise too instead of waiting for this rank (or pairing their
     collective with its next one): this rank contributes NaN sums and one refusal."""
     if process_group is not None:  # (num_groups was checked by every caller before its inputs)
-        vector = torch.cat([torch.full((num_groups,), torch.nan, dtype=torch.float64, device=device),
-                            torch.zeros(num_groups + 1, dtype=torch.float64, device=device),
-                            torch.ones(1, dtype=torch.float64, device=device)])
+        parts = [torch.full((num_groups,), torch.nan, dtype=torch.float64, device=device),
+                 torch.zeros(num_groups + 1, dtype=torch.float64, device=device),
+                 torch.ones(1, dtype=torch.float64, device=device)]
         try:
-            _all_reduce_group_sums(vector, num_groups, process_group, where)
+            _all_reduce_group_sums(parts, num_groups, process_group, where)
         except ValueError:
             pass  # the other ranks' view of this refusal: this rank raises its own error below
     try:
@@ -620,8 +625,9 @@ class GroupDROLoss(_Float64Configuration):
 
     ``group`` (a process group): the per-group sums and counts are all-reduced once per call (one collective of
     ``2 * num_groups + 3`` numbers: with num_groups, checked to agree, and the counts of bad ids and of refusing
-    ranks), so every rank updates the same ``q`` from the concatenated batch and returns the same loss, that of the concatenated batch; the gradients
-    of the local losses are scaled so that DDP's average over the ranks is the gradient of that loss.
+    ranks), so every rank updates the same ``q`` from the concatenated batch and returns the same loss, that of the
+    concatenated batch; the gradients of the local losses are scaled so that DDP's average over the ranks is the
+    gradient of that loss.
 
     Per step on CUDA nothing is read on the host: no ``.item()``, no data-dependent shapes (ids out of range fail
     through a device-side assertion; :func:`dro_ext.group_sums` runs with ``validate=False``).
