@@ -221,7 +221,7 @@ def checked_on_every_rank(group: dist.ProcessGroup | None, where: str,
     differ = list(dict.fromkeys(name for i, name in enumerate(names)
                                 if highest[1 + i] != -highest[1 + len(names) + i]))
     if differ:
-        raise ValueError(f"dro_ext.{where}: the ranks of the process group passed different {', '.join(differ)}; "
+        raise ValueError(f"dro_ext.{where}: the ranks of the process group differ in {', '.join(differ)}; "
                          f"every rank must make the same call with the same lam, divergence (alpha, k), num_groups, "
                          f"weighting (group_counts) and, for weight_stats, over, eta and scale")
 

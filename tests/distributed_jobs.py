@@ -734,7 +734,7 @@ def job_robust(rank, world):
         try:
             call()
         except ValueError as exc:
-            assert f"passed different {names};" in str(exc), (names, rank, exc)
+            assert f"differ in {names};" in str(exc), (names, rank, exc)
         else:
             raise AssertionError(f"rank {rank}: ranks passing different {names} did not raise")
     # A weighting without groups is refused on every rank, as on one process (the sample-level call over the ranks
