@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -497,6 +497,55 @@ def _fraction(name: str, value: object, *, low_open: bool) -> float:
     return value
 
 
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"dro_ext: {name} must be {' or '.join(map(repr, choices))}, got {name}={value!r}")
+    return value
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"dro_ext: {name} must be a bool, got {value!r}")
+    return value
+
+
+# GroupDROLoss's settings, each with the rule of its value alone; _check_setting_combination holds the rules that
+# tie them together. Both run where a setting is set, in the constructor or later (module.step_size = ...), never per
+# step.
+_SETTING_RULES: dict[str, Callable[[Any], Any]] = {
+    "mode": lambda value: _choice("mode", value, _MODES),
+    "missing": lambda value: _choice("missing", value, _MISSING),
+    "normalize_loss": lambda value: _flag("normalize_loss", value),
+    "step_size": lambda value: check_positive("step_size", value),
+    "ema_gamma": lambda value: _fraction("ema_gamma", value, low_open=True),
+    "min_var_weight": lambda value: _fraction("min_var_weight", value, low_open=False),
+    "alpha": lambda value: None if value is None else check_positive("alpha", value),
+}
+
+
+_COMBINED_SETTINGS = ("mode", "alpha", "normalize_loss", "min_var_weight")
+
+
+def _check_setting_combination(mode: str, alpha: object, normalize_loss: bool, min_var_weight: float) -> None:
+    if mode == "greedy_cvar":
+        if alpha is None:
+            raise ValueError("dro_ext: mode='greedy_cvar' needs alpha > 0 (the CVaR level), got alpha=None")
+        if normalize_loss:
+            raise ValueError("dro_ext: normalize_loss applies to mode='eg' only; pass normalize_loss=False")
+    else:
+        if alpha is not None:
+            raise ValueError(f"dro_ext: alpha is used by mode='greedy_cvar' only, got alpha={alpha!r}; "
+                             f"pass alpha=None")
+        if min_var_weight != 0.0:
+            raise ValueError("dro_ext: min_var_weight is used by mode='greedy_cvar' only; pass 0")
+
+
+# The floating dtypes the state keeps under a cast: a 16-bit log q holds no step of a usual step_size (bfloat16's
+# spacing near log(1/4) is 0.008: every update rounded away, q stayed uniform, Group DRO ran as ERM).
+_NARROW_STATE_DTYPES = (torch.float16, torch.bfloat16)
+_STATE_FLOATS = ("log_q", "ema_loss", "last_loss")
+
+
 def _greedy_cvar_weights(ranking: torch.Tensor, shares: torch.Tensor, alpha: float) -> torch.Tensor:
     """The worst-case weights of a CVaR at level alpha over groups of the given shares (summing to one), taken
     greedily in decreasing order of `ranking`: each group gets its whole share while the running total stays within
@@ -618,7 +667,10 @@ class GroupDROLoss(_Float64Configuration):
     CUDA graph's replay, as ``mode="reduce-overhead"`` makes, runs kernels only: no check). The state lives in
     buffers, so ``state_dict()`` saves it and ``load_state_dict`` resumes the run bitwise: ``log_q``, ``ema_loss``,
     ``last_loss`` (each group's last mean loss) and ``seen`` (which groups have appeared). They are of the default
-    dtype at construction; a step computes in the wider of their dtype and the losses' accumulate dtype. An empty
+    dtype at construction; a cast of the module (``module.half()``, ``model.to(torch.bfloat16)``) takes them to
+    float32 at the narrowest, as a 16-bit ``log q`` would round away a step of a usual ``step_size``; a step
+    computes in the wider of their dtype and the losses' accumulate dtype. The settings (``step_size``, ``missing``,
+    ``ema_gamma``, ...) may be set on the module later, checked as the constructor checks them. An empty
     batch is allowed (a rank without samples): it returns 0 and updates the state as a batch where every group is
     absent. A NaN loss is not dropped: its group's mean is NaN, and an update from it makes ``q`` NaN, which the
     state then keeps (``reset_parameters()`` or a saved ``state_dict`` starts over).
@@ -659,29 +711,11 @@ class GroupDROLoss(_Float64Configuration):
                  group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.num_groups = check_num_groups(num_groups)
-        if mode not in _MODES:
-            raise ValueError(f"dro_ext: mode must be 'eg' or 'greedy_cvar', got mode={mode!r}")
-        if missing not in _MISSING:
-            raise ValueError(f"dro_ext: missing must be 'zero' or 'stale', got missing={missing!r}")
-        if not isinstance(normalize_loss, bool):
-            raise TypeError(f"dro_ext: normalize_loss must be a bool, got {normalize_loss!r}")
+        # Each checked as it is set (__setattr__), then together.
         self.mode, self.missing, self.normalize_loss = mode, missing, normalize_loss
-        self.step_size = check_positive("step_size", step_size)
-        self.ema_gamma = _fraction("ema_gamma", ema_gamma, low_open=True)
-        self.min_var_weight = _fraction("min_var_weight", min_var_weight, low_open=False)
-        if mode == "greedy_cvar":
-            if alpha is None:
-                raise ValueError("dro_ext: mode='greedy_cvar' needs alpha > 0 (the CVaR level), got alpha=None")
-            self.alpha = check_positive("alpha", alpha)
-            if normalize_loss:
-                raise ValueError("dro_ext: normalize_loss applies to mode='eg' only; pass normalize_loss=False")
-        else:
-            if alpha is not None:
-                raise ValueError(f"dro_ext: alpha is used by mode='greedy_cvar' only, got alpha={alpha!r}; "
-                                 f"pass alpha=None")
-            if self.min_var_weight != 0.0:
-                raise ValueError("dro_ext: min_var_weight is used by mode='greedy_cvar' only; pass 0")
-            self.alpha = None
+        self.step_size, self.ema_gamma, self.min_var_weight = step_size, ema_gamma, min_var_weight
+        _check_setting_combination(self.mode, alpha, self.normalize_loss, self.min_var_weight)
+        self.alpha = alpha
         counts = None if group_counts is None else check_group_vector("group_counts", group_counts, num_groups,
                                                                       positive=True)
         adjust = torch.zeros(num_groups, dtype=torch.float64, device="cpu")
@@ -702,6 +736,7 @@ class GroupDROLoss(_Float64Configuration):
         self._q_init = q0 / fixed_order_sum(q0)  # host float64, for reset_parameters
         active = self._q_init > 0
         dtype = torch.get_default_dtype()
+        dtype = torch.float32 if dtype in _NARROW_STATE_DTYPES else dtype
         # The state: persistent buffers, saved by state_dict (set by reset_parameters below).
         self.register_buffer("log_q", torch.empty(num_groups, dtype=dtype))
         self.register_buffer("ema_loss", torch.empty(num_groups, dtype=dtype))
@@ -722,6 +757,33 @@ class GroupDROLoss(_Float64Configuration):
 
             check_group(group, "GroupDROLoss")
         self.group = group
+        self._settings_set = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A setting is checked where it is set, by the constructor's rules, and not at every step (whose checks
+        # show at a few thousand losses): set later unchecked, a negative step_size turned the ascent on the worst
+        # groups into a descent, and missing="Stale" read as "zero" natively and as "stale" in the fallback.
+        rule = _SETTING_RULES.get(name)
+        if rule is not None:
+            value = rule(value)
+            if name in _COMBINED_SETTINGS and self.__dict__.get("_settings_set"):
+                settings = {key: self.__dict__[key] for key in _COMBINED_SETTINGS}
+                settings[name] = value
+                _check_setting_combination(**settings)
+        super().__setattr__(name, value)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # nn.Module's own signature
+        # The state stays float32 or wider under module.half(), .to(torch.bfloat16) and the like
+        # (_NARROW_STATE_DTYPES): taken from the state as it was, unrounded, on the device the cast chose.
+        state = {id(self._buffers[name]) for name in _STATE_FLOATS if self._buffers.get(name) is not None}
+
+        def keep_state_wide(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            if id(t) in state and out.dtype in _NARROW_STATE_DTYPES:
+                return t.to(device=out.device, dtype=torch.float32)
+            return out
+
+        return super()._apply(keep_state_wide, recurse)
 
     def reset_parameters(self) -> None:
         """The state as constructed: q = q_init (uniform without it), no EMA, no group seen. (As BatchNorm's resets

@@ -6,6 +6,7 @@ import gc
 import math
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -796,8 +797,8 @@ def test_a_step_with_its_state_on_the_meta_device_raises(backend):
 @pytest.mark.parametrize("cast", ["half", "bfloat16", "double"])
 def test_dtype_casts_keep_the_float64_configuration(backend, cast):
     # module.half() casts every floating buffer: population counts past 65504 became inf (a ValueError naming a
-    # `weighting` the caller never passed) and every weight lost its digits. The configuration stays float64; the
-    # state (eta, q) takes the cast.
+    # `weighting` the caller never passed) and every weight lost its digits. The configuration stays float64; eta
+    # takes the cast, and q's state too, but not below float32.
     counts = [70000.0, 30000.0, 3.0]
     losses, groups = random_batch(11, 3)
     penalized = getattr(dro_ext.DROLoss("chi2", lam=0.5, num_groups=3, weighting="population",
@@ -809,7 +810,7 @@ def test_dtype_casts_keep_the_float64_configuration(backend, cast):
     got = penalized(losses.to(dtype), groups)
     torch.testing.assert_close(got.double(), want, rtol=2 * torch.finfo(dtype).eps * 8, atol=0)
     online = getattr(dro_ext.GroupDROLoss(3, step_size=0.5, group_counts=counts, adjustment=1.0), cast)()
-    assert online.log_q.dtype == dtype
+    assert online.log_q.dtype == (torch.float64 if cast == "double" else torch.float32)  # (16-bit casts: float32)
     assert online.adjustment_term.dtype == online.population_shares.dtype == torch.float64
     reference = dro_ext.GroupDROLoss(3, step_size=0.5, group_counts=counts, adjustment=1.0).double()
     torch.testing.assert_close(online(losses.to(dtype), groups).double(), reference(losses, groups),
@@ -989,6 +990,93 @@ def test_group_dro_bad_construction_names_the_argument(override, exc, match):
     args.update(override)
     with pytest.raises(exc, match=match):
         dro_ext.GroupDROLoss(args.pop("num_groups"), **args)
+
+
+# Settings set after construction, each with the error the constructor gives for it: set unchecked, a negative
+# step_size turned the ascent into a descent, and missing="Stale" read as "zero" natively, as "stale" in the fallback.
+GROUP_DRO_BAD_SETTINGS = [
+    (dict(), "step_size", -0.5, ValueError, "step_size must be a finite number > 0"),
+    (dict(), "step_size", math.nan, ValueError, "step_size must be a finite number > 0"),
+    (dict(), "step_size", torch.tensor(0.5), TypeError, "step_size must be a Python number"),
+    (dict(), "missing", "Stale", ValueError, "missing must be 'zero' or 'stale'"),
+    (dict(), "mode", "cvar", ValueError, "mode must be"),
+    (dict(), "ema_gamma", 5.0, ValueError, r"ema_gamma must be in \(0, 1\]"),
+    (dict(), "normalize_loss", 1, TypeError, "normalize_loss must be a bool"),
+    (dict(), "alpha", 0.5, ValueError, "alpha is used by mode='greedy_cvar' only"),
+    (dict(), "min_var_weight", 0.5, ValueError, "min_var_weight is used by mode='greedy_cvar' only"),
+    (dict(), "mode", "greedy_cvar", ValueError, "needs alpha"),
+    (dict(mode="greedy_cvar", alpha=0.5), "alpha", None, ValueError, "needs alpha"),
+    (dict(mode="greedy_cvar", alpha=0.5), "alpha", -1.0, ValueError, "alpha must be a finite number > 0"),
+    (dict(mode="greedy_cvar", alpha=0.5), "normalize_loss", True, ValueError, "normalize_loss applies to mode='eg'"),
+    (dict(mode="greedy_cvar", alpha=0.5), "min_var_weight", 1.5, ValueError, r"min_var_weight must be in \[0, 1\]"),
+]
+
+
+@pytest.mark.parametrize("settings,name,value,exc,match", GROUP_DRO_BAD_SETTINGS)
+def test_group_dro_settings_set_later_are_checked_as_constructed(backend, settings, name, value, exc, match):
+    module = dro_ext.GroupDROLoss(3, **settings)
+    before = getattr(module, name)
+    with pytest.raises(exc, match=match):
+        setattr(module, name, value)
+    assert getattr(module, name) == before  # left as it was: the next step runs the valid settings
+    losses, groups = random_batch(12, 3)
+    module(losses.float(), groups)
+    assert not module.log_q.isnan().any() and abs(float(module.q.sum()) - 1.0) < 1e-6
+
+
+def test_group_dro_settings_set_later_take_effect(backend):
+    # A valid setting set later is taken as the constructor takes it (numbers of any real type, as floats) and runs
+    # the next step as a module built with it.
+    losses, groups = random_batch(20, 4)
+    for name, value in (("step_size", np.float32(0.75)), ("step_size", 2), ("missing", "stale"),
+                        ("normalize_loss", True), ("ema_gamma", 0.5)):
+        changed, built = group_dro64(4), group_dro64(4, **{name: value})
+        setattr(changed, name, value)
+        assert type(getattr(changed, name)) is type(getattr(built, name))
+        for _ in range(3):
+            torch.testing.assert_close(changed(losses, groups), built(losses, groups), rtol=0, atol=0)
+        torch.testing.assert_close(changed.log_q, built.log_q, rtol=0, atol=0)
+    greedy, built = (group_dro64(4, mode="greedy_cvar", alpha=0.5),
+                     group_dro64(4, mode="greedy_cvar", alpha=0.25, min_var_weight=0.5))
+    greedy.alpha, greedy.min_var_weight = 0.25, 0.5
+    for _ in range(3):
+        torch.testing.assert_close(greedy(losses, groups), built(losses, groups), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cast", [torch.float16, torch.bfloat16])
+def test_a_16_bit_cast_keeps_the_group_dro_state_in_float32(backend, cast):
+    # model.to(torch.bfloat16) over a model holding the loss module cast q's state to 16 bits, where a step of the
+    # usual step_size is below half the spacing of log q (bfloat16's 0.008 near log(1/4)): every update was rounded
+    # away and q stayed uniform, Group DRO running as ERM. The state stays float32, so the cast module follows a
+    # float32 module fed the same (16-bit) losses bit for bit.
+    generator = torch.Generator().manual_seed(5)
+    cast_module = torch.nn.Sequential(torch.nn.Linear(2, 2), dro_ext.GroupDROLoss(4, step_size=0.01)).to(cast)[1]
+    float32_module = dro_ext.GroupDROLoss(4, step_size=0.01)
+    assert cast_module.log_q.dtype == cast_module.ema_loss.dtype == cast_module.last_loss.dtype == torch.float32
+    for _ in range(300):
+        groups = torch.randint(4, (32,), generator=generator)
+        losses = (groups.double() + torch.rand(32, generator=generator, dtype=torch.float64)).to(cast)
+        got, want = cast_module(losses, groups), float32_module(losses, groups)
+        assert got.dtype == cast
+        torch.testing.assert_close(got, want.to(cast), rtol=0, atol=0)
+    torch.testing.assert_close(cast_module.log_q, float32_module.log_q, rtol=0, atol=0)
+    assert cast_module.q[3] > 0.9  # the worst group's weight grew, as it does in float32
+
+
+def test_a_16_bit_cast_of_a_float64_state_rounds_it_once_to_float32(backend):
+    module = group_dro64(3, step_size=0.3)
+    losses, groups = random_batch(15, 3)
+    module(losses, groups)
+    log_q = module.log_q.clone()
+    module.half()
+    assert module.log_q.dtype == torch.float32
+    torch.testing.assert_close(module.log_q, log_q.float(), rtol=0, atol=0)  # not rounded through float16
+    module.double()
+    assert module.log_q.dtype == torch.float64
+    with torch.device("meta"):
+        on_meta = dro_ext.GroupDROLoss(3)
+    assert on_meta.to(torch.bfloat16).log_q.dtype == torch.float32
+    assert on_meta.to_empty(device="cpu").log_q.device.type == "cpu"
 
 
 _OUT_OF_RANGE_3 = r"groups holds an id outside \[0, num_groups\) with num_groups=3$"
