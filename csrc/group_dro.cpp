@@ -43,7 +43,8 @@ void group_dro_step_kernel(const GroupDROStepOperands<sums_t, state_t>& op, int6
   out_t* weights = weights_tensor.mutable_data_ptr<out_t>();
   const cpu::KernelTable& kernels = cpu::cpu_kernels(num_groups, cpu::kAvx512MinValuesOnePass);
   double loss = 0.0;
-  if (args.update) {
+  // The step, or false (nothing written) for a batch that takes none.
+  const auto step = [&]() {
     double score_total = 0.0;
     if (args.normalize_loss) {
       for (int64_t g = 0; g < num_groups; ++g) {
@@ -55,11 +56,14 @@ void group_dro_step_kernel(const GroupDROStepOperands<sums_t, state_t>& op, int6
     // read. e holds the step scores until exp_shifted writes it.
     std::vector<double> x(num_groups), e(num_groups);
     double max_score = -INFINITY;
+    bool blocked = false;
     for (int64_t g = 0; g < num_groups; ++g) {
       const GroupInputs in = op.inputs(g);
+      blocked |= in.blocks_the_step();
       e[g] = in.step_score(in.score(in.mean(), args.stale), score_total, args);
       max_score = e[g] > max_score ? e[g] : max_score;
     }
+    if (blocked) return false;
     const double shift_by = shift_from_max(max_score);
     double max_x = -INFINITY;
     for (int64_t g = 0; g < num_groups; ++g) {
@@ -78,8 +82,10 @@ void group_dro_step_kernel(const GroupDROStepOperands<sums_t, state_t>& op, int6
       loss += q * m;
       weights[g] = static_cast<out_t>(q * in.inverse_count());
     }
-  } else {
-    // The loss and its gradient weights under the current q.
+    return true;
+  };
+  if (!(args.update && step())) {
+    // The loss and its gradient weights under the current q (update=False, or a batch that takes no step).
     std::vector<double> log_q(num_groups), q(num_groups);
     for (int64_t g = 0; g < num_groups; ++g) log_q[g] = static_cast<double>(op.log_q[g]);
     kernels.exp_shifted(log_q.data(), 0.0, negligible_log_q<out_t>(), q.data(), num_groups);

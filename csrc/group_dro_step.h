@@ -13,6 +13,11 @@
 // (x_g is formed as log q_g + step_size (a_g - max_h a_h), h over the groups of x_h > -inf: the same log q, see
 // GroupInputs::log_weight) and the loss sum_g q_g m_g with its gradient d loss / d s_g = q_g / max(n_g, 1) (q detached).
 //
+// A batch in which a present group's mean is not finite (an infinite or NaN loss) takes no step: the state stays as
+// it was, and the loss and its gradient are those under the current q (infinite or NaN, as that mean is). A training
+// loop skips such a batch (GradScaler skips its step, and many loops any step of a non-finite loss); taken into the
+// state, one such batch left log q NaN (or every other group at q = 0) for every later batch.
+//
 // Everything is computed in double from the inputs' values and rounded once where it is stored; the sums over the
 // groups are in a fixed order (group order on the CPU, a fixed block tree on CUDA), so a step is bitwise
 // repeatable.
@@ -50,6 +55,11 @@ struct GroupInputs {
   bool seen, active;
 
   C10_HOST_DEVICE bool present() const { return count > 0.0; }
+  // Whether the batch must take no step for this group (see the top of this file).
+  C10_HOST_DEVICE bool blocks_the_step() const {
+    const double m = mean();
+    return present() && !(m > -INFINITY && m < INFINITY);  // (false for NaN as for the infinities)
+  }
   C10_HOST_DEVICE double inverse_count() const { return 1.0 / (count > 1.0 ? count : 1.0); }
   C10_HOST_DEVICE double mean() const { return sum * inverse_count(); }
   C10_HOST_DEVICE double new_last(double m) const { return present() ? m : last; }

@@ -672,8 +672,10 @@ class GroupDROLoss(_Float64Configuration):
     computes in the wider of their dtype and the losses' accumulate dtype. The settings (``step_size``, ``missing``,
     ``ema_gamma``, ...) may be set on the module later, checked as the constructor checks them. An empty
     batch is allowed (a rank without samples): it returns 0 and updates the state as a batch where every group is
-    absent. A NaN loss is not dropped: its group's mean is NaN, and an update from it makes ``q`` NaN, which the
-    state then keeps (``reset_parameters()`` or a saved ``state_dict`` starts over).
+    absent. A batch in which a present group's mean loss is not finite (an infinite or NaN loss) takes no step:
+    the state stays as it was and the loss returned is the one under the current ``q``, infinite or NaN as that mean
+    is (never dropped), so a loop that skips the batch (``GradScaler`` skips such a step, and many loops any step of
+    a non-finite loss) goes on from where it was; taken into the state, one such batch made ``q`` NaN for good.
 
     ``group`` (a process group): the per-group sums and counts are all-reduced once per call (one collective of
     ``2 * num_groups + 3`` numbers: with num_groups, checked to agree, and the counts of bad ids and of refusing
@@ -905,10 +907,13 @@ class GroupDROLoss(_Float64Configuration):
             weights = _greedy_cvar_weights(ema + adjust, shares, self.alpha)
             weights = (1.0 - self.min_var_weight) * weights + self.min_var_weight * shares
             log_q = torch.where(usable, torch.log(weights), log_q)
-        self.log_q.copy_(log_q)
-        self.ema_loss.copy_(ema)
-        self.last_loss.copy_(last)
-        self.seen.copy_(seen | present)
+        # A batch in which a present group's mean is not finite takes no step, in either mode: the state stays as it
+        # was (csrc/group_dro_step.h says why).
+        step = ~(present & ~torch.isfinite(m)).any()
+        self.log_q.copy_(torch.where(step, log_q, self.log_q))
+        self.ema_loss.copy_(torch.where(step, ema, self.ema_loss))
+        self.last_loss.copy_(torch.where(step, last, self.last_loss))
+        self.seen.copy_(seen | (present & step))
 
     def extra_repr(self) -> str:
         # The settings the mode reads, only: greedy_cvar takes no step and scores no missing group.

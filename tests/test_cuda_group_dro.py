@@ -11,7 +11,7 @@ import torch
 import dro_ext
 from cuda_cases import DEVICE, SKIP_WITHOUT_CUDA, native_backend, needs_cuda  # noqa: F401
 from dro_ext import _backend
-from test_group_dro_step import CONFIGS, STATE_DTYPES, TOLERANCES, assert_same_state
+from test_group_dro_step import CONFIGS, STATE_DTYPES, TOLERANCES, assert_same_state, with_state_dtype
 
 pytestmark = SKIP_WITHOUT_CUDA
 
@@ -40,8 +40,8 @@ def test_group_dro_ops_have_cuda_kernels():
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES, ids=str)
 @pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
 def test_matches_the_composition_on_the_device(config, state_dtype):
-    native = dro_ext.GroupDROLoss(5, **CONFIGS[config]).to(DEVICE, state_dtype)
-    composed = dro_ext.GroupDROLoss(5, **CONFIGS[config]).to(DEVICE, state_dtype)
+    native = with_state_dtype(dro_ext.GroupDROLoss(5, **CONFIGS[config]).to(DEVICE), state_dtype)
+    composed = with_state_dtype(dro_ext.GroupDROLoss(5, **CONFIGS[config]).to(DEVICE), state_dtype)
     rtol, atol = TOLERANCES[state_dtype]
     gen = torch.Generator().manual_seed(0)
     for i in range(6):

@@ -42,9 +42,21 @@ def batches(num_steps, n, num_groups, seed=0):
     return out
 
 
+def with_state_dtype(module, dtype):
+    """The module with its state in dtype: a cast for float32 and float64; for 16-bit dtypes, which a cast of the
+    module does not give the state (it keeps float32), what load_state_dict(assign=True) of a checkpoint saved in
+    them leaves (the step takes any floating state)."""
+    if dtype in (torch.float32, torch.float64):
+        return module.to(dtype)
+    state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in module.state_dict().items()}
+    module.load_state_dict(state, assign=True)
+    assert module.log_q.dtype == dtype
+    return module
+
+
 def module_pair(num_groups, state_dtype, **kwargs):
     native, composed = dro_ext.GroupDROLoss(num_groups, **kwargs), dro_ext.GroupDROLoss(num_groups, **kwargs)
-    return native.to(state_dtype), composed.to(state_dtype)
+    return with_state_dtype(native, state_dtype), with_state_dtype(composed, state_dtype)
 
 
 def run_step(module, losses, groups, backend, update=True, **kwargs):
@@ -144,19 +156,43 @@ def test_tensor_subclasses_take_the_checked_call_to_the_same_step():
             plain(losses, groups, update=1)
 
 
+NOT_FINITE_CONFIGS = {**CONFIGS, "greedy": dict(mode="greedy_cvar", alpha=0.4, min_var_weight=0.2)}
+
+
 @native_only
 @pytest.mark.parametrize("backend_name", ["native", "python"])
-def test_nan_and_inf_losses_spread_as_in_the_composition(backend_name):
-    """A NaN loss makes every q NaN (the log-sum-exp is NaN); an infinite one makes its group's q NaN and every
-    other 0 (inf - inf), on both backends alike."""
-    with _backend.forced_backend(backend_name):
-        module = dro_ext.GroupDROLoss(3, 0.5)
-        assert torch.isnan(module(torch.tensor([1.0, math.nan, 2.0]), torch.tensor([0, 1, 2])))
-        assert torch.isnan(module.q).all()
-        module = dro_ext.GroupDROLoss(3, 0.5)
-        module(torch.tensor([1.0, math.inf, 2.0]), torch.tensor([0, 1, 2]))
-        q = module.q
-        assert torch.isnan(q[1]) and torch.equal(q[[0, 2]], torch.zeros(2))
+@pytest.mark.parametrize("bad", [math.inf, math.nan, -math.inf], ids=["inf", "nan", "-inf"])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("config", list(NOT_FINITE_CONFIGS), ids=list(NOT_FINITE_CONFIGS))
+def test_a_batch_with_a_loss_not_finite_takes_no_step(backend_name, bad, state_dtype, config):
+    """A batch in which a present group's mean is infinite or NaN returns that inf or NaN (the value under the current
+    q, with its gradient q_g / n_g) and leaves the state bitwise as it was, in every mode, so the run goes on as if
+    the batch (which GradScaler, or the loop, skips) had not come. Taken into the state, one NaN loss made every q
+    NaN for good, an infinite one its group's q NaN and every other 0 (inf - inf), and -inf its group's q 0 for good.
+    A group of q = 0 (disabled) blocks the step as well: its running mean would become inf or NaN."""
+    kwargs = NOT_FINITE_CONFIGS[config]
+    module, untouched = (with_state_dtype(dro_ext.GroupDROLoss(5, **kwargs), state_dtype) for _ in range(2))
+    data = batches(6, 23, 5, seed=3)
+    for losses, groups in data[:2]:
+        run_step(module, losses, groups, backend_name)
+        run_step(untouched, losses, groups, backend_name)
+    losses, groups = data[2]
+    for where in (groups == 0, groups == 2):  # (group 0 is disabled in the "disabled" config)
+        broken = torch.where(where & (torch.cumsum(where, 0) == 1), bad, losses)
+        before = {name: t.clone() for name, t in module.state_dict().items()}
+        value, grad = run_step(module, broken, groups, backend_name)
+        for name, t in module.state_dict().items():
+            assert torch.equal(t, before[name]), name
+        want_value, want_grad = run_step(untouched, broken, groups, backend_name, update=False)
+        torch.testing.assert_close(value, want_value, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(grad, want_grad, rtol=0, atol=0, equal_nan=True)
+        assert value.isnan() if math.isnan(bad) or bool(module.q[groups[where][0]] == 0) else value == bad
+        assert torch.isfinite(grad).all()
+    for losses, groups in data[3:]:
+        for one in (module, untouched):
+            run_step(one, losses, groups, backend_name)
+        for name, t in module.state_dict().items():
+            assert torch.equal(t, untouched.state_dict()[name]), name
 
 
 @native_only
@@ -170,7 +206,7 @@ def test_a_step_beyond_the_range_puts_q_on_the_largest_scores(backend_name, stat
     q = 0 has the largest score (q = 0 stays 0: the live groups' x_g no longer all underflow to -inf)."""
     q_init = torch.tensor([0.1, 0.2, 0.6, 0.1, 0.0])
     step_size, scale = (1e300, 1e30) if state_dtype == torch.float64 else (1e30, 1e20)
-    module = dro_ext.GroupDROLoss(5, step_size, q_init=q_init).to(state_dtype)
+    module = with_state_dtype(dro_ext.GroupDROLoss(5, step_size, q_init=q_init), state_dtype)
     prior = module.q[1:3] / module.q[1:3].sum()  # as the state holds it
     # group means (1, 2, 2, 2e-30, 3) * scale, the largest that of the disabled group 4
     losses = torch.tensor([1.0, 2.0, 1.5, 2.5, 2e-30, 3.0], dtype=state_dtype) * scale

@@ -41,7 +41,13 @@ __global__ void __launch_bounds__(kThreads) group_dro_step_kernel(GroupDROStepOp
                                                                   out_t* __restrict__ loss,
                                                                   out_t* __restrict__ weights) {
   double part = 0.0;  // this thread's share of the loss sum_g q_g m_g
-  if (args.update) {
+  const auto largest = [&](const auto& value) {
+    double max = -INFINITY;
+    for (int64_t g = threadIdx.x; g < num_groups; g += kThreads) max = Max()(value(op.inputs(g)), max);
+    return block_max_to_all(max);
+  };
+  const auto blocks_the_step = [](const GroupInputs& in) { return in.blocks_the_step() ? 1.0 : 0.0; };
+  if (args.update && largest(blocks_the_step) == 0.0) {
     double score_total = 0.0;
     if (args.normalize_loss) {
       double score_part = 0.0;
@@ -53,11 +59,6 @@ __global__ void __launch_bounds__(kThreads) group_dro_step_kernel(GroupDROStepOp
     }
     const auto step_score = [&](const GroupInputs& in) {
       return in.step_score(in.score(in.mean(), args.stale), score_total, args);
-    };
-    const auto largest = [&](const auto& value) {
-      double max = -INFINITY;
-      for (int64_t g = threadIdx.x; g < num_groups; g += kThreads) max = Max()(value(op.inputs(g)), max);
-      return block_max_to_all(max);
     };
     const double shift_by = shift_from_max(largest(step_score));
     const auto log_weight = [&](const GroupInputs& in) { return in.log_weight(step_score(in), shift_by, args); };
@@ -77,7 +78,7 @@ __global__ void __launch_bounds__(kThreads) group_dro_step_kernel(GroupDROStepOp
       weights[g] = static_cast<out_t>(q * in.inverse_count());
     }
   } else {
-    // The loss and its gradient weights under the current q.
+    // The loss and its gradient weights under the current q (update=False, or a batch that takes no step).
     for (int64_t g = threadIdx.x; g < num_groups; g += kThreads) {
       const GroupInputs in = op.inputs(g);
       const double q = exp_or_zero(in.log_q, negligible_log_q<out_t>());
