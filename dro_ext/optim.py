@@ -155,6 +155,15 @@ class NormalizedSGD(Optimizer):
         current = {id(g) for g in self.param_groups}
         self._plans = {key: plan for key, plan in self.__dict__.get("_plans", {}).items() if key in current}
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # fused and foreach say how this process runs the step, not what the run learned: each group keeps this
+        # optimizer's (torch.optim's load takes the saved ones, so a checkpoint saved with fused=True overrode a
+        # foreach=True here, and raised at the first step where the native ops are not built).
+        implementations = [(group["fused"], group["foreach"]) for group in self.param_groups]
+        super().load_state_dict(state_dict)  # (which refuses another number of groups)
+        for group, (fused, foreach) in zip(self.param_groups, implementations):
+            group["fused"], group["foreach"] = fused, foreach
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # load_state_dict comes here too, with the new state and groups
         self._plans = {}
@@ -246,23 +255,18 @@ class NormalizedSGD(Optimizer):
         found_inf = getattr(self, "found_inf", None)
         if len(self._plans) > len(self.param_groups):
             self._keep_current_plans()
-        for group in self.param_groups:
-            plan, (grads, momenta, steps) = self._plan(group)
+        planned = [(group, *self._plan(group)) for group in self.param_groups]
+        # Every group's options are checked before any group steps: a refusal of a later group's left the earlier
+        # groups stepped, and a caller that set the option right and stepped again stepped those twice.
+        for group, plan, _ in planned:
+            if plan.params:
+                _check_step_options(group, plan)
+        for group, plan, (grads, momenta, steps) in planned:
             if not plan.params:
                 continue
             options = dict(lr=group["lr"], momentum=group["momentum"], eps=group["eps"],
                            weight_decay=group["weight_decay"], norm=group["norm"], maximize=group["maximize"],
                            grad_scale=grad_scale, found_inf=found_inf)
-            lr = group["lr"]
-            # A number set on the group after construction (a user's, a scheduler's): the op takes lr as a tensor and
-            # cannot read it, and a negative one ascended, a NaN one made every param NaN. (A tensor lr is checked
-            # when given; its later values are not read: no host sync per step.) 0 <= lr < inf: see eps below.
-            if not isinstance(lr, torch.Tensor) and not 0.0 <= lr < math.inf:
-                raise ValueError(f"dro_ext.NormalizedSGD: lr must be a finite number >= 0.0, got lr={lr}")
-            if plan.dtensor or not plan.fused:
-                # Options set on the group after construction, refused as the fused op refuses them (which the sharded
-                # step calls with eps, weight_decay and norm of its own, for the momentum alone).
-                _check_step_hyperparameters(group["momentum"], group["eps"], group["weight_decay"], group["norm"])
             if plan.dtensor:  # FSDP2: local shards, one all-reduce for the norm
                 _distributed.sharded_normalized_sgd_step(plan.params, grads, momenta, steps, fused=plan.fused,
                                                          foreach_momentum=_grouped_foreach_momentum_,
@@ -462,6 +466,23 @@ def _grouped_foreach_momentum_(grads: list[torch.Tensor], momenta: list[torch.Te
     """_foreach_momentum_ on tensors of any devices and dtypes, a (device, dtype) at a time."""
     for b_grads, b_momenta, b_steps in _group_by_device_and_dtype([grads, momenta, steps]).values():
         _foreach_momentum_(b_grads, b_momenta, b_steps, momentum=momentum, maximize=maximize, grad_scale=grad_scale)
+
+
+def _check_step_options(group: dict[str, Any], plan: _GroupPlan) -> None:
+    """A group's options as its step takes them: set on the group after construction (a user's, a scheduler's), each
+    refused as the constructor refuses it."""
+    lr = group["lr"]
+    # The op takes lr as a tensor and cannot read it: a negative lr ascended, a NaN one made every param NaN. (A
+    # tensor lr is checked when given; its later values are not read: no host sync per step.) 0 <= lr < inf: see eps
+    # in _check_step_hyperparameters.
+    if not isinstance(lr, torch.Tensor) and not 0.0 <= lr < math.inf:
+        raise ValueError(f"dro_ext.NormalizedSGD: lr must be a finite number >= 0.0, got lr={lr}")
+    hyperparameters = (group["momentum"], group["eps"], group["weight_decay"])
+    # The fused op refuses the same values itself (before it writes anything, but after the groups before its own
+    # have stepped), so Python numbers are checked here too; tensors are left to it (a device tensor's value is a
+    # host read). The sharded step calls the op with eps, weight_decay and norm of its own, for the momentum alone.
+    if plan.dtensor or not plan.fused or not any(isinstance(h, torch.Tensor) for h in hyperparameters):
+        _check_step_hyperparameters(*hyperparameters, group["norm"])
 
 
 def _check_step_hyperparameters(momentum: float, eps: float, weight_decay: float, norm: str) -> None:

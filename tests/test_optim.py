@@ -525,6 +525,33 @@ def test_an_option_set_after_construction_is_checked_at_the_step(backend, foreac
 
 
 @pytest.mark.parametrize("foreach", [None, True], ids=["default", "foreach"])
+@pytest.mark.parametrize("option,value", [("momentum", 1.0), ("eps", -1.0), ("weight_decay", math.nan),
+                                          ("norm", "layer"), ("lr", -0.5), ("lr", math.nan)],
+                         ids=["momentum", "eps", "weight_decay", "norm", "lr", "lr-nan"])
+def test_a_refused_option_of_one_group_steps_no_group(backend, foreach, option, value):
+    """A later group's option refused at the step (a momentum schedule that reached 1, say) left the groups before
+    it stepped: a caller that caught the error, set the option right and stepped again stepped them twice. Every
+    group's options are now checked before any group steps."""
+    first, second = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    opt = NormalizedSGD([dict(params=[first]), dict(params=[second])], lr=0.1, foreach=foreach)
+    right = opt.param_groups[1][option]
+    opt.param_groups[1][option] = value
+    first.grad, second.grad = torch.ones(3), torch.ones(2)
+    with pytest.raises(ValueError, match=f"{option} must be"):
+        opt.step()
+    assert torch.equal(first.detach(), torch.ones(3)) and torch.equal(second.detach(), torch.ones(2))
+    assert all(float(opt.state[p].get("step", 0.0)) == 0.0 for p in (first, second))
+    opt.param_groups[1][option] = right
+    opt.step()
+    once = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    reference = NormalizedSGD([dict(params=[once[0]]), dict(params=[once[1]])], lr=0.1, foreach=foreach)
+    once[0].grad, once[1].grad = torch.ones(3), torch.ones(2)
+    reference.step()
+    assert torch.equal(first.detach(), once[0].detach()) and torch.equal(second.detach(), once[1].detach())
+    assert float(opt.state[first]["step"]) == 1.0
+
+
+@pytest.mark.parametrize("foreach", [None, True], ids=["default", "foreach"])
 @pytest.mark.parametrize("value", [-0.5, math.nan, math.inf], ids=["negative", "nan", "inf"])
 def test_an_lr_set_after_construction_is_checked_at_the_step(backend, foreach, value):
     """A number set as lr after construction (by hand, by a scheduler's bug): a negative one stepped uphill and a NaN
@@ -593,6 +620,38 @@ def test_hyperparameters_of_a_narrow_type_act_at_the_value_given(backend, foreac
                                        (torch.tensor(0.3), 0.7, torch.tensor(0.1))):
         values = [float(v) for v in (lr, momentum, weight_decay)]
         torch.testing.assert_close(run(lr, momentum, weight_decay), reference(*values), rtol=4e-16, atol=0)
+
+
+def test_a_loaded_state_keeps_this_optimizers_implementation():
+    """fused and foreach are how this process steps, not what the run learned: torch.optim's load took the saved
+    ones, so a checkpoint saved with fused=True overrode foreach=True, and raised at the first step of a process
+    whose native ops are off (a machine without the built extension, DRO_EXT_FORCE_PYTHON=1)."""
+    needs_native()
+
+    def trained(**implementation):
+        p = torch.nn.Parameter(torch.arange(4.0))
+        opt = NormalizedSGD([p], lr=0.1, **implementation)
+        for k in range(3):
+            p.grad = torch.full((4,), float(k + 1)) - p.detach()
+            opt.step()
+        return p, opt
+
+    saved_param, saved_opt = trained(fused=True)
+    fused_state = copy.deepcopy(saved_opt.state_dict())
+    results = []
+    for implementation, backend_name in ((dict(foreach=True), "native"), (dict(), "python"), (dict(), "native")):
+        p = torch.nn.Parameter(saved_param.detach().clone())
+        opt = NormalizedSGD([p], lr=0.5, **implementation)
+        opt.load_state_dict(copy.deepcopy(fused_state))  # (a loaded state is not copied: as torch.optim's)
+        group = opt.param_groups[0]
+        assert (group["fused"], group["foreach"]) == (None, implementation.get("foreach")), group
+        assert group["lr"] == 0.1  # the run's settings are the checkpoint's
+        p.grad = torch.ones(4)
+        with _backend.forced_backend(backend_name):
+            opt.step()
+        results.append(p.detach())
+    for result in results[1:]:
+        torch.testing.assert_close(result, results[0], rtol=1e-6, atol=1e-7)
 
 
 def test_a_state_dict_it_did_not_save_is_named_at_the_step(backend):
