@@ -352,7 +352,9 @@ def _chunk_fallback_(logits, targets, eta, inv_count, lam, spec, scale, ignore_i
         grad = unnormalized.div_(row_sum[:, None])  # softmax
         grad.sub_(label_smoothing / x.shape[1])
         grad.scatter_add_(1, safe_targets[:, None], torch.full_like(row_sum[:, None], label_smoothing - 1.0))
-        unmoved = grad == 0  # _weighted_residual, in place: an overflowed weight times a zero residual is 0
+        # _weighted_residual, in place: an overflowed weight times a zero residual is 0; and an ignored row's gradient
+        # is 0 whatever its logits (NaN ones included, as the native kernel writes it), not weight 0 times them.
+        unmoved = (grad == 0).logical_or_(~keep[:, None])
         grad.mul_((weights * inv_count.to(terms)).to(acc)[:, None]).masked_fill_(unmoved, 0.0)
         if grad.data_ptr() != logits.data_ptr():
             logits.copy_(grad)

@@ -277,6 +277,29 @@ def test_nan_logit_is_not_dropped(backend):
     assert dro_ext.dro_linear_cross_entropy(hidden, weight, targets, 0.5, LAM, "chi2").isnan()
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["samples", "groups"])
+def test_an_ignored_row_of_nan_logits_gets_a_zero_gradient(backend, grouped):
+    """An ignored row takes no part in the value, whatever its logits: its gradient is 0, NaN logits included, on
+    both backends (the fallback formed it as weight 0 times a NaN softmax: NaN, where the native kernel wrote 0). The
+    other rows' gradients are those of a batch whose ignored row is finite."""
+    targets = torch.tensor([-100, 2, 4, 1, 0, 3])
+    options = dict(groups=torch.tensor([0, 1, 0, 1, 1, 0]), num_groups=2) if grouped else {}
+    logits = torch.randn(6, 5, generator=torch.Generator().manual_seed(3))
+    hidden, weight = torch.randn(6, 3), torch.randn(5, 3)
+    grads = []
+    for bad in (math.nan, 0.25):
+        x, h = logits.clone(), hidden.clone()
+        x[0, 1], h[0, 2] = bad, bad
+        x.requires_grad_(), h.requires_grad_()
+        (grad_x,) = torch.autograd.grad(dro_ext.dro_cross_entropy(x, targets, 0.5, LAM, "kl", **options), x)
+        (grad_h,) = torch.autograd.grad(dro_ext.dro_linear_cross_entropy(h, weight, targets, 0.5, LAM, "kl",
+                                                                         chunk_size=4, **options), h)
+        assert (grad_x[0] == 0).all() and (grad_h[0] == 0).all(), (grad_x[0], grad_h[0])
+        grads.append((grad_x, grad_h))
+    for got, want in zip(*grads):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
 def test_infinite_row_loss_makes_the_objective_infinite(backend, name, params):
     """A row whose target logit is -inf has a cross-entropy of +inf, and the objective is +inf, as the reference's
