@@ -631,8 +631,9 @@ class GroupDROLoss(_Float64Configuration):
     - ``normalize_loss``: ``a`` divided by its sum (left as it is when that sum is 0).
     - ``missing``: what a group absent from the batch scores. ``"zero"`` (the default, as the authors' code,
       WILDS and DomainBed do, so that published settings reproduce): ``m_g = 0``, which lowers its ``q``
-      against the groups that are present. ``"stale"`` (as DoReMi): its last observed mean loss (0 before it was
-      first seen), which keeps ``q`` from drifting with batch composition when groups are many and batches small.
+      against the groups that are present. ``"stale"`` (DoReMi's rule for an absent domain, not the rest of its
+      update: docs/design.md): its last observed mean loss (0 before it was first seen), which keeps ``q`` from
+      drifting with batch composition when groups are many and batches small.
 
     ``mode="greedy_cvar"`` (the paper's CVaR variant): ``q`` is the CVaR at level ``alpha`` (any ``alpha > 0``; at
     ``alpha >= 1`` every group) over the groups ranked by their running mean loss plus ``C_g / sqrt(N_g)``:
