@@ -838,3 +838,27 @@ def test_accuracy_cell_says_below_for_a_loss_beyond_the_noise():
     assert "within 2 of them" in report._accuracy_cell(c, "m")
     c.update(mean_gain=0.7, gain_counts=True)
     assert "beyond 2 of them" in report._accuracy_cell(c, "m")
+
+
+def test_accuracy_cell_shows_the_gain_and_its_threshold_to_two_decimals():
+    """A gain of 0.45 within 2 standard errors of 0.24 read "mean gain +0.5 ... standard error 0.2 (the gain is
+    within 2 of them)", as if 0.5 were within 0.4."""
+    c = dict(mean_gain_standard_error=0.24, gain_counts=False, mean_gain=0.45, classes_improved=6, num_classes=10,
+             worst_class=0, worst_class_gain=0.1, largest_gain_class=3, gains=[0.45] * 10, seeds=5)
+    cell = report._accuracy_cell(c, "m")
+    assert "mean gain +0.45 points" in cell and "0.24 points (the gain is within 2 of them, 0.48)" in cell, cell
+
+
+def test_a_run_names_its_code():
+    """A committed run's numbers move with the code (the committed docs/demo run and the code of a week later gave
+    other digits): results.json's meta records the git commit and whether the tracked files differed from it, and
+    report.md says so; nothing outside a git checkout."""
+    from dro_ext.demo.__main__ import source_revision
+
+    source = source_revision()
+    assert source is None or (len(source["git_commit"]) == 40 and isinstance(source["modified"], bool))
+    commit = "0123456789abcdef" * 2 + "01234567"
+    assert report.source_phrase({"source": {"git_commit": commit, "modified": False}}) == \
+        "; code: git commit `0123456789ab`"
+    assert report.source_phrase({"source": {"git_commit": commit, "modified": True}}).endswith("with local changes")
+    assert report.source_phrase({"source": None}) == report.source_phrase({}) == ""

@@ -137,6 +137,23 @@ def versions() -> dict:
             "matplotlib": matplotlib.__version__}
 
 
+def source_revision() -> dict | None:
+    """The git commit the package runs from, and whether its tracked files differ from it (None outside a git
+    checkout, as for an installed wheel): the numbers of a committed run move with the code, so a run names its
+    code."""
+    import subprocess
+
+    root = Path(dro_ext.__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        changes = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"git_commit": commit, "modified": bool(changes.strip())}
+
+
 def run_demo(out: Path, *, quick: bool = False, device: str = "cpu", seed: int = 0, threads: int = 1,
              command: str = "python -m dro_ext.demo", only: Sequence[str] | None = None,
              rounding_probes: int | None = None, jobs: int = 1
@@ -177,7 +194,8 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "cpu", seed: int =
         "settings": dataclasses.asdict(settings),
         "paper_settings": {"lam": experiments.LAM, "alpha": experiments.ALPHA, "example_lam": experiments.EXAMPLE_LAM,
                            "momentum": 0.9, "batch_size": 128, "nsgd_eps": 0.1},
-        "versions": versions(), "machine": machine_description(device), "cpu_builds": cpu_builds(),
+        "versions": versions(), "source": source_revision(), "machine": machine_description(device),
+        "cpu_builds": cpu_builds(),
         "seconds_per_experiment": seconds, "seconds_total": time.perf_counter() - start,
         # CPU time of this process and its workers: unlike the wall time, barely inflated when other jobs share
         # the cores.

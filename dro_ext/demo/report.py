@@ -304,9 +304,12 @@ def _accuracy_cell(c: dict, method: str) -> str:
         # Where it does not count, the gain is within the noise or below it (a loss beyond the noise is no "within").
         below = c["mean_gain"] < -GAIN_STANDARD_ERRORS * c["mean_gain_standard_error"]
         counts = "beyond" if c["gain_counts"] else ("below minus" if below else "within")
-        noise = (f"the mean gain's standard error over the seeds {c['mean_gain_standard_error']:.1f} points (the gain "
-                 f"is {counts} {GAIN_STANDARD_ERRORS:g} of them)")
-    return (f"{method} better on {c['classes_improved']}/{c['num_classes']} classes; mean gain {c['mean_gain']:+.1f} "
+        # To two decimals, the mean gain and the threshold both: at one, a gain of 0.45 "within 2" standard errors
+        # of 0.24 read as +0.5 within 2 x 0.2.
+        threshold = GAIN_STANDARD_ERRORS * c["mean_gain_standard_error"]
+        noise = (f"the mean gain's standard error over the seeds {c['mean_gain_standard_error']:.2f} points (the gain "
+                 f"is {counts} {GAIN_STANDARD_ERRORS:g} of them, {threshold:.2f})")
+    return (f"{method} better on {c['classes_improved']}/{c['num_classes']} classes; mean gain {c['mean_gain']:+.2f} "
             f"points; worst class (digit {c['worst_class']}) {c['worst_class_gain']:+.1f}; largest gain on digit "
             f"{c['largest_gain_class']} ({c['gains'][c['largest_gain_class']]:+.1f}); {c['seeds']} seeds; {noise}")
 
@@ -545,6 +548,15 @@ def what_ran(results: dict, settings: dict) -> list:
     return lines
 
 
+def source_phrase(meta: dict) -> str:
+    """", code: git commit X" (with "and local changes" where the tracked files differed), "" where unknown (a run
+    outside a git checkout, or one recorded before runs named their code)."""
+    source = meta.get("source")
+    if not source:
+        return ""
+    return f"; code: git commit `{source['git_commit'][:12]}`" + (" with local changes" if source["modified"] else "")
+
+
 def report_markdown(results: dict, claims: dict, meta: dict, probe_results: Sequence[dict] = ()) -> str:
     settings = meta["settings"]
     lines = [
@@ -553,7 +565,7 @@ def report_markdown(results: dict, claims: dict, meta: dict, probe_results: Sequ
         f"Run on {meta['date_utc']} (UTC), {meta['machine']['description']}, device `{meta['device']}`, "
         f"backend `{meta['versions']['dro_ext_backend']}`, {cpu_builds_phrase(meta)}, seed {meta['seed']}, "
         f"{'quick' if meta['quick'] else 'full'} settings; took {timing_phrase(meta)}.",
-        f"Command: `{meta['command']}`",
+        f"Command: `{meta['command']}`{source_phrase(meta)}",
         "",
         "## Claims",
         "",
