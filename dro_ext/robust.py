@@ -532,6 +532,9 @@ def evaluate(
     :class:`dro_ext.GroupEvaluation`: ``(value, eta_star, group_loss, group_count, worst_group,
     worst_group_loss)``, each group's mean loss (NaN where a group has no sample) and the worst group's; with
     ``group``, over the samples of every rank.
+
+    ``progress`` (default True) shows the batches as they are evaluated: a tqdm bar where tqdm is installed, else a
+    count on stderr; ``progress=False`` prints nothing.
     """
     # The checks and the loop before the first collective: with group=, a rank whose checks raise (or whose loop does)
     # raises on every rank, agreed on once the loops are done (a rank's loader may be longer than another's).
