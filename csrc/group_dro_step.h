@@ -84,8 +84,9 @@ struct GroupInputs {
   // largest score whatever step_size * a_g is: it cannot overflow to inf - inf = NaN (step_size * a_g beyond the
   // double range), nor absorb log q_g (groups tied at the largest score keep their shares of q when step_size * a_g
   // is large against log q_g), and at least one x_g is finite (the largest score's, were every other x_g to
-  // underflow to -inf). An infinite score (an infinite loss) leaves the scores as they are: its group's log q is
-  // NaN, as in torch.logsumexp; a NaN score of a live group makes every log q NaN.
+  // underflow to -inf). A score is finite here but for a stale group's last mean in a state loaded with an
+  // infinite or NaN one (a batch with a mean not finite takes no step, see the top of this file): an infinite score
+  // leaves the scores as they are, its group's log q NaN as in torch.logsumexp; a NaN one makes every log q NaN.
   C10_HOST_DEVICE double log_weight(double step_score, double shift, const GroupDROStepArgs& args) const {
     if (!live()) return -INFINITY;  // q = 0 stays 0 exactly, whatever the score (-inf + inf would be NaN)
     return log_q + args.step_size * (step_score - shift);
@@ -148,7 +149,7 @@ GroupDROStepOperands<sums_t, state_t> group_dro_step_operands(const at::Tensor& 
 
 // The shift taken from a largest value (of the x_g for the log-sum-exp, of the live groups' scores for x_g): that
 // value, or 0 where it is infinite (as torch.logsumexp: an infinite x_g then makes the sum infinite, and log q NaN
-// for that group; a NaN x_g makes the sum NaN).
+// for that group; a NaN x_g makes the sum NaN; log_weight says where such a score can still come from).
 C10_HOST_DEVICE inline double shift_from_max(double max_value) {
   return max_value == INFINITY || max_value == -INFINITY ? 0.0 : max_value;
 }

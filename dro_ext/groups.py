@@ -524,6 +524,9 @@ _SETTING_RULES: dict[str, Callable[[Any], Any]] = {
 
 
 _COMBINED_SETTINGS = ("mode", "alpha", "normalize_loss", "min_var_weight")
+# Fixed at construction: the state's shape, and the mode (which the other settings are checked against: switching
+# it would need two of them set at once).
+_FIXED_SETTINGS = ("num_groups", "mode")
 
 
 def _check_setting_combination(mode: str, alpha: object, normalize_loss: bool, min_var_weight: float) -> None:
@@ -668,10 +671,12 @@ class GroupDROLoss(_Float64Configuration):
     CUDA graph's replay, as ``mode="reduce-overhead"`` makes, runs kernels only: no check). The state lives in
     buffers, so ``state_dict()`` saves it and ``load_state_dict`` resumes the run bitwise: ``log_q``, ``ema_loss``,
     ``last_loss`` (each group's last mean loss) and ``seen`` (which groups have appeared). They are of the default
-    dtype at construction; a cast of the module (``module.half()``, ``model.to(torch.bfloat16)``) takes them to
-    float32 at the narrowest, as a 16-bit ``log q`` would round away a step of a usual ``step_size``; a step
-    computes in the wider of their dtype and the losses' accumulate dtype. The settings (``step_size``, ``missing``,
-    ``ema_gamma``, ...) may be set on the module later, checked as the constructor checks them. An empty
+    dtype at construction (float32 where that is float16 or bfloat16); a cast of the module (``module.half()``,
+    ``model.to(torch.bfloat16)``) takes them to float32 at the narrowest, as a 16-bit ``log q`` would round away a
+    step of a usual ``step_size``; a step computes in the wider of their dtype and the losses' accumulate dtype. The
+    settings (``step_size``, ``missing``, ``normalize_loss``, ``ema_gamma``, greedy_cvar's ``alpha`` and
+    ``min_var_weight``, ``group``) may be set on the module later, checked as the constructor checks them;
+    ``num_groups`` and ``mode`` are fixed. An empty
     batch is allowed (a rank without samples): it returns 0 and updates the state as a batch where every group is
     absent. A batch in which a present group's mean loss is not finite (an infinite or NaN loss) takes no step:
     the state stays as it was and the loss returned is the one under the current ``q``, infinite or NaN as that mean
@@ -714,7 +719,8 @@ class GroupDROLoss(_Float64Configuration):
                  group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.num_groups = check_num_groups(num_groups)
-        # Each checked as it is set (__setattr__), then together.
+        # Each checked as it is set (__setattr__), and together as the last of them, alpha, is (the combination's
+        # errors before alpha's own: an eg module's alpha=-1 is refused as an alpha at all, not as a negative one).
         self.mode, self.missing, self.normalize_loss = mode, missing, normalize_loss
         self.step_size, self.ema_gamma, self.min_var_weight = step_size, ema_gamma, min_var_weight
         _check_setting_combination(self.mode, alpha, self.normalize_loss, self.min_var_weight)
@@ -755,29 +761,34 @@ class GroupDROLoss(_Float64Configuration):
             shares = shares / fixed_order_sum(shares)
         self._register_configuration("population_shares", shares)
         self.reset_parameters()
-        if group is not None:
-            from dro_ext.distributed import check_group
-
-            check_group(group, "GroupDROLoss")
-        self.group = group
-        self._settings_set = True
+        self.group = group  # (checked as it is set: __setattr__)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # A setting is checked where it is set, by the constructor's rules, and not at every step (whose checks
         # show at a few thousand losses): set later unchecked, a negative step_size turned the ascent on the worst
         # groups into a descent, and missing="Stale" read as "zero" natively and as "stale" in the fallback.
+        if name in _FIXED_SETTINGS and name in self.__dict__ and value != self.__dict__[name]:
+            raise ValueError(f"dro_ext: GroupDROLoss's {name} is fixed at construction; build another GroupDROLoss "
+                             f"(load_state_dict carries q's state over where num_groups is the same)")
         rule = _SETTING_RULES.get(name)
         if rule is not None:
             value = rule(value)
-            if name in _COMBINED_SETTINGS and self.__dict__.get("_settings_set"):
+            # (once every one of them is set: in the constructor, the last one's assignment; a module unpickled from
+            # before these checks has them all)
+            if name in _COMBINED_SETTINGS and all(key in self.__dict__ for key in _COMBINED_SETTINGS):
                 settings = {key: self.__dict__[key] for key in _COMBINED_SETTINGS}
                 settings[name] = value
                 _check_setting_combination(**settings)
+        elif name == "group" and value is not None:
+            from dro_ext.distributed import check_group
+
+            check_group(value, "GroupDROLoss")
         super().__setattr__(name, value)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # nn.Module's own signature
         # The state stays float32 or wider under module.half(), .to(torch.bfloat16) and the like
-        # (_NARROW_STATE_DTYPES): taken from the state as it was, unrounded, on the device the cast chose.
+        # (_NARROW_STATE_DTYPES): taken from the state as it was (not through the 16-bit dtype: a float64 state is
+        # rounded once, to float32), on the device the cast chose.
         state = {id(self._buffers[name]) for name in _STATE_FLOATS if self._buffers.get(name) is not None}
 
         def keep_state_wide(t: torch.Tensor) -> torch.Tensor:
@@ -882,7 +893,8 @@ class GroupDROLoss(_Float64Configuration):
                 total = fixed_order_sum(score)
                 score = torch.where(total != 0, score / total, score)
             # Groups at q = 0 (disabled, or log q = -inf) stay there exactly, whatever their score (infinite or NaN
-            # included); the live groups' scores less their largest (csrc/group_dro_step.h's log_weight): the same
+            # included: a stale group's loaded last mean; a batch with a mean not finite takes no step, below); the
+            # live groups' scores less their largest (csrc/group_dro_step.h's log_weight): the same
             # log q, without step_size * score overflowing or absorbing log q. The largest score's product is 0
             # also where step_size itself overflows the dtype (float32 past 3.4e38: inf * 0 would be NaN).
             live = self.active & (log_q != -math.inf)

@@ -97,7 +97,8 @@ class NormalizedSGD(Optimizer):
         foreach: True selects the ``torch._foreach_*`` implementation (also what ``fused=False`` runs).
         fused: True selects the fused native op (it must be built, and every parameter of a group must
             sit on one device); None picks it where it is loaded, has a kernel for the group's device and
-            ``foreach`` is not True, and the foreach implementation elsewhere.
+            ``foreach`` is not True, and the foreach implementation elsewhere. ``load_state_dict`` keeps this
+            optimizer's ``foreach`` and ``fused``, not the checkpoint's: they say how this process steps.
 
     No two params may share memory (each is updated in place). As ATen's own overlap checks: two dense params whose
     bytes, from the first element to the last, meet are refused, as is one given twice; a strided view with gaps (a
@@ -477,12 +478,13 @@ def _check_step_options(group: dict[str, Any], plan: _GroupPlan) -> None:
     # in _check_step_hyperparameters.
     if not isinstance(lr, torch.Tensor) and not 0.0 <= lr < math.inf:
         raise ValueError(f"dro_ext.NormalizedSGD: lr must be a finite number >= 0.0, got lr={lr}")
-    hyperparameters = (group["momentum"], group["eps"], group["weight_decay"])
     # The fused op refuses the same values itself (before it writes anything, but after the groups before its own
-    # have stepped), so Python numbers are checked here too; tensors are left to it (a device tensor's value is a
-    # host read). The sharded step calls the op with eps, weight_decay and norm of its own, for the momentum alone.
-    if plan.dtensor or not plan.fused or not any(isinstance(h, torch.Tensor) for h in hyperparameters):
-        _check_step_hyperparameters(*hyperparameters, group["norm"])
+    # have stepped), so its Python numbers are checked here too, and only its tensors are left to it (a device
+    # tensor's value is a host read: 0.0 stands in for one). The sharded step calls the op with eps, weight_decay and
+    # norm of its own, for the momentum alone, so every value of its groups and of the foreach ones is checked here.
+    momentum, eps, weight_decay = ((0.0 if isinstance(h, torch.Tensor) and plan.fused and not plan.dtensor else h)
+                                   for h in (group["momentum"], group["eps"], group["weight_decay"]))
+    _check_step_hyperparameters(momentum, eps, weight_decay, group["norm"])
 
 
 def _check_step_hyperparameters(momentum: float, eps: float, weight_decay: float, norm: str) -> None:

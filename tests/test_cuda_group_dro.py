@@ -53,6 +53,33 @@ def test_matches_the_composition_on_the_device(config, state_dtype):
         assert_same_state(native, composed, rtol, atol)
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -float("inf")], ids=["inf", "nan", "-inf"])
+@pytest.mark.parametrize("num_groups", [5, 257])
+def test_a_batch_with_a_mean_not_finite_takes_no_step_on_the_device(num_groups, bad):
+    """The device kernel's rule (csrc/group_dro_step.h's blocks_the_step, one block reduction of a flag per group):
+    a batch in which a present group's mean is infinite or NaN leaves the state bitwise as it was and returns the
+    value and gradient under the current q, as the CPU kernel does, whichever thread holds the group (g = 0, and at
+    257 groups g = 256, a thread's second group)."""
+    gen = torch.Generator().manual_seed(num_groups)
+    on_device = dro_ext.GroupDROLoss(num_groups, 0.3).to(DEVICE, torch.float64)
+    on_cpu = dro_ext.GroupDROLoss(num_groups, 0.3).to("cpu", torch.float64)
+    losses, groups = batch(4 * num_groups + 7, num_groups, gen, torch.float64)
+    step(on_device, losses, groups, "native")
+    step(on_cpu, losses.cpu(), groups.cpu(), "native")
+    for broken_group in sorted({0, num_groups - 1}):
+        losses, groups = batch(4 * num_groups + 7, num_groups, gen, torch.float64)
+        groups[0] = broken_group
+        losses[0] = bad
+        before = {name: t.clone() for name, t in on_device.state_dict().items()}
+        got, got_grad = step(on_device, losses, groups, "native")
+        for name, t in on_device.state_dict().items():
+            assert torch.equal(t, before[name]), name
+        want, want_grad = step(on_cpu, losses.cpu(), groups.cpu(), "native")
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=1e-15, equal_nan=True)
+        torch.testing.assert_close(got_grad.cpu(), want_grad, rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(on_device.log_q.cpu(), on_cpu.log_q, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("num_groups", [1, 255, 257, 5000])
 def test_any_number_of_groups_matches_the_cpu(num_groups):
     """One block of 256 threads strides over the groups: fewer, one more, and many more groups, float64, against

@@ -82,6 +82,10 @@ def test_results_json_holds_every_curve_seed_and_version(quick_run):
         assert meta["versions"][key]
     assert meta["machine"]["cpu"] and meta["machine"]["logical_cpus"] >= 1
     assert meta["cpu_seconds_total"] > 0 and set(meta["load_average"]) == {"start", "end"}
+    from dro_ext.demo.__main__ import source_revision
+
+    assert meta["source"] == source_revision()  # the code the run ran (None outside a git checkout)
+    assert report.source_phrase(meta) in (out / "report.md").read_text()
     expected = {
         "example_3_1": (("sgd", "nsgd"), settings.example_grid, settings.example_epochs),
         "regression": (("sgd", "nsgd"), settings.regression_grid, settings.regression_epochs),

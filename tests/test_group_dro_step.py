@@ -293,12 +293,16 @@ def test_log_q_stays_normalized_after_steps_far_past_its_float_spacing(backend_n
 @pytest.mark.parametrize("backend_name", ["native", "python"])
 def test_a_group_at_q_zero_stays_there_and_its_nan_loss_reaches_the_value(backend_name):
     """A live group whose q is exactly 0 (log q = -inf) keeps it whatever its score, infinite or NaN included (its
-    -inf + step_size * a_g is never formed), while the value sum_g q_g m_g still carries a NaN m_g (0 * NaN)."""
+    -inf + step_size * a_g is never formed): a huge finite loss in the batch, or, absent from it, a stale score from
+    a loaded last mean of inf or NaN (a batch whose mean is not finite takes no step at all). The value
+    sum_g q_g m_g still carries a NaN or infinite m_g of the batch (0 * NaN, 0 * inf)."""
     with _backend.forced_backend(backend_name):
-        module = dro_ext.GroupDROLoss(3, 0.5).double()
-        with torch.no_grad():
-            module.log_q.copy_(torch.tensor([-math.inf, math.log(0.25), math.log(0.75)], dtype=torch.float64))
+        module = dro_ext.GroupDROLoss(3, 0.5, missing="stale").double()
         for bad in (math.inf, math.nan, 1e300):
+            module.reset_parameters()
+            with torch.no_grad():
+                module.log_q.copy_(torch.tensor([-math.inf, math.log(0.25), math.log(0.75)], dtype=torch.float64))
+            before = module.log_q.clone()
             value = module(torch.tensor([bad, 1.0, 1.0], dtype=torch.float64), torch.tensor([0, 1, 2]))
             assert module.q[0] == 0 and torch.isfinite(module.log_q[1:]).all()
             torch.testing.assert_close(module.q[1:], torch.tensor([0.25, 0.75], dtype=torch.float64), rtol=1e-12,
@@ -307,6 +311,14 @@ def test_a_group_at_q_zero_stays_there_and_its_nan_loss_reaches_the_value(backen
                 assert math.isclose(float(value), 1.0, rel_tol=1e-15)  # 0 * 1e300 + 0.25 + 0.75
             else:
                 assert math.isnan(float(value))
+                assert torch.equal(module.log_q, before)  # no step taken
+            with torch.no_grad():  # group 0's loaded last mean; absent from the batch, it scores it
+                module.last_loss[0] = bad
+            value = module(torch.tensor([1.0, 1.0], dtype=torch.float64), torch.tensor([1, 2]))
+            assert module.q[0] == 0, module.log_q
+            torch.testing.assert_close(module.q[1:], torch.tensor([0.25, 0.75], dtype=torch.float64), rtol=1e-12,
+                                       atol=0.0)
+            assert math.isclose(float(value), 1.0, rel_tol=1e-15)
 
 
 @native_only

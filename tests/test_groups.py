@@ -1001,12 +1001,15 @@ GROUP_DRO_BAD_SETTINGS = [
     (dict(), "step_size", math.nan, ValueError, "step_size must be a finite number > 0"),
     (dict(), "step_size", torch.tensor(0.5), TypeError, "step_size must be a Python number"),
     (dict(), "missing", "Stale", ValueError, "missing must be 'zero' or 'stale'"),
-    (dict(), "mode", "cvar", ValueError, "mode must be"),
+    (dict(), "mode", "cvar", ValueError, "mode is fixed at construction"),
+    (dict(), "num_groups", 4, ValueError, "num_groups is fixed at construction"),
+    (dict(), "group", object(), (RuntimeError, TypeError), "group"),
     (dict(), "ema_gamma", 5.0, ValueError, r"ema_gamma must be in \(0, 1\]"),
     (dict(), "normalize_loss", 1, TypeError, "normalize_loss must be a bool"),
     (dict(), "alpha", 0.5, ValueError, "alpha is used by mode='greedy_cvar' only"),
     (dict(), "min_var_weight", 0.5, ValueError, "min_var_weight is used by mode='greedy_cvar' only"),
-    (dict(), "mode", "greedy_cvar", ValueError, "needs alpha"),
+    (dict(), "mode", "greedy_cvar", ValueError, "mode is fixed at construction"),
+    (dict(mode="greedy_cvar", alpha=0.5), "mode", "eg", ValueError, "mode is fixed at construction"),
     (dict(mode="greedy_cvar", alpha=0.5), "alpha", None, ValueError, "needs alpha"),
     (dict(mode="greedy_cvar", alpha=0.5), "alpha", -1.0, ValueError, "alpha must be a finite number > 0"),
     (dict(mode="greedy_cvar", alpha=0.5), "normalize_loss", True, ValueError, "normalize_loss applies to mode='eg'"),
@@ -1020,7 +1023,12 @@ def test_group_dro_settings_set_later_are_checked_as_constructed(backend, settin
     before = getattr(module, name)
     with pytest.raises(exc, match=match):
         setattr(module, name, value)
-    assert getattr(module, name) == before  # left as it was: the next step runs the valid settings
+    assert getattr(module, name) is before  # left as it was: the next step runs the valid settings
+    # A module unpickled from before these checks (its __dict__ restored as it was) is checked alike.
+    restored = dro_ext.GroupDROLoss.__new__(dro_ext.GroupDROLoss)
+    restored.__dict__.update(copy.deepcopy(module.__dict__))
+    with pytest.raises(exc, match=match):
+        setattr(restored, name, value)
     losses, groups = random_batch(12, 3)
     module(losses.float(), groups)
     assert not module.log_q.isnan().any() and abs(float(module.q.sum()) - 1.0) < 1e-6

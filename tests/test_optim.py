@@ -524,16 +524,24 @@ def test_an_option_set_after_construction_is_checked_at_the_step(backend, foreac
     assert torch.equal(p.detach(), torch.ones(2))
 
 
+_REFUSED_OPTIONS = {"momentum": 1.0, "eps": -1.0, "weight_decay": math.nan, "norm": "layer", "lr": -0.5,
+                    "lr-nan": math.nan}
+
+
 @pytest.mark.parametrize("foreach", [None, True], ids=["default", "foreach"])
-@pytest.mark.parametrize("option,value", [("momentum", 1.0), ("eps", -1.0), ("weight_decay", math.nan),
-                                          ("norm", "layer"), ("lr", -0.5), ("lr", math.nan)],
-                         ids=["momentum", "eps", "weight_decay", "norm", "lr", "lr-nan"])
-def test_a_refused_option_of_one_group_steps_no_group(backend, foreach, option, value):
+@pytest.mark.parametrize("case,tensor_momentum",
+                         [(case, False) for case in _REFUSED_OPTIONS]
+                         # beside a tensor momentum, which a fused group leaves to its op: its numbers are checked
+                         + [(case, True) for case in _REFUSED_OPTIONS if case != "momentum"])
+def test_a_refused_option_of_one_group_steps_no_group(backend, foreach, case, tensor_momentum):
     """A later group's option refused at the step (a momentum schedule that reached 1, say) left the groups before
     it stepped: a caller that caught the error, set the option right and stepped again stepped them twice. Every
-    group's options are now checked before any group steps."""
+    group's options are now checked before any group steps (a fused group's tensor options are left to the op, its
+    numbers not)."""
+    option, value = case.removesuffix("-nan"), _REFUSED_OPTIONS[case]
     first, second = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
-    opt = NormalizedSGD([dict(params=[first]), dict(params=[second])], lr=0.1, foreach=foreach)
+    momentum = torch.tensor(0.9) if tensor_momentum else 0.9
+    opt = NormalizedSGD([dict(params=[first]), dict(params=[second])], lr=0.1, momentum=momentum, foreach=foreach)
     right = opt.param_groups[1][option]
     opt.param_groups[1][option] = value
     first.grad, second.grad = torch.ones(3), torch.ones(2)
@@ -544,7 +552,8 @@ def test_a_refused_option_of_one_group_steps_no_group(backend, foreach, option, 
     opt.param_groups[1][option] = right
     opt.step()
     once = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
-    reference = NormalizedSGD([dict(params=[once[0]]), dict(params=[once[1]])], lr=0.1, foreach=foreach)
+    reference = NormalizedSGD([dict(params=[once[0]]), dict(params=[once[1]])], lr=0.1, momentum=momentum,
+                              foreach=foreach)
     once[0].grad, once[1].grad = torch.ones(3), torch.ones(2)
     reference.step()
     assert torch.equal(first.detach(), once[0].detach()) and torch.equal(second.detach(), once[1].detach())

@@ -144,14 +144,21 @@ def source_revision() -> dict | None:
     import subprocess
 
     root = Path(dro_ext.__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+
     try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
-        changes = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                                 capture_output=True, text=True, timeout=10, check=True).stdout
+        # (Only where the package's folder is the checkout's top: an installed copy inside another repository, a
+        # virtual environment in a project's folder, would otherwise name that repository's commit.)
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
+            return None
+        commit = git("rev-parse", "HEAD")
+        changes = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return None
-    return {"git_commit": commit, "modified": bool(changes.strip())}
+    return {"git_commit": commit, "modified": bool(changes)}
 
 
 def run_demo(out: Path, *, quick: bool = False, device: str = "cpu", seed: int = 0, threads: int = 1,

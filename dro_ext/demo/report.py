@@ -306,7 +306,7 @@ def _accuracy_cell(c: dict, method: str) -> str:
         counts = "beyond" if c["gain_counts"] else ("below minus" if below else "within")
         # To two decimals, the mean gain and the threshold both: at one, a gain of 0.45 "within 2" standard errors
         # of 0.24 read as +0.5 within 2 x 0.2.
-        threshold = GAIN_STANDARD_ERRORS * c["mean_gain_standard_error"]
+        threshold = GAIN_STANDARD_ERRORS * c["mean_gain_standard_error"] * (-1.0 if below else 1.0)
         noise = (f"the mean gain's standard error over the seeds {c['mean_gain_standard_error']:.2f} points (the gain "
                  f"is {counts} {GAIN_STANDARD_ERRORS:g} of them, {threshold:.2f})")
     return (f"{method} better on {c['classes_improved']}/{c['num_classes']} classes; mean gain {c['mean_gain']:+.2f} "
@@ -549,7 +549,7 @@ def what_ran(results: dict, settings: dict) -> list:
 
 
 def source_phrase(meta: dict) -> str:
-    """", code: git commit X" (with "and local changes" where the tracked files differed), "" where unknown (a run
+    """"; code: git commit X" (" with local changes" where the tracked files differed), "" where unknown (a run
     outside a git checkout, or one recorded before runs named their code)."""
     source = meta.get("source")
     if not source:
