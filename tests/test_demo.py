@@ -524,6 +524,15 @@ def test_tail_level_is_the_mean_of_the_last_epochs():
     assert claims.tail_level(_run([100.0, math.nan], diverged=True)) == math.inf
 
 
+def test_the_report_names_the_epochs_the_level_averages():
+    """A quick run's 3-epoch runs read "mean exact objective of the last 10 epochs": the level averages all 3."""
+    short = _compare(_seed_runs([2.0, 3.0]), _seed_runs([1.0, 1.0], optimizer="nsgd"))
+    assert short["tail_epochs"] == 3
+    assert "mean exact objective of the last 3 epochs" in report._optimization_cell(short, "SGD", "NSGD")
+    long = _compare(_seed_runs([2.0, 3.0], epochs=40), _seed_runs([1.0, 1.0], optimizer="nsgd", epochs=40))
+    assert long["tail_epochs"] == claims.TAIL_EPOCHS
+
+
 def test_seeds_needed_for_yes_is_four_of_five():
     assert [claims.seeds_needed(n) for n in (1, 2, 3, 5)] == [1, 2, 3, 4]
 

@@ -125,7 +125,10 @@ def compare_optimization(baseline_seed_runs: list, method_seed_runs: list, basel
     seeds_holding = sum(a and b for a, b in zip(lower, faster))
     return {
         "baseline_lr": baseline_seed_runs[0].lr, "method_lr": method_seed_runs[0].lr, "seeds": seeds,
-        "tail_epochs": TAIL_EPOCHS, "level": level, "speed": speed, "level_ratio": level_ratio, "speed_gap": speed_gap,
+        # (the epochs the level averages: all of a run's where it has fewer than TAIL_EPOCHS, as in --quick)
+        "tail_epochs": min(TAIL_EPOCHS, max(len(r.curve[1:] or r.curve)
+                                            for r in baseline_seed_runs + method_seed_runs)),
+        "level": level, "speed": speed, "level_ratio": level_ratio, "speed_gap": speed_gap,
         "seeds_lower": sum(lower), "seeds_faster": sum(faster), "seeds_holding": seeds_holding,
         "seeds_needed": seeds_needed(len(seeds)), "holds_on_medians": holds_on_medians,
         "baseline_diverged_seeds": [r.seed for r in baseline_seed_runs if r.diverged],
