@@ -543,9 +543,9 @@ def _check_setting_combination(mode: str, alpha: object, normalize_loss: bool, m
             raise ValueError("dro_ext: min_var_weight is used by mode='greedy_cvar' only; pass 0")
 
 
-# The floating dtypes the state keeps under a cast: a 16-bit log q holds no step of a usual step_size (bfloat16's
-# spacing near log(1/4) is 0.008: every update rounded away, q stayed uniform, Group DRO ran as ERM).
-_NARROW_STATE_DTYPES = (torch.float16, torch.bfloat16)
+# The state's floating buffers. They take the accumulate dtype of what the default dtype or a cast asks for: a
+# 16-bit log q holds no step of a usual step_size (bfloat16's spacing near log(1/4) is 0.008: every update rounded
+# away, q stayed uniform, Group DRO ran as ERM).
 _STATE_FLOATS = ("log_q", "ema_loss", "last_loss")
 
 
@@ -744,8 +744,7 @@ class GroupDROLoss(_Float64Configuration):
               else check_group_vector("q_init", q_init, num_groups, positive=False))
         self._q_init = q0 / fixed_order_sum(q0)  # host float64, for reset_parameters
         active = self._q_init > 0
-        dtype = torch.get_default_dtype()
-        dtype = torch.float32 if dtype in _NARROW_STATE_DTYPES else dtype
+        dtype = accumulate_dtype(torch.get_default_dtype())  # (_STATE_FLOATS says why)
         # The state: persistent buffers, saved by state_dict (set by reset_parameters below).
         self.register_buffer("log_q", torch.empty(num_groups, dtype=dtype))
         self.register_buffer("ema_loss", torch.empty(num_groups, dtype=dtype))
@@ -786,15 +785,16 @@ class GroupDROLoss(_Float64Configuration):
         super().__setattr__(name, value)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # nn.Module's own signature
-        # The state stays float32 or wider under module.half(), .to(torch.bfloat16) and the like
-        # (_NARROW_STATE_DTYPES): taken from the state as it was (not through the 16-bit dtype: a float64 state is
-        # rounded once, to float32), on the device the cast chose.
+        # The state stays float32 or wider under module.half(), .to(torch.bfloat16) and the like (_STATE_FLOATS):
+        # the accumulate dtype of the cast's, taken from the state as it was (not through the 16-bit dtype: a
+        # float64 state is rounded once, to float32), on the device the cast chose.
         state = {id(self._buffers[name]) for name in _STATE_FLOATS if self._buffers.get(name) is not None}
 
         def keep_state_wide(t: torch.Tensor) -> torch.Tensor:
             out = fn(t)
-            if id(t) in state and out.dtype in _NARROW_STATE_DTYPES:
-                return t.to(device=out.device, dtype=torch.float32)
+            wide = accumulate_dtype(out.dtype)
+            if id(t) in state and out.dtype != wide:
+                return t.to(device=out.device, dtype=wide)
             return out
 
         return super()._apply(keep_state_wide, recurse)
@@ -834,8 +834,7 @@ class GroupDROLoss(_Float64Configuration):
             try:
                 check_losses(losses, allow_empty=True)
                 check_groups(groups, losses)
-                if not isinstance(update, bool):
-                    raise TypeError(f"dro_ext: update must be a bool, got {update!r}")
+                _flag("update", update)
                 if mask is not None:
                     check_mask(mask, losses)
                 if self.log_q.device != losses.device:  # (the composition's first mixed op raised torch's own error)
