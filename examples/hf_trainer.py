@@ -136,6 +136,8 @@ def main(argv=None):
                             per_sequence=args.per_sequence)
     print(f"DRO objective: {losses[0]:.3f} (first step) -> {losses[-1]:.3f} (step {len(losses)}); "
           f"eta = {trainer.model.dro_loss.eta.item():.3f}")
+    if torch.distributed.is_initialized():  # under torchrun: the Trainer's process group, left in order
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
