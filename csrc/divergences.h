@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace dro_ext {
 
@@ -61,6 +62,12 @@ struct Math {
   }
   // x > 0 ? if_pos : otherwise, for an `otherwise` that is NaN wherever x is (one select fewer).
   static C10_HOST_DEVICE inline T if_positive(T x, T if_pos, T otherwise) { return x > T(0) ? if_pos : otherwise; }
+  // select_positive(x, if_pos, make_if_nonpos()) with make_if_nonpos called only where it is taken (a vector: where
+  // any lane takes it), for a slow form that few elements need: they cost nothing where none does.
+  template <typename F>
+  static C10_HOST_DEVICE inline T select_positive_rare(T x, T if_pos, F make_if_nonpos) {
+    return x > T(0) ? if_pos : (x <= T(0) ? make_if_nonpos() : x);
+  }
 };
 
 // Every functor below has, for its arithmetic type T:
@@ -510,6 +517,18 @@ struct SmoothedCVaR {
     // x > 1 or x < -1/2 takes the far form; a NaN x stays NaN (select_positive returns it).
     return M::select_positive(x - M::constant(1.0), far, M::select_positive(M::constant(-0.5) - x, far, near));
   }
+  // `ratio`, a quotient of q = e^-|t| (or of 1: then `gauge` is 1) by powers of the sum c1 + c2 q, which is down to
+  // min(alpha, 1 - alpha): the quotient is a normal number well below the smallest normal q (psi*'(-100) = 3.7e-38
+  // at alpha = 1 - 1e-6 in float32), where q is 0 (the AVX builds' exp) or a subnormal short of digits. There it is
+  // exp(log_ratio()) instead, the same quotient with q's logarithm -|t| in place of q: its argument rounds to a few
+  // roundings of |t|, the conditioning of e^-|t| itself. Formed only where needed (select_positive_rare): a log and
+  // an exp more on every element cost the non-shortcut path a fifth of its time.
+  template <typename T, typename F>
+  C10_HOST_DEVICE inline T unless_below_normal(T gauge, T ratio, F log_ratio) const {
+    using M = Math<T>;
+    return M::select_positive_rare(gauge - M::constant(std::numeric_limits<acc_t>::min()), ratio,
+                                   [&] { return M::exp(log_ratio()); });
+  }
   // psi*'(t) = e^t / (1 - alpha + alpha e^t) = [t > 0 ? 1 : q] / (c1 + c2 q) and
   // psi*''(t) = psi*'(t) (1 - alpha psi*'(t)) = (1 - alpha) q / (c1 + c2 q)^2, relatively accurate for any alpha.
   // With the shortcuts, sigmoid(s) / alpha and sigmoid(s) sigmoid(-s) / alpha instead (s = t + shift), whose
@@ -518,8 +537,11 @@ struct SmoothedCVaR {
   C10_HOST_DEVICE inline T first(T t) const {
     using M = Math<T>;
     if (shortcuts) return coarse_first_unscaled(t) * M::constant(coarse_first_scale());
-    const T q = M::exp(M::neg_abs(t));
-    return M::if_positive(t, M::constant(1.0), q) / positive_sum(t, q);
+    const T minus_abs = M::neg_abs(t);
+    const T q = M::exp(minus_abs);
+    const T sum = positive_sum(t, q);
+    const T numerator = M::if_positive(t, M::constant(1.0), q);
+    return unless_below_normal(numerator, numerator / sum, [&] { return minus_abs - M::log(sum); });
   }
   template <typename T>
   C10_HOST_DEVICE inline T second(T t) const {
@@ -529,11 +551,15 @@ struct SmoothedCVaR {
       const Logistic<T> g = logistic(t + M::constant(shift));
       return g.ew * g.w * M::constant(inv_alpha);
     }
-    const T q = M::exp(M::neg_abs(t));
+    const T minus_abs = M::neg_abs(t);
+    const T q = M::exp(minus_abs);
     const T sum = positive_sum(t, q);
     // Divided by the sum twice, not by its square: the sum is down to about alpha, whose square underflows float32
     // below alpha ~ 1e-19 (NaN or inf where the second derivative is finite).
-    return (q / sum) * (M::constant(one_minus_alpha) / sum);
+    return unless_below_normal(q, (q / sum) * (M::constant(one_minus_alpha) / sum), [&] {
+      const T log_sum = M::log(sum);
+      return minus_abs + M::constant(log1m_alpha) - log_sum - log_sum;
+    });
   }
   template <typename T>
   C10_HOST_DEVICE inline T excess(T t) const {

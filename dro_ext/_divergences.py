@@ -451,6 +451,12 @@ def _smoothed_cvar_parts(t: torch.Tensor, alpha: float) -> tuple[torch.Tensor, t
     return m, c1 + c2 * q
 
 
+def _unless_below_normal(gauge: torch.Tensor, ratio: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
+    """``ratio`` where ``gauge`` (q = e^-|t|, or 1) is a normal number, else exp(log_ratio): smoothed_cvar's weight and
+    second derivative where q underflows while they do not (csrc/divergences.h's SmoothedCVaR::unless_below_normal)."""
+    return _select_positive(gauge - torch.finfo(gauge.dtype).smallest_normal, ratio, torch.exp(log_ratio))
+
+
 def _smoothed_cvar_shortcuts(alpha: float) -> bool:
     """csrc/divergences.h's SmoothedCVaR::shortcuts: alpha in [1/16, 15/16]."""
     return 1.0 / 16.0 <= alpha <= 15.0 / 16.0
@@ -557,11 +563,15 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
             # sigmoid(s) sigmoid(-s): no 1 - p to lose the small side's digits.
             return _sigmoid(s) / alpha if order == 1 else _sigmoid(s) * _sigmoid(-s) / alpha
         # e^t / (1 - alpha + alpha e^t) and its derivative from q = e^-|t|, without t + log(alpha/(1 - alpha)).
-        q = torch.exp(_neg_abs(t))
+        minus_abs = _neg_abs(t)
+        q = torch.exp(minus_abs)
         _, total = _smoothed_cvar_parts(t, alpha)
         if order == 1:
-            return torch.where(t > 0, torch.ones_like(q), q) / total
-        return (q / total) * ((1.0 - alpha) / total)  # (csrc/divergences.h: no square of total to underflow)
+            numerator = torch.where(t > 0, torch.ones_like(q), q)
+            return _unless_below_normal(numerator, numerator / total, minus_abs - torch.log(total))
+        # (csrc/divergences.h: no square of total to underflow)
+        return _unless_below_normal(q, (q / total) * ((1.0 - alpha) / total),
+                                    minus_abs + math.log1p(-alpha) - 2.0 * torch.log(total))
     raise AssertionError(name)
 
 

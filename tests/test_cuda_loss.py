@@ -11,7 +11,8 @@ import reference as ref
 from reference import case_kwargs
 from cuda_cases import (DEVICE, DTYPES, LAYOUTS, ON_CUDA, SIZES, SKIP_WITHOUT_CUDA, make_losses,
                         native_backend, needs_cuda, on_test_device)  # noqa: F401 (native_backend: an autouse fixture)
-from test_precision import KINK_KS, check_cressie_read_derivatives_above_the_kink
+from test_precision import (FAR_ALPHAS, KINK_KS, check_cressie_read_derivatives_above_the_kink,
+                            check_smoothed_cvar_derivatives_where_exp_minus_abs_t_underflows)
 
 pytestmark = SKIP_WITHOUT_CUDA
 
@@ -58,6 +59,12 @@ def test_loss_and_gradients_match_float64_reference(name, params, n, dtype, layo
 @pytest.mark.parametrize("k", KINK_KS)
 def test_cressie_read_derivatives_within_a_rounding_above_the_kink(k, dtype):
     check_cressie_read_derivatives_above_the_kink(k, dtype, DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("alpha", FAR_ALPHAS)
+def test_smoothed_cvar_derivatives_stay_normal_where_exp_minus_abs_t_underflows(alpha, dtype):
+    check_smoothed_cvar_derivatives_where_exp_minus_abs_t_underflows(alpha, dtype, DEVICE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -63,8 +63,10 @@ def mp_psi_star(t, name, alpha=None, k=None, order=0):
         a = mp.mpf(alpha)
         if order == 0:
             return mp.log(1 - a + a * mp.exp(t)) / a
-        p = a * mp.exp(t) / (1 - a + a * mp.exp(t))
-        return p / a if order == 1 else p * (1 - p) / a
+        total = 1 - a + a * mp.exp(t)
+        # psi*'' = p (1 - p) / alpha with p = alpha e^t / total, as (1 - alpha) e^t / total^2: 1 - p would keep only
+        # the working precision's digits beyond those of e^-t (t = 130 left 9 of 60).
+        return mp.exp(t) / total if order == 1 else (1 - a) * mp.exp(t) / (total * total)
     raise AssertionError(name)
 
 
@@ -615,3 +617,44 @@ def test_autograd_gradient_far_below_zero_is_the_weight(backend, name, params, d
             got = float(g[i])
             assert abs(got - float(w)) <= allowed, (
                 f"{what} {name} {params} {dtype} t={ti!r}: gradient {got!r}, exact {float(w)!r}")
+
+
+FAR_ALPHAS = [1e-6, 1e-3, 0.999, 1 - 1e-6]
+
+
+def check_smoothed_cvar_derivatives_where_exp_minus_abs_t_underflows(alpha, dtype, device, autograd=True):
+    """Outside the shortcuts' alpha in [1/16, 15/16], psi*'(t) = e^t / (1 - alpha + alpha e^t) and psi*''(t) are
+    formed from q = e^-|t| over a sum that is down to min(alpha, 1 - alpha): at alpha = 1 - 1e-6, t = -100 in
+    float32 the weight is e^-100 / 1e-6 = 3.7e-38, a normal number, where q is below the smallest normal (0 in the
+    AVX builds, a subnormal short of digits elsewhere). Both must be the exact value to the conditioning of exp, a
+    few roundings of |t|, wherever that value is normal: the weight (dro_weights), and with ``autograd`` the gradient
+    and the second derivative (double backward) of psi_star, which the native ops form with the same functor."""
+    eps, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).smallest_normal
+    reach = 130.0 if dtype == torch.float32 else 760.0
+    t = torch.linspace(-reach, reach, 1301, dtype=torch.float64).to(device, dtype)
+    got = {"dro_weights": dro_ext.dro_weights(t, 0.0, 1.0, "smoothed_cvar", alpha=alpha)}
+    if autograd:
+        x = t.clone().requires_grad_()
+        (first,) = torch.autograd.grad(dro_ext.psi_star(x, "smoothed_cvar", alpha=alpha).sum(), x, create_graph=True)
+        (second,) = torch.autograd.grad(first.sum(), x)
+        got.update({"gradient": first.detach(), "second derivative": second})
+    got = {what: values.cpu().tolist() for what, values in got.items()}
+    checked = 0
+    for i, ti in enumerate(t.cpu().tolist()):
+        exact = {order: float(mp_psi_star(ti, "smoothed_cvar", alpha=alpha, order=order)) for order in (1, 2)}
+        for what, values in got.items():
+            want = exact[2 if what == "second derivative" else 1]
+            if want < 2 * tiny:
+                continue
+            checked += 1
+            assert abs(values[i] - want) <= 16 * eps * (2 + abs(ti)) * want, (
+                f"{what} alpha={alpha} {dtype} t={ti!r}: {values[i]!r}, exact {want!r}")
+    assert checked > len(t) * len(got) // 2  # most of the sweep is normal
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("alpha", FAR_ALPHAS)
+def test_smoothed_cvar_derivatives_stay_normal_where_exp_minus_abs_t_underflows(backend, alpha, dtype):
+    # The fallback's autograd differentiates its formulas: it keeps q's digits down to float64's smallest normal,
+    # and its second derivative near t = 0 rounds 1 - alpha, a thousand roundings at alpha = 0.999: its weight only.
+    check_smoothed_cvar_derivatives_where_exp_minus_abs_t_underflows(alpha, dtype, "cpu", autograd=backend != "python")

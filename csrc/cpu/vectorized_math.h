@@ -91,6 +91,13 @@ struct Math<at::vec::Vectorized<S>> {
     return V::blendv(out, if_pos, x > zero);
 #endif
   }
+  // (see Math<T>::select_positive_rare) make_if_nonpos runs only when some lane of x is not above 0: a branch that
+  // data without such lanes always predicts.
+  template <typename F>
+  static inline V select_positive_rare(const V& x, const V& if_pos, F make_if_nonpos) {
+    if ((x > V(S(0))).zero_mask() == 0) return if_pos;
+    return select_positive(x, if_pos, make_if_nonpos());
+  }
   static inline V if_positive(const V& x, const V& if_pos, const V& otherwise) {
 #if defined(DRO_EXT_SIMD_FLOAT)
     return V(cpu::simd::select(cpu::simd::greater(x, cpu::simd::set(S(0))), if_pos, otherwise));
