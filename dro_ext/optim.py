@@ -108,7 +108,9 @@ class NormalizedSGD(Optimizer):
 
     The momentum has its parameter's dtype and device: where a model is cast or moved after a step
     (``model.double()``, ``model.to(device)``), the next step casts each momentum to its parameter, as
-    ``load_state_dict`` casts a loaded one. ``lr`` and the other options set on a group later are checked at the step.
+    ``load_state_dict`` casts a loaded one. ``lr`` and the other options set on a group later are checked at the step,
+    every group's before any group steps (a tensor ``momentum``, ``eps`` or ``weight_decay``: its value, read once on
+    the host, as the fused op takes numbers).
 
     Works with ``torch.amp.GradScaler`` (it passes ``grad_scale``/``found_inf``: gradients are unscaled
     inside the step and a step with an inf/NaN gradient is skipped entirely). The fused step reads them
@@ -259,14 +261,11 @@ class NormalizedSGD(Optimizer):
         planned = [(group, *self._plan(group)) for group in self.param_groups]
         # Every group's options are checked before any group steps: a refusal of a later group's left the earlier
         # groups stepped, and a caller that set the option right and stepped again stepped those twice.
-        for group, plan, _ in planned:
-            if plan.params:
-                _check_step_options(group, plan)
-        for group, plan, (grads, momenta, steps) in planned:
-            if not plan.params:
+        hyperparameters = [_check_step_options(group, plan) if plan.params else None for group, plan, _ in planned]
+        for (group, plan, (grads, momenta, steps)), checked in zip(planned, hyperparameters):
+            if checked is None:
                 continue
-            options = dict(lr=group["lr"], momentum=group["momentum"], eps=group["eps"],
-                           weight_decay=group["weight_decay"], norm=group["norm"], maximize=group["maximize"],
+            options = dict(lr=group["lr"], **checked, norm=group["norm"], maximize=group["maximize"],
                            grad_scale=grad_scale, found_inf=found_inf)
             if plan.dtensor:  # FSDP2: local shards, one all-reduce for the norm
                 _distributed.sharded_normalized_sgd_step(plan.params, grads, momenta, steps, fused=plan.fused,
@@ -469,22 +468,24 @@ def _grouped_foreach_momentum_(grads: list[torch.Tensor], momenta: list[torch.Te
         _foreach_momentum_(b_grads, b_momenta, b_steps, momentum=momentum, maximize=maximize, grad_scale=grad_scale)
 
 
-def _check_step_options(group: dict[str, Any], plan: _GroupPlan) -> None:
+def _check_step_options(group: dict[str, Any], plan: _GroupPlan) -> dict[str, Any]:
     """A group's options as its step takes them: set on the group after construction (a user's, a scheduler's), each
-    refused as the constructor refuses it."""
+    refused as the constructor refuses it. Returns the momentum, eps and weight_decay the step passes on: for the
+    fused op, a tensor's value read here (the op takes numbers and read it itself, after the groups before its own
+    had stepped), once, as the op would have; the foreach and sharded steps take them as they are."""
     lr = group["lr"]
     # The op takes lr as a tensor and cannot read it: a negative lr ascended, a NaN one made every param NaN. (A
     # tensor lr is checked when given; its later values are not read: no host sync per step.) 0 <= lr < inf: see eps
     # in _check_step_hyperparameters.
     if not isinstance(lr, torch.Tensor) and not 0.0 <= lr < math.inf:
         raise ValueError(f"dro_ext.NormalizedSGD: lr must be a finite number >= 0.0, got lr={lr}")
-    # The fused op refuses the same values itself (before it writes anything, but after the groups before its own
-    # have stepped), so its Python numbers are checked here too, and only its tensors are left to it (a device
-    # tensor's value is a host read: 0.0 stands in for one). The sharded step calls the op with eps, weight_decay and
-    # norm of its own, for the momentum alone, so every value of its groups and of the foreach ones is checked here.
-    momentum, eps, weight_decay = ((0.0 if isinstance(h, torch.Tensor) and plan.fused and not plan.dtensor else h)
-                                   for h in (group["momentum"], group["eps"], group["weight_decay"]))
-    _check_step_hyperparameters(momentum, eps, weight_decay, group["norm"])
+    names = ("momentum", "eps", "weight_decay")
+    if plan.fused and not plan.dtensor:
+        values = [float(h) if isinstance(h, torch.Tensor) else h for h in (group[name] for name in names)]
+    else:
+        values = [group[name] for name in names]
+    _check_step_hyperparameters(*values, group["norm"])
+    return dict(zip(names, values))
 
 
 def _check_step_hyperparameters(momentum: float, eps: float, weight_decay: float, norm: str) -> None:

@@ -531,14 +531,16 @@ _REFUSED_OPTIONS = {"momentum": 1.0, "eps": -1.0, "weight_decay": math.nan, "nor
 @pytest.mark.parametrize("foreach", [None, True], ids=["default", "foreach"])
 @pytest.mark.parametrize("case,tensor_momentum",
                          [(case, False) for case in _REFUSED_OPTIONS]
-                         # beside a tensor momentum, which a fused group leaves to its op: its numbers are checked
-                         + [(case, True) for case in _REFUSED_OPTIONS if case != "momentum"])
+                         # beside a tensor momentum, and the momentum refused as a tensor: the fused op took a tensor
+                         # option and refused it itself, after the groups before its own had stepped
+                         + [(case, True) for case in _REFUSED_OPTIONS])
 def test_a_refused_option_of_one_group_steps_no_group(backend, foreach, case, tensor_momentum):
     """A later group's option refused at the step (a momentum schedule that reached 1, say) left the groups before
     it stepped: a caller that caught the error, set the option right and stepped again stepped them twice. Every
-    group's options are now checked before any group steps (a fused group's tensor options are left to the op, its
-    numbers not)."""
+    group's options are now checked before any group steps, numbers and tensors alike."""
     option, value = case.removesuffix("-nan"), _REFUSED_OPTIONS[case]
+    if tensor_momentum and option == "momentum":
+        value = torch.tensor(value)
     first, second = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
     momentum = torch.tensor(0.9) if tensor_momentum else 0.9
     opt = NormalizedSGD([dict(params=[first]), dict(params=[second])], lr=0.1, momentum=momentum, foreach=foreach)
