@@ -479,13 +479,11 @@ def _check_step_options(group: dict[str, Any], plan: _GroupPlan) -> dict[str, An
     # in _check_step_hyperparameters.
     if not isinstance(lr, torch.Tensor) and not 0.0 <= lr < math.inf:
         raise ValueError(f"dro_ext.NormalizedSGD: lr must be a finite number >= 0.0, got lr={lr}")
-    names = ("momentum", "eps", "weight_decay")
+    momentum, eps, weight_decay = group["momentum"], group["eps"], group["weight_decay"]
     if plan.fused and not plan.dtensor:
-        values = [float(h) if isinstance(h, torch.Tensor) else h for h in (group[name] for name in names)]
-    else:
-        values = [group[name] for name in names]
-    _check_step_hyperparameters(*values, group["norm"])
-    return dict(zip(names, values))
+        momentum, eps, weight_decay = (float(h) for h in (momentum, eps, weight_decay))
+    _check_step_hyperparameters(momentum, eps, weight_decay, group["norm"])
+    return dict(momentum=momentum, eps=eps, weight_decay=weight_decay)
 
 
 def _check_step_hyperparameters(momentum: float, eps: float, weight_decay: float, norm: str) -> None:
