@@ -10,12 +10,17 @@
 //    makes room for a newer one, so that a size no longer asked for (an earlier phase's batch, an
 //    evaluation pass) is not held for good.
 // DRO_EXT_CPU_BUFFER_CACHE=0 turns the cache off (then every large output is a fresh huge-page buffer).
+// These buffers bypass PyTorch's CPU allocator, so each one handed out and given back is reported to the profiler
+// as the allocator reports its own: torch.profiler's memory events (and the benchmarks' CPU peak memory, built on
+// them) saw none of dro_ext's large outputs before.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <c10/core/Allocator.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -83,6 +88,15 @@ class OutputBufferCache {
   std::vector<std::pair<size_t, void*>> free_;
 };
 
+// A buffer handed out (bytes > 0) or given back (bytes < 0), as the profiler sees allocations (a thread-local
+// lookup where no profiler runs). The totals are this cache's own: the bytes handed out and not given back.
+inline void report_to_profiler(void* data, int64_t bytes) {
+  static std::atomic<int64_t> handed_out{0};
+  const int64_t total = handed_out.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+  c10::reportMemoryUsageToProfiler(data, bytes, static_cast<size_t>(total), static_cast<size_t>(total),
+                                   c10::Device(c10::DeviceType::CPU));
+}
+
 // An uninitialized contiguous CPU tensor of the given sizes and options (a CPU device).
 inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
   const size_t bytes = static_cast<size_t>(c10::multiply_integers(sizes)) * options.dtype().itemsize();
@@ -91,7 +105,12 @@ inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& o
   auto& cache = OutputBufferCache::instance();
   void* data = cache.acquire(rounded);
   TORCH_CHECK(data != nullptr, "dro_ext: out of memory allocating ", rounded, " bytes");
-  return at::from_blob(data, sizes, [rounded](void* p) { OutputBufferCache::instance().release(rounded, p); },
+  report_to_profiler(data, static_cast<int64_t>(rounded));
+  return at::from_blob(data, sizes,
+                       [rounded](void* p) {
+                         report_to_profiler(p, -static_cast<int64_t>(rounded));
+                         OutputBufferCache::instance().release(rounded, p);
+                       },
                        options);
 }
 
