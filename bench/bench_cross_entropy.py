@@ -5,7 +5,9 @@
 Two cases (float32 on the CPU; bfloat16 and a large language model's head on CUDA):
   - logits:  dro_cross_entropy(logits (N, C), targets, eta) against the eager composition
              F.cross_entropy(reduction="none") + dro_ext.dro_loss, that composition under torch.compile, and plain
-             mean cross-entropy (the non-robust cost). Gradients with respect to logits and eta.
+             mean cross-entropy (the non-robust cost). Gradients with respect to logits and eta. The composition
+             upcasts the logits to float32 first, as Hugging Face transformers' causal-LM loss does; for half logits
+             (CUDA) `eager, no upcast` is the same without it.
   - linear:  dro_linear_cross_entropy(hidden (N, H), weight (V, H), targets, eta) against F.linear +
              F.cross_entropy(reduction="none") + dro_loss, that under torch.compile, and F.linear + mean
              cross-entropy. Gradients with respect to hidden, weight and eta. Also `fused grouped`: the same op over
@@ -56,11 +58,27 @@ GROUPS_IN_BATCH, SEQUENCE_LENGTH = 4, 256
 
 
 def eager_logits_loss(logits, targets, eta):
+    # The logits upcast to float32 first, as Hugging Face transformers' causal-LM loss does: on CUDA's bfloat16 the
+    # composition then holds a float32 copy of the logits and its gradient (twice mean_ce's peak memory).
     return dro_ext.dro_loss(F.cross_entropy(logits.float(), targets, reduction="none"), eta, LAM, DIVERGENCE)
+
+
+def eager_logits_loss_in_input_dtype(logits, targets, eta):
+    # The same without the upcast: the per-token losses in the logits' dtype (half types: float32 inside
+    # F.cross_entropy, rounded on the way out), whose sums dro_loss takes in float32.
+    return dro_ext.dro_loss(F.cross_entropy(logits, targets, reduction="none"), eta, LAM, DIVERGENCE)
 
 
 def eager_linear_loss(hidden, weight, targets, eta):
     return eager_logits_loss(F.linear(hidden, weight), targets, eta)
+
+
+def eager_linear_loss_in_input_dtype(hidden, weight, targets, eta):
+    return eager_logits_loss_in_input_dtype(F.linear(hidden, weight), targets, eta)
+
+
+# The row of the composition without the upcast, for half logits only (float32 logits: the same work as "eager").
+EAGER_IN_INPUT_DTYPE = "eager, no upcast"
 
 
 def make_case(kind, sizes, device, chunk_sizes=()):
@@ -85,6 +103,8 @@ def make_case(kind, sizes, device, chunk_sizes=()):
             "compiled": torch.compile(eager_logits_loss, fullgraph=True),
             "mean_ce": lambda x, y, e: F.cross_entropy(x, y),
         }
+        if dtype in (torch.float16, torch.bfloat16):
+            fns[EAGER_IN_INPUT_DTYPE] = eager_logits_loss_in_input_dtype
     else:
         n, h, v = sizes["n"], sizes["h"], sizes["v"]
         hidden = (torch.randn(n, h, **draw) / h**0.5).requires_grad_()
@@ -98,6 +118,8 @@ def make_case(kind, sizes, device, chunk_sizes=()):
             "compiled": torch.compile(eager_linear_loss, fullgraph=True),
             "mean_ce": lambda x, w, y, e: F.cross_entropy(F.linear(x, w), y),
         }
+        if dtype in (torch.float16, torch.bfloat16):
+            fns[EAGER_IN_INPUT_DTYPE] = eager_linear_loss_in_input_dtype
         def fused_at(chunk):
             return lambda x, w, y, e: dro_ext.dro_linear_cross_entropy(x, w, y, e, LAM, DIVERGENCE, chunk_size=chunk)
         default = default_chunk_size(n, h, v, hidden.element_size(), hidden.device.type)
@@ -238,7 +260,9 @@ def table(rows):
              r["memory_vs_eager"]] for r in rows]
     return (markdown_table(header, body) + "\n\nForward + backward (gradients to the logits or to hidden and weight, "
             "and to eta), divergence chi2, lam 0.5. `eager` is F.cross_entropy(reduction=\"none\") + dro_ext.dro_loss "
-            "(after F.linear for the linear case), `compiled` that under torch.compile(fullgraph=True), `mean_ce` "
+            "(after F.linear for the linear case) on the logits upcast to float32, as Hugging Face transformers' "
+            f"causal-LM loss takes them (`{EAGER_IN_INPUT_DTYPE}`, for half logits: the same in their dtype), "
+            "`compiled` that under torch.compile(fullgraph=True), `mean_ce` "
             "plain mean cross-entropy (no DRO, no eta), `fused chunk=C` the fused linear op at chunk_size C (`fused`: "
             f"its default), `fused grouped` the fused linear op over {GROUPS_IN_BATCH} groups of sequences "
             f"(groups=, num_groups=; sequences of {SEQUENCE_LENGTH} rows) at the default chunk size. "

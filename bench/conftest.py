@@ -22,18 +22,25 @@ def bench_device(request):
     return torch.device(device)
 
 
+def run_measured(benchmark, timer, device, fn, group, **extra_info):
+    """benchmark(fn) under `group` with extra_info, synchronizing after each call on CUDA; returns fn's result on
+    either device (the benchmarks check it)."""
+    benchmark.group = group
+    benchmark.extra_info.update(device=str(device), **extra_info)
+    timer.synchronize()
+    if device.type == "cuda":
+        def synchronized():
+            out = fn()
+            timer.synchronize()
+            return out
+
+        return benchmark(synchronized)
+    return benchmark(fn)
+
+
 @pytest.fixture
 def measure(benchmark, bench_device):
     """measure(fn, group, **extra_info): benchmarks fn() under `group`, synchronizing after each call on
     CUDA; extra_info (sizes, bytes moved) lands in --benchmark-json."""
     timer = Timer(bench_device)
-
-    def run(fn, group, **extra_info):
-        benchmark.group = group
-        benchmark.extra_info.update(device=str(bench_device), **extra_info)
-        timer.synchronize()
-        if bench_device.type == "cuda":
-            return benchmark(lambda: (fn(), timer.synchronize()))
-        return benchmark(fn)
-
-    return run
+    return lambda fn, group, **extra_info: run_measured(benchmark, timer, bench_device, fn, group, **extra_info)

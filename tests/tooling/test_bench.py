@@ -322,6 +322,45 @@ def test_fast_dro_loader_leaves_no_stand_in_modules(tmp_path):
         fast_dro_peer.load_robust_loss(str(tmp_path / "missing"))
 
 
+def test_fast_dro_runs_without_a_device_mode_where_the_losses_are_on_the_default_device(tmp_path):
+    # ``with torch.device(...)`` installs a mode every torch call inside goes through: on the CPU, where it changes
+    # nothing, it nearly doubled fast-dro's call at N = 128, and every ratio against fast-dro was inflated by it.
+    from bench import fast_dro_peer
+
+    modes = []
+
+    def peer(losses):
+        modes.append(len(torch.overrides._get_current_function_mode_stack()))
+        return losses.mean()
+
+    fast_dro_peer.call(peer, torch.ones(3))
+    with torch.device("meta"):  # another default device: the losses' device is made the default for the call
+        fast_dro_peer.call(peer, torch.ones(3, device="cpu"))
+    assert modes[0] == 0 and modes[1] >= 1
+
+
+def test_measure_returns_the_functions_value_on_cuda_too():
+    # On CUDA the timed function synchronizes after fn; it returned (fn(), None), and the benchmarks' checks of the
+    # value (isfinite of the gradients, the objective's distance to its reference) raised TypeError.
+    from bench.conftest import run_measured
+
+    class Benchmark:
+        group, extra_info = None, {}
+
+        def __call__(self, fn):
+            return fn()
+
+    class Timer:
+        synced = 0
+
+        def synchronize(self):
+            Timer.synced += 1
+
+    for device in ("cpu", "cuda"):
+        assert run_measured(Benchmark(), Timer(), torch.device(device), lambda: 1.5, "g", n=3) == 1.5
+    assert Timer.synced == 3  # once before each run, and after the call on CUDA
+
+
 def test_quick_train_json_has_every_case_and_implementation(quick_run):
     # The fake fast-dro checkout computes its objectives with dro_ext: its rows are there, run like the others.
     out, _ = quick_run

@@ -51,6 +51,30 @@ def test_a_target_met_in_every_case_and_missed_in_one(tmp_path):
     assert verdict == f"MISSED in 1 of {2 * len(CASES)}"
 
 
+def test_a_partial_verdict_names_the_targets_cases_that_were_measured():
+    # A run at sizes the target does not name (N = 2^22 beside 4096, without 2^20) read as a full verdict: the rows
+    # were counted, not matched with the target's cases.
+    target = next(t for t in targets.TARGETS if t.bench == "groups" and t.device == "cpu" and "speedup" in t.text)
+    rows = [{"device": "cpu", "case": f"N={n} G={g}", "n": n, "groups": g, "impl": "group_sums",
+             "speedup_vs_best_composition": 2.5} for n in (4096, 1 << 22) for g in (4, 64, 1024)]
+    _, verdict = targets.verdict(target, {"meta": {"settings": {}}, "rows": rows})
+    assert verdict == f"met (partial: 3 of {len(target.cases)} cases measured)"
+
+
+def test_the_gpu_linear_memory_target_also_reads_the_composition_without_the_upcast(tmp_path):
+    # eager upcasts bfloat16 logits to float32 (as Hugging Face transformers does), holding twice what the composition
+    # in the logits' dtype holds: the bound is read against both.
+    from bench.bench_cross_entropy import EAGER_IN_INPUT_DTYPE
+    sizes = targets.CE_GPU_LINEAR
+    rows = [{"device": "cuda", "case": "linear", "sizes": sizes, "impl": impl, "time_vs_fused": 1.0,
+             "peak_extra_MiB": peak, "memory_vs_eager": peak / 24048}
+            for impl, peak in (("fused", 1631), ("eager", 24048), (EAGER_IN_INPUT_DTYPE, 12024))]
+    write(tmp_path, "cross_entropy_h200", rows)
+    assert verdicts(tmp_path, "<= 10% of eager's peak memory")["cross_entropy_h200.json"][1] == "met"
+    measured, verdict = verdicts(tmp_path, "without the upcast")["cross_entropy_h200.json"]
+    assert measured == "0.136x its" and verdict == "MISSED in 1 of 1"
+
+
 def test_the_loss_targets_read_the_mean_row_at_their_own_sizes(tmp_path):
     # 2^20 allows 1.6x; the 128/4096 target does not read the 2^20 rows, nor the graph replays.
     rows = loss_rows([1.5] * len(CASES), n=1 << 20) + loss_rows([3.0] * len(CASES), n=4096, impl="mean (graph)")
