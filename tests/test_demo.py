@@ -389,6 +389,25 @@ def test_a_verdict_that_a_rounding_probe_changes_is_not_settled():
         claims.settled_verdict([])
 
 
+def test_a_seed_judged_verdict_keeps_each_probes_seed_count():
+    """How far from its threshold each rounding probe left a verdict judged over seeds (4 of 5 as trained: a probe
+    at 3/5 is one seed from a flip, at 5/5 one seed from it the other way) is reported beside the count needed."""
+    def assessed(holding, higher):
+        return {"a": {"claim": "x", "verdict": "yes", "tasks": {"digits": {
+                    "verdict": "yes", "seeds": [0, 1, 2, 3, 4], "seeds_holding": holding, "seeds_needed": 4}}},
+                "f": {"claim": "y", "verdict": "yes", "seeds": [0, 1, 2, 3, 4], "seeds_higher": higher,
+                      "seeds_needed": 4},
+                "c": {"claim": "z", "verdict": "no", "mean_gain": 1.5}}
+
+    settled = claims.settle(assessed(4, 5), [assessed(5, 4), assessed(4, 5)])
+    assert settled["a"]["tasks"]["digits"]["probe_seed_counts"] == [5, 4]
+    assert settled["f"]["probe_seed_counts"] == [4, 5]
+    assert settled["f"]["seeds_higher"] == 5  # the count as trained
+    assert "probe_seed_counts" not in settled["c"] and "probe_seed_counts" not in settled["a"]
+    assert report._needed_phrase(settled["f"]) == "4 needed; the rounding probes 4/5, 5/5"
+    assert report._needed_phrase(claims.settle(assessed(4, 5), [])["f"]) == "4 needed"
+
+
 def _tiny(**changes):
     return dataclasses.replace(experiments.Settings.quick(), **changes)
 

@@ -229,21 +229,33 @@ def settled_verdict(verdicts: Sequence[str]) -> str:
     return verdicts[0] if all(v == verdicts[0] for v in verdicts) else NOT_SETTLED
 
 
+# The count of seeds a seed-judged verdict reads: (a)/(b)'s (level and speed both below) and (e)/(f)'s.
+SEED_COUNTS = ("seeds_holding", "seeds_higher")
+
+
+def _settled(claim: dict, probes: list) -> dict:
+    """One verdict checked against its probes' (see :func:`settle`); a verdict judged over seeds also keeps each
+    probe's count of the seeds it holds on (``probe_seed_counts``), how far from its threshold a probe left it."""
+    claim = {**claim, "verdicts": [claim["verdict"]] + [p["verdict"] for p in probes]}
+    claim["verdict"] = settled_verdict(claim["verdicts"])
+    for count in SEED_COUNTS:
+        if count in claim:
+            claim["probe_seed_counts"] = [p[count] for p in probes]
+    return claim
+
+
 def settle(claims: dict, probe_claims: Sequence[dict]) -> dict:
     """``claims`` (:func:`assess` of the runs as trained) with every verdict, and every task's of (a) and (e),
     checked against ``probe_claims`` (:func:`assess` of each rounding probe): ``verdicts`` lists the runs as
     trained first, then each probe's, and ``verdict`` becomes :func:`settled_verdict` of them. The numbers stay
-    those of the runs as trained."""
+    those of the runs as trained, but for ``probe_seed_counts`` (:func:`_settled`)."""
     settled = {}
     for key, claim in claims.items():
         probes = [probe[key] for probe in probe_claims]
-        claim = {**claim, "verdicts": [claim["verdict"]] + [p["verdict"] for p in probes]}
-        claim["verdict"] = settled_verdict(claim["verdicts"])
+        claim = _settled(claim, probes)
         if "tasks" in claim:
-            claim["tasks"] = {task: {**c, "verdicts": [c["verdict"]] + [p["tasks"][task]["verdict"] for p in probes]}
+            claim["tasks"] = {task: _settled(c, [p["tasks"][task] for p in probes])
                               for task, c in claim["tasks"].items()}
-            for c in claim["tasks"].values():
-                c["verdict"] = settled_verdict(c["verdicts"])
         settled[key] = claim
     return settled
 

@@ -294,7 +294,14 @@ def _optimization_cell(c: dict, baseline: str, method: str) -> str:
             f"{_median_with_spread(speed_stats['baseline'])} vs {_median_with_spread(speed_stats['method'])}, "
             f"{speed_phrase}; per seed, {method} lower on {c['seeds_lower']}/{seeds}, "
             f"faster on {c['seeds_faster']}/{seeds}, both on {c['seeds_holding']}/{seeds} "
-            f"({c['seeds_needed']} needed){diverged}")
+            f"({_needed_phrase(c)}){diverged}")
+
+
+def _needed_phrase(c: dict) -> str:
+    """How many seeds a ``yes`` needs, and on how many each rounding probe held (how near its threshold it was)."""
+    probes = c.get("probe_seed_counts") or []
+    held = "" if not probes else "; the rounding probes " + ", ".join(f"{n}/{len(c['seeds'])}" for n in probes)
+    return f"{c['seeds_needed']} needed{held}"
 
 
 def _accuracy_cell(c: dict, method: str) -> str:
@@ -323,7 +330,7 @@ def _worst_group_cell(c: dict, method: str) -> str:
 
     return (f"worst-group test accuracy (%), mean +- std (median [lowest, highest seed]): ERM {stats(wg['baseline'])} "
             f"vs {method} {stats(wg['method'])}; {method} higher on {c['seeds_higher']}/{seeds} seeds "
-            f"({c['seeds_needed']} needed); average test accuracy {average['baseline']['mean']:.1f} +- "
+            f"({_needed_phrase(c)}); average test accuracy {average['baseline']['mean']:.1f} +- "
             f"{average['baseline']['std']:.1f} vs {average['method']['mean']:.1f} +- {average['method']['std']:.1f}")
 
 
@@ -447,7 +454,8 @@ def probes_rule(rounding_probes: int) -> str:
             "one floating-point step up or down at random, a stand-in for another processor's float32 rounding; "
             "a verdict is stated only where the runs as trained and every such probe give the same one, else it is "
             f"**{NOT_SETTLED}**, followed by the verdict of the runs as trained and of each probe. The figures "
-            "are those of the runs as trained.")
+            "are those of the runs as trained, but for the count of seeds each probe holds on, beside the count a "
+            "verdict needs.")
 
 
 def cpu_builds_phrase(meta: dict) -> str:
