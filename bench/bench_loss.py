@@ -148,7 +148,9 @@ def bench_case(name, params, n, device, timer, impls, *, rounds, min_seconds) ->
         fn = impls.get(impl)
         t = stats[impl]
         graph = impl in graphs
-        base_s = stats[fused_graph]["median_s"] if graph and fused_graph in stats else fused_s
+        # A replay is rated against the fused op's replay only: where that capture failed, the row has no ratio (it
+        # fell back to the per-call time, silently, where the replay was all the note said it read).
+        base_s = (stats[fused_graph]["median_s"] if fused_graph in stats else None) if graph else fused_s
         # Saved-tensor hooks do not see inside a compiled graph's own saved activations.
         saved = None if impl == "compiled" or graph else saved_tensor_bytes(
             lambda: fn(losses, eta, name, params), exclude=differentiated(fn, losses, eta, name, params))
@@ -157,7 +159,7 @@ def bench_case(name, params, n, device, timer, impls, *, rounds, min_seconds) ->
             "dtype": "float32", "impl": impl, "median_ms": 1e3 * t["median_s"], "p25_ms": 1e3 * t["p25_s"],
             "p75_ms": 1e3 * t["p75_s"], "reps": t["reps"], "ns_per_sample": 1e9 * t["median_s"] / n,
             "achieved_GBps": BYTES_PER_SAMPLE * n / t["median_s"] / 1e9, "copy_bandwidth_GBps": bandwidth / 1e9,
-            "floor_ms": 1e3 * floor_s, "x_floor": t["median_s"] / floor_s, "fused_speedup": t["median_s"] / base_s,
+            "floor_ms": 1e3 * floor_s, "x_floor": t["median_s"] / floor_s, "fused_speedup": t["median_s"] / base_s if base_s else None,
             "saved_for_backward_bytes": saved,
             "cuda_peak_bytes": None if graph else cuda_peak_bytes(runs[impl], device),
         })

@@ -83,6 +83,11 @@ def _case_dtype(r):
     return f"{r['case']} {r['dtype']}"
 
 
+def _inverse(value) -> float:
+    """1 / a row's ratio, NaN where the row has none (a replay whose fused reference failed to capture)."""
+    return math.nan if value is None else 1 / float(value)
+
+
 def _number(value) -> float:
     """A row's figure, NaN where the row has none (an implementation that failed: never a met target)."""
     return math.nan if value is None else float(value)
@@ -133,7 +138,7 @@ def _train_targets() -> tuple[Target, ...]:
 def _loss_over_mean(device: str, sizes: tuple[int, ...], bound: float, text: str) -> Target:
     """The fused loss's forward + backward time over losses.mean()'s, per call, at `sizes`, every divergence."""
     return Target("loss call", "loss", device, text,
-                  lambda rows: _by_case(rows, lambda r: f"{r['case']} N={r['n']}", lambda r: 1 / r["fused_speedup"],
+                  lambda rows: _by_case(rows, lambda r: f"{r['case']} N={r['n']}", lambda r: _inverse(r["fused_speedup"]),
                                         n=lambda n: n in sizes, impl="mean"),
                   at_most=bound, cases=tuple(f"{c} N={n}" for c in LOSS_CASES for n in sizes), unit="x mean's")
 
@@ -155,7 +160,7 @@ def _optim_over_sgd(device: str, graph: bool, text: str) -> Target:
     peer = SGD_FUSED + (" (graph)" if graph else "")
     return Target("optimizer step", "optim", device, text,
                   lambda rows: _by_case(rows, lambda r: f"{r['threads']} threads" if device == "cpu" else "",
-                                        lambda r: 1 / r["fused_speedup"],
+                                        lambda r: _inverse(r["fused_speedup"]),
                                         list=lambda s: str(s).startswith("gpt-100M"), peer=peer),
                   at_most=1.1, unit="x SGD's")
 
