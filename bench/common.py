@@ -295,17 +295,21 @@ def peak_bytes(fn: Callable[[], object], device) -> int:
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
-def count_host_syncs(fn: Callable[[], object], set_sync_debug_mode: Callable | None = None) -> int:
+def count_host_syncs(fn: Callable[[], object], set_sync_debug_mode: Callable | None = None,
+                     get_sync_debug_mode: Callable | None = None) -> int:
     """How many times fn() makes the host wait for the device: the synchronizing calls torch reports in its sync
-    debug mode (device-to-host copies such as .item(), stream and device synchronizations), each a warning."""
+    debug mode (device-to-host copies such as .item(), stream and device synchronizations), each a warning. The
+    mode is put back as it was (a caller's "error" stays), not to the default."""
     set_mode = set_sync_debug_mode or torch.cuda.set_sync_debug_mode
+    get_mode = get_sync_debug_mode or torch.cuda.get_sync_debug_mode
+    previous = get_mode()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         set_mode("warn")
         try:
             fn()
         finally:
-            set_mode("default")
+            set_mode(previous)
     return sum(SYNC_WARNING in str(w.message) for w in caught)
 
 

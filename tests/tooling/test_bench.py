@@ -148,6 +148,9 @@ class StandInSyncDebug:
         self.mode = mode
         self.modes.append(mode)
 
+    def get_mode(self):
+        return self.mode
+
     def synchronize(self):
         if self.mode == "warn":
             warnings.warn(common.SYNC_WARNING, UserWarning)
@@ -161,12 +164,13 @@ def test_the_sync_counter_counts_each_synchronizing_call():
             sync.synchronize()
         warnings.warn("an unrelated warning", UserWarning)
 
-    assert common.count_host_syncs(step, sync.set_mode) == 3
+    assert common.count_host_syncs(step, sync.set_mode, sync.get_mode) == 3
     assert sync.modes == ["warn", "default"]
-    assert common.count_host_syncs(lambda: None, sync.set_mode) == 0
+    assert common.count_host_syncs(lambda: None, sync.set_mode, sync.get_mode) == 0
     sync.synchronize()  # the mode is back to default: no warning escapes
     # The same warning twice from one line is counted twice (Python's default filter would show it once).
-    assert common.count_host_syncs(lambda: [sync.synchronize() for _ in range(2)], sync.set_mode) == 2
+    assert common.count_host_syncs(lambda: [sync.synchronize() for _ in range(2)], sync.set_mode,
+                                   sync.get_mode) == 2
 
 
 def test_the_sync_counter_restores_the_mode_when_the_step_raises():
@@ -177,8 +181,11 @@ def test_the_sync_counter_restores_the_mode_when_the_step_raises():
         raise RuntimeError("out of memory")
 
     with pytest.raises(RuntimeError, match="out of memory"):
-        common.count_host_syncs(failing, sync.set_mode)
+        common.count_host_syncs(failing, sync.set_mode, sync.get_mode)
     assert sync.mode == "default"
+    sync.set_mode("error")  # a caller's own mode is put back, not the default
+    common.count_host_syncs(lambda: None, sync.set_mode, sync.get_mode)
+    assert sync.mode == "error"
 
 
 # ------------------------------------------------------------------------------- the --quick run
@@ -553,7 +560,8 @@ def test_groups_bench_counts_each_implementations_host_syncs():
     impls = {"group_sums": bench_groups.fused, "one-hot matmul": bench_groups.one_hot,
              "index_add": index_add_with_a_host_read}
     rows = bench_groups.bench_case(64, 4, "cpu", Timer("cpu"), impls, rounds=1, min_seconds=0.0,
-                                   count_syncs=lambda run, device: common.count_host_syncs(run, sync.set_mode))
+                                   count_syncs=lambda run, device: common.count_host_syncs(run, sync.set_mode,
+                                                                                         sync.get_mode))
     assert {r["impl"]: r["host_syncs"] for r in rows} == {"group_sums": 0, "one-hot matmul": 0, "index_add": 1}
     assert [row[-1] for row in bench_groups.table_rows(rows)] == [0, 0, 1]
 
