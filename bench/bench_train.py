@@ -536,7 +536,8 @@ NOTE = ("The whole step: zero_grad, forward, per-sample loss, objective, backwar
         "another, and has no such ratio). `saved MiB`: "
         "what autograd keeps for backward beyond the parameters and the batch; `peak MiB`: the most a step allocates "
         "above what was held before it (CUDA: the allocator's peak; CPU: torch.profiler's allocation events); `syncs` "
-        "(CUDA): the host synchronizations in one step, from torch.cuda.set_sync_debug_mode. Times are medians over "
+        "(CUDA): the host synchronizations in one step, from torch.cuda.set_sync_debug_mode (a graph replay makes "
+        "none by construction: the eager row's count says whether a step reads the device). Times are medians over "
         "interleaved rounds{steps}.")
 STEPS_NOTE = ("; each timed call runs {steps} steps back to back (the host launching ahead of the device) and the time "
               "is per step")
