@@ -155,7 +155,7 @@ struct Chi2 {
   C10_HOST_DEVICE inline T excess(T t) const {
     using M = Math<T>;
     const T m = M::max(t, M::constant(-2.0));
-    return m * m * M::constant(0.25) + (m - t);
+    return m * (m * M::constant(0.25)) + (m - t);  // m/4 first: m m overflows for m past sqrt(largest), m^2/4 later
   }
   template <typename T>
   C10_HOST_DEVICE inline T excess_first(T t) const {
@@ -321,14 +321,18 @@ struct KLCVaR {
 template <typename acc_t, int kPower = 0>
 struct CressieRead {
   acc_t k_minus_1;     // a
+  acc_t log_k_minus_1;  // log(a) (see log_base)
   acc_t inv_k;
+  acc_t k_minus_1_over_k;  // a / k < 1 (see value)
   acc_t first_power;   // p = 1 / (k - 1)
   acc_t second_power;  // p - 1 = (2 - k) / (k - 1)
   acc_t flat_limit;    // max(2 psi*(-inf), -1/a) = max(-2/k, -1/(k - 1)) (see direct_below)
   acc_t log_floor;     // the acc_t just above -1 (see log_base)
   C10_HOST_DEVICE explicit CressieRead(double k)
       : k_minus_1(static_cast<acc_t>(k - 1.0)),
+        log_k_minus_1(static_cast<acc_t>(::log(k - 1.0))),
         inv_k(static_cast<acc_t>(1.0 / k)),
+        k_minus_1_over_k(static_cast<acc_t>((k - 1.0) / k)),
         first_power(static_cast<acc_t>(1.0 / (k - 1.0))),
         second_power(static_cast<acc_t>((2.0 - k) / (k - 1.0))),
         flat_limit(static_cast<acc_t>(-2.0 / k > -1.0 / (k - 1.0) ? -2.0 / k : -1.0 / (k - 1.0))),
@@ -344,10 +348,18 @@ struct CressieRead {
   // rounds to -1 itself: log1p(-1) is -inf there (psi*'' = inf for k > 2; the AVX2 float32 log1p returns a finite
   // value instead, and psi*' came out half its value). The floor makes it the log of the smallest u above 0 that
   // the product can tell from 0, as near the true one as the rounding of t lets any be.
+  // Where a t passes the largest acc_t (t past its largest / a: k = 1000 at t = 1e306, k = 1e300 at t = 1e10) u^p is
+  // still a modest number: there log(u) = log(a) + log(t) + log1p(1 / (a t)), whose last term is below a rounding of
+  // the others. Formed only where some lane needs it (select_positive_rare): ordinary data pays a compare.
   template <typename T>
   C10_HOST_DEVICE inline T log_base(T t) const {
     using M = Math<T>;
-    return M::log1p(M::max(t * M::constant(k_minus_1), M::constant(log_floor)));
+    const T at = t * M::constant(k_minus_1);
+    const T log_u = M::log1p(M::max(at, M::constant(log_floor)));
+    // largest - a t is -inf where a t overflowed (t = +inf included: log(t) is +inf there as log_u is) and NaN where
+    // t is, which select_positive_rare returns as itself.
+    return M::select_positive_rare(M::constant(std::numeric_limits<acc_t>::max()) - at, log_u,
+                                   [&] { return M::constant(log_k_minus_1) + M::log(t); });
   }
   // u^p - 1 for u > 0.
   template <typename T>
@@ -356,7 +368,7 @@ struct CressieRead {
     if constexpr (kPower == 1) {
       return t;
     } else if constexpr (kPower == 2) {
-      return M::fmadd(t * t, M::constant(0.25), t);  // (1 + t/2)^2 - 1
+      return M::fmadd(t, t * M::constant(0.25), t);  // (1 + t/2)^2 - 1, t/4 first (t t overflows before t^2/4)
     } else {
       return M::expm1(log_base(t) * M::constant(first_power));
     }
@@ -367,6 +379,9 @@ struct CressieRead {
     using M = Math<T>;
     return M::max(t, M::constant(kPower == 1 ? -1.0 : -2.0));
   }
+  // The products below are divided (by k, 3, 6) only after the factor that keeps them in range: where psi*(t) is
+  // finite near the largest acc_t, a product formed before its division is not (a t (1 + e) / k at k = 1000,
+  // t = 1e306: a t overflows while psi* = 2.04e306). Each reassociation costs no operation.
   template <typename T>
   C10_HOST_DEVICE inline T value(T t) const {
     using M = Math<T>;
@@ -377,12 +392,13 @@ struct CressieRead {
       // (u^3 - 1) / (3/2) = (t/2)(u^2 + u + 1) / (3/2)
       const T m = clamped(t);
       const T v = base(m);
-      return m * (M::fmadd(v, v, v) + M::constant(1.0)) * M::constant(1.0 / 3.0);
+      return m * ((M::fmadd(v, v, v) + M::constant(1.0)) * M::constant(1.0 / 3.0));
     } else {
+      // (e + a t (1 + e)) / k = e / k + t ((a / k) (1 + e)), a / k < 1.
       const T inv_k_v = M::constant(inv_k);
       const T e = power_minus_1(t);
-      const T at = t * M::constant(k_minus_1);
-      return M::select_positive(base(t), (e + at * (e + M::constant(1.0))) * inv_k_v, -inv_k_v);
+      const T grown = t * (M::constant(k_minus_1_over_k) * (e + M::constant(1.0)));
+      return M::select_positive(base(t), e * inv_k_v + grown, -inv_k_v);
     }
   }
   template <typename T>
@@ -416,14 +432,16 @@ struct CressieRead {
     using M = Math<T>;
     if constexpr (kPower == 1) {
       const T m = clamped(t);
-      return M::fmadd(m * m, M::constant(0.5), m - t);
+      return M::fmadd(m, m * M::constant(0.5), m - t);
     } else if constexpr (kPower == 2) {
       const T m = clamped(t);
-      return M::fmadd(m * m * (base(m) + M::constant(2.0)), M::constant(1.0 / 6.0), m - t);
+      return M::fmadd(m, m * ((base(m) + M::constant(2.0)) * M::constant(1.0 / 6.0)), m - t);
     } else {
+      // (e - t + a t e) / k = (e - t) / k + t ((a / k) e), as value.
       const T inv_k_v = M::constant(inv_k);
       const T e = power_minus_1(t);
-      return M::select_positive(base(t), ((e - t) + t * M::constant(k_minus_1) * e) * inv_k_v, -inv_k_v - t);
+      const T grown = t * (M::constant(k_minus_1_over_k) * e);
+      return M::select_positive(base(t), (e - t) * inv_k_v + grown, -inv_k_v - t);
     }
   }
   template <typename T>
