@@ -540,26 +540,59 @@ struct SmoothedCVaR {
   // at alpha = 1 - 1e-6 in float32), where q is 0 (the AVX builds' exp) or a subnormal short of digits. There it is
   // exp(log_ratio()) instead, the same quotient with q's logarithm -|t| in place of q: its argument rounds to a few
   // roundings of |t|, the conditioning of e^-|t| itself. Formed only where needed (select_positive_rare): a log and
-  // an exp more on every element cost the non-shortcut path a fifth of its time.
+  // an exp more on every element cost the non-shortcut path a fifth of its time. (The shortcuts' sigmoids pass the
+  // result itself as the gauge: it is what underflows there.)
   template <typename T, typename F>
   C10_HOST_DEVICE inline T unless_below_normal(T gauge, T ratio, F log_ratio) const {
     using M = Math<T>;
-    return M::select_positive_rare(gauge - M::constant(std::numeric_limits<acc_t>::min()), ratio,
-                                   [&] { return M::exp(log_ratio()); });
+    return M::select_positive_rare(gauge - M::constant(log_form_below()), ratio, [&] { return M::exp(log_ratio()); });
+  }
+  // The gauge below which unless_below_normal takes the log form: not the smallest normal itself but 256 times it,
+  // above the band where the AVX2 build's exp returns 0 (results from the smallest normal up to 1.7e-38 in float,
+  // 3.1e-308 in double: csrc/cpu/simd_float.h), so that every build takes the same form at the same t (the two are
+  // hundreds of roundings apart at |t| ~ 700). Both forms are good to a few roundings of |t| around it.
+  C10_HOST_DEVICE static constexpr double log_form_below() { return 256.0 * std::numeric_limits<acc_t>::min(); }
+  // log psi*'(t) for t <= 0 and log psi*''(t), from -|t| and the sum c1 + c2 q: unless_below_normal's log forms.
+  template <typename T>
+  C10_HOST_DEVICE inline T log_first_below_zero(T minus_abs, T sum) const {
+    return minus_abs - Math<T>::log(sum);
+  }
+  template <typename T>
+  C10_HOST_DEVICE inline T log_second(T minus_abs, T sum) const {
+    using M = Math<T>;
+    const T log_sum = M::log(sum);
+    return minus_abs + M::constant(log1m_alpha) - log_sum - log_sum;
+  }
+  // The sum c1 + c2 q at t, for the shortcuts' log forms (their ordinary forms need neither q nor the sum).
+  template <typename T>
+  C10_HOST_DEVICE inline T sum_at(T t, T minus_abs) const {
+    return positive_sum(t, Math<T>::exp(minus_abs));
   }
   // psi*'(t) = e^t / (1 - alpha + alpha e^t) = [t > 0 ? 1 : q] / (c1 + c2 q) and
   // psi*''(t) = psi*'(t) (1 - alpha psi*'(t)) = (1 - alpha) q / (c1 + c2 q)^2, relatively accurate for any alpha.
   // With the shortcuts, sigmoid(s) / alpha and sigmoid(s) sigmoid(-s) / alpha instead (s = t + shift), whose
-  // exponential the coarse value shares; they lose |shift| roundings to t + shift, at most ~3 there.
+  // exponential the coarse value shares; they lose |shift| roundings to t + shift, at most ~3 there. Their e^-|s|
+  // underflows (0 in the AVX builds) where they are still normal numbers, up to 1/alpha (first) and 1/alpha^2
+  // (second) times above the smallest normal: there they take the log forms as well.
   template <typename T>
   C10_HOST_DEVICE inline T first(T t) const {
     using M = Math<T>;
-    if (shortcuts) return coarse_first_unscaled(t) * M::constant(coarse_first_scale());
+    if (shortcuts) {
+      // sigmoid(s) / alpha with the 1/alpha in the division's numerator: no operation more than sigmoid(s) itself.
+      const T s = t + M::constant(shift);
+      const T e = M::exp(M::neg_abs(s));
+      const T w = M::divide(M::constant(inv_alpha), M::constant(1.0) + e);
+      const T weight = M::if_positive(s, w, e * w);
+      return unless_below_normal(weight, weight, [&] {
+        const T minus_abs = M::neg_abs(t);  // t < s < 0 wherever the weight is that small
+        return log_first_below_zero(minus_abs, sum_at(t, minus_abs));
+      });
+    }
     const T minus_abs = M::neg_abs(t);
     const T q = M::exp(minus_abs);
     const T sum = positive_sum(t, q);
     const T numerator = M::if_positive(t, M::constant(1.0), q);
-    return unless_below_normal(numerator, numerator / sum, [&] { return minus_abs - M::log(sum); });
+    return unless_below_normal(numerator, numerator / sum, [&] { return log_first_below_zero(minus_abs, sum); });
   }
   template <typename T>
   C10_HOST_DEVICE inline T second(T t) const {
@@ -567,17 +600,19 @@ struct SmoothedCVaR {
     if (shortcuts) {
       // sigmoid(s) sigmoid(-s) = e w^2 whatever the sign of s: no 1 - p to lose the small side's digits.
       const Logistic<T> g = logistic(t + M::constant(shift));
-      return g.ew * g.w * M::constant(inv_alpha);
+      const T curvature = g.ew * g.w * M::constant(inv_alpha);
+      return unless_below_normal(curvature, curvature, [&] {
+        const T minus_abs = M::neg_abs(t);
+        return log_second(minus_abs, sum_at(t, minus_abs));
+      });
     }
     const T minus_abs = M::neg_abs(t);
     const T q = M::exp(minus_abs);
     const T sum = positive_sum(t, q);
     // Divided by the sum twice, not by its square: the sum is down to about alpha, whose square underflows float32
     // below alpha ~ 1e-19 (NaN or inf where the second derivative is finite).
-    return unless_below_normal(q, (q / sum) * (M::constant(one_minus_alpha) / sum), [&] {
-      const T log_sum = M::log(sum);
-      return minus_abs + M::constant(log1m_alpha) - log_sum - log_sum;
-    });
+    return unless_below_normal(q, (q / sum) * (M::constant(one_minus_alpha) / sum),
+                               [&] { return log_second(minus_abs, sum); });
   }
   template <typename T>
   C10_HOST_DEVICE inline T excess(T t) const {
@@ -611,9 +646,10 @@ struct SmoothedCVaR {
     using M = Math<T>;
     return M::constant(1.0) + M::exp(M::neg_abs(t + M::constant(shift)));
   }
-  // first(t) where coarse_ok() holds is coarse_first_unscaled(t) coarse_first_scale(), without first()'s test of
-  // coarse_ok(): a coarse pass sums it beside coarse_factor(t), and the two then share one exp(-|s|) (with the test
-  // between them the CPU compiler formed it twice); a pass that sums or scales it anyway applies the 1/alpha once.
+  // first(t) where coarse_ok() holds, to a rounding, is coarse_first_unscaled(t) coarse_first_scale(), without
+  // first()'s test of coarse_ok(): a coarse pass sums it beside coarse_factor(t), and the two then share one
+  // exp(-|s|) (with the test between them the CPU compiler formed it twice); a pass that sums it applies the 1/alpha
+  // once. It underflows where first() takes its log form: only for sums, where such terms are below a rounding.
   template <typename T>
   C10_HOST_DEVICE inline T coarse_first_unscaled(T t) const {
     return sigmoid(t + Math<T>::constant(shift));

@@ -456,10 +456,17 @@ def _smoothed_cvar_parts(t: torch.Tensor, alpha: float) -> tuple[torch.Tensor, t
     return m, c1 + c2 * q
 
 
+# In smallest normals, the gauge below which _unless_below_normal takes the log form: csrc/divergences.h's
+# log_form_below, above the band where the AVX2 build's exp returns 0, so that every backend takes the same form.
+_LOG_FORM_BELOW_NORMALS = 256.0
+
+
 def _unless_below_normal(gauge: torch.Tensor, ratio: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
-    """``ratio`` where ``gauge`` (q = e^-|t|, or 1) is a normal number, else exp(log_ratio): smoothed_cvar's weight and
-    second derivative where q underflows while they do not (csrc/divergences.h's SmoothedCVaR::unless_below_normal)."""
-    return _select_positive(gauge - torch.finfo(gauge.dtype).smallest_normal, ratio, torch.exp(log_ratio))
+    """``ratio`` where ``gauge`` (q = e^-|t|, 1, or the result itself) is well above the smallest normal, else
+    exp(log_ratio): smoothed_cvar's weight and second derivative where q underflows while they do not
+    (csrc/divergences.h's SmoothedCVaR::unless_below_normal)."""
+    below = _LOG_FORM_BELOW_NORMALS * torch.finfo(gauge.dtype).smallest_normal
+    return _select_positive(gauge - below, ratio, torch.exp(log_ratio))
 
 
 def _smoothed_cvar_shortcuts(alpha: float) -> bool:
@@ -566,14 +573,19 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
         alpha = required(spec.alpha)
         if order == 0:
             return _smoothed_cvar_value(t, alpha)
-        if _smoothed_cvar_shortcuts(alpha):
-            s = t + (math.log(alpha) - math.log1p(-alpha))
-            # sigmoid(s) sigmoid(-s): no 1 - p to lose the small side's digits.
-            return _sigmoid(s) / alpha if order == 1 else _sigmoid(s) * _sigmoid(-s) / alpha
         # e^t / (1 - alpha + alpha e^t) and its derivative from q = e^-|t|, without t + log(alpha/(1 - alpha)).
         minus_abs = _neg_abs(t)
         q = torch.exp(minus_abs)
         _, total = _smoothed_cvar_parts(t, alpha)
+        if _smoothed_cvar_shortcuts(alpha):
+            s = t + (math.log(alpha) - math.log1p(-alpha))
+            # sigmoid(s) sigmoid(-s): no 1 - p to lose the small side's digits. Where e^-|s| underflows while the
+            # result does not (up to 1/alpha^2 times above the smallest normal), the log forms below.
+            if order == 1:
+                weight = _sigmoid(s) / alpha
+                return _unless_below_normal(weight, weight, minus_abs - torch.log(total))
+            second = _sigmoid(s) * _sigmoid(-s) / alpha
+            return _unless_below_normal(second, second, minus_abs + math.log1p(-alpha) - 2.0 * torch.log(total))
         if order == 1:
             numerator = torch.where(t > 0, torch.ones_like(q), q)
             return _unless_below_normal(numerator, numerator / total, minus_abs - torch.log(total))

@@ -723,3 +723,56 @@ def test_dro_loss_finite_where_the_excess_squares_past_the_largest(backend, name
     exact = float(mp_loss([loss], 0.0, lam, name, **params))
     assert got == pytest.approx(exact, rel=1e-12), (got, exact)
 
+
+SHORTCUT_ALPHAS = [1.0 / 16.0, 0.5, 15.0 / 16.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("alpha", SHORTCUT_ALPHAS)
+def test_smoothed_cvar_shortcut_derivatives_stay_normal_where_exp_minus_abs_s_underflows(backend, alpha, dtype):
+    # With the shortcuts (alpha in [1/16, 15/16]) psi*' = sigmoid(s) / alpha and psi*'' = sigmoid(s) sigmoid(-s) /
+    # alpha, s = t + log(alpha / (1 - alpha)), are formed from e^-|s|, which underflows (0 in the AVX builds) up to
+    # 1/alpha (psi*') and 1/alpha^2 (psi*'') times above the smallest normal, where they are normal numbers
+    # (alpha = 1/16, float32: the weight at t = -86 is 4.8e-38, psi*''(90.5) 1.2e-37). The same bound as outside the
+    # shortcuts. (The fallback's float64 weights there were subnormal quotients, a few roundings off: within it.)
+    check_smoothed_cvar_derivatives_where_exp_minus_abs_t_underflows(alpha, dtype, "cpu", autograd=backend != "python")
+
+
+# (dtype, alpha, t) where q = e^-|t| lies in [smallest normal, 256 smallest normals], where AVX2's exp gives 0.
+AVX2_EXP_ZERO_BAND = [(torch.float64, 1e-30, 708.25), (torch.float64, 0.001, 708.25), (torch.float32, 1e-10, 87.0),
+                      (torch.float64, 1 - 1e-6, -708.25), (torch.float32, 1 - 1e-6, -87.0)]
+
+
+@pytest.mark.parametrize("dtype,alpha,t", AVX2_EXP_ZERO_BAND,
+                         ids=[f"{str(d)[6:]}-alpha{a:g}-t{t:g}" for d, a, t in AVX2_EXP_ZERO_BAND])
+def test_smoothed_cvar_derivatives_take_the_same_form_in_every_build(backend, dtype, alpha, t):
+    """Outside the shortcuts, psi*' and psi*'' are q / (c1 + c2 q) (and the like) where q = e^-|t| is well above the
+    smallest normal, else the exponential of their logarithm, a few roundings of |t| off. AVX2's exp returns 0 for
+    results up to 1.7e-38 (float32) / 3.1e-308 (float64), above the smallest normal, so that build alone took the log
+    form there: hundreds of roundings from the portable build at the same t. Every build and the fallback now agree
+    to a few roundings."""
+    x = torch.tensor([t], dtype=dtype)
+    eps = torch.finfo(dtype).eps
+
+    def derivatives():
+        weight = dro_ext.dro_weights(x, 0.0, 1.0, "smoothed_cvar", alpha=alpha).item()
+        if backend == "python":  # its autograd differentiates psi*'s formula: its weight only
+            return [weight]
+        y = x.clone().requires_grad_()
+        (first,) = torch.autograd.grad(dro_ext.psi_star(y, "smoothed_cvar", alpha=alpha).sum(), y, create_graph=True)
+        (second,) = torch.autograd.grad(first.sum(), y)
+        return [weight, second.item()]
+
+    got = derivatives()
+    if backend == "python" and dtype == torch.float32:  # formed in float64, where q is far above the smallest normal
+        exact = float(mp_psi_star(t, "smoothed_cvar", alpha=alpha, order=1))
+        assert abs(got[0] - exact) <= eps * exact, (got, exact)
+        return
+    with _backend.forced_backend("native"):
+        previous = torch.ops.dro_ext._cpu_capability("default")
+        try:
+            portable = derivatives()
+        finally:
+            torch.ops.dro_ext._cpu_capability(previous)
+    for g, p in zip(got, portable):
+        assert abs(g - p) <= 8 * eps * abs(p), (got, portable)
