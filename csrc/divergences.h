@@ -155,7 +155,7 @@ struct Chi2 {
   C10_HOST_DEVICE inline T excess(T t) const {
     using M = Math<T>;
     const T m = M::max(t, M::constant(-2.0));
-    return m * m * M::constant(0.25) + (m - t);
+    return m * (m * M::constant(0.25)) + (m - t);  // m/4 first: m m overflows for m past sqrt(largest), m^2/4 later
   }
   template <typename T>
   C10_HOST_DEVICE inline T excess_first(T t) const {
@@ -321,14 +321,18 @@ struct KLCVaR {
 template <typename acc_t, int kPower = 0>
 struct CressieRead {
   acc_t k_minus_1;     // a
+  acc_t log_k_minus_1;  // log(a) (see log_base)
   acc_t inv_k;
+  acc_t k_minus_1_over_k;  // a / k < 1 (see value)
   acc_t first_power;   // p = 1 / (k - 1)
   acc_t second_power;  // p - 1 = (2 - k) / (k - 1)
   acc_t flat_limit;    // max(2 psi*(-inf), -1/a) = max(-2/k, -1/(k - 1)) (see direct_below)
   acc_t log_floor;     // the acc_t just above -1 (see log_base)
   C10_HOST_DEVICE explicit CressieRead(double k)
       : k_minus_1(static_cast<acc_t>(k - 1.0)),
+        log_k_minus_1(static_cast<acc_t>(::log(k - 1.0))),
         inv_k(static_cast<acc_t>(1.0 / k)),
+        k_minus_1_over_k(static_cast<acc_t>((k - 1.0) / k)),
         first_power(static_cast<acc_t>(1.0 / (k - 1.0))),
         second_power(static_cast<acc_t>((2.0 - k) / (k - 1.0))),
         flat_limit(static_cast<acc_t>(-2.0 / k > -1.0 / (k - 1.0) ? -2.0 / k : -1.0 / (k - 1.0))),
@@ -344,10 +348,18 @@ struct CressieRead {
   // rounds to -1 itself: log1p(-1) is -inf there (psi*'' = inf for k > 2; the AVX2 float32 log1p returns a finite
   // value instead, and psi*' came out half its value). The floor makes it the log of the smallest u above 0 that
   // the product can tell from 0, as near the true one as the rounding of t lets any be.
+  // Where a t passes the largest acc_t (t past its largest / a: k = 1000 at t = 1e306, k = 1e300 at t = 1e10) u^p is
+  // still a modest number: there log(u) = log(a) + log(t) + log1p(1 / (a t)), whose last term is below a rounding of
+  // the others. Formed only where some lane needs it (select_positive_rare): ordinary data pays a compare.
   template <typename T>
   C10_HOST_DEVICE inline T log_base(T t) const {
     using M = Math<T>;
-    return M::log1p(M::max(t * M::constant(k_minus_1), M::constant(log_floor)));
+    const T at = t * M::constant(k_minus_1);
+    const T log_u = M::log1p(M::max(at, M::constant(log_floor)));
+    // largest - a t is -inf where a t overflowed (t = +inf included: log(t) is +inf there as log_u is) and NaN where
+    // t is, which select_positive_rare returns as itself.
+    return M::select_positive_rare(M::constant(std::numeric_limits<acc_t>::max()) - at, log_u,
+                                   [&] { return M::constant(log_k_minus_1) + M::log(t); });
   }
   // u^p - 1 for u > 0.
   template <typename T>
@@ -356,7 +368,7 @@ struct CressieRead {
     if constexpr (kPower == 1) {
       return t;
     } else if constexpr (kPower == 2) {
-      return M::fmadd(t * t, M::constant(0.25), t);  // (1 + t/2)^2 - 1
+      return M::fmadd(t, t * M::constant(0.25), t);  // (1 + t/2)^2 - 1, t/4 first (t t overflows before t^2/4)
     } else {
       return M::expm1(log_base(t) * M::constant(first_power));
     }
@@ -367,6 +379,9 @@ struct CressieRead {
     using M = Math<T>;
     return M::max(t, M::constant(kPower == 1 ? -1.0 : -2.0));
   }
+  // The products below are divided (by k, 3, 6) only after the factor that keeps them in range: where psi*(t) is
+  // finite near the largest acc_t, a product formed before its division is not (a t (1 + e) / k at k = 1000,
+  // t = 1e306: a t overflows while psi* = 2.04e306). Each reassociation costs no operation.
   template <typename T>
   C10_HOST_DEVICE inline T value(T t) const {
     using M = Math<T>;
@@ -377,12 +392,13 @@ struct CressieRead {
       // (u^3 - 1) / (3/2) = (t/2)(u^2 + u + 1) / (3/2)
       const T m = clamped(t);
       const T v = base(m);
-      return m * (M::fmadd(v, v, v) + M::constant(1.0)) * M::constant(1.0 / 3.0);
+      return m * ((M::fmadd(v, v, v) + M::constant(1.0)) * M::constant(1.0 / 3.0));
     } else {
+      // (e + a t (1 + e)) / k = e / k + t ((a / k) (1 + e)), a / k < 1.
       const T inv_k_v = M::constant(inv_k);
       const T e = power_minus_1(t);
-      const T at = t * M::constant(k_minus_1);
-      return M::select_positive(base(t), (e + at * (e + M::constant(1.0))) * inv_k_v, -inv_k_v);
+      const T grown = t * (M::constant(k_minus_1_over_k) * (e + M::constant(1.0)));
+      return M::select_positive(base(t), e * inv_k_v + grown, -inv_k_v);
     }
   }
   template <typename T>
@@ -416,14 +432,16 @@ struct CressieRead {
     using M = Math<T>;
     if constexpr (kPower == 1) {
       const T m = clamped(t);
-      return M::fmadd(m * m, M::constant(0.5), m - t);
+      return M::fmadd(m, m * M::constant(0.5), m - t);
     } else if constexpr (kPower == 2) {
       const T m = clamped(t);
-      return M::fmadd(m * m * (base(m) + M::constant(2.0)), M::constant(1.0 / 6.0), m - t);
+      return M::fmadd(m, m * ((base(m) + M::constant(2.0)) * M::constant(1.0 / 6.0)), m - t);
     } else {
+      // (e - t + a t e) / k = (e - t) / k + t ((a / k) e), as value.
       const T inv_k_v = M::constant(inv_k);
       const T e = power_minus_1(t);
-      return M::select_positive(base(t), ((e - t) + t * M::constant(k_minus_1) * e) * inv_k_v, -inv_k_v - t);
+      const T grown = t * (M::constant(k_minus_1_over_k) * e);
+      return M::select_positive(base(t), (e - t) * inv_k_v + grown, -inv_k_v - t);
     }
   }
   template <typename T>
@@ -522,26 +540,59 @@ struct SmoothedCVaR {
   // at alpha = 1 - 1e-6 in float32), where q is 0 (the AVX builds' exp) or a subnormal short of digits. There it is
   // exp(log_ratio()) instead, the same quotient with q's logarithm -|t| in place of q: its argument rounds to a few
   // roundings of |t|, the conditioning of e^-|t| itself. Formed only where needed (select_positive_rare): a log and
-  // an exp more on every element cost the non-shortcut path a fifth of its time.
+  // an exp more on every element cost the non-shortcut path a fifth of its time. (The shortcuts' sigmoids pass the
+  // result itself as the gauge: it is what underflows there.)
   template <typename T, typename F>
   C10_HOST_DEVICE inline T unless_below_normal(T gauge, T ratio, F log_ratio) const {
     using M = Math<T>;
-    return M::select_positive_rare(gauge - M::constant(std::numeric_limits<acc_t>::min()), ratio,
-                                   [&] { return M::exp(log_ratio()); });
+    return M::select_positive_rare(gauge - M::constant(log_form_below()), ratio, [&] { return M::exp(log_ratio()); });
+  }
+  // The gauge below which unless_below_normal takes the log form: not the smallest normal itself but 256 times it,
+  // above the band where the AVX2 build's exp returns 0 (results from the smallest normal up to 1.7e-38 in float,
+  // 3.1e-308 in double: csrc/cpu/simd_float.h), so that every build takes the same form at the same t (the two are
+  // hundreds of roundings apart at |t| ~ 700). Both forms are good to a few roundings of |t| around it.
+  C10_HOST_DEVICE static constexpr double log_form_below() { return 256.0 * std::numeric_limits<acc_t>::min(); }
+  // log psi*'(t) for t <= 0 and log psi*''(t), from -|t| and the sum c1 + c2 q: unless_below_normal's log forms.
+  template <typename T>
+  C10_HOST_DEVICE inline T log_first_below_zero(T minus_abs, T sum) const {
+    return minus_abs - Math<T>::log(sum);
+  }
+  template <typename T>
+  C10_HOST_DEVICE inline T log_second(T minus_abs, T sum) const {
+    using M = Math<T>;
+    const T log_sum = M::log(sum);
+    return minus_abs + M::constant(log1m_alpha) - log_sum - log_sum;
+  }
+  // The sum c1 + c2 q at t, for the shortcuts' log forms (their ordinary forms need neither q nor the sum).
+  template <typename T>
+  C10_HOST_DEVICE inline T sum_at(T t, T minus_abs) const {
+    return positive_sum(t, Math<T>::exp(minus_abs));
   }
   // psi*'(t) = e^t / (1 - alpha + alpha e^t) = [t > 0 ? 1 : q] / (c1 + c2 q) and
   // psi*''(t) = psi*'(t) (1 - alpha psi*'(t)) = (1 - alpha) q / (c1 + c2 q)^2, relatively accurate for any alpha.
   // With the shortcuts, sigmoid(s) / alpha and sigmoid(s) sigmoid(-s) / alpha instead (s = t + shift), whose
-  // exponential the coarse value shares; they lose |shift| roundings to t + shift, at most ~3 there.
+  // exponential the coarse value shares; they lose |shift| roundings to t + shift, at most ~3 there. Their e^-|s|
+  // underflows (0 in the AVX builds) where they are still normal numbers, up to 1/alpha (first) and 1/alpha^2
+  // (second) times above the smallest normal: there they take the log forms as well.
   template <typename T>
   C10_HOST_DEVICE inline T first(T t) const {
     using M = Math<T>;
-    if (shortcuts) return coarse_first_unscaled(t) * M::constant(coarse_first_scale());
+    if (shortcuts) {
+      // sigmoid(s) / alpha with the 1/alpha in the division's numerator: no operation more than sigmoid(s) itself.
+      const T s = t + M::constant(shift);
+      const T e = M::exp(M::neg_abs(s));
+      const T w = M::divide(M::constant(inv_alpha), M::constant(1.0) + e);
+      const T weight = M::if_positive(s, w, e * w);
+      return unless_below_normal(weight, weight, [&] {
+        const T minus_abs = M::neg_abs(t);  // t < s < 0 wherever the weight is that small
+        return log_first_below_zero(minus_abs, sum_at(t, minus_abs));
+      });
+    }
     const T minus_abs = M::neg_abs(t);
     const T q = M::exp(minus_abs);
     const T sum = positive_sum(t, q);
     const T numerator = M::if_positive(t, M::constant(1.0), q);
-    return unless_below_normal(numerator, numerator / sum, [&] { return minus_abs - M::log(sum); });
+    return unless_below_normal(numerator, numerator / sum, [&] { return log_first_below_zero(minus_abs, sum); });
   }
   template <typename T>
   C10_HOST_DEVICE inline T second(T t) const {
@@ -549,17 +600,19 @@ struct SmoothedCVaR {
     if (shortcuts) {
       // sigmoid(s) sigmoid(-s) = e w^2 whatever the sign of s: no 1 - p to lose the small side's digits.
       const Logistic<T> g = logistic(t + M::constant(shift));
-      return g.ew * g.w * M::constant(inv_alpha);
+      const T curvature = g.ew * g.w * M::constant(inv_alpha);
+      return unless_below_normal(curvature, curvature, [&] {
+        const T minus_abs = M::neg_abs(t);
+        return log_second(minus_abs, sum_at(t, minus_abs));
+      });
     }
     const T minus_abs = M::neg_abs(t);
     const T q = M::exp(minus_abs);
     const T sum = positive_sum(t, q);
     // Divided by the sum twice, not by its square: the sum is down to about alpha, whose square underflows float32
     // below alpha ~ 1e-19 (NaN or inf where the second derivative is finite).
-    return unless_below_normal(q, (q / sum) * (M::constant(one_minus_alpha) / sum), [&] {
-      const T log_sum = M::log(sum);
-      return minus_abs + M::constant(log1m_alpha) - log_sum - log_sum;
-    });
+    return unless_below_normal(q, (q / sum) * (M::constant(one_minus_alpha) / sum),
+                               [&] { return log_second(minus_abs, sum); });
   }
   template <typename T>
   C10_HOST_DEVICE inline T excess(T t) const {
@@ -593,9 +646,10 @@ struct SmoothedCVaR {
     using M = Math<T>;
     return M::constant(1.0) + M::exp(M::neg_abs(t + M::constant(shift)));
   }
-  // first(t) where coarse_ok() holds is coarse_first_unscaled(t) coarse_first_scale(), without first()'s test of
-  // coarse_ok(): a coarse pass sums it beside coarse_factor(t), and the two then share one exp(-|s|) (with the test
-  // between them the CPU compiler formed it twice); a pass that sums or scales it anyway applies the 1/alpha once.
+  // first(t) where coarse_ok() holds, to a rounding, is coarse_first_unscaled(t) coarse_first_scale(), without
+  // first()'s test of coarse_ok(): a coarse pass sums it beside coarse_factor(t), and the two then share one
+  // exp(-|s|) (with the test between them the CPU compiler formed it twice); a pass that sums it applies the 1/alpha
+  // once. It underflows where first() takes its log form: only for sums, where such terms are below a rounding.
   template <typename T>
   C10_HOST_DEVICE inline T coarse_first_unscaled(T t) const {
     return sigmoid(t + Math<T>::constant(shift));

@@ -395,15 +395,18 @@ def _expm1(z: torch.Tensor) -> torch.Tensor:
 
 
 def _cressie_read_parts(t: torch.Tensor, k: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(u, a t, e) with a = k - 1, u = 1 + a t and e = u^(1/a) - 1 = expm1(log1p(a t) / a) where u > 0.
+    """(u, a t, log u) with a = k - 1 and u = 1 + a t, log u = log1p(a t) where u > 0.
 
     Where u <= 0, log1p is evaluated at 0 instead, so autograd never meets its pole (those lanes are selected
-    away)."""
+    away). Where a t overflows while t is finite (k = 1000 at t = 1e306: u^(1/a) is 2.04 there), log u is
+    log(a) + log(t), to which log1p(1 / (a t)) adds less than a rounding (csrc/divergences.h's log_base)."""
     a = k - 1.0
     at = t * a
     u = at + 1.0
-    log_u = torch.log1p(torch.where(u > 0, at, torch.zeros_like(at)))
-    return u, at, log_u
+    overflowed = (at == math.inf) & (t != math.inf)
+    log_near = torch.log1p(torch.where((u > 0) & ~overflowed, at, 0.0))
+    log_far = math.log(a) + torch.log(torch.where(overflowed, t, 1.0))
+    return u, at, torch.where(overflowed, log_far, log_near)
 
 
 def _cressie_read_integer_power(k: float) -> int:
@@ -430,9 +433,11 @@ def _cressie_read_integer(t: torch.Tensor, power: int, order: int | str) -> torc
     floor = -1.0 if power == 1 else -2.0
     # max(t, floor) through a select, whose value and gradient stay NaN at a NaN t (torch.clamp's gradient is 0).
     m = _select_positive(t - floor, t, floor)
+    # Each product scaled before it is squared (m (m/2), not m m / 2): where the result is finite near the largest
+    # float, the square is not.
     if order == "excess":
-        return m * m * 0.5 + (m - t) if power == 1 else m * m * (m * 0.5 + 3.0) * (1.0 / 6.0) + (m - t)
-    return m if power == 1 else m + m * m * 0.25  # excess_first
+        return m * (m * 0.5) + (m - t) if power == 1 else m * (m * ((m * 0.5 + 3.0) * (1.0 / 6.0))) + (m - t)
+    return m if power == 1 else m + m * (m * 0.25)  # excess_first
 
 
 def _smoothed_cvar_parts(t: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -451,10 +456,17 @@ def _smoothed_cvar_parts(t: torch.Tensor, alpha: float) -> tuple[torch.Tensor, t
     return m, c1 + c2 * q
 
 
+# In smallest normals, the gauge below which _unless_below_normal takes the log form: csrc/divergences.h's
+# log_form_below, above the band where the AVX2 build's exp returns 0, so that every backend takes the same form.
+_LOG_FORM_BELOW_NORMALS = 256.0
+
+
 def _unless_below_normal(gauge: torch.Tensor, ratio: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
-    """``ratio`` where ``gauge`` (q = e^-|t|, or 1) is a normal number, else exp(log_ratio): smoothed_cvar's weight and
-    second derivative where q underflows while they do not (csrc/divergences.h's SmoothedCVaR::unless_below_normal)."""
-    return _select_positive(gauge - torch.finfo(gauge.dtype).smallest_normal, ratio, torch.exp(log_ratio))
+    """``ratio`` where ``gauge`` (q = e^-|t|, 1, or the result itself) is well above the smallest normal, else
+    exp(log_ratio): smoothed_cvar's weight and second derivative where q underflows while they do not
+    (csrc/divergences.h's SmoothedCVaR::unless_below_normal)."""
+    below = _LOG_FORM_BELOW_NORMALS * torch.finfo(gauge.dtype).smallest_normal
+    return _select_positive(gauge - below, ratio, torch.exp(log_ratio))
 
 
 def _smoothed_cvar_shortcuts(alpha: float) -> bool:
@@ -495,7 +507,7 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
             # m (1 + m/4) with m = max(t, -2), as csrc/divergences.h: a select of t + t^2/4 would send its zero
             # gradient through t + t^2/4 at t = -inf, where that gradient is 0 * -inf = NaN.
             m = _select_positive(t + 2.0, t, -2.0)
-            return m + m * m * 0.25
+            return m + m * (m * 0.25)  # m/4 first: m m overflows before m^2/4 does
         if order == 1:
             return _relu(t + 2.0) * 0.5
         return _select_positive(t + 2.0, 0.5, 0.0)
@@ -526,7 +538,7 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
         infinite = t == math.inf
         above = torch.where(infinite, t, 0.0)
         finite_t = torch.where(infinite, 0.0, t)
-        u, at, log_u = _cressie_read_parts(finite_t, k)
+        u, _, log_u = _cressie_read_parts(finite_t, k)
         if order == 0:
             # (u^(p+1) - 1) / k = (e + a t (1 + e)) / k with e = u^p - 1, +inf with slope +inf at t = +inf, as psi*.
             # Where u^p < 1/e, as (u u^p - 1) / k: the gradient of 1 + e would keep only the digits of u^p that 1
@@ -534,7 +546,10 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
             z = log_u * power
             e = torch.expm1(z)
             small = (u * torch.exp(torch.clamp(z, max=-1.0)) - 1.0) / k
-            value = _select_positive(u, torch.where(z < -1.0, small, (e + at * (e + 1.0)) / k), -1.0 / k)
+            # e / k + t ((a / k) (1 + e)) with a / k < 1: a t (1 + e) overflows before its division by k (k = 1000,
+            # t = 1e306: a t is past float64's largest, psi* is 2.04e306).
+            grown = finite_t * ((e + 1.0) * ((k - 1.0) / k))
+            value = _select_positive(u, torch.where(z < -1.0, small, e / k + grown), -1.0 / k)
             if integer_power := _cressie_read_integer_power(k):
                 # At t >= 0 the integer powers' products of positive terms, t (1 + t/2) (k = 2) and
                 # t (v^2 + v + 1)/3 with v = 1 + t/2 (k = 3/2), a few roundings in all (README: kappa 4), where
@@ -544,7 +559,7 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
                 at_least_zero = torch.where(t >= 0, finite_t, 0.0)
                 half = at_least_zero * 0.5 + 1.0
                 factored = (at_least_zero * half if integer_power == 1
-                            else at_least_zero * (half * half + half + 1.0) / 3.0)
+                            else at_least_zero * ((half * half + half + 1.0) / 3.0))
                 value = torch.where(t >= 0, factored, value)
             return torch.where(infinite, above * above, value)
         if order == 2:
@@ -558,14 +573,19 @@ def psi_star(t: torch.Tensor, spec: Spec, order: int = 0) -> torch.Tensor:
         alpha = required(spec.alpha)
         if order == 0:
             return _smoothed_cvar_value(t, alpha)
-        if _smoothed_cvar_shortcuts(alpha):
-            s = t + (math.log(alpha) - math.log1p(-alpha))
-            # sigmoid(s) sigmoid(-s): no 1 - p to lose the small side's digits.
-            return _sigmoid(s) / alpha if order == 1 else _sigmoid(s) * _sigmoid(-s) / alpha
         # e^t / (1 - alpha + alpha e^t) and its derivative from q = e^-|t|, without t + log(alpha/(1 - alpha)).
         minus_abs = _neg_abs(t)
         q = torch.exp(minus_abs)
         _, total = _smoothed_cvar_parts(t, alpha)
+        if _smoothed_cvar_shortcuts(alpha):
+            s = t + (math.log(alpha) - math.log1p(-alpha))
+            # sigmoid(s) sigmoid(-s): no 1 - p to lose the small side's digits. Where e^-|s| underflows while the
+            # result does not (up to 1/alpha^2 times above the smallest normal), the log forms below.
+            if order == 1:
+                weight = _sigmoid(s) / alpha
+                return _unless_below_normal(weight, weight, minus_abs - torch.log(total))
+            second = _sigmoid(s) * _sigmoid(-s) / alpha
+            return _unless_below_normal(second, second, minus_abs + math.log1p(-alpha) - 2.0 * torch.log(total))
         if order == 1:
             numerator = torch.where(t > 0, torch.ones_like(q), q)
             return _unless_below_normal(numerator, numerator / total, minus_abs - torch.log(total))
@@ -579,7 +599,7 @@ def excess(t: torch.Tensor, spec: Spec) -> torch.Tensor:
     """psi*(t) - t, accurate to a few roundings of |t| however small t is (csrc/divergences.h's excess)."""
     name = spec.name
     if name == "chi2":
-        return _select_positive(t + 2.0, t * t * 0.25, -1.0 - t)
+        return _select_positive(t + 2.0, t * (t * 0.25), -1.0 - t)
     if name == "kl":
         return torch.expm1(t) - t
     if name == "cvar":
@@ -594,9 +614,10 @@ def excess(t: torch.Tensor, spec: Spec) -> torch.Tensor:
         k = required(spec.k)
         if integer_power := _cressie_read_integer_power(k):
             return _cressie_read_integer(t, integer_power, "excess")
-        u, at, log_u = _cressie_read_parts(t, k)
+        u, _, log_u = _cressie_read_parts(t, k)
         e = torch.expm1(log_u / (k - 1.0))
-        return _select_positive(u, ((e - t) + at * e) / k, -1.0 / k - t)
+        # (e - t + a t e) / k as (e - t) / k + t ((a / k) e): see psi_star.
+        return _select_positive(u, (e - t) / k + t * (e * ((k - 1.0) / k)), -1.0 / k - t)
     if name == "smoothed_cvar":
         return _smoothed_cvar_value(t, required(spec.alpha)) - t
     raise AssertionError(name)

@@ -658,3 +658,121 @@ def test_smoothed_cvar_derivatives_stay_normal_where_exp_minus_abs_t_underflows(
     # The fallback's autograd differentiates its formulas: it keeps q's digits down to float64's smallest normal,
     # and its second derivative near t = 0 rounds 1 - alpha, a thousand roundings at alpha = 0.999: its weight only.
     check_smoothed_cvar_derivatives_where_exp_minus_abs_t_underflows(alpha, dtype, "cpu", autograd=backend != "python")
+
+
+@pytest.mark.parametrize("k,t", [(1000.0, 1e306), (1e300, 1e10)], ids=["k1000-t1e306", "k1e300-t1e10"])
+def test_cressie_read_where_k_minus_1_times_t_overflows(backend, k, t):
+    """u = 1 + (k - 1) t passes float64's largest while psi*'(t) = u^(1/(k-1)) is a modest number (2.04 at k = 1000,
+    t = 1e306; 1 at k = 1e300, t = 1e10): log1p((k - 1) t) made the weight inf and psi*'' 0 where both are finite."""
+    x = torch.tensor([t], dtype=torch.float64)
+    eps = torch.finfo(torch.float64).eps
+    weight = float(mp_psi_star(t, "cressie_read", k=k, order=1))
+    got = dro_ext.dro_weights(x, 0.0, 1.0, "cressie_read", k=k).item()
+    # the power's argument, log(u) / (k - 1), rounds to a few roundings of itself: a few of the weight's.
+    assert abs(got - weight) <= 8 * eps * weight, (got, weight)
+    if backend == "native":  # the fallback's autograd differentiates psi*'s formula (its weight is checked above)
+        y = x.clone().requires_grad_()
+        (first,) = torch.autograd.grad(dro_ext.psi_star(y, "cressie_read", k=k).sum(), y, create_graph=True)
+        (second,) = torch.autograd.grad(first.sum(), y)
+        assert abs(first.item() - weight) <= 8 * eps * weight, (first.item(), weight)
+        curvature = float(mp_psi_star(t, "cressie_read", k=k, order=2))
+        assert abs(second.item() - curvature) <= 8 * eps * curvature + 2 * torch.finfo(torch.float64).tiny, (
+            second.item(), curvature)
+
+
+def test_cressie_read_robust_objective_where_k_minus_1_times_t_overflows(backend):
+    """At k = 1e300, psi*(t) is max(t, -1/k) to within 1e-290: Psi of the losses [0, 1e10] at lam = 1 is their mean,
+    5e9 (the objective is flat for eta <= 1e-300). With (k - 1) t overflowing at the larger loss, the solve returned
+    Psi = 9.91e9. (The worst-case weights are not checked: eta* sits on the smaller loss's kink, t = -1/(k - 1), whose
+    width 1e-300 in eta is far below the solve's tolerance, and a weight of 0 or 1 there are equally close.)"""
+    losses = torch.tensor([0.0, 1e10], dtype=torch.float64)
+    value, eta = dro_ext.robust_objective(losses, 1.0, "cressie_read", k=1e300)
+    assert value.item() == pytest.approx(5e9, rel=1e-12)
+    assert abs(eta.item()) <= 1e-6, eta.item()
+
+
+# (dtype, t, divergence parameters): psi*(t) finite, and a product in its formula past the type's largest before the
+# division that brings it back (cressie_read's a t (1 + e) / k, k = 3/2's m (v^2 + v + 1) / 3).
+PRODUCTS_PAST_THE_LARGEST = [
+    (torch.float32, 5e36, {"k": 30.0}), (torch.float32, 3.3e35, {"k": 1000.0}), (torch.float32, 1.3e13, {"k": 1.5}),
+    (torch.float32, 1.35e23, {"k": 2.5}), (torch.float64, 1e297, {"k": 30.0}), (torch.float64, 1e306, {"k": 1000.0}),
+    (torch.float64, 1e103, {"k": 1.5}),
+]
+
+
+@pytest.mark.parametrize("dtype,t,params", PRODUCTS_PAST_THE_LARGEST,
+                         ids=[f"{str(d)[6:]}-k{p['k']}-t{t:g}" for d, t, p in PRODUCTS_PAST_THE_LARGEST])
+def test_cressie_read_psi_star_finite_where_a_product_before_the_division_overflows(backend, dtype, t, params):
+    got = dro_ext.psi_star(torch.tensor([t], dtype=dtype), "cressie_read", **params).item()
+    exact = float(mp_psi_star(float(torch.tensor(t, dtype=dtype)), "cressie_read", **params))
+    assert got == pytest.approx(exact, rel=64 * torch.finfo(dtype).eps), (got, exact)
+
+
+# (divergence, parameters, loss, lam): lam psi*(l / lam) finite, with psi*(t) - t formed through a square or a product
+# past float64's largest (chi2's m m / 4, k = 2's m m / 2, general k's t a e / k).
+EXCESS_PAST_THE_LARGEST = [("chi2", {}, 1.5e154, 1.0), ("cressie_read", {"k": 2.0}, 1.5e154, 1.0),
+                           ("cressie_read", {"k": 1.5}, 1e103, 1.0), ("cressie_read", {"k": 30.0}, 1e297, 1.0),
+                           ("chi2", {}, 1.5, 1e-154)]
+
+
+@pytest.mark.parametrize("name,params,loss,lam", EXCESS_PAST_THE_LARGEST,
+                         ids=[f"{n}-{p.get('k', '')}-l{v:g}-lam{lam:g}" for n, p, v, lam in EXCESS_PAST_THE_LARGEST])
+def test_dro_loss_finite_where_the_excess_squares_past_the_largest(backend, name, params, loss, lam):
+    losses = torch.tensor([loss], dtype=torch.float64)
+    got = dro_ext.dro_loss(losses, torch.zeros((), dtype=torch.float64), lam, name, **params).item()
+    exact = float(mp_loss([loss], 0.0, lam, name, **params))
+    assert got == pytest.approx(exact, rel=1e-12), (got, exact)
+
+
+SHORTCUT_ALPHAS = [1.0 / 16.0, 0.5, 15.0 / 16.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("alpha", SHORTCUT_ALPHAS)
+def test_smoothed_cvar_shortcut_derivatives_stay_normal_where_exp_minus_abs_s_underflows(backend, alpha, dtype):
+    # With the shortcuts (alpha in [1/16, 15/16]) psi*' = sigmoid(s) / alpha and psi*'' = sigmoid(s) sigmoid(-s) /
+    # alpha, s = t + log(alpha / (1 - alpha)), are formed from e^-|s|, which underflows (0 in the AVX builds) up to
+    # 1/alpha (psi*') and 1/alpha^2 (psi*'') times above the smallest normal, where they are normal numbers
+    # (alpha = 1/16, float32: the weight at t = -86 is 4.8e-38, psi*''(90.5) 1.2e-37). The same bound as outside the
+    # shortcuts. (The fallback's float64 weights there were subnormal quotients, a few roundings off: within it.)
+    check_smoothed_cvar_derivatives_where_exp_minus_abs_t_underflows(alpha, dtype, "cpu", autograd=backend != "python")
+
+
+# (dtype, alpha, t) where q = e^-|t| lies in [smallest normal, 256 smallest normals], where AVX2's exp gives 0.
+AVX2_EXP_ZERO_BAND = [(torch.float64, 1e-30, 708.25), (torch.float64, 0.001, 708.25), (torch.float32, 1e-10, 87.0),
+                      (torch.float64, 1 - 1e-6, -708.25), (torch.float32, 1 - 1e-6, -87.0)]
+
+
+@pytest.mark.parametrize("dtype,alpha,t", AVX2_EXP_ZERO_BAND,
+                         ids=[f"{str(d)[6:]}-alpha{a:g}-t{t:g}" for d, a, t in AVX2_EXP_ZERO_BAND])
+def test_smoothed_cvar_derivatives_take_the_same_form_in_every_build(backend, dtype, alpha, t):
+    """Outside the shortcuts, psi*' and psi*'' are q / (c1 + c2 q) (and the like) where q = e^-|t| is well above the
+    smallest normal, else the exponential of their logarithm, a few roundings of |t| off. AVX2's exp returns 0 for
+    results up to 1.7e-38 (float32) / 3.1e-308 (float64), above the smallest normal, so that build alone took the log
+    form there: hundreds of roundings from the portable build at the same t. Every build and the fallback now agree
+    to a few roundings."""
+    x = torch.tensor([t], dtype=dtype)
+    eps = torch.finfo(dtype).eps
+
+    def derivatives():
+        weight = dro_ext.dro_weights(x, 0.0, 1.0, "smoothed_cvar", alpha=alpha).item()
+        if backend == "python":  # its autograd differentiates psi*'s formula: its weight only
+            return [weight]
+        y = x.clone().requires_grad_()
+        (first,) = torch.autograd.grad(dro_ext.psi_star(y, "smoothed_cvar", alpha=alpha).sum(), y, create_graph=True)
+        (second,) = torch.autograd.grad(first.sum(), y)
+        return [weight, second.item()]
+
+    got = derivatives()
+    if backend == "python" and dtype == torch.float32:  # formed in float64, where q is far above the smallest normal
+        exact = float(mp_psi_star(t, "smoothed_cvar", alpha=alpha, order=1))
+        assert abs(got[0] - exact) <= eps * exact, (got, exact)
+        return
+    with _backend.forced_backend("native"):
+        previous = torch.ops.dro_ext._cpu_capability("default")
+        try:
+            portable = derivatives()
+        finally:
+            torch.ops.dro_ext._cpu_capability(previous)
+    for g, p in zip(got, portable):
+        assert abs(g - p) <= 8 * eps * abs(p), (got, portable)
