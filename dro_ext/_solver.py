@@ -235,14 +235,26 @@ def weighted_tail_split(x: torch.Tensor, w: torch.Tensor, tail: float) -> tuple[
     return eta, fixed_order_sum((w * x)[above]).item(), fixed_order_sum(w[above]).item()
 
 
+def relative_weights(w: torch.Tensor) -> torch.Tensor:
+    """Per-point weights (>= 0, some > 0) scaled to sum to one, through their largest first: finite weights of 1e308
+    overflowed their total (a tail size of inf, log(inf/inf)), subnormal ones lost their ratio in every weighted
+    sum. solve and weights both take their weights through here, so that Solution.n is the total weights uses."""
+    w = w / w.amax()
+    return w / fixed_order_sum(w)
+
+
 def solve(x: torch.Tensor, lam: float, spec: Spec, reducer: Reducer = LOCAL,
           w: torch.Tensor | None = None) -> Solution:
     """(Psi, eta*) of the losses of every process; x holds this process's losses in float64 (possibly none).
 
-    ``w`` (float64, >= 0, the shape of x; one process only): per-point weights, the mean over the losses becoming
-    the w-weighted mean (``dro_ext.group_evaluation``'s weighted group means); without it every weight is one."""
+    ``w`` (float64, >= 0 with some > 0, the shape of x; one process only): per-point weights, the mean over the
+    losses becoming the w-weighted mean (``dro_ext.group_evaluation``'s weighted group means); without it every
+    weight is one. Only their ratios count: they are scaled to sum to one (relative_weights), Solution.n then
+    being that sum."""
     if w is not None and reducer is not LOCAL:
         raise NotImplementedError("dro_ext: per-point weights are solved on one process only")
+    if w is not None:
+        w = relative_weights(w)
 
     def weighted(v: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
         return v if w is None else w * v
@@ -325,13 +337,16 @@ def weights(x: torch.Tensor, eta: torch.Tensor, n: float, lam: float, spec: Spec
     """This process's share of the worst-case distribution at eta (a 0-d float64 tensor) over the n losses of every
     process, for float64 losses x: float64, summing to one over every process. No host read.
 
-    With per-point weights ``w`` (as :func:`solve` takes them; n is then Solution.n, their total): point i gets
+    With per-point weights ``w`` (as :func:`solve` takes them, scaled alike; n is then Solution.n): point i gets
     ``w_i psi*'(t_i)`` normalized, and for cvar the boundary's mass is shared in proportion to w.
 
     Formed by blocks into the result (sum_blocks, blocked_sums), which is then normalized in place: the vectors that
     the weights are formed from take the memory of a block, the result's own aside."""
     def ones_or_w(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
         return torch.ones_like(x) if w is None else w
+
+    if w is not None:
+        w = relative_weights(w)  # as solve takes them: n is their total
 
     if spec.name == "cvar":
         tail = tail_size(required(spec.alpha), n)

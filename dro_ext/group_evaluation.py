@@ -96,9 +96,10 @@ def check_weighting(weighting: str | torch.Tensor | Sequence[float], group_count
 
 def sample_group_means(losses: torch.Tensor, groups: torch.Tensor,
                        num_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x, sums, counts): x = m[groups], each sample's group mean, in the accumulate dtype (float32 for half
-    losses, so the means are not rounded to half before the solve); differentiable to the losses."""
-    sums, counts = _group_sums(losses, groups, num_groups)
+    """(x, sums, counts): x = m[groups], each sample's group mean, from float64 sums (where the device has float64)
+    whatever the losses' dtype, so that a mean is neither rounded to the losses' dtype before the solve nor made
+    +inf by a sum past float32's range; differentiable to the losses."""
+    sums, counts = _group_sums(losses, groups, num_groups, wide=True)
     means = sums / torch.clamp(counts, min=1.0)
     return gather_by_group(means, groups), sums, counts
 
@@ -154,7 +155,7 @@ def _weighted(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam: 
         # One dtype on every rank for the all-reduce, whatever each rank's losses (an empty rank has no dtype of
         # its own to follow); the solve is in float64 anyway.
         losses = losses.to(torch.float64)
-    sums, counts = _reduced_group_sums(losses, groups, num_groups, group, where)
+    sums, counts = _reduced_group_sums(losses, groups, num_groups, group, where, wide=True)
     present = counts > 0
     if group is not None and not bool(present.any()):
         # As over samples (one process refuses an empty batch): not NaN. (The counts of every rank, so every rank
@@ -191,7 +192,8 @@ def _objective_and_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: 
         return value.to(losses.dtype), eta, sums, counts
     x, sums, counts = sample_group_means(losses, groups, num_groups)
     value, eta = robust.robust_objective(x, lam, spec.name, alpha=spec.alpha, k=spec.k)
-    return value.to(losses.dtype), eta, sums, counts
+    # (eta* in the accumulate dtype of the losses, as documented, though solved over float64 means)
+    return value.to(losses.dtype), eta.to(accumulate_dtype(losses.dtype)), sums, counts
 
 
 def worst_case_weights(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam: float, spec: Spec,
@@ -212,9 +214,9 @@ def worst_case_weights(losses: torch.Tensor, groups: torch.Tensor, num_groups: i
 def sample_weights(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam: float, spec: Spec,
                    eta: torch.Tensor | float | None = None, scale: float = 1.0,
                    group: ProcessGroup | None = None) -> torch.Tensor:
-    """The distribution over the samples that the group distribution induces, q_{g_i} / n_{g_i} (accumulate
-    dtype; float64 with a process group or at a given eta): the worst case when eta is None, else the dro_weights of
-    the group means at eta (unnormalized, as weight_stats takes them).
+    """The distribution over the samples that the group distribution induces, q_{g_i} / n_{g_i} (float64, as
+    the group means it is formed from, where the device has it): the worst case when eta is None, else the
+    dro_weights of the group means at eta (unnormalized, as weight_stats takes them).
 
     With a process group, of this rank's samples within the ranks' samples together: the group means and counts
     are those of every rank (one all-reduce of 2G + 3 numbers), the worst case is solved over them as

@@ -14,7 +14,7 @@ from typing import Any, cast
 import torch
 
 from dro_ext import _backend
-from dro_ext._divergences import accumulate_dtype, check_dense, check_losses
+from dro_ext._divergences import accumulate_dtype, check_dense, check_losses, fallback_dtype
 
 __all__ = ["check_groups", "check_num_groups", "gather_by_group", "group_sums"]
 
@@ -212,3 +212,17 @@ def group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, *,
     if _backend.native_for(losses.device.type):
         return _group_sums_op(losses, groups, num_groups, validate)
     return _fallback_group_sums(losses, groups, num_groups, validate)
+
+
+def wide_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, *,
+                    validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`group_sums` with sums and counts in float64 whatever the losses' dtype (where the device has float64:
+    fallback_dtype), for the objectives over groups: float32 sums of finite float32 losses overflow to +inf past
+    3.4e38, and a group mean rounded to float32 moves t = (m - G eta)/lam by its rounding over lam. The gradient is
+    that of group_sums, d l_i = grad_sums[g_i], rounded once to the losses' dtype (by the copy's backward).
+
+    A float64 copy of the losses, the one way to float64 sums from the op: a DROLoss(num_groups=64) step on 2^20
+    float32 losses takes about 1.4x its time with float32 sums (a custom autograd.Function gathering the gradient
+    straight into float32 measured slower still)."""
+    wide = fallback_dtype(losses.dtype, losses.device)
+    return group_sums(losses if losses.dtype == wide else losses.to(wide), groups, num_groups, validate=validate)

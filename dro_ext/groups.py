@@ -41,7 +41,7 @@ from dro_ext._divergences import (
     penalized_value,
     real_number,
 )
-from dro_ext.group_reduction import check_groups, check_num_groups, group_sums
+from dro_ext.group_reduction import check_groups, check_num_groups, group_sums, wide_group_sums
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -122,11 +122,16 @@ def _ids_checked_by_the_op(groups: torch.Tensor, num_groups: int) -> bool:
     return False
 
 
-def _group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int,
+                wide: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(sums, counts) per group through :func:`dro_ext.group_sums`, the ids checked as _ids_checked_by_the_op says.
-    With _masked_group_sums and GroupDROLoss's native step, the only places this module reduces the losses."""
+    With _masked_group_sums and GroupDROLoss's native step, the only places this module reduces the losses.
+
+    ``wide``: in float64 whatever the losses' dtype (group_reduction.wide_group_sums), as the objectives over groups
+    take them (GroupDROLoss keeps the op's dtype)."""
+    sums_of = wide_group_sums if wide else group_sums
     try:
-        return group_sums(losses, groups, num_groups, validate=_ids_checked_by_the_op(groups, num_groups))
+        return sums_of(losses, groups, num_groups, validate=_ids_checked_by_the_op(groups, num_groups))
     except IndexError:
         # group_sums' own error suggests validate=False, which none of the functions reducing through here takes.
         raise IndexError(_bad_ids_message(num_groups)) from None
@@ -137,15 +142,16 @@ def _bad_ids_message(num_groups: int) -> str:
 
 
 def _masked_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int,
-                       mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                       mask: torch.Tensor | None, wide: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """_group_sums over the samples where ``mask`` is True (all of them for ``mask=None``): the others count in
     neither sum nor count and their ids are not read (a padding token's id may be anything). They get the id -1,
     which group_sums(validate=False) drops (no boolean indexing: no data-dependent shape, no host sync), so their
-    losses get a zero gradient; the kept ids are checked as _group_sums checks them."""
+    losses get a zero gradient; the kept ids are checked as _group_sums checks them. ``wide`` as _group_sums."""
     if mask is None:
-        return _group_sums(losses, groups, num_groups)
+        return _group_sums(losses, groups, num_groups, wide)
     _check_group_ids(torch.where(mask, groups, 0), num_groups)
-    return group_sums(losses, torch.where(mask, groups, -1), num_groups, validate=False)
+    return (wide_group_sums if wide else group_sums)(losses, torch.where(mask, groups, -1), num_groups,
+                                                     validate=False)
 
 
 def _check_group_ids(groups: torch.Tensor, num_groups: int) -> None:
@@ -208,7 +214,8 @@ def check_group_vector(name: str, value: Any, num_groups: int, *, positive: bool
         raise ValueError(f"dro_ext: {name} must be finite, got {name}={values}")
     if positive and not all(v > 0 for v in values):
         raise ValueError(f"dro_ext: {name} must be > 0 for every group, got {name}={values}")
-    if not positive and (not all(v >= 0 for v in values) or not math.fsum(values) > 0):
+    # (some value > 0, not a sum > 0: a sum of finite weights may overflow, and math.fsum raised OverflowError)
+    if not positive and (not all(v >= 0 for v in values) or not any(v > 0 for v in values)):
         raise ValueError(f"dro_ext: {name} must be >= 0 with a positive sum, got {name}={values}")
     return tensor
 
@@ -285,8 +292,9 @@ class _GlobalValueLocalGradient(torch.autograd.Function):
 
 def _reduced_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int,
                         process_group: ProcessGroup | None, where: str,
-                        mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sums, counts) of the batch, or, with a process group, of the concatenated batch of its ranks.
+                        mask: torch.Tensor | None = None, wide: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sums, counts) of the batch, or, with a process group, of the concatenated batch of its ranks (``wide``:
+    float64 sums and counts whatever the losses' dtype, as _group_sums forms them).
 
     Over ranks, (sums, counts) are all-reduced together (one collective of 2G + 3 numbers: num_groups and two counts
     below) so every rank holds the same values; the sums' gradient goes to the local samples times the world size,
@@ -295,7 +303,7 @@ def _reduced_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: 
     float32 beside another's float64: gloo aborted the process on the differing sizes), and so are the sums it
     returns."""
     if process_group is None:
-        return _masked_group_sums(losses, groups, num_groups, mask)
+        return _masked_group_sums(losses, groups, num_groups, mask, wide)
     # An id out of range on one rank only must raise on every rank, after the collective: raised before it, it left
     # the other ranks waiting there, or pairing their collective with its next one. On the CPU (a host read of the
     # ids costs no sync) the bad ids among the kept samples are counted and dropped, and the count travels with the
@@ -307,9 +315,10 @@ def _reduced_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: 
         bad = (~keep if mask is None else mask & ~keep).sum().to(torch.float64)
         if mask is not None:
             keep = keep & mask
-        sums, counts = group_sums(losses, torch.where(keep, groups, -1), num_groups, validate=False)
+        sums, counts = (wide_group_sums if wide else group_sums)(losses, torch.where(keep, groups, -1), num_groups,
+                                                                  validate=False)
     else:
-        sums, counts = _masked_group_sums(losses, groups, num_groups, mask)
+        sums, counts = _masked_group_sums(losses, groups, num_groups, mask, wide)
         bad = torch.zeros((), dtype=torch.float64, device=losses.device)
     refused = torch.zeros((), dtype=torch.float64, device=losses.device)  # inputs passed (_refuse_on_every_rank: 1)
     both = _all_reduce_group_sums([sums.detach().to(torch.float64), counts.to(torch.float64),
@@ -446,11 +455,23 @@ def _group_dro_objective(losses: torch.Tensor, groups: torch.Tensor, num_groups:
         # before the collective left the others waiting in it, or pairing it with that rank's next call (the sums of
         # another batch, silently).
         _refuse_on_every_rank(error, num_groups, group, where, input_device(losses, groups))
-    sums, counts = _reduced_group_sums(losses, groups, num_groups, group, where, mask)
+    # Float64 group sums (where the device has float64) for any losses: float32 ones overflowed to +inf where a
+    # group's finite losses summed past 3.4e38, and a mean rounded to float32 moved t by its rounding over lam.
+    sums, counts = _reduced_group_sums(losses, groups, num_groups, group, where, mask, wide=True)
     acc = fallback_dtype(losses.dtype, losses.device)
     m, present = _group_means(sums, counts, acc)
-    p = counts.to(acc) if weights is None else torch.where(present, weights.to(acc), 0.0)
+    p = counts.to(acc) if weights is None else _relative_weights(torch.where(present, weights.to(acc), 0.0))
     return _penalized_group_objective(m, present, p, scale * eta.to(acc), lam, spec).to(losses.dtype)
+
+
+def _relative_weights(p: torch.Tensor) -> torch.Tensor:
+    """Weights >= 0 scaled to sum to one, through their largest first: finite weights of 1e308 overflowed their sum
+    (and weights of 1e10 a weight times a term of 1e300), subnormal ones (1e-323, 2e-323) lost their ratio in
+    every product. All 0 stay 0 (no group counts). Only the ratios of the weights enter the objective."""
+    top = p.amax()
+    p = p / torch.where(top > 0, top, 1.0)
+    total = fixed_order_sum(p)
+    return p / torch.where(total > 0, total, 1.0)
 
 
 def _counted_groups(present: torch.Tensor, p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

@@ -211,7 +211,8 @@ def test_population_at_the_batch_counts_is_the_batch_weighting(backend, name, pa
 
 @pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
 def test_weighted_solver_equals_repeated_points(name, params):
-    # Integer weights are repeated points: the solver with w equals the unweighted solver on the repetitions.
+    # Integer weights are repeated points: the solver with w equals the unweighted solver on the repetitions. (The
+    # weights are scaled to sum to one: n is that sum.)
     from dro_ext import _solver
     from dro_ext._divergences import check_divergence
 
@@ -220,7 +221,7 @@ def test_weighted_solver_equals_repeated_points(name, params):
     w = torch.tensor([1.0, 3.0, 2.0, 1.0, 5.0, 1.0, 2.0, 4.0, 1.0], dtype=torch.float64)
     got = _solver.solve(x, 0.3, spec, w=w)
     expected = _solver.solve(x.repeat_interleave(w.long()), 0.3, spec)
-    assert got.n == 20.0 and abs(got.value - expected.value) <= 1e-13 * abs(expected.value)
+    assert abs(got.n - 1.0) <= 1e-15 and abs(got.value - expected.value) <= 1e-13 * abs(expected.value)
     q = _solver.weights(x, torch.tensor(got.eta, dtype=torch.float64), got.n, 0.3, spec, w=w)
     q_repeated = _solver.weights(x.repeat_interleave(w.long()), torch.tensor(expected.eta, dtype=torch.float64),
                                  expected.n, 0.3, spec)
@@ -238,6 +239,88 @@ def test_weighted_dtypes(backend, name, params, dtype):
     assert value.dtype == dtype and eta.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     expected = ref_psi(losses.double(), groups, 6, 0.5, name, **kw, weights=options["group_counts"])
     torch.testing.assert_close(value.double(), torch.tensor(expected, dtype=torch.float64), **ref.tolerances(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("weighting", ["batch", "population"])
+def test_a_group_whose_sum_passes_the_dtypes_range_keeps_its_finite_mean(backend, dtype, weighting):
+    """Group 0's float32 (or bfloat16) sum passes float32's largest number, its mean does not: Psi, q, the gradient
+    and evaluate's report are those of the finite means, not of a sum rounded to +inf."""
+    losses = torch.tensor([3e38, 3e38, 1.0], dtype=dtype)
+    groups = torch.tensor([0, 0, 1])
+    weights = None if weighting == "batch" else [1.0, 3.0]
+    options = {} if weights is None else dict(weighting="population", group_counts=weights)
+    kw = dict(groups=groups, num_groups=2, **options)
+    tol = ref.tolerances(dtype)
+    for name, params, lam in (("cvar", dict(alpha=0.5), 1.0), ("chi2", {}, 1e38)):
+        l = losses.clone().requires_grad_()
+        value, eta = dro_ext.robust_objective(l, lam, name, **kw, **params)
+        (grad,) = torch.autograd.grad(value, l)
+        expected = ref_psi(losses.double(), groups, 2, lam, name, **case_kwargs(params), weights=weights)
+        assert math.isfinite(expected) and value.dtype == dtype
+        torch.testing.assert_close(value.double(), torch.tensor(expected, dtype=torch.float64), **tol)
+        q = dro_ext.worst_case_weights(losses, lam, name, **kw, **params)
+        if name == "cvar":  # the tail of mass 1/2 from the top: group 0 whole where its weight reaches 1/2
+            want_q = np.array([1.0, 0.0] if weights is None else [0.5, 0.5])
+        else:
+            want_q = ref_group_weights(losses.double(), groups, 2, float(eta), lam, name, weights=weights)
+        torch.testing.assert_close(q.double(), torch.from_numpy(want_q), **tol)
+        # d l_i = q_{g_i} / n_{g_i}
+        torch.testing.assert_close(grad.double(), (q.double() / torch.tensor([2.0, 1.0]))[groups], **tol)
+    report = dro_ext.evaluate(torch.nn.Identity(), [(losses, groups)], lambda m, b: m(b[0]), 1.0, "cvar", alpha=0.5,
+                              groups_fn=lambda b: b[1], num_groups=2, progress=False, **options)
+    torch.testing.assert_close(report.group_loss.double(), losses.double()[1:], rtol=0.0, atol=0.0)
+    psi = losses.double()[0] if weights is None else (losses.double()[0] + 1.0) / 2
+    torch.testing.assert_close(report.value.double(), psi.to(dtype).double(), rtol=0.0, atol=0.0)
+    assert int(report.worst_group) == 0
+
+
+@pytest.mark.parametrize("weighting", ["batch", "population"])
+def test_float32_group_means_are_not_rounded_before_the_solve(backend, weighting):
+    """Group 0's exact mean, 1 + 1.5 * 2^-23, lies between two float32 numbers, and group 1's is the upper one: at
+    lam = 1e-10 the worst case is all on group 1 (exp(-596) on group 0). Means rounded to float32 first made the two
+    equal, and q the weights p."""
+    losses = torch.tensor([1 + 2**-23, 1 + 2**-22, 1 + 2**-22], dtype=torch.float32)
+    groups = torch.tensor([0, 0, 1])
+    options = {} if weighting == "batch" else dict(weighting="population", group_counts=[1.0, 1.0])
+    kw = dict(groups=groups, num_groups=2, **options)
+    for name, params in (("kl", {}), ("chi2", {}), ("cressie_read", dict(k=3.0))):
+        q = dro_ext.worst_case_weights(losses, 1e-10, name, **kw, **params)
+        torch.testing.assert_close(q.double(), torch.tensor([0.0, 1.0], dtype=torch.float64), rtol=0.0, atol=1e-7)
+        stats = dro_ext.weight_stats(losses=losses, lam=1e-10, divergence=name, over="groups", groups=groups,
+                                     num_groups=2, **params) if weighting == "batch" else None
+        if stats is not None:
+            torch.testing.assert_close(stats.group_mass.double(), q.double(), rtol=0.0, atol=1e-7)
+
+
+@pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
+def test_group_weights_count_relative_to_each_other_whatever_their_scale(backend, name, params):
+    """Psi, eta* and q depend on the ratios of the group weights alone: weights of 1e308 (population counts or a
+    tensor) overflowed their total (NaN, q = 0, an OverflowError from the tail size, a math domain error) and
+    subnormal ones lost their ratio; they give what the same weights scaled to a largest of 1 give."""
+    kw = case_kwargs(params)
+    losses = torch.tensor([1.0, 2.0, 1.25, 3.0], dtype=torch.float64)
+    groups = torch.tensor([0, 1, 1, 2])
+    lam = 0.7
+    for weights in ([1e308, 1e308, 5e307], [1e-323, 2e-323, 1e-323], [1e10, 1e10, 5e9]):
+        ratio = [w / max(weights) for w in weights]
+        want_value, want_eta = dro_ext.robust_objective(losses, lam, name, groups=groups, num_groups=3,
+                                                        weighting=torch.tensor(ratio, dtype=torch.float64), **kw)
+        want_q = dro_ext.worst_case_weights(losses, lam, name, groups=groups, num_groups=3,
+                                            weighting=torch.tensor(ratio, dtype=torch.float64), **kw)
+        assert torch.isfinite(want_value) and abs(float(want_q.sum()) - 1.0) < 1e-12
+        expected = ref_psi(losses, groups, 3, lam, name, **kw, weights=ratio)
+        assert abs(want_value.item() - expected) <= 1e-10 * (1.0 + abs(expected))
+        options = [dict(weighting=torch.tensor(weights, dtype=torch.float64)), dict(weighting=weights)]
+        if min(weights) > 0:
+            options.append(dict(weighting="population", group_counts=weights))
+        for option in options:
+            value, eta = dro_ext.robust_objective(losses, lam, name, groups=groups, num_groups=3, **option, **kw)
+            q = dro_ext.worst_case_weights(losses, lam, name, groups=groups, num_groups=3, **option, **kw)
+            torch.testing.assert_close(value, want_value, rtol=1e-14, atol=0.0)
+            if name != "cvar":  # cvar's minimizers form an interval
+                torch.testing.assert_close(eta, want_eta, rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(q, want_q, rtol=1e-12, atol=1e-15)
 
 
 @pytest.mark.parametrize("weighting", list(WEIGHTINGS))
@@ -324,15 +407,17 @@ def test_single_group_is_its_mean(backend, name, params):
 def test_one_sample_per_group_is_the_sample_level_objective(backend, name, params, dtype):
     # Each group holds one sample: the group means are the losses, so Psi is robust_objective's, bit for bit
     # (the group ids in any order: the group objective is the sample-level one of m[groups], which is the losses).
+    # The means are formed in float64 whatever the losses' dtype: float32 losses' Psi and eta* are those of their
+    # float64 copy, rounded to float32.
     kw = case_kwargs(params)
     n = 37
     losses, _ = random_batch(n, 1, dtype)
     groups = torch.randperm(n)
     got = dro_ext.robust_objective(losses, 0.4, name, groups=groups, num_groups=n + 3, **kw)
-    expected = dro_ext.robust_objective(losses, 0.4, name, **kw)
+    expected = [r.to(dtype) for r in dro_ext.robust_objective(losses.double(), 0.4, name, **kw)]
     assert got[0].item() == expected[0].item() and got[1].item() == expected[1].item()
     q = dro_ext.worst_case_weights(losses, 0.4, name, groups=groups, num_groups=n + 3, **kw)
-    q_samples = dro_ext.worst_case_weights(losses, 0.4, name, **kw)
+    q_samples = dro_ext.worst_case_weights(losses.double(), 0.4, name, **kw).to(dtype)
     # the same weights, renormalized over the groups (a few roundings)
     torch.testing.assert_close(q[groups], q_samples, rtol=8 * torch.finfo(dtype).eps, atol=0)
     assert bool((q[n:] == 0).all())

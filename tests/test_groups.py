@@ -136,6 +136,98 @@ def test_a_group_of_weight_zero_is_dropped_whatever_its_mean(backend, name, para
     assert math.isnan(dro_ext.group_dro_loss(losses, groups, 3, eta, 1e-3, name, **options).item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("weighting", ["batch", "population"])
+def test_a_group_whose_sum_passes_the_dtypes_range_keeps_its_finite_mean(backend, dtype, weighting):
+    """A group of float32 (or bfloat16) losses whose sum passes float32's largest number has a finite mean: the
+    objective is formed from group sums wider than the losses', not from a sum rounded to +inf."""
+    losses = torch.tensor([3e38, 3e38, 1.0], dtype=dtype, requires_grad=True)
+    groups = torch.tensor([0, 0, 1])
+    options = dict(weighting="population", group_counts=[1.0, 3.0]) if weighting == "population" else {}
+    weights = None if weighting == "batch" else [1.0, 3.0]
+    eta = torch.tensor(2.9e38, dtype=torch.float64, requires_grad=True)
+    value = dro_ext.group_dro_loss(losses, groups, 2, eta, 1e38, "chi2", **options)
+    grad_l, grad_eta = torch.autograd.grad(value, (losses, eta))
+    l64 = losses.detach().double().requires_grad_()
+    e64 = eta.detach().clone().requires_grad_()
+    expected = ref_group_dro_loss(l64, groups, 2, e64, 1e38, "chi2", weights=weights)
+    exp_l, exp_eta = torch.autograd.grad(expected, (l64, e64))
+    assert torch.isfinite(expected) and value.dtype == dtype
+    tol = ref.tolerances(dtype)
+    torch.testing.assert_close(value.double(), expected, **tol)
+    torch.testing.assert_close(grad_l.double(), exp_l, **tol)
+    torch.testing.assert_close(grad_eta, exp_eta, rtol=1e-12, atol=0.0)
+
+
+@pytest.mark.parametrize("name,params,lam", [("kl", {}, 1e-10), ("chi2", {}, 1e-18),
+                                             ("cressie_read", dict(k=3.0), 1e-12),
+                                             ("kl_cvar", dict(alpha=1e-8), 1e-10)])
+def test_float32_group_means_are_not_rounded_before_the_objective(backend, name, params, lam):
+    """float32 losses whose group mean float32 cannot hold, with lam below its spacing there: the objective at
+    eta = the exact mean is that mean (t = 0), each loss's gradient half its group's weight and eta's 0. A mean
+    rounded to float32 first moved t by (its rounding)/lam: inf, or values off by orders of magnitude."""
+    losses = torch.tensor([1 + 2**-23, 1 + 2**-22, 1.0], dtype=torch.float32, requires_grad=True)
+    groups = torch.tensor([0, 0, 1])
+    mean = 1 + 1.5 * 2**-23  # group 0's exact mean, a float64
+    kw = case_kwargs(params)
+    for weights in (None, [1.0, 0.0]):  # group 1, far below eta, weighs 1/3 of the batch or nothing
+        options = {} if weights is None else dict(weighting=torch.tensor(weights, dtype=torch.float64))
+        eta = torch.tensor(mean, dtype=torch.float64, requires_grad=True)
+        value = dro_ext.group_dro_loss(losses, groups, 2, eta, lam, name, **options, **kw)
+        grad_l, grad_eta = torch.autograd.grad(value, (losses, eta))
+        l64 = losses.detach().double().requires_grad_()
+        e64 = eta.detach().clone().requires_grad_()
+        expected = ref_group_dro_loss(l64, groups, 2, e64, lam, name, weights=weights, **kw)
+        exp_l, exp_eta = torch.autograd.grad(expected, (l64, e64))
+        torch.testing.assert_close(value.double(), expected, rtol=1.2e-7, atol=0.0)
+        torch.testing.assert_close(grad_l.double(), exp_l, rtol=1.2e-7, atol=1e-30)
+        torch.testing.assert_close(grad_eta, exp_eta, rtol=1e-9, atol=1e-9)
+    module = dro_ext.DROLoss(name, lam=lam, num_groups=2, weighting="population", group_counts=[10, 1], **kw).double()
+    with torch.no_grad():
+        module.eta.fill_(mean)
+    value = module(losses, groups)
+    grad_l, grad_eta = torch.autograd.grad(value, (losses, module.eta))
+    l64 = losses.detach().double().requires_grad_()
+    e64 = module.eta.detach().clone().requires_grad_()
+    expected = ref_group_dro_loss(l64, groups, 2, e64, lam, name, weights=[10.0, 1.0], **kw)
+    exp_l, exp_eta = torch.autograd.grad(expected, (l64, e64))
+    torch.testing.assert_close(value.double(), expected, rtol=1.2e-7, atol=0.0)
+    torch.testing.assert_close(grad_l.double(), exp_l, rtol=1.2e-7, atol=1e-30)
+    torch.testing.assert_close(grad_eta, exp_eta, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("name,params", [("chi2", {}), ("cvar", dict(alpha=0.5)), ("kl", {})])
+def test_group_weights_count_relative_to_each_other_whatever_their_scale(backend, name, params):
+    """Group weights are normalized before they multiply the terms: weights of 1e10 or 1e308 overflowed p * term
+    (inf, NaN with zero gradients, an OverflowError), subnormal ones lost their ratio (1e-323 and 2e-323 read as
+    1 to 2 only roughly), where the objective depends on their ratios alone."""
+    kw = case_kwargs(params)
+    cases = [(torch.tensor([1e300, 2e300], dtype=torch.float64), 1.5e300, 1e300,
+              [[1e10, 1e10], [1e308, 1e308], [3e-320, 3e-320]], [1.0, 1.0]),
+             (torch.tensor([1.0, 2.0], dtype=torch.float64), 1.5, 1.0, [[1e-323, 2e-323], [1e308, 2e307]],
+              None)]
+    groups = torch.tensor([0, 1])
+    for losses, eta, lam, weightings, _ in cases:
+        for weights in weightings:
+            ratio = [w / max(weights) for w in weights]
+            l64 = losses.clone().requires_grad_()
+            e64 = torch.tensor(eta, dtype=torch.float64, requires_grad=True)
+            expected = ref_group_dro_loss(l64, groups, 2, e64, lam, name, weights=ratio, **kw)
+            exp_l, exp_eta = torch.autograd.grad(expected, (l64, e64))
+            assert torch.isfinite(expected)
+            for options in (dict(weighting=torch.tensor(weights, dtype=torch.float64)), dict(weighting=weights),
+                            dict(weighting="population", group_counts=weights)):
+                if options.get("weighting") == "population" and min(weights) == 0:
+                    continue
+                l = losses.clone().requires_grad_()
+                e = torch.tensor(eta, dtype=torch.float64, requires_grad=True)
+                value = dro_ext.group_dro_loss(l, groups, 2, e, lam, name, **options, **kw)
+                grad_l, grad_eta = torch.autograd.grad(value, (l, e))
+                torch.testing.assert_close(value, expected, rtol=1e-14, atol=0.0)
+                torch.testing.assert_close(grad_l, exp_l, rtol=1e-14, atol=1e-300)
+                torch.testing.assert_close(grad_eta, exp_eta, rtol=1e-14, atol=1e-14)
+
+
 DRO_LOSS_DTYPES = [torch.float16, torch.float32, torch.float64]
 
 
