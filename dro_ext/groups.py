@@ -581,7 +581,10 @@ def _greedy_cvar_weights(ranking: torch.Tensor, shares: torch.Tensor, alpha: flo
         return shares
     order = torch.sort(ranking, descending=True, stable=True).indices
     sorted_shares = shares[order].to(torch.float64)
-    before = torch.cumsum(sorted_shares, 0) - sorted_shares
+    # The total taken before each group, as the sum of the shares before it (an exclusive cumulative sum): the
+    # inclusive sum minus the group's own share cancelled the small shares before a large one (1e-20 + 0.5 - 0.5 is
+    # 0), and at alpha = 1e-20 the group after them took alpha again.
+    before = torch.cat([sorted_shares.new_zeros(1), torch.cumsum(sorted_shares, 0)[:-1]])
     taken = torch.clamp(torch.minimum(sorted_shares, alpha - before), min=0.0)
     return torch.zeros_like(taken).scatter(0, order, taken / fixed_order_sum(taken)).to(shares.dtype)
 

@@ -700,6 +700,18 @@ def test_greedy_cvar_at_a_tiny_alpha_in_a_float32_state(backend, alpha):
     mixed(losses, groups)  # half the batch shares (1/4, 1/4, 1/2) mixed in
     torch.testing.assert_close(mixed.q, torch.tensor([0.125, 0.625, 0.25]), rtol=2e-7, atol=0)
 
+
+def test_greedy_cvar_counts_a_tiny_share_before_a_large_one(backend):
+    """Shares (5e-21, 0.5, 0.5) ranked 0 > 1 > 2 at alpha = 1e-20: group 0 whole (5e-21), group 1 the rest up to alpha
+    (5e-21), group 2 nothing, so q = (1/2, 1/2, 0). The total before group 1, formed as the running sum minus its own
+    share, cancelled group 0's share (5e-21 + 0.5 - 0.5 = 0) and group 1 took alpha whole: q = (1/3, 2/3, 0)."""
+    losses, groups = torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64), torch.tensor([0, 1, 2])
+    module = group_dro64(3, mode="greedy_cvar", alpha=1e-20, group_counts=[1.0, 1e20, 1e20])
+    value = module(losses, groups)
+    torch.testing.assert_close(module.q, torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64), rtol=1e-15, atol=0)
+    assert math.isclose(float(value), 2.5, rel_tol=1e-15)
+
+
 def test_adjustment_enters_the_update_not_the_value(backend):
     counts = torch.tensor([4.0, 100.0])
     losses, groups = torch.tensor([1.0, 1.0], dtype=torch.float64), torch.tensor([0, 1])
