@@ -16,7 +16,8 @@
 // A batch in which a present group's mean is not finite (an infinite or NaN loss) takes no step: the state stays as
 // it was, and the loss and its gradient are those under the current q (infinite or NaN, as that mean is). A training
 // loop skips such a batch (GradScaler skips its step, and many loops any step of a non-finite loss); taken into the
-// state, one such batch left log q NaN (or every other group at q = 0) for every later batch.
+// state, one such batch left log q NaN (or every other group at q = 0) for every later batch. So does a mean past
+// the state dtype's range (float64 losses of 1e39 beside a float32 state), which the state would store as infinite.
 //
 // Everything is computed in double from the inputs' values and rounded once where it is stored; the sums over the
 // groups are in a fixed order (group order on the CPU, a fixed block tree on CUDA), so a step is bitwise
@@ -30,6 +31,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <limits>
 #include <type_traits>
 
 #include "floating_types.h"
@@ -55,10 +57,11 @@ struct GroupInputs {
   bool seen, active;
 
   C10_HOST_DEVICE bool present() const { return count > 0.0; }
-  // Whether the batch must take no step for this group (see the top of this file).
-  C10_HOST_DEVICE bool blocks_the_step() const {
+  // Whether the batch must take no step for this group (see the top of this file): a mean not finite, or past
+  // `largest_stored`, the state dtype's largest value.
+  C10_HOST_DEVICE bool blocks_the_step(double largest_stored) const {
     const double m = mean();
-    return present() && !(m > -INFINITY && m < INFINITY);  // (false for NaN as for the infinities)
+    return present() && !(m >= -largest_stored && m <= largest_stored);  // (false for NaN as for the infinities)
   }
   C10_HOST_DEVICE double inverse_count() const { return 1.0 / (count > 1.0 ? count : 1.0); }
   C10_HOST_DEVICE double mean() const { return sum * inverse_count(); }
@@ -124,6 +127,9 @@ struct GroupDROStepOperands {
     return GroupInputs{static_cast<double>(sums[g]), static_cast<double>(counts[g]), static_cast<double>(log_q[g]),
                        static_cast<double>(ema[g]),  static_cast<double>(last[g]),  adjustment[g],
                        seen[g],                      active[g]};
+  }
+  C10_HOST_DEVICE C10_ALWAYS_INLINE bool blocks_the_step(const GroupInputs& in) const {
+    return in.blocks_the_step(static_cast<double>(std::numeric_limits<state_t>::max()));
   }
   // Group g's new state, from its inputs (read before) and its new log q.
   C10_HOST_DEVICE C10_ALWAYS_INLINE void write(int64_t g, const GroupInputs& in, double m, double new_log_q,

@@ -945,9 +945,10 @@ class GroupDROLoss(_Float64Configuration):
             weights = _greedy_cvar_weights(ema + adjust, shares, self.alpha)
             weights = (1.0 - self.min_var_weight) * weights + self.min_var_weight * shares
             log_q = torch.where(usable, torch.log(weights), log_q)
-        # A batch in which a present group's mean is not finite takes no step, in either mode: the state stays as it
-        # was (csrc/group_dro_step.h says why).
-        step = ~(present & ~torch.isfinite(m)).any()
+        # A batch in which a present group's mean is not finite, or past the state dtype's range (which would store
+        # it as infinite), takes no step, in either mode: the state stays as it was (csrc/group_dro_step.h says why).
+        largest_stored = torch.finfo(self.log_q.dtype).max
+        step = ~(present & ~((m >= -largest_stored) & (m <= largest_stored))).any()
         self.log_q.copy_(torch.where(step, log_q, self.log_q))
         self.ema_loss.copy_(torch.where(step, ema, self.ema_loss))
         self.last_loss.copy_(torch.where(step, last, self.last_loss))

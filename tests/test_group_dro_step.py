@@ -197,6 +197,38 @@ def test_a_batch_with_a_loss_not_finite_takes_no_step(backend_name, bad, state_d
 
 @native_only
 @pytest.mark.parametrize("backend_name", ["native", "python"])
+@pytest.mark.parametrize("config", list(NOT_FINITE_CONFIGS), ids=list(NOT_FINITE_CONFIGS))
+def test_a_mean_past_the_states_range_takes_no_step(backend_name, config):
+    """float64 losses whose group mean (1e39) is finite but past a float32 state's range: the state stored it as inf
+    (its last and running means), and the next batches' q went NaN for good (missing="stale"), or greedy CVaR kept
+    the whole weight on that group whatever came after. Such a batch now takes no step, as one of a mean not finite;
+    its value and gradient are those under the current q, in float64."""
+    kwargs = NOT_FINITE_CONFIGS[config]
+    module, untouched = (dro_ext.GroupDROLoss(5, **kwargs) for _ in range(2))
+    assert module.log_q.dtype == torch.float32
+    data = batches(5, 23, 5, seed=4)
+    for losses, groups in data[:2]:
+        for one in (module, untouched):
+            run_step(one, losses, groups, backend_name)
+    losses, groups = data[2]
+    broken = torch.where(groups == 2, 1e39, losses)
+    before = {name: t.clone() for name, t in module.state_dict().items()}
+    value, grad = run_step(module, broken, groups, backend_name)
+    for name, t in module.state_dict().items():
+        assert torch.equal(t, before[name]), name
+    want_value, want_grad = run_step(untouched, broken, groups, backend_name, update=False)
+    assert torch.equal(value, want_value) and torch.equal(grad, want_grad)
+    assert value.dtype == torch.float64 and math.isfinite(float(value))
+    for losses, groups in data[3:]:
+        for one in (module, untouched):
+            run_step(one, losses, groups, backend_name)
+        assert torch.isfinite(module.q).all()
+        for name, t in module.state_dict().items():
+            assert torch.equal(t, untouched.state_dict()[name]), name
+
+
+@native_only
+@pytest.mark.parametrize("backend_name", ["native", "python"])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float64], ids=str)
 def test_a_step_beyond_the_range_puts_q_on_the_largest_scores(backend_name, state_dtype):
     """step_size * a_g overflows from finite scores (float64: 1e300 * 2e30, beyond the native step's double range;
