@@ -697,7 +697,10 @@ class GroupDROLoss(_Float64Configuration):
     ``last_loss`` (each group's last mean loss) and ``seen`` (which groups have appeared). They are of the default
     dtype at construction (float32 where that is float16 or bfloat16); a cast of the module (``module.half()``,
     ``model.to(torch.bfloat16)``) takes them to float32 at the narrowest, as a 16-bit ``log q`` would round away a
-    step of a usual ``step_size``; a step computes in the wider of their dtype and the losses' accumulate dtype. The
+    step of a usual ``step_size``; a step computes in the wider of their dtype and the losses' accumulate dtype.
+    A float32 ``log q`` still rounds away a change below half its spacing (about 6e-8 near ``log(1/4)``): with a
+    ``step_size`` of 1e-5 and group losses within a few hundredths of each other, ``q`` stays uniform (ERM) where
+    float64 moves it; ``module.double()`` keeps such steps. The
     settings (``step_size``, ``missing``, ``normalize_loss``, ``ema_gamma``, greedy_cvar's ``alpha`` and
     ``min_var_weight``, ``group``) may be set on the module later, checked as the constructor checks them;
     ``num_groups`` and ``mode`` are fixed. An empty
