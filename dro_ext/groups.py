@@ -769,9 +769,14 @@ class GroupDROLoss(_Float64Configuration):
                 if not math.isfinite(float(c[0])):
                     raise ValueError(f"dro_ext: adjustment must be finite, got adjustment={adjustment}")
             adjust = c / counts.sqrt()
+            if not bool(torch.isfinite(adjust).all()):  # (a host tensor: no device read)
+                raise ValueError(f"dro_ext: adjustment / sqrt(group_counts) must be finite, got "
+                                 f"{adjust.tolist()} (adjustment={adjustment}, group_counts={counts.tolist()})")
         q0 = (torch.full((num_groups,), 1.0 / num_groups, dtype=torch.float64, device="cpu") if q_init is None
               else check_group_vector("q_init", q_init, num_groups, positive=False))
-        self._q_init = q0 / fixed_order_sum(q0)  # host float64, for reset_parameters
+        # Through the largest first (_relative_weights): q_init of 1e308 each overflowed its sum, and read as q = 0,
+        # every group disabled.
+        self._q_init = _relative_weights(q0)  # host float64, for reset_parameters
         active = self._q_init > 0
         dtype = accumulate_dtype(torch.get_default_dtype())  # (_STATE_FLOATS says why)
         # The state: persistent buffers, saved by state_dict (set by reset_parameters below).
@@ -785,8 +790,7 @@ class GroupDROLoss(_Float64Configuration):
         self._register_configuration("adjustment_term", adjust)
         shares = None
         if counts is not None:
-            shares = torch.where(active, counts, 0.0)
-            shares = shares / fixed_order_sum(shares)
+            shares = _relative_weights(torch.where(active, counts, 0.0))  # (counts of 1e308 each: as q_init)
         self._register_configuration("population_shares", shares)
         self.reset_parameters()
         self.group = group  # (checked as it is set: __setattr__)

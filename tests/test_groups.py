@@ -712,6 +712,23 @@ def test_greedy_cvar_counts_a_tiny_share_before_a_large_one(backend):
     assert math.isclose(float(value), 2.5, rel_tol=1e-15)
 
 
+def test_initial_q_and_population_counts_of_any_finite_scale(backend):
+    """q_init and group_counts count by their ratios: of 1e308 each, their sum overflowed and q_init read as q = 0 (every
+    group disabled, NaN after a step), greedy CVaR's population shares as 0 (q NaN); an adjustment term C / sqrt(N)
+    that overflows is refused by name, not left to make q NaN."""
+    losses, groups = torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([0, 1])
+    module = group_dro64(2, q_init=[1e308, 1e308])
+    assert torch.equal(module.active, torch.tensor([True, True]))
+    assert torch.equal(module.q, torch.tensor([0.5, 0.5], dtype=torch.float64))
+    module(losses, groups)
+    assert torch.isfinite(module.q).all() and float(module.q[1]) > 0.5
+    greedy = group_dro64(2, mode="greedy_cvar", alpha=0.5, group_counts=[1e308, 1e308])
+    value = greedy(losses, groups)
+    assert torch.equal(greedy.q, torch.tensor([0.0, 1.0], dtype=torch.float64)) and float(value) == 2.0
+    with pytest.raises(ValueError, match=r"adjustment / sqrt\(group_counts\) must be finite"):
+        dro_ext.GroupDROLoss(2, adjustment=1e300, group_counts=[1e-20, 1.0])
+
+
 def test_adjustment_enters_the_update_not_the_value(backend):
     counts = torch.tensor([4.0, 100.0])
     losses, groups = torch.tensor([1.0, 1.0], dtype=torch.float64), torch.tensor([0, 1])
