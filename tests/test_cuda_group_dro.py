@@ -80,6 +80,29 @@ def test_a_batch_with_a_mean_not_finite_takes_no_step_on_the_device(num_groups, 
         torch.testing.assert_close(on_device.log_q.cpu(), on_cpu.log_q, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("num_groups", [5, 257])
+def test_a_mean_past_a_float32_states_range_takes_no_step_on_the_device(num_groups):
+    """float64 losses whose group mean (1e39) is finite but past the default float32 state's range: the kernel's flag
+    (blocks_the_step with the state dtype's largest value) leaves the state as it was, as the CPU kernel does."""
+    gen = torch.Generator().manual_seed(num_groups)
+    on_device = dro_ext.GroupDROLoss(num_groups, 0.3).to(DEVICE)
+    on_cpu = dro_ext.GroupDROLoss(num_groups, 0.3)
+    assert on_device.log_q.dtype == torch.float32
+    losses, groups = batch(4 * num_groups + 7, num_groups, gen, torch.float64)
+    step(on_device, losses, groups, "native")
+    step(on_cpu, losses.cpu(), groups.cpu(), "native")
+    losses, groups = batch(4 * num_groups + 7, num_groups, gen, torch.float64)
+    groups[0] = num_groups - 1
+    losses = torch.where(groups == num_groups - 1, 1e39, losses)
+    before = {name: t.clone() for name, t in on_device.state_dict().items()}
+    got, got_grad = step(on_device, losses, groups, "native")
+    for name, t in on_device.state_dict().items():
+        assert torch.equal(t, before[name]), name
+    want, want_grad = step(on_cpu, losses.cpu(), groups.cpu(), "native")
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(got_grad.cpu(), want_grad, rtol=1e-12, atol=1e-15)
+
+
 @pytest.mark.parametrize("num_groups", [1, 255, 257, 5000])
 def test_any_number_of_groups_matches_the_cpu(num_groups):
     """One block of 256 threads strides over the groups: fewer, one more, and many more groups, float64, against
