@@ -49,9 +49,15 @@ inline void prefetch_ahead(const scalar_t* x, int64_t i, int64_t count, int64_t 
   for (const char* line = first; line < last; line += 64) __builtin_prefetch(line, 0, 3);
 }
 
+// map_order's ORDER for psi*'(t) as divergences.h's coarse_first_unscaled(t), its coarse_first_scale() folded into the
+// multiplier (where coarse_ok() holds): one multiplication a sample fewer.
+constexpr int64_t kUnscaledFirst = -1;
+
 template <int64_t ORDER, typename Div, typename T>
 inline T derivative(const Div& div, const T& t) {
-  if constexpr (ORDER == 0) {
+  if constexpr (ORDER == kUnscaledFirst) {
+    return div.coarse_first_unscaled(t);
+  } else if constexpr (ORDER == 0) {
     return div.value(t);
   } else if constexpr (ORDER == 1) {
     return div.first(t);
@@ -454,7 +460,16 @@ bool map_derivative_impl(
     visit_divergence<acc_t>(spec, [&](const auto& div) {
       switch (order) {
         case 0: overflowed = map_order<0>(data, result, x.numel(), div, affine, multiplier, t_limit); break;
-        case 1: overflowed = map_order<1>(data, result, x.numel(), div, affine, multiplier, t_limit); break;
+        case 1:
+          if constexpr (requires { div.coarse_first_scale(); }) {
+            if (div.coarse_ok()) {
+              overflowed = map_order<kUnscaledFirst>(data, result, x.numel(), div, affine,
+                                                     multiplier * div.coarse_first_scale(), t_limit);
+              break;
+            }
+          }
+          overflowed = map_order<1>(data, result, x.numel(), div, affine, multiplier, t_limit);
+          break;
         default: overflowed = map_order<2>(data, result, x.numel(), div, affine, multiplier, t_limit); break;
       }
     });

@@ -66,6 +66,9 @@ using MaskD = __mmask8;
 inline MaskD greater(D a, D b) { return _mm512_cmp_pd_mask(a, b, _CMP_GT_OQ); }
 inline MaskD less_equal(D a, D b) { return _mm512_cmp_pd_mask(a, b, _CMP_LE_OQ); }
 inline D select(MaskD m, D if_set, D otherwise) { return _mm512_mask_blend_pd(m, otherwise, if_set); }
+// Whether every lane of a comparison holds (Math<Vectorized>::select_positive_rare's test).
+inline bool all_lanes(Mask m) { return m == Mask(0xFFFF); }
+inline bool all_lanes(MaskD m) { return m == MaskD(0xFF); }
 inline F reciprocal_estimate(F x) { return _mm512_rcp14_ps(x); }  // relative error below 2^-14
 constexpr int kRegisterBytes = 64;
 inline void stream(float* p, F v) { _mm512_stream_ps(p, v); }
@@ -109,6 +112,8 @@ using MaskD = __m256d;
 inline MaskD greater(D a, D b) { return _mm256_cmp_pd(a, b, _CMP_GT_OQ); }
 inline MaskD less_equal(D a, D b) { return _mm256_cmp_pd(a, b, _CMP_LE_OQ); }
 inline D select(MaskD m, D if_set, D otherwise) { return _mm256_blendv_pd(otherwise, if_set, m); }
+inline bool all_lanes(Mask m) { return _mm256_movemask_ps(m) == 0xFF; }
+inline bool all_lanes(MaskD m) { return _mm256_movemask_pd(m) == 0xF; }
 inline F reciprocal_estimate(F x) { return _mm256_rcp_ps(x); }  // relative error below 1.5 * 2^-12
 constexpr int kRegisterBytes = 32;
 inline void stream(float* p, F v) { _mm256_stream_ps(p, v); }

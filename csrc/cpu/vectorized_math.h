@@ -95,9 +95,19 @@ struct Math<at::vec::Vectorized<S>> {
   // data without such lanes always predicts.
   template <typename F>
   static inline V select_positive_rare(const V& x, const V& if_pos, F make_if_nonpos) {
-    if ((x > V(S(0))).zero_mask() == 0) return if_pos;
+#if defined(DRO_EXT_SIMD_FLOAT)
+    // One comparison into the register's own mask type and one test of it (ATen's comparison builds a vector of
+    // the mask, and zero_mask takes it back).
+    using namespace cpu::simd;
+    const auto positive = greater(x, set(S(0)));
+    if (all_lanes(positive)) [[likely]] return if_pos;
+    return V(select(positive, if_pos, select(less_equal(x, set(S(0))), make_if_nonpos(), x)));
+#else
+    if ((x > V(S(0))).zero_mask() == 0) [[likely]] return if_pos;
     return select_positive(x, if_pos, make_if_nonpos());
+#endif
   }
+
   static inline V if_positive(const V& x, const V& if_pos, const V& otherwise) {
 #if defined(DRO_EXT_SIMD_FLOAT)
     return V(cpu::simd::select(cpu::simd::greater(x, cpu::simd::set(S(0))), if_pos, otherwise));
