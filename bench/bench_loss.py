@@ -159,7 +159,8 @@ def bench_case(name, params, n, device, timer, impls, *, rounds, min_seconds) ->
             "dtype": "float32", "impl": impl, "median_ms": 1e3 * t["median_s"], "p25_ms": 1e3 * t["p25_s"],
             "p75_ms": 1e3 * t["p75_s"], "reps": t["reps"], "ns_per_sample": 1e9 * t["median_s"] / n,
             "achieved_GBps": BYTES_PER_SAMPLE * n / t["median_s"] / 1e9, "copy_bandwidth_GBps": bandwidth / 1e9,
-            "floor_ms": 1e3 * floor_s, "x_floor": t["median_s"] / floor_s, "fused_speedup": t["median_s"] / base_s if base_s else None,
+            "floor_ms": 1e3 * floor_s, "x_floor": t["median_s"] / floor_s,
+            "fused_speedup": t["median_s"] / base_s if base_s else None,
             "saved_for_backward_bytes": saved,
             "cuda_peak_bytes": None if graph else cuda_peak_bytes(runs[impl], device),
         })

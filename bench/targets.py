@@ -138,8 +138,8 @@ def _train_targets() -> tuple[Target, ...]:
 def _loss_over_mean(device: str, sizes: tuple[int, ...], bound: float, text: str) -> Target:
     """The fused loss's forward + backward time over losses.mean()'s, per call, at `sizes`, every divergence."""
     return Target("loss call", "loss", device, text,
-                  lambda rows: _by_case(rows, lambda r: f"{r['case']} N={r['n']}", lambda r: _inverse(r["fused_speedup"]),
-                                        n=lambda n: n in sizes, impl="mean"),
+                  lambda rows: _by_case(rows, lambda r: f"{r['case']} N={r['n']}",
+                                        lambda r: _inverse(r["fused_speedup"]), n=lambda n: n in sizes, impl="mean"),
                   at_most=bound, cases=tuple(f"{c} N={n}" for c in LOSS_CASES for n in sizes), unit="x mean's")
 
 

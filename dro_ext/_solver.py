@@ -236,11 +236,15 @@ def weighted_tail_split(x: torch.Tensor, w: torch.Tensor, tail: float) -> tuple[
 
 
 def relative_weights(w: torch.Tensor) -> torch.Tensor:
-    """Per-point weights (>= 0, some > 0) scaled to sum to one, through their largest first: finite weights of 1e308
-    overflowed their total (a tail size of inf, log(inf/inf)), subnormal ones lost their ratio in every weighted
-    sum. solve and weights both take their weights through here, so that Solution.n is the total weights uses."""
-    w = w / w.amax()
-    return w / fixed_order_sum(w)
+    """Weights >= 0 scaled to sum to one, through their largest first: finite weights of 1e308 overflowed their total
+    (a tail size of inf, log(inf/inf); a group weight of 1e10 times a term of 1e300), subnormal ones (1e-323, 2e-323)
+    lost their ratio in every product. All 0 stay 0. Only the ratios of the weights count: solve and weights take
+    their per-point weights through here (Solution.n is then the total weights uses), and the objectives over
+    groups their group weights (dro_ext.groups)."""
+    top = w.amax()
+    w = w / torch.where(top > 0, top, 1.0)
+    total = fixed_order_sum(w)
+    return w / torch.where(total > 0, total, 1.0)
 
 
 def solve(x: torch.Tensor, lam: float, spec: Spec, reducer: Reducer = LOCAL,

@@ -41,6 +41,7 @@ from dro_ext._divergences import (
     penalized_value,
     real_number,
 )
+from dro_ext._solver import relative_weights
 from dro_ext.group_reduction import check_groups, check_num_groups, group_sums, wide_group_sums
 
 if TYPE_CHECKING:
@@ -460,18 +461,8 @@ def _group_dro_objective(losses: torch.Tensor, groups: torch.Tensor, num_groups:
     sums, counts = _reduced_group_sums(losses, groups, num_groups, group, where, mask, wide=True)
     acc = fallback_dtype(losses.dtype, losses.device)
     m, present = _group_means(sums, counts, acc)
-    p = counts.to(acc) if weights is None else _relative_weights(torch.where(present, weights.to(acc), 0.0))
+    p = counts.to(acc) if weights is None else relative_weights(torch.where(present, weights.to(acc), 0.0))
     return _penalized_group_objective(m, present, p, scale * eta.to(acc), lam, spec).to(losses.dtype)
-
-
-def _relative_weights(p: torch.Tensor) -> torch.Tensor:
-    """Weights >= 0 scaled to sum to one, through their largest first: finite weights of 1e308 overflowed their sum
-    (and weights of 1e10 a weight times a term of 1e300), subnormal ones (1e-323, 2e-323) lost their ratio in
-    every product. All 0 stay 0 (no group counts). Only the ratios of the weights enter the objective."""
-    top = p.amax()
-    p = p / torch.where(top > 0, top, 1.0)
-    total = fixed_order_sum(p)
-    return p / torch.where(total > 0, total, 1.0)
 
 
 def _counted_groups(present: torch.Tensor, p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -727,7 +718,8 @@ class GroupDROLoss(_Float64Configuration):
     beyond ``e^44`` times the loss (a group that blows up in an ``update=False`` evaluation after training had all
     but dropped it) is missing from the native value, which the fallback keeps. The fallback composes the rest of
     these rules of PyTorch ops: the update in float64 (where the device has it) rounded once into the state, and the
-    loss in the wider of the state's and the losses' accumulate dtype. ``greedy_cvar`` is composed of PyTorch ops on either backend, its update in float64 likewise.
+    loss in the wider of the state's and the losses' accumulate dtype. ``greedy_cvar`` is composed of PyTorch ops on
+    either backend, its update in float64 likewise.
     """
 
     # The state and configuration buffers (registered in __init__), declared for the type checker: nn.Module's
@@ -774,9 +766,9 @@ class GroupDROLoss(_Float64Configuration):
                                  f"{adjust.tolist()} (adjustment={adjustment}, group_counts={counts.tolist()})")
         q0 = (torch.full((num_groups,), 1.0 / num_groups, dtype=torch.float64, device="cpu") if q_init is None
               else check_group_vector("q_init", q_init, num_groups, positive=False))
-        # Through the largest first (_relative_weights): q_init of 1e308 each overflowed its sum, and read as q = 0,
+        # Through the largest first (relative_weights): q_init of 1e308 each overflowed its sum, and read as q = 0,
         # every group disabled.
-        self._q_init = _relative_weights(q0)  # host float64, for reset_parameters
+        self._q_init = relative_weights(q0)  # host float64, for reset_parameters
         active = self._q_init > 0
         dtype = accumulate_dtype(torch.get_default_dtype())  # (_STATE_FLOATS says why)
         # The state: persistent buffers, saved by state_dict (set by reset_parameters below).
@@ -790,7 +782,7 @@ class GroupDROLoss(_Float64Configuration):
         self._register_configuration("adjustment_term", adjust)
         shares = None
         if counts is not None:
-            shares = _relative_weights(torch.where(active, counts, 0.0))  # (counts of 1e308 each: as q_init)
+            shares = relative_weights(torch.where(active, counts, 0.0))  # (counts of 1e308 each: as q_init)
         self._register_configuration("population_shares", shares)
         self.reset_parameters()
         self.group = group  # (checked as it is set: __setattr__)
