@@ -57,6 +57,8 @@ _MAX_ITERATIONS = 200
 _WIDTH_HALVINGS = 48
 # The most floats find_eta steps up from a final eta where a weight overflows (newton_root's kMaxOverflowSteps).
 _MAX_OVERFLOW_STEPS = 64
+# expm1(t) is finite in float64 for t below this (log of the largest float64, 709.78, rounded down).
+_EXPM1_FINITE_BELOW = 709.0
 
 
 class Reducer(Protocol):
@@ -302,6 +304,13 @@ def solve(x: torch.Tensor, lam: float, spec: Spec, reducer: Reducer = LOCAL,
         sum_exp, sum_expm1 = totals(reducer, *summed(exp_sums))
         # Near 1, log loses the digits of mean exp - 1 that lam multiplies; log1p of the mean expm1 keeps them.
         eta = hi + lam * (math.log1p(sum_expm1 / n) if sum_exp / n > 0.5 else math.log(sum_exp / n))
+        if w is not None and math.isfinite(eta) and (hi - eta) / lam < _EXPM1_FINITE_BELOW:
+            # A weighted mean can lie far below max l, whose weight may be tiny: eta* is then a few roundings of max l
+            # that cancelled (with means (1e28, 2), weights (1, 1e15), lam = 1e30: 12% low) though the weights do not
+            # make it that sensitive to max l. Centred on that eta the sum is near 0 and every term rounds in
+            # proportion to itself; one more pass (over G group means) recovers the digits.
+            (sum_expm1,) = totals(reducer, *summed(lambda x, w: [weighted(torch.expm1((x - eta) / lam), w)]))
+            eta += lam * math.log1p(sum_expm1 / n)
         return Solution(eta, eta, n)
     if spec.name == "cvar":
         tail = tail_size(required(spec.alpha), n)

@@ -323,6 +323,36 @@ def test_group_weights_count_relative_to_each_other_whatever_their_scale(backend
             torch.testing.assert_close(q, want_q, rtol=1e-12, atol=1e-15)
 
 
+@pytest.mark.parametrize("weighting", ["population", "tensor"])
+def test_kl_over_groups_does_not_cancel_against_a_light_largest_mean(backend, weighting):
+    """kl's closed form is max m + lam log(sum_g p_g e^((m_g - max m)/lam)) whatever max m's weight: with the largest
+    mean's weight 1e-15 of the others and lam far above the means, that sum cancelled down to a few roundings of
+    max m (12% low at means (1e28, 2), weights (1, 1e15), lam = 1e30), far more than a rounding of the means or the
+    weights moves Psi. Random means and weights of that kind, against 60-digit arithmetic."""
+    mp = ref.mpmath.mp
+    for _ in range(8):
+        big = 10.0 ** (20.0 + 8.0 * torch.rand(()).item())
+        losses = torch.tensor([big, *(5.0 * torch.rand(4, dtype=torch.float64)).tolist()], dtype=torch.float64)
+        groups = torch.tensor([0, 1, 1, 2, 2])
+        weights = [1.0, 10.0 ** (9.0 + 6.0 * torch.rand(()).item()), 10.0 ** (9.0 + 6.0 * torch.rand(()).item())]
+        lam = 10.0 ** (28.0 + 5.0 * torch.rand(()).item())
+        option = (dict(weighting="population", group_counts=weights) if weighting == "population"
+                  else dict(weighting=torch.tensor(weights, dtype=torch.float64)))
+        value, eta = dro_ext.robust_objective(losses, lam, "kl", groups=groups, num_groups=3, **option)
+        q = dro_ext.worst_case_weights(losses, lam, "kl", groups=groups, num_groups=3, **option)
+        with mp.workdps(60):
+            m = [mp.mpf(big), mp.mpf(losses[1].item()) / 2 + mp.mpf(losses[2].item()) / 2,
+                 mp.mpf(losses[3].item()) / 2 + mp.mpf(losses[4].item()) / 2]
+            total = mp.fsum(mp.mpf(w) for w in weights)
+            terms = [mp.mpf(w) / total * mp.exp(mg / lam) for w, mg in zip(weights, m)]
+            exact = lam * mp.log(mp.fsum(terms))
+            exact_q = [float(t / mp.fsum(terms)) for t in terms]
+        at = f"max m {big:.3g}, weights {weights}, lam {lam:.3g}"
+        assert abs(value.item() - float(exact)) <= 1e-13 * abs(float(exact)), (at, value.item(), float(exact))
+        assert eta.item() == value.item(), at  # kl: Psi = eta*
+        torch.testing.assert_close(q, torch.tensor(exact_q, dtype=torch.float64), rtol=1e-13, atol=0.0, msg=at)
+
+
 @pytest.mark.parametrize("weighting", list(WEIGHTINGS))
 @pytest.mark.parametrize("name,params", ref.CASES, ids=ref.CASE_IDS)
 def test_weighted_gradcheck(backend, name, params, weighting):
