@@ -77,9 +77,9 @@ void group_dro_step_kernel(const GroupDROStepOperands<sums_t, state_t>& op, int6
     const double log_total = std::log(total);
     for (int64_t g = 0; g < num_groups; ++g) {
       const GroupInputs in = op.inputs(g);
-      const double m = in.mean(), q = e[g] / total;
-      op.write(g, in, m, normalized_log_q(x[g], shift, log_total), args.ema_gamma);
-      loss += q * m;
+      const double m = in.mean(), q = e[g] / total, log_q = normalized_log_q(x[g], shift, log_total);
+      op.write(g, in, m, log_q, args.ema_gamma);
+      loss += q != 0.0 ? q * m : dropped_group_term<out_t>(log_q, m);
       weights[g] = static_cast<out_t>(q * in.inverse_count());
     }
     return true;
@@ -91,7 +91,7 @@ void group_dro_step_kernel(const GroupDROStepOperands<sums_t, state_t>& op, int6
     kernels.exp_shifted(log_q.data(), 0.0, negligible_log_q<out_t>(), q.data(), num_groups);
     for (int64_t g = 0; g < num_groups; ++g) {
       const GroupInputs in = op.inputs(g);
-      loss += q[g] * in.mean();
+      loss += q[g] != 0.0 ? q[g] * in.mean() : dropped_group_term<out_t>(log_q[g], in.mean());
       weights[g] = static_cast<out_t>(q[g] * in.inverse_count());
     }
   }

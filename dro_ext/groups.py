@@ -714,9 +714,9 @@ class GroupDROLoss(_Float64Configuration):
     place, the loss and one autograd node; ``group_dro_step_`` over the sums with a mask or a process group). It
     computes in float64 and rounds once into the state, and takes a group's ``q`` as 0 in the loss and its
     gradient (never in ``log_q``) below ``e^-44`` (float32 loss) or ``e^-660`` (float64), where the products would
-    be subnormal numbers. That bounds the ``q`` dropped, not its term ``q m``: a group of such a ``q`` whose mean is
-    beyond ``e^44`` times the loss (a group that blows up in an ``update=False`` evaluation after training had all
-    but dropped it) is missing from the native value, which the fallback keeps. The fallback composes the rest of
+    be subnormal numbers. Its term ``q m`` still counts where the mean lifts it above that bound (a group that blows
+    up in an ``update=False`` evaluation after training had all but dropped it), formed from its logarithm; its
+    gradient weight ``q / n`` stays dropped. The fallback composes the rest of
     these rules of PyTorch ops: the update in float64 (where the device has it) rounded once into the state, and the
     loss in the wider of the state's and the losses' accumulate dtype. ``greedy_cvar`` is composed of PyTorch ops on
     either backend, its update in float64 likewise.

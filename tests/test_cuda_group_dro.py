@@ -11,7 +11,8 @@ import torch
 import dro_ext
 from cuda_cases import DEVICE, SKIP_WITHOUT_CUDA, native_backend, needs_cuda  # noqa: F401
 from dro_ext import _backend
-from test_group_dro_step import CONFIGS, STATE_DTYPES, TOLERANCES, assert_same_state, with_state_dtype
+from test_group_dro_step import (CONFIGS, STATE_DTYPES, TOLERANCES, assert_a_dropped_groups_term_still_counts,
+                                 assert_same_state, with_state_dtype)
 
 pytestmark = SKIP_WITHOUT_CUDA
 
@@ -101,6 +102,12 @@ def test_a_mean_past_a_float32_states_range_takes_no_step_on_the_device(num_grou
     want, want_grad = step(on_cpu, losses.cpu(), groups.cpu(), "native")
     torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=0)
     torch.testing.assert_close(got_grad.cpu(), want_grad, rtol=1e-12, atol=1e-15)
+
+
+def test_a_dropped_groups_term_still_counts_on_the_device():
+    """The native step's dropped q (below e^-44 / e^-660) still brings its term q m into the loss where the mean is
+    large: test_group_dro_step's case, on the device."""
+    assert_a_dropped_groups_term_still_counts(DEVICE, "native")
 
 
 @pytest.mark.parametrize("num_groups", [1, 255, 257, 5000])

@@ -374,6 +374,36 @@ def test_negligible_q_weigh_nothing_but_keep_their_log(dtype, log_q):
     torch.testing.assert_close(value.double(), q[1] * 2.0 + q[2] * 3.0, rtol=1e-6, atol=0)
 
 
+def assert_a_dropped_groups_term_still_counts(device, backend_name):
+    """A group whose q the native step drops from the loss (below e^-44 for a float32 loss, e^-660 for float64) still
+    counts where its mean makes q m large: training had all but dropped group 0 (log q = -50 or -700), whose mean
+    then blows up (1e25, 1e305). Its term was missing from the native value (1.0 against 1929.75); its gradient
+    weight, q / n, stays dropped. With update=False and with a step too small to move q much."""
+    for dtype, log_q0, big in ((torch.float32, -50.0, 1e25), (torch.float64, -700.0, 1e305)):
+        for update in (False, True):
+            for sign in (1.0, -1.0):
+                module = dro_ext.GroupDROLoss(3, 1e-3 / big).to(device=device, dtype=dtype)  # a step of 1e-3
+                with torch.no_grad():
+                    module.log_q.copy_(torch.tensor([log_q0, -0.5, -1.0], dtype=dtype))
+                    module.log_q.sub_(torch.logsumexp(module.log_q.double(), 0).to(dtype))
+                losses = torch.tensor([sign * big, 2.0, 3.0, sign * big], dtype=dtype, device=device)
+                groups = torch.tensor([0, 1, 2, 0], device=device)
+                with _backend.forced_backend(backend_name):
+                    value = module(losses, groups, update=update)
+                q = module.log_q.double().exp().cpu()  # the q the value is taken under (after the step)
+                want = q[0] * sign * big + q[1] * 2.0 + q[2] * 3.0
+                assert abs(q[0] * big) > 1.0  # (the term matters)
+                torch.testing.assert_close(value.double().cpu(), want, rtol=1e-6, atol=0.0,
+                                           msg=f"{dtype} update={update} sign={sign}")
+
+
+@pytest.mark.parametrize("backend_name", ["native", "python"])
+def test_a_dropped_groups_term_still_counts_where_its_mean_is_large(backend_name):
+    if backend_name == "native" and not _backend.native_available():
+        pytest.skip("native extension not built")
+    assert_a_dropped_groups_term_still_counts("cpu", backend_name)
+
+
 @native_only
 def test_the_update_is_seen_by_autograd():
     """A tensor an earlier graph saved that the step then updates in place fails that graph's backward, as an

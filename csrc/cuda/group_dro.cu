@@ -73,8 +73,9 @@ __global__ void __launch_bounds__(kThreads) group_dro_step_kernel(GroupDROStepOp
       const GroupInputs in = op.inputs(g);
       const double m = in.mean(), x = log_weight(in);
       const double q = exp_or_zero(x - shift, negligible_log_q<out_t>()) / exp_total;
-      op.write(g, in, m, normalized_log_q(x, shift, log_exp_total), args.ema_gamma);
-      part += q * m;
+      const double log_q = normalized_log_q(x, shift, log_exp_total);
+      op.write(g, in, m, log_q, args.ema_gamma);
+      part += q != 0.0 ? q * m : dropped_group_term<out_t>(log_q, m);
       weights[g] = static_cast<out_t>(q * in.inverse_count());
     }
   } else {
@@ -82,7 +83,7 @@ __global__ void __launch_bounds__(kThreads) group_dro_step_kernel(GroupDROStepOp
     for (int64_t g = threadIdx.x; g < num_groups; g += kThreads) {
       const GroupInputs in = op.inputs(g);
       const double q = exp_or_zero(in.log_q, negligible_log_q<out_t>());
-      part += q * in.mean();
+      part += q != 0.0 ? q * in.mean() : dropped_group_term<out_t>(in.log_q, in.mean());
       weights[g] = static_cast<out_t>(q * in.inverse_count());
     }
   }
