@@ -45,11 +45,11 @@ void group_dro_step_kernel(const GroupDROStepOperands<sums_t, state_t>& op, int6
   double loss = 0.0;
   // The step, or false (nothing written) for a batch that takes none.
   const auto step = [&]() {
-    double score_total = 0.0;
+    double score_mean = 0.0;
     if (args.normalize_loss) {
       for (int64_t g = 0; g < num_groups; ++g) {
         const GroupInputs in = op.inputs(g);
-        score_total += in.score(in.mean(), args.stale);
+        score_mean += in.score(in.mean(), args.stale) / static_cast<double>(num_groups);
       }
     }
     // x_g and e_g = exp(x_g - shift) = q_g * sum_h e_h; the state is written only once every group's old state is
@@ -59,8 +59,8 @@ void group_dro_step_kernel(const GroupDROStepOperands<sums_t, state_t>& op, int6
     bool blocked = false;
     for (int64_t g = 0; g < num_groups; ++g) {
       const GroupInputs in = op.inputs(g);
-      blocked |= op.blocks_the_step(in);
-      e[g] = in.step_score(in.score(in.mean(), args.stale), score_total, args);
+      blocked |= op.blocks_the_step(in, args.stale);
+      e[g] = in.step_score(in.score(in.mean(), args.stale), score_mean, static_cast<double>(num_groups), args);
       max_score = e[g] > max_score ? e[g] : max_score;
     }
     if (blocked) return false;

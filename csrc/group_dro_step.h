@@ -17,7 +17,8 @@
 // it was, and the loss and its gradient are those under the current q (infinite or NaN, as that mean is). A training
 // loop skips such a batch (GradScaler skips its step, and many loops any step of a non-finite loss); taken into the
 // state, one such batch left log q NaN (or every other group at q = 0) for every later batch. So does a mean past
-// the state dtype's range (float64 losses of 1e39 beside a float32 state), which the state would store as infinite.
+// the state dtype's range (float64 losses of 1e39 beside a float32 state), which the state would store as infinite,
+// and a live group's score (mean plus adjustment) past float64's range though both are finite.
 //
 // Everything is computed in double from the inputs' values and rounded once where it is stored; the sums over the
 // groups are in a fixed order (group order on the CPU, a fixed block tree on CUDA), so a step is bitwise
@@ -75,11 +76,21 @@ struct GroupInputs {
   // Whether q_g can be above 0 after the step: not for a disabled group, nor for one whose q is exactly 0 (log q =
   // -inf, an underflow), which q_g exp(step_size a_g) keeps at 0 whatever its score.
   C10_HOST_DEVICE bool live() const { return active && log_q != -INFINITY; }
-  // a_g as step_size multiplies it, given the sum of the scores (used with normalize_loss only; a zero sum leaves
-  // the scores as they are, a NaN one makes them NaN, as the division would); -inf for a group that is not live.
-  C10_HOST_DEVICE double step_score(double a, double score_total, const GroupDROStepArgs& args) const {
+  // a_g as step_size multiplies it, given the mean of the scores over the G groups (used with normalize_loss only):
+  // a_g / sum_h a_h, taken as (a_g / G) / mean, since finite scores can sum past float64's range (two of 1e308: the
+  // step was a_g / inf = 0, q stood still) where their mean cannot. A zero mean leaves the scores as they are, a NaN
+  // one makes them NaN, as the division would; -inf for a group that is not live.
+  C10_HOST_DEVICE double step_score(double a, double score_mean, double num_groups,
+                                    const GroupDROStepArgs& args) const {
     if (!live()) return -INFINITY;
-    return args.normalize_loss && score_total != 0.0 ? a / score_total : a;
+    return args.normalize_loss && score_mean != 0.0 ? (a / num_groups) / score_mean : a;
+  }
+  // Whether this live group's score a_g passes float64's range though its parts are finite (a mean of 1e308 plus an
+  // adjustment of 1e308): the step would take that infinite largest score off it (inf - inf), leaving log q NaN for
+  // every later batch, so the batch takes no step, as for a mean not finite.
+  C10_HOST_DEVICE bool score_overflows(double m, bool stale) const {
+    const double base = stale ? new_last(m) : m;
+    return live() && ::fabs(base) < INFINITY && ::fabs(base + adjustment) == INFINITY;
   }
   // x_g - step_size * shift, from step_score's value. The step takes for shift the largest score of a live group
   // (shift_from_max: 0 where it is infinite). The log-sum-exp takes the same constant step_size * shift off every
@@ -128,8 +139,9 @@ struct GroupDROStepOperands {
                        static_cast<double>(ema[g]),  static_cast<double>(last[g]),  adjustment[g],
                        seen[g],                      active[g]};
   }
-  C10_HOST_DEVICE C10_ALWAYS_INLINE bool blocks_the_step(const GroupInputs& in) const {
-    return in.blocks_the_step(static_cast<double>(std::numeric_limits<state_t>::max()));
+  C10_HOST_DEVICE C10_ALWAYS_INLINE bool blocks_the_step(const GroupInputs& in, bool stale) const {
+    return in.blocks_the_step(static_cast<double>(std::numeric_limits<state_t>::max())) ||
+           in.score_overflows(in.mean(), stale);
   }
   // Group g's new state, from its inputs (read before) and its new log q.
   C10_HOST_DEVICE C10_ALWAYS_INLINE void write(int64_t g, const GroupInputs& in, double m, double new_log_q,

@@ -699,7 +699,9 @@ class GroupDROLoss(_Float64Configuration):
     absent. A batch in which a present group's mean loss is not finite (an infinite or NaN loss) takes no step:
     the state stays as it was and the loss returned is the one under the current ``q``, infinite or NaN as that mean
     is (never dropped), so a loop that skips the batch (``GradScaler`` skips such a step, and many loops any step of
-    a non-finite loss) goes on from where it was; taken into the state, one such batch made ``q`` NaN for good.
+    a non-finite loss) goes on from where it was; taken into the state, one such batch made ``q`` NaN for good. So
+    does an ``"eg"`` batch in which a live group's score, its mean plus its adjustment, passes float64's range
+    though both are finite.
 
     ``group`` (a process group): the per-group sums and counts are all-reduced once per call (one collective of
     ``2 * num_groups + 3`` numbers: with num_groups, checked to agree, and the counts of bad ids and of refusing
@@ -912,16 +914,22 @@ class GroupDROLoss(_Float64Configuration):
         adjust = self.adjustment_term.to(dtype)
         log_q = self.log_q.to(dtype)
         if self.mode == "eg":
-            score = (m if self.missing == "zero" else last) + adjust
+            base = m if self.missing == "zero" else last
+            score = base + adjust
+            live = self.active & (log_q != -math.inf)
+            # A live group's score past the dtype's range from finite parts blocks the step (below).
+            score_overflows = (live & torch.isfinite(base) & torch.isinf(score)).any()
             if self.normalize_loss:
-                total = fixed_order_sum(score)
-                score = torch.where(total != 0, score / total, score)
+                # score / sum of scores as (score / G) / their mean (group_dro_step.h's step_score): finite scores
+                # can sum past the dtype's range where their mean cannot.
+                share = score / score.numel()
+                mean = fixed_order_sum(share)
+                score = torch.where(mean != 0, share / mean, score)
             # Groups at q = 0 (disabled, or log q = -inf) stay there exactly, whatever their score (infinite or NaN
             # included: a stale group's loaded last mean; a batch with a mean not finite takes no step, below); the
             # live groups' scores less their largest (csrc/group_dro_step.h's log_weight): the same
             # log q, without step_size * score overflowing or absorbing log q. The largest score's product is 0
             # also where step_size itself overflows the dtype (float32 past 3.4e38: inf * 0 would be NaN).
-            live = self.active & (log_q != -math.inf)
             below_top = torch.where(live, score, -math.inf)
             below_top = below_top - _shift_from_max(below_top)
             step = torch.where(below_top == 0, 0.0, self.step_size * below_top)
@@ -932,6 +940,7 @@ class GroupDROLoss(_Float64Configuration):
             log_q = log_q - _shift_from_max(log_q)
             log_q = log_q - torch.log(fixed_order_sum(log_q.exp()))
         else:
+            score_overflows = torch.zeros((), dtype=torch.bool, device=m.device)  # greedy CVaR ranks the scores
             if self.population_shares is not None:
                 shares = self.population_shares.to(dtype)
                 usable = torch.ones((), dtype=torch.bool, device=m.device)
@@ -945,9 +954,10 @@ class GroupDROLoss(_Float64Configuration):
             weights = (1.0 - self.min_var_weight) * weights + self.min_var_weight * shares
             log_q = torch.where(usable, torch.log(weights), log_q)
         # A batch in which a present group's mean is not finite, or past the state dtype's range (which would store
-        # it as infinite), takes no step, in either mode: the state stays as it was (csrc/group_dro_step.h says why).
+        # it as infinite), takes no step, in either mode, nor one whose score overflows in "eg" mode: the state stays
+        # as it was (csrc/group_dro_step.h says why).
         largest_stored = torch.finfo(self.log_q.dtype).max
-        step = ~(present & ~((m >= -largest_stored) & (m <= largest_stored))).any()
+        step = ~(present & ~((m >= -largest_stored) & (m <= largest_stored))).any() & ~score_overflows
         self.log_q.copy_(torch.where(step, log_q, self.log_q))
         self.ema_loss.copy_(torch.where(step, ema, self.ema_loss))
         self.last_loss.copy_(torch.where(step, last, self.last_loss))

@@ -12,7 +12,8 @@ import dro_ext
 from cuda_cases import DEVICE, SKIP_WITHOUT_CUDA, native_backend, needs_cuda  # noqa: F401
 from dro_ext import _backend
 from test_group_dro_step import (CONFIGS, STATE_DTYPES, TOLERANCES, assert_a_dropped_groups_term_still_counts,
-                                 assert_same_state, with_state_dtype)
+                                 assert_same_state, assert_scores_past_float64s_range_from_finite_parts,
+                                 with_state_dtype)
 
 pytestmark = SKIP_WITHOUT_CUDA
 
@@ -108,6 +109,12 @@ def test_a_dropped_groups_term_still_counts_on_the_device():
     """The native step's dropped q (below e^-44 / e^-660) still brings its term q m into the loss where the mean is
     large: test_group_dro_step's case, on the device."""
     assert_a_dropped_groups_term_still_counts(DEVICE, "native")
+
+
+def test_scores_past_float64s_range_from_finite_parts_on_the_device():
+    """test_group_dro_step's case on the device: a score overflowing from finite parts takes no step, and
+    normalize_loss divides by the scores' mean over the groups."""
+    assert_scores_past_float64s_range_from_finite_parts(DEVICE, "native")
 
 
 @pytest.mark.parametrize("num_groups", [1, 255, 257, 5000])

@@ -404,6 +404,40 @@ def test_a_dropped_groups_term_still_counts_where_its_mean_is_large(backend_name
     assert_a_dropped_groups_term_still_counts("cpu", backend_name)
 
 
+def assert_scores_past_float64s_range_from_finite_parts(device, backend_name):
+    """A live group's score (mean plus adjustment) can pass float64's range though both are finite: the step took
+    that infinite largest score off it (inf - inf), and log q stayed NaN for every later batch. Such a batch takes no
+    step, as one with a mean not finite; the next batch steps as usual. With normalize_loss, finite scores can sum
+    past the range: the step divided by that infinite sum and q stood still; it follows the scores' shares."""
+    groups = torch.tensor([0, 1], device=device)
+    module = dro_ext.GroupDROLoss(2, adjustment=[1e308, 0.0], group_counts=[1.0, 1.0]).to(device, torch.float64)
+    before = {name: t.clone() for name, t in module.state_dict().items()}
+    with _backend.forced_backend(backend_name):
+        value = module(torch.tensor([1e308, 1.0], dtype=torch.float64, device=device), groups)
+    for name, t in module.state_dict().items():
+        assert torch.equal(t, before[name]), name
+    q = module.q.double().cpu()
+    assert math.isclose(float(value), float(q[0] * 1e308 + q[1]), rel_tol=1e-15)  # under the q it had
+    with _backend.forced_backend(backend_name):
+        value = module(torch.tensor([1.0, 1.0], dtype=torch.float64, device=device), groups)
+    # the adjusted score of group 0 (1 + 1e308) is far ahead: all of q on it
+    assert torch.isfinite(module.log_q).all() and float(module.q[0]) == 1.0 and float(value) == 1.0
+
+    module = dro_ext.GroupDROLoss(3, 1.0, normalize_loss=True).to(device, torch.float64)
+    with _backend.forced_backend(backend_name):
+        module(torch.tensor([1e308, 1e308, 0.0], dtype=torch.float64, device=device),
+               torch.tensor([0, 1, 2], device=device))
+    want = torch.softmax(torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64), 0)  # exp(a_g / sum a), normalized
+    torch.testing.assert_close(module.q.cpu(), want, rtol=1e-12, atol=0.0)
+
+
+@pytest.mark.parametrize("backend_name", ["native", "python"])
+def test_scores_past_float64s_range_from_finite_parts(backend_name):
+    if backend_name == "native" and not _backend.native_available():
+        pytest.skip("native extension not built")
+    assert_scores_past_float64s_range_from_finite_parts("cpu", backend_name)
+
+
 @native_only
 def test_the_update_is_seen_by_autograd():
     """A tensor an earlier graph saved that the step then updates in place fails that graph's backward, as an

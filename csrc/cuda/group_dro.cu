@@ -46,19 +46,19 @@ __global__ void __launch_bounds__(kThreads) group_dro_step_kernel(GroupDROStepOp
     for (int64_t g = threadIdx.x; g < num_groups; g += kThreads) max = Max()(value(op.inputs(g)), max);
     return block_max_to_all(max);
   };
-  const auto blocks_the_step = [&](const GroupInputs& in) { return op.blocks_the_step(in) ? 1.0 : 0.0; };
+  const auto blocks_the_step = [&](const GroupInputs& in) { return op.blocks_the_step(in, args.stale) ? 1.0 : 0.0; };
   if (args.update && largest(blocks_the_step) == 0.0) {
-    double score_total = 0.0;
+    double score_mean = 0.0;
     if (args.normalize_loss) {
       double score_part = 0.0;
       for (int64_t g = threadIdx.x; g < num_groups; g += kThreads) {
         const GroupInputs in = op.inputs(g);
-        score_part += in.score(in.mean(), args.stale);
+        score_part += in.score(in.mean(), args.stale) / static_cast<double>(num_groups);
       }
-      score_total = block_sum_to_all(score_part);
+      score_mean = block_sum_to_all(score_part);
     }
     const auto step_score = [&](const GroupInputs& in) {
-      return in.step_score(in.score(in.mean(), args.stale), score_total, args);
+      return in.step_score(in.score(in.mean(), args.stale), score_mean, static_cast<double>(num_groups), args);
     };
     const double shift_by = shift_from_max(largest(step_score));
     const auto log_weight = [&](const GroupInputs& in) { return in.log_weight(step_score(in), shift_by, args); };
