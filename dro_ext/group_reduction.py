@@ -191,11 +191,11 @@ def group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, *, v
     samples a group in float32), so that a distributed caller can all-reduce sums and counts together, as 2G
     floats in one collective.
 
-    ``dtype``: the dtype of ``sums`` and ``counts``, as ``torch.sum``'s: ``None`` (the default) for the one above,
-    or ``torch.float64`` for float64 sums of losses of any dtype, as if the losses were cast to float64 first but
-    with no copy of them (the sums are added in float64 whatever the dtype, and rounded only into a narrower
-    result): float32 sums of finite float32 losses overflow to inf past 3.4e38, and a float32 group mean is off by
-    a rounding. Not on MPS, which has no float64. Any other dtype raises ValueError.
+    ``dtype``: the dtype of ``sums`` and ``counts``, as ``torch.sum``'s: ``None`` (the default) or that dtype itself
+    for the one above, or ``torch.float64`` for float64 sums of losses of any dtype, as if the losses were cast to
+    float64 first but with no copy of them (the sums are added in float64 whatever the dtype, and rounded only into
+    a narrower result): float32 sums of finite float32 losses overflow to inf past 3.4e38, and a float32 group mean
+    is off by a rounding. Not on MPS, which has no float64. Any other dtype raises ValueError.
 
     Gradient: ``d losses[i] = grad_sums[groups[i]]`` (``counts`` has none), cast to the losses' dtype, so group means
     ``sums / counts.clamp_min(1)`` give ``d losses[i] = grad_means[g_i] / n_{g_i}``. The backward is a gather,
