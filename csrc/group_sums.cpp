@@ -1,8 +1,10 @@
 // Per-group sums and counts of per-sample losses (docs/design.md section 1.9): schemas, CPU kernels, autograd.
 //
-//   group_sums(l, g, G, validate)       -> (sums, counts): sums[k] = sum of l_i over g_i = k, counts[k] = n_k, both
-//                                          (G,) in the accumulation dtype; ids outside [0, G) raise IndexError
-//                                          (validate) or are dropped
+//   group_sums(l, g, G, validate, *, wide)
+//                                       -> (sums, counts): sums[k] = sum of l_i over g_i = k, counts[k] = n_k, both
+//                                          (G,) in the accumulation dtype, or in float64 with wide (the kernels add
+//                                          in float64 anyway: wide only skips the final rounding); ids outside [0, G)
+//                                          raise IndexError (validate) or are dropped
 //   group_sums_backward(grad, g, dtype) -> grad_l (N,) of dtype: grad_l_i = grad[g_i], 0 for an id outside [0, G)
 //
 // The gather is the backward of the sums and the sums the backward of the gather, so each op's autograd calls the
@@ -92,10 +94,11 @@ bool sum_part(const scalar_t* x, int64_t x_stride, const id_t* ids, int64_t id_s
 // l3)) and the parts in part order. The partial sums are float64 whatever the losses' dtype, rounded once into the
 // accumulate dtype: a part runs up to a third of the samples, and a group's samples added one after another in
 // float32 drift by about one rounding each where they are alike (a group mean of 0.1 came out 0.096 at 2^24 samples).
-// Counts are integers (exact at any N) converted once. Returns whether every id was in [0, num_groups).
-template <typename scalar_t, typename id_t>
-bool group_sums_kernel(const at::Tensor& losses, const at::Tensor& groups, int64_t num_groups,
-                       at::opmath_type<scalar_t>* sums, at::opmath_type<scalar_t>* counts) {
+// out_t is double for wide sums, which then take the float64 totals as they are. Counts are integers (exact at any
+// N) converted once. Returns whether every id was in [0, num_groups).
+template <typename scalar_t, typename id_t, typename out_t>
+bool group_sums_kernel(const at::Tensor& losses, const at::Tensor& groups, int64_t num_groups, out_t* sums,
+                       out_t* counts) {
   using acc_t = double;
   const int64_t n = losses.numel();
   const scalar_t* x = losses.const_data_ptr<scalar_t>();
@@ -140,24 +143,28 @@ bool group_sums_kernel(const at::Tensor& losses, const at::Tensor& groups, int64
       }
     }
     for (int64_t k = begin; k < end; ++k) {
-      sums[k] = static_cast<at::opmath_type<scalar_t>>(total_sums[k]);
-      counts[k] = static_cast<at::opmath_type<scalar_t>>(total_counts[k]);
+      sums[k] = static_cast<out_t>(total_sums[k]);
+      counts[k] = static_cast<out_t>(total_counts[k]);
     }
   });
   return std::all_of(part_in_range.begin(), part_in_range.end(), [](char ok) { return ok != 0; });
 }
 
 std::tuple<at::Tensor, at::Tensor> group_sums_cpu(const at::Tensor& losses, const at::Tensor& groups,
-                                                  int64_t num_groups, bool validate) {
+                                                  int64_t num_groups, bool validate, bool wide) {
   check_group_sums_args(losses, groups, num_groups);
-  const auto options = losses.options().dtype(accumulate_type(losses.scalar_type()));
+  const auto options = losses.options().dtype(group_sums_dtype(losses.scalar_type(), wide));
   at::Tensor sums = at::empty({num_groups}, options), counts = at::empty({num_groups}, options);
   bool in_range = true;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, losses.scalar_type(), "dro_ext_group_sums", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     AT_DISPATCH_INDEX_TYPES(groups.scalar_type(), "dro_ext_group_sums_ids", [&] {
-      in_range = group_sums_kernel<scalar_t, index_t>(losses, groups, num_groups, sums.mutable_data_ptr<acc_t>(),
-                                                      counts.mutable_data_ptr<acc_t>());
+      in_range = wide ? group_sums_kernel<scalar_t, index_t>(losses, groups, num_groups,
+                                                             sums.mutable_data_ptr<double>(),
+                                                             counts.mutable_data_ptr<double>())
+                      : group_sums_kernel<scalar_t, index_t>(losses, groups, num_groups,
+                                                             sums.mutable_data_ptr<acc_t>(),
+                                                             counts.mutable_data_ptr<acc_t>());
     });
   });
   if (validate) check_ids_in_range(in_range, num_groups);
@@ -208,10 +215,11 @@ at::Tensor group_sums_backward_cpu(const at::Tensor& grad_sums, const at::Tensor
 // ------------------------------------------------------------------------------------------------- autograd
 
 std::tuple<at::Tensor, at::Tensor> call_group_sums(const at::Tensor& losses, const at::Tensor& groups,
-                                                   int64_t num_groups, bool validate) {
-  static auto op = find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t, bool)>(
-      "dro_ext::group_sums");
-  return op.call(losses, groups, num_groups, validate);
+                                                   int64_t num_groups, bool validate, bool wide) {
+  static auto op =
+      find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t, bool, bool)>(
+          "dro_ext::group_sums");
+  return op.call(losses, groups, num_groups, validate, wide);
 }
 
 at::Tensor call_group_sums_backward(const at::Tensor& grad_sums, const at::Tensor& groups, at::ScalarType dtype) {
@@ -247,7 +255,8 @@ struct GroupSumsBackward final : public torch::autograd::Node {
 // group (each sample's equal share of its group's weight: robust_objective's over groups, the second derivative of
 // group means), and group_sums adds a part's samples one after another: in float32 each add of alike terms rounds
 // the same way, and a group's sum of 2^18 of them drifted by 1e-5 relative. (The kernels sum in float64 whatever the
-// dtype; the cast makes a half gradient's sums round once, into its own dtype, not through float32 first.)
+// dtype; wide sums are those totals, cast here into the gradient's own dtype as a float64 gradient's sums would
+// be, with no float64 copy of the incoming gradient.)
 struct GroupGatherBackward final : public torch::autograd::Node {
   torch::autograd::SavedVariable groups;
   int64_t num_groups = 0;
@@ -261,19 +270,20 @@ struct GroupGatherBackward final : public torch::autograd::Node {
     if (!grads[0].defined() || !should_compute_output(0)) return out;
     const at::Tensor saved_groups = groups.unpack();
     const BelowAutogradUnlessRecording below_autograd;
-    out[0] = std::get<0>(call_group_sums(grads[0].to(at::kDouble), saved_groups, num_groups, false))
+    out[0] = std::get<0>(call_group_sums(grads[0], saved_groups, num_groups, /*validate=*/false, /*wide=*/true))
                  .to(grad_sums_dtype);
     return out;
   }
 };
 
+// The sums' backward gathers grad_sums (wide: float64) straight into the losses' dtype, each value rounded once.
 std::tuple<at::Tensor, at::Tensor> group_sums_autograd(const at::Tensor& losses, const at::Tensor& groups,
-                                                       int64_t num_groups, bool validate) {
+                                                       int64_t num_groups, bool validate, bool wide) {
   TORCH_CHECK(!torch::autograd::isFwGradDefined(losses),
               "dro_ext: forward-mode AD is not implemented for group_sums; use the fallback (DRO_EXT_FORCE_PYTHON=1)");
   auto [sums, counts] = [&] {
     at::AutoDispatchBelowADInplaceOrView guard;
-    return call_group_sums(losses, groups, num_groups, validate);
+    return call_group_sums(losses, groups, num_groups, validate, wide);
   }();
   if (torch::autograd::compute_requires_grad(losses)) {
     auto node = make_node<GroupSumsBackward>();
@@ -306,7 +316,8 @@ at::Tensor group_sums_backward_autograd(const at::Tensor& grad_sums, const at::T
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dro_ext, m) {
-  m.def("group_sums(Tensor losses, Tensor groups, int num_groups, bool validate=True) -> (Tensor, Tensor)");
+  m.def("group_sums(Tensor losses, Tensor groups, int num_groups, bool validate=True, *, bool wide=False) "
+        "-> (Tensor, Tensor)");
   m.def("group_sums_backward(Tensor grad_sums, Tensor groups, ScalarType dtype) -> Tensor");
 }
 

@@ -9,7 +9,7 @@
 namespace dro_ext {
 
 std::tuple<at::Tensor, at::Tensor> call_group_sums(const at::Tensor& losses, const at::Tensor& groups,
-                                                   int64_t num_groups, bool validate);
+                                                   int64_t num_groups, bool validate, bool wide = false);
 at::Tensor call_group_sums_backward(const at::Tensor& grad_sums, const at::Tensor& groups, at::ScalarType dtype);
 
 }  // namespace dro_ext

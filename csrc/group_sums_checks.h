@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include "checks.h"
 #include "floating_types.h"
 
 namespace dro_ext {
@@ -41,6 +42,12 @@ inline void check_group_sums_backward_args(const at::Tensor& grad_sums, const at
   TORCH_CHECK_VALUE(groups.device() == grad_sums.device(), "dro_ext: groups is on ", groups.device(),
                     " but grad_sums is on ", grad_sums.device(), "; move them to the same device");
   TORCH_CHECK_TYPE(is_kernel_floating_type(dtype), "dro_ext: dtype must be a floating dtype, got ", dtype);
+}
+
+// The dtype of the sums and counts: the losses' accumulation dtype, or float64 with wide (the kernels add in float64
+// whatever the dtype, so wide sums are their totals unrounded, with no float64 copy of the losses).
+inline at::ScalarType group_sums_dtype(at::ScalarType losses_dtype, bool wide) {
+  return wide ? at::kDouble : accumulate_type(losses_dtype);
 }
 
 // Raised after a pass over the ids found one outside [0, num_groups), on every device.

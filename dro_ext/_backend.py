@@ -22,6 +22,9 @@ COMPILED_OPS = (
     "group_sums_backward", "logsumexp_columns", "normalized_sgd_step_", "psi_star_terms", "robust_objective",
     "robust_weights", "weight_stats",
 )
+# Arguments added to an op's schema after the op itself: a library whose op lacks one was built from older sources
+# too (its calls with the argument would fail with a TypeError).
+_ADDED_ARGUMENTS = {"group_sums": ("wide",)}
 
 _native_loaded = False
 _load_error: Exception | None = None
@@ -34,6 +37,9 @@ except ImportError as exc:  # built without the extension, or built for another 
     _load_error = exc
 if _native_loaded:
     _missing_ops = [name for name in COMPILED_OPS if not hasattr(torch.ops.dro_ext, name)]
+    _missing_ops += [f"{name}({argument}=)" for name, arguments in _ADDED_ARGUMENTS.items()
+                     if name not in _missing_ops for argument in arguments
+                     if argument not in [a.name for a in getattr(torch.ops.dro_ext, name).default._schema.arguments]]
     if _missing_ops:
         _native_loaded = False
         _load_error = ImportError(

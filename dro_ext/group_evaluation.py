@@ -229,7 +229,7 @@ def sample_weights(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
     if group is None:
         x, _, _ = sample_group_means(losses, groups, num_groups)
     else:
-        sums, counts = _reduced_group_sums(losses.to(torch.float64), groups, num_groups, group, "weight_stats")
+        sums, counts = _reduced_group_sums(losses, groups, num_groups, group, "weight_stats", wide=True)
         divisors = torch.clamp(counts, min=1.0)
         if eta is None:
             q = _WeightedGroupObjective.apply(sums / divisors, counts > 0, counts, lam, spec)[2]

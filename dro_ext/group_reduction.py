@@ -29,12 +29,12 @@ _ID_DTYPES = (torch.int32, torch.int64)
 if _backend.native_available():
 
     @torch.library.register_fake("dro_ext::group_sums")
-    def _group_sums_fake(losses: torch.Tensor, groups: torch.Tensor, num_groups: int,
-                         validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def _group_sums_fake(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, validate: bool = True, *,
+                         wide: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         torch._check(losses.dim() == 1, lambda: "dro_ext: losses must be a 1-D tensor")
         _backend.check_fake_devices("losses", losses, groups=groups)
-        acc = accumulate_dtype(losses.dtype)
-        return losses.new_empty((num_groups,), dtype=acc), losses.new_empty((num_groups,), dtype=acc)
+        out = torch.float64 if wide else accumulate_dtype(losses.dtype)
+        return losses.new_empty((num_groups,), dtype=out), losses.new_empty((num_groups,), dtype=out)
 
     @torch.library.register_fake("dro_ext::group_sums_backward")
     def _group_sums_backward_fake(grad_sums: torch.Tensor, groups: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -57,8 +57,8 @@ def _bad_id_message(num_groups: int) -> str:
             "(or validate=False to drop them)")
 
 
-def _fallback_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int,
-                         validate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _fallback_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, validate: bool,
+                         wide: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """index_add_ over zeros in the accumulation dtype. On the CPU index_add_ into a 1-D tensor adds the samples
     one after another in index order: deterministic, whatever the thread count. On CUDA it adds with float
     atomics, so the sums may differ in their last bits from run to run, unless torch.use_deterministic_algorithms(True)
@@ -66,9 +66,11 @@ def _fallback_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups:
 
     float32 (and half) losses are added in float64 and the sums rounded once: one after another in float32, a group's
     sum drifts by up to n_g roundings, and systematically where its terms are alike (a gradient of equal weights
-    within a group: 9e-4 relative at 2^18 terms a group), as the native op does on the CPU and on CUDA."""
-    acc = accumulate_dtype(losses.dtype)
-    x = losses.to(torch.float64 if acc == torch.float32 else acc)
+    within a group: 9e-4 relative at 2^18 terms a group), as the native op does on the CPU and on CUDA. ``wide``:
+    the sums and counts are left in that float64 (fallback_dtype: float32 on MPS, which has no float64)."""
+    wider = fallback_dtype(losses.dtype, losses.device)
+    out = wider if wide else accumulate_dtype(losses.dtype)
+    x = losses.to(wider)
     width = num_groups
     if validate:
         if torch.compiler.is_compiling():
@@ -85,10 +87,10 @@ def _fallback_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups:
         # group, which is cut off (its samples get no gradient either).
         ids = torch.where((groups >= 0) & (groups < num_groups), groups, num_groups)
         width = num_groups + 1
-    sums = torch.zeros(width, dtype=x.dtype, device=losses.device).index_add(0, ids, x).to(acc)
+    sums = torch.zeros(width, dtype=x.dtype, device=losses.device).index_add(0, ids, x).to(out)
     # Counted in int64 (exact at any N) and converted once, as the native op counts.
     ones = torch.ones((), dtype=torch.int64, device=losses.device).expand(ids.shape)
-    counts = torch.zeros(width, dtype=torch.int64, device=losses.device).index_add_(0, ids, ones).to(acc)
+    counts = torch.zeros(width, dtype=torch.int64, device=losses.device).index_add_(0, ids, ones).to(out)
     return sums[:num_groups], counts[:num_groups]
 
 
@@ -173,8 +175,8 @@ def _check_args(losses: torch.Tensor, groups: torch.Tensor, num_groups: object, 
     return num_groups
 
 
-def group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, *,
-               validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, *, validate: bool = True,
+               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group sums and counts of per-sample losses: ``(sums, counts)``, each of shape ``(num_groups,)``.
 
     ``sums[g]`` is the sum of ``losses[i]`` over the samples with ``groups[i] == g`` and ``counts[g]`` their number;
@@ -189,7 +191,13 @@ def group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, *,
     samples a group in float32), so that a distributed caller can all-reduce sums and counts together, as 2G
     floats in one collective.
 
-    Gradient: ``d losses[i] = grad_sums[groups[i]]`` (``counts`` has none), so group means
+    ``dtype``: the dtype of ``sums`` and ``counts``, as ``torch.sum``'s: ``None`` (the default) or that dtype itself
+    for the one above, or ``torch.float64`` for float64 sums of losses of any dtype, as if the losses were cast to
+    float64 first but with no copy of them (the sums are added in float64 whatever the dtype, and rounded only into
+    a narrower result): float32 sums of finite float32 losses overflow to inf past 3.4e38, and a float32 group mean
+    is off by a rounding. Not on MPS, which has no float64. Any other dtype raises ValueError.
+
+    Gradient: ``d losses[i] = grad_sums[groups[i]]`` (``counts`` has none), cast to the losses' dtype, so group means
     ``sums / counts.clamp_min(1)`` give ``d losses[i] = grad_means[g_i] / n_{g_i}``. The backward is a gather,
     itself differentiable (double backward works).
 
@@ -201,28 +209,48 @@ def group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, *,
     CUDA-graph capture or a sync-free step: an out-of-range id is then dropped (its sample counts in no group,
     adds to no sum and gets a zero gradient), never written out of bounds.
     """
+    return _sums(losses, groups, num_groups, validate, dtype is not None and _wide_for(dtype, losses))
+
+
+def _wide_for(dtype: object, losses: torch.Tensor) -> bool:
+    """Whether group_sums' ``dtype`` asks for float64 sums of these losses (False for their accumulation dtype)."""
+    check_losses(losses, allow_empty=True)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dro_ext: dtype must be a torch.dtype or None, got {dtype!r} ({type(dtype).__name__})")
+    acc = accumulate_dtype(losses.dtype)
+    if dtype == acc:
+        return False
+    if dtype == torch.float64 and fallback_dtype(losses.dtype, losses.device) == torch.float64:
+        return True
+    allowed = "None or torch.float64" if acc == torch.float64 else f"None, {acc} or torch.float64"
+    where = " (MPS has no float64)" if dtype == torch.float64 else ""
+    raise ValueError(f"dro_ext: dtype must be {allowed} for {losses.dtype} losses on {losses.device.type}{where}, "
+                     f"got {dtype}")
+
+
+def _sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, validate: bool,
+          wide: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """group_sums, ``wide`` for its sums in float64 (where the device has it: fallback_dtype)."""
     if (type(num_groups) is int and num_groups >= 1 and type(validate) is bool and isinstance(losses, torch.Tensor)
             and isinstance(groups, torch.Tensor) and losses.layout == groups.layout == torch.strided
             and losses.device == groups.device and _backend.native_for(losses.device.type)):
         # The op checks the tensors' dtypes and shapes itself, with the same errors; at a few thousand samples
         # checking them here too would be a visible share of the call. (Devices are compared here: a meta tensor
         # beside a CPU one would dispatch to the fake kernel, which checks nothing.)
-        return _group_sums_op(losses, groups, num_groups, validate)
+        return _group_sums_op(losses, groups, num_groups, validate, wide=wide)
     num_groups = _check_args(losses, groups, num_groups, validate)
     if _backend.native_for(losses.device.type):
-        return _group_sums_op(losses, groups, num_groups, validate)
-    return _fallback_group_sums(losses, groups, num_groups, validate)
+        return _group_sums_op(losses, groups, num_groups, validate, wide=wide)
+    return _fallback_group_sums(losses, groups, num_groups, validate, wide)
 
 
 def wide_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, *,
                     validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`group_sums` with sums and counts in float64 whatever the losses' dtype (where the device has float64:
-    fallback_dtype), for the objectives over groups: float32 sums of finite float32 losses overflow to +inf past
-    3.4e38, and a group mean rounded to float32 moves t = (m - G eta)/lam by its rounding over lam. The gradient is
-    that of group_sums, d l_i = grad_sums[g_i], rounded once to the losses' dtype (by the copy's backward).
+    fallback_dtype; float32 on MPS), for the objectives over groups: float32 sums of finite float32 losses overflow
+    to +inf past 3.4e38, and a group mean rounded to float32 moves t = (m - G eta)/lam by its rounding over lam. The
+    gradient is that of group_sums, d l_i = grad_sums[g_i], cast once to the losses' dtype.
 
-    A float64 copy of the losses, the one way to float64 sums from the op: a DROLoss(num_groups=64) step on 2^20
-    float32 losses takes about 1.5x its time with float32 sums (a custom autograd.Function gathering the gradient
-    straight into float32 measured slower still)."""
-    wide = fallback_dtype(losses.dtype, losses.device)
-    return group_sums(losses if losses.dtype == wide else losses.to(wide), groups, num_groups, validate=validate)
+    The op's float64 totals as they are (its kernels add in float64 for every dtype; ``wide`` skips the rounding into
+    float32), so no float64 copy of the losses is made and float64 sums cost what float32 ones do."""
+    return _sums(losses, groups, num_groups, validate, True)

@@ -1,5 +1,6 @@
 """group_sums on CUDA (csrc/cuda/group_sums.cu) against float64 references: every dtype, id dtype, size and layout;
-out-of-range ids; bitwise determinism; no host sync with validate=False; CUDA-graph capture; opcheck; bad input.
+out-of-range ids; bitwise determinism; no host sync with validate=False; CUDA-graph capture; opcheck; bad input;
+the float64 sums of any dtype (dtype=torch.float64, the op's wide=True) and their gradient.
 
 Skipped (with the reason shown) where no CUDA device is visible; scripts/gpu_check.sh runs them on a GPU, and
 tools/cuda_emulation runs them on the CPU against the kernel compiled as C++ (`--kernel groups`).
@@ -46,6 +47,46 @@ def test_matches_float64_reference(dtype, n, layout, num_groups):
     sums, counts = dro_ext.group_sums(losses, groups, num_groups)
     assert on_test_device(sums) and on_test_device(counts)
     assert_sums_close(sums, counts, losses, groups, num_groups)
+
+
+@pytest.mark.parametrize("num_groups", [1, 4, 1024])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "offset"])
+@pytest.mark.parametrize("n", SIZES[:-1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_float64_sums_match_float64_reference(dtype, n, layout, num_groups):
+    losses = make_losses(n, dtype, layout)
+    groups = make_ids(n, num_groups, torch.int32 if n % 2 else torch.int64,
+                      "strided" if layout == "strided" else "contiguous")
+    sums, counts = dro_ext.group_sums(losses, groups, num_groups, dtype=torch.float64)
+    assert on_test_device(sums) and on_test_device(counts)
+    assert_sums_close(sums, counts, losses, groups, num_groups, dtype=torch.float64)
+    # The same totals as the sums in the accumulation dtype, which round them once.
+    narrow, narrow_counts = dro_ext.group_sums(losses, groups, num_groups)
+    assert torch.equal(sums.to(narrow.dtype), narrow) and torch.equal(counts.to(narrow.dtype), narrow_counts)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_float64_sums_gradient_is_grad_sums_cast_to_the_losses_dtype(dtype):
+    losses = make_losses(5003, dtype, "strided").requires_grad_()
+    groups = make_ids(5003, 9, torch.int32, "contiguous")
+    groups[::10] = 9  # dropped: a zero gradient
+    sums, counts = dro_ext.group_sums(losses, groups, 9, validate=False, dtype=torch.float64)
+    assert sums.dtype == counts.dtype == torch.float64 and not counts.requires_grad
+    grad_sums = torch.randn(9, device=DEVICE, dtype=torch.float64) * (1 + 2.0**-40)
+    (grad,) = torch.autograd.grad(sums, losses, grad_sums)
+    want = torch.cat([grad_sums, grad_sums.new_zeros(1)])[groups.long()].to(dtype)
+    assert grad.dtype == dtype and on_test_device(grad) and torch.equal(grad, want)
+
+
+def test_float64_sums_past_float32_range_and_of_an_empty_batch():
+    many = torch.full((3,), 3e38, device=DEVICE)
+    ids = torch.zeros(3, dtype=torch.long, device=DEVICE)
+    assert torch.isinf(dro_ext.group_sums(many, ids, 1)[0]).all().item()
+    sums, counts = dro_ext.group_sums(many, ids, 1, dtype=torch.float64)
+    assert sums.tolist() == [3 * float(torch.tensor(3e38).double())] and counts.tolist() == [3.0]
+    empty = torch.empty(0, device=DEVICE, dtype=torch.bfloat16)
+    for out in dro_ext.group_sums(empty, ids[:0], 3, dtype=torch.float64):
+        assert out.dtype == torch.float64 and on_test_device(out) and out.tolist() == [0.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -157,8 +198,10 @@ def test_opcheck_on_cuda(dtype):
     losses = torch.randn(33, device=DEVICE, dtype=dtype, requires_grad=dtype == torch.float64)
     groups = torch.randint(0, 4, (33,), device=DEVICE)
     torch.library.opcheck(torch.ops.dro_ext.group_sums.default, (losses, groups, 4, True))
-    grad = torch.randn(4, device=DEVICE, dtype=sum_dtype(dtype), requires_grad=dtype == torch.float64)
-    torch.library.opcheck(torch.ops.dro_ext.group_sums_backward.default, (grad, groups.int(), dtype))
+    torch.library.opcheck(torch.ops.dro_ext.group_sums.default, (losses, groups, 4, False), {"wide": True})
+    for grad_dtype in {sum_dtype(dtype), torch.float64}:
+        grad = torch.randn(4, device=DEVICE, dtype=grad_dtype, requires_grad=dtype == torch.float64)
+        torch.library.opcheck(torch.ops.dro_ext.group_sums_backward.default, (grad, groups.int(), dtype))
 
 
 def test_bad_inputs_name_the_argument():

@@ -1,7 +1,8 @@
 """dro_ext.group_sums on the CPU, native op and fallback, against float64 references written from the definition
 (sums[g] = sum of l_i over g_i = g, counts[g] = n_g): every float dtype, int32/int64 ids, odd sizes, G from 1 to
 more than N, strided inputs, the empty batch, NaN, gradients (gradcheck, the group-means composition), bitwise
-independence of the thread count, opcheck, torch.compile, out-of-range ids and every bad input.
+independence of the thread count, opcheck, torch.compile, out-of-range ids and every bad input; and the same for
+the float64 sums of any dtype (dtype=torch.float64, the op's wide=True).
 
 tests/test_cuda_group_sums.py runs the CUDA kernel (and, under tools/cuda_emulation, its C++ emulation).
 """
@@ -13,7 +14,7 @@ import torch
 
 import dro_ext
 from dro_ext import _backend
-from dro_ext.group_reduction import gather_by_group
+from dro_ext.group_reduction import gather_by_group, wide_group_sums
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 SIZES = [1, 7, 1000, 2**16 + 3]
@@ -41,9 +42,10 @@ def reference(losses, groups, num_groups):
     return bincount(x_np), bincount(None), bincount(np.abs(x_np))
 
 
-def assert_sums_close(sums, counts, losses, groups, num_groups):
+def assert_sums_close(sums, counts, losses, groups, num_groups, dtype=None):
+    """The sums and counts within a rounding of the reference, in ``dtype`` (by default the accumulation dtype)."""
     want, want_counts, abs_sums = reference(losses, groups, num_groups)
-    assert sums.dtype == sum_dtype(losses.dtype) and counts.dtype == sums.dtype
+    assert sums.dtype == (dtype or sum_dtype(losses.dtype)) and counts.dtype == sums.dtype
     assert sums.shape == counts.shape == (num_groups,)
     assert sums.device == losses.device and counts.device == losses.device
     assert torch.equal(counts.cpu().double(), want_counts)
@@ -331,6 +333,134 @@ def test_compiled_group_means_match_eager_without_graph_breaks(backend, validate
     torch.testing.assert_close(grad, eager_grad)
 
 
+# ------------------------------------------------------------------------------------------------- float64 sums
+
+
+def wide_sums(losses, groups, num_groups, how, **kwargs):
+    """Float64 sums through the public keyword or the objectives' wide_group_sums."""
+    if how == "dtype":
+        return dro_ext.group_sums(losses, groups, num_groups, dtype=torch.float64, **kwargs)
+    return wide_group_sums(losses, groups, num_groups, **kwargs)
+
+
+@pytest.mark.parametrize("how", ["dtype", "wide_group_sums"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_float64_sums_match_float64_reference(backend, dtype, n, layout, how):
+    for num_groups in (5, n + 7):
+        losses, groups = make(n, dtype, num_groups, torch.int32 if n % 2 else torch.int64, layout)
+        sums, counts = wide_sums(losses, groups, num_groups, how)
+        assert_sums_close(sums, counts, losses, groups, num_groups, dtype=torch.float64)
+        # The same totals as the sums in the accumulation dtype, which round them once.
+        narrow, narrow_counts = dro_ext.group_sums(losses, groups, num_groups)
+        assert torch.equal(sums.to(narrow.dtype), narrow) and torch.equal(counts.to(narrow.dtype), narrow_counts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_float64_sums_of_float32_losses_past_float32_range_are_finite(backend, dtype):
+    # Finite losses whose group sum passes float32's largest value (3.4e38, or about 3.4e38 of bfloat16):
+    # a float32 sum is +inf, a float64 one exact.
+    big = torch.finfo(dtype).max if dtype != torch.float32 else 3e38
+    losses = torch.tensor([big, big, big, 1.0, -big], dtype=dtype)
+    groups = torch.tensor([0, 0, 0, 1, 0])
+    sums, counts = dro_ext.group_sums(losses, groups, 2, dtype=torch.float64)
+    exact = 2 * float(torch.tensor(big, dtype=dtype).double())
+    assert sums.tolist() == [exact, 1.0] and counts.tolist() == [4.0, 1.0]
+    if dtype == torch.float16:
+        return  # (float16's largest values add up within float32)
+    many = torch.full((3,), big, dtype=dtype)
+    assert torch.isinf(dro_ext.group_sums(many, torch.zeros(3, dtype=torch.long), 1)[0]).all()
+    assert torch.isfinite(dro_ext.group_sums(many, torch.zeros(3, dtype=torch.long), 1, dtype=torch.float64)[0]).all()
+
+
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_float64_sums_gradient_is_grad_sums_cast_to_the_losses_dtype(backend, dtype, validate):
+    losses, groups = make(1001, dtype, 13, torch.int32)
+    losses.requires_grad_()
+    if not validate:
+        groups[::10] = 13  # dropped: a zero gradient
+    sums, counts = dro_ext.group_sums(losses, groups, 13, dtype=torch.float64, validate=validate)
+    assert sums.dtype == counts.dtype == torch.float64 and not counts.requires_grad
+    # Float64 values that no narrower dtype holds: each sample's gradient is its group's, cast once, as indexing and
+    # .to() give it.
+    grad_sums = torch.randn(13, dtype=torch.float64) * (1 + 2.0**-40)
+    (grad,) = torch.autograd.grad(sums, losses, grad_sums)
+    want = torch.cat([grad_sums, torch.zeros(1, dtype=torch.float64)])[groups.long()].to(dtype)
+    assert grad.dtype == dtype and torch.equal(grad, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_float64_sums_double_backward_sums_in_float64(backend, dtype):
+    # The backward's backward (d/d grad_sums of the gathered gradient) is the sums again: of the incoming gradient,
+    # into float64 grad_sums.
+    losses, groups = make(3001, dtype, 7)
+    losses.requires_grad_()
+    sums, _ = dro_ext.group_sums(losses, groups, 7, dtype=torch.float64)
+    grad_sums = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    (gathered,) = torch.autograd.grad(sums, losses, grad_sums, create_graph=True)
+    assert gathered.dtype == dtype
+    incoming = torch.randn(3001, dtype=dtype)
+    (got,) = torch.autograd.grad(gathered, grad_sums, incoming)
+    want, counts, abs_sums = reference(incoming, groups, 7)
+    allowed = 4 * torch.finfo(torch.float64).eps * torch.sqrt(counts + 1) * abs_sums
+    assert got.dtype == torch.float64 and bool(((got - want).abs() <= allowed).all())
+
+
+def test_float64_sums_gradcheck_and_gradgradcheck(backend):
+    losses = torch.randn(37, dtype=torch.float64, requires_grad=True)
+    groups = torch.randint(0, 5, (37,))
+    for fn in (lambda x: dro_ext.group_sums(x, groups, 5, dtype=torch.float64)[0],
+               lambda x: wide_group_sums(x, groups, 5)[0]):
+        assert torch.autograd.gradcheck(fn, (losses,))
+        assert torch.autograd.gradgradcheck(fn, (losses,))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_float64_sums_empty_batch(backend, dtype):
+    losses = torch.empty(0, dtype=dtype, requires_grad=True)
+    sums, counts = dro_ext.group_sums(losses, torch.empty(0, dtype=torch.long), 3, dtype=torch.float64)
+    assert torch.equal(sums, torch.zeros(3, dtype=torch.float64)) and torch.equal(counts, sums)
+    (grad,) = torch.autograd.grad(sums.sum(), losses)
+    assert grad.shape == (0,) and grad.dtype == dtype
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_compiled_float64_group_means_match_eager_without_graph_breaks(backend, validate):
+    torch._dynamo.reset()
+
+    def step(losses, groups, q):
+        sums, counts = dro_ext.group_sums(losses, groups, 5, validate=validate, dtype=torch.float64)
+        return (q * (sums / counts.clamp_min(1))).sum()
+
+    losses = torch.randn(301, requires_grad=True)
+    groups = torch.randint(0, 5, (301,), dtype=torch.int32)
+    q = torch.softmax(torch.randn(5, dtype=torch.float64), 0)
+    eager = step(losses, groups, q)
+    (eager_grad,) = torch.autograd.grad(eager, losses)
+    compiled = torch.compile(step, fullgraph=True)(losses, groups, q)
+    (grad,) = torch.autograd.grad(compiled, losses)
+    assert compiled.dtype == torch.float64 and grad.dtype == torch.float32
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(grad, eager_grad)
+
+
+def test_bad_dtype_is_refused(backend):
+    losses, groups = torch.randn(6), torch.zeros(6, dtype=torch.long)
+    # The accumulation dtype is the default's.
+    assert dro_ext.group_sums(losses.half(), groups, 2, dtype=torch.float32)[0].dtype == torch.float32
+    for dtype in (torch.float16, torch.bfloat16, torch.int64):
+        with pytest.raises(ValueError, match="dtype must be None, torch.float32 or torch.float64"):
+            dro_ext.group_sums(losses, groups, 2, dtype=dtype)
+    with pytest.raises(ValueError, match="dtype must be None or torch.float64"):
+        dro_ext.group_sums(losses.double(), groups, 2, dtype=torch.float32)
+    with pytest.raises(TypeError, match="dtype"):
+        dro_ext.group_sums(losses, groups, 2, dtype="float64")
+    with pytest.raises(TypeError, match="losses"):
+        dro_ext.group_sums([1.0], groups, 2, dtype=torch.float64)
+
+
 # ------------------------------------------------------------------------------------------------- bad input
 
 
@@ -376,10 +506,65 @@ def test_opcheck(dtype):
     groups = torch.randint(0, 4, (65,))
     for validate in (True, False):
         torch.library.opcheck(torch.ops.dro_ext.group_sums.default, (losses, groups, 4, validate))
+        torch.library.opcheck(torch.ops.dro_ext.group_sums.default, (losses, groups, 4, validate), {"wide": True})
     torch.library.opcheck(torch.ops.dro_ext.group_sums.default, (losses[::2], groups[::2].int(), 70, True))
-    grad = torch.randn(4, dtype=sum_dtype(dtype), requires_grad=differentiable)
-    torch.library.opcheck(torch.ops.dro_ext.group_sums_backward.default, (grad, groups, dtype))
-    torch.library.opcheck(torch.ops.dro_ext.group_sums_backward.default, (grad, groups.int()[::3], dtype))
+    torch.library.opcheck(torch.ops.dro_ext.group_sums.default, (losses[::2], groups[::2].int(), 70, True),
+                          {"wide": True})
+    for grad_dtype in {sum_dtype(dtype), torch.float64}:  # (wide sums' gradient: float64 into any dtype)
+        grad = torch.randn(4, dtype=grad_dtype, requires_grad=differentiable)
+        torch.library.opcheck(torch.ops.dro_ext.group_sums_backward.default, (grad, groups, dtype))
+        torch.library.opcheck(torch.ops.dro_ext.group_sums_backward.default, (grad, groups.int()[::3], dtype))
+
+
+@native_only
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_fallbacks_float64_sums_match_the_native_ones(dtype):
+    # The fallback adds in float64 by upcasting the losses; the same dtype, within a float64 rounding.
+    from dro_ext.group_reduction import _fallback_group_sums
+    losses, groups = make(20_001, dtype, 9, layout="strided")
+    groups[7] = -1
+    for validate in (True, False):
+        if validate:
+            losses_v, groups_v = losses[8:], groups[8:]
+        else:
+            losses_v, groups_v = losses, groups
+        native = torch.ops.dro_ext.group_sums(losses_v, groups_v, 9, validate, wide=True)
+        fallback = _fallback_group_sums(losses_v, groups_v, 9, validate, wide=True)
+        assert native[0].dtype == fallback[0].dtype == native[1].dtype == fallback[1].dtype == torch.float64
+        assert torch.equal(native[1], fallback[1])
+        _, _, abs_sums = reference(losses_v, groups_v.clamp_min(0), 9)
+        assert bool(((native[0] - fallback[0]).abs() <= 64 * torch.finfo(torch.float64).eps * abs_sums).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_float64_sums_make_no_float64_copy_of_the_losses(backend, dtype):
+    # The op's kernels add in float64 anyway: wide sums return those totals, where a float64 copy of the losses
+    # (an N-sized float64 tensor) had cost a DROLoss(num_groups=64) step 1.5x its time at 2^20 float32 losses.
+    if backend == "python":
+        pytest.skip("the fallback adds in float64 by upcasting the losses")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class RecordOutputs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            self.calls.append((str(func), [(t.dtype, t.numel()) for t in outs if isinstance(t, torch.Tensor)]))
+            return out
+
+    n = 1001
+    losses = torch.randn(n, dtype=dtype, requires_grad=True)
+    groups = torch.randint(0, 4, (n,))
+    for how in ("wide_group_sums", "dtype"):
+        with RecordOutputs() as mode:
+            sums, _ = wide_sums(losses, groups, 4, how)
+            (grad,) = torch.autograd.grad(sums, losses, torch.ones(4, dtype=torch.float64))
+        assert sums.dtype == torch.float64 and grad.dtype == dtype
+        assert [name for name, outs in mode.calls if (torch.float64, n) in outs] == [], mode.calls
+        assert [name for name, _ in mode.calls].count("dro_ext.group_sums.default") == 1, mode.calls
 
 
 @native_only
@@ -399,6 +584,9 @@ def test_raw_ops_check_their_arguments():
     with pytest.raises(IndexError, match="groups"):
         op(losses, ids - 1, 2, True)
     assert op(losses, ids - 1, 2, False)[1].tolist() == [0.0, 0.0]  # dropped
+    for dtype in DTYPES:
+        assert [t.dtype for t in op(losses.to(dtype), ids, 2, True, wide=True)] == [torch.float64] * 2
+        assert [t.dtype for t in op(losses.to(dtype), ids, 2, wide=False)] == [sum_dtype(dtype)] * 2
     with pytest.raises(ValueError, match="grad_sums"):
         backward(torch.randn(2, 2), ids, torch.float32)
     with pytest.raises(TypeError, match="groups"):

@@ -5,7 +5,8 @@
 //                        the losses in the accumulation dtype; a stable radix sort of the pairs by key (CUB); then
 //                        blocks over fixed parts of each group's sorted segment (group g's segment [lo, hi) found
 //                        by binary search, cut into `parts` equal spans) write per-block partial sums (float64),
-//                        which one thread per group adds in part order and rounds once. counts[g] = hi - lo, exact.
+//                        which one thread per group adds in part order and rounds once (wide: writes as they are,
+//                        in float64). counts[g] = hi - lo, exact.
 //   group_sums_backward  one elementwise launch: grad_l_i = grad_sums[g_i], 0 for an id outside [0, G).
 //
 // Deterministic: the sort is stable and its order a function of the keys only, each block sums a fixed span in a
@@ -64,11 +65,11 @@ __device__ __forceinline__ int64_t lower_bound(const int* __restrict__ sorted_ke
 // Block b sums part b % parts of group b / parts's segment of the sorted values; part 0 also writes the count. The
 // sums are float64 whatever acc_t is, as on the CPU: from num_groups >= kMaxReduceBlocks on, one block takes a whole
 // group, and each of its threads adds 1/kThreads of the group one value after another (8192 of them for a group of
-// 2^21), which in float32 drifts by about a rounding per value where the values are alike.
-template <typename acc_t>
+// 2^21), which in float32 drifts by about a rounding per value where the values are alike. Counts in out_t.
+template <typename acc_t, typename out_t>
 __global__ void __launch_bounds__(kThreads) group_part_sums_kernel(
     const int* __restrict__ sorted_keys, const acc_t* __restrict__ sorted_values, int64_t n, int parts,
-    double* __restrict__ partials, acc_t* __restrict__ counts) {
+    double* __restrict__ partials, out_t* __restrict__ counts) {
   const int64_t group = blockIdx.x / parts;
   const int part = static_cast<int>(blockIdx.x % parts);
   __shared__ int64_t bounds[2];
@@ -83,31 +84,35 @@ __global__ void __launch_bounds__(kThreads) group_part_sums_kernel(
   const double sum = block_reduce(s, Sum());
   if (threadIdx.x == 0) {
     partials[blockIdx.x] = sum;
-    if (part == 0) counts[group] = static_cast<acc_t>(hi - lo);
+    if (part == 0) counts[group] = static_cast<out_t>(hi - lo);
   }
 }
 
-// sums[g] = the parts of group g added in part order (float64), rounded once into acc_t.
-template <typename acc_t>
+// sums[g] = the parts of group g added in part order (float64), rounded once into out_t (the accumulation dtype, or
+// double for wide sums: no rounding).
+template <typename out_t>
 __global__ void __launch_bounds__(kThreads) group_combine_kernel(const double* __restrict__ partials,
                                                                  int64_t num_groups, int parts,
-                                                                 acc_t* __restrict__ sums) {
+                                                                 out_t* __restrict__ sums) {
   const int64_t group = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (group >= num_groups) return;
   double s = partials[group * parts];
   for (int p = 1; p < parts; ++p) s += partials[group * parts + p];
-  sums[group] = static_cast<acc_t>(s);
+  sums[group] = static_cast<out_t>(s);
 }
 
 std::tuple<at::Tensor, at::Tensor> group_sums_cuda(const at::Tensor& losses, const at::Tensor& groups,
-                                                   int64_t num_groups, bool validate) {
+                                                   int64_t num_groups, bool validate, bool wide) {
   check_group_sums_args(losses, groups, num_groups);
   const int64_t n = losses.numel();
   TORCH_CHECK_VALUE(n <= INT_MAX && num_groups < INT_MAX, "dro_ext: group_sums on CUDA supports at most 2^31 - 1 "
                     "samples and num_groups < 2^31 - 1, got ", n, " samples and num_groups=", num_groups);
   const c10::cuda::CUDAGuard guard(losses.device());
+  // The sorted values in the accumulation dtype (exact: half and float32 losses are float32 values); the sums and
+  // counts in out_options.
   const auto options = losses.options().dtype(accumulate_type(losses.scalar_type()));
-  if (n == 0) return {at::zeros({num_groups}, options), at::zeros({num_groups}, options)};
+  const auto out_options = losses.options().dtype(group_sums_dtype(losses.scalar_type(), wide));
+  if (n == 0) return {at::zeros({num_groups}, out_options), at::zeros({num_groups}, out_options)};
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const int g = static_cast<int>(num_groups);
   at::Tensor bad_id = at::zeros({}, losses.options().dtype(at::kInt));
@@ -128,7 +133,7 @@ std::tuple<at::Tensor, at::Tensor> group_sums_cuda(const at::Tensor& losses, con
   int end_bit = 1;
   while (end_bit < 31 && (int64_t{1} << end_bit) <= num_groups) ++end_bit;  // keys are in [0, num_groups]
   at::Tensor sorted_keys = at::empty_like(keys), sorted_values = at::empty_like(values);
-  at::Tensor sums = at::empty({num_groups}, options), counts = at::empty({num_groups}, options);
+  at::Tensor sums = at::empty({num_groups}, out_options), counts = at::empty({num_groups}, out_options);
   // At most kMaxReduceBlocks blocks over the groups' segments (and at least one per group); a constant, so the
   // cut depends on n and num_groups only.
   const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kMaxReduceBlocks / num_groups,
@@ -147,13 +152,23 @@ std::tuple<at::Tensor, at::Tensor> group_sums_cuda(const at::Tensor& losses, con
     sort_by_group(nullptr);
     at::Tensor temp = at::empty({static_cast<int64_t>(temp_bytes)}, losses.options().dtype(at::kByte));
     sort_by_group(temp.mutable_data_ptr());
-    group_part_sums_kernel<acc_t><<<static_cast<unsigned int>(num_groups * parts), kThreads, 0, stream>>>(
-        sorted_keys.const_data_ptr<int>(), sorted_values.const_data_ptr<acc_t>(), n, parts,
-        partials.mutable_data_ptr<double>(), counts.mutable_data_ptr<acc_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    group_combine_kernel<acc_t><<<static_cast<unsigned int>(ceil_div(num_groups, kThreads)), kThreads, 0, stream>>>(
-        partials.const_data_ptr<double>(), num_groups, parts, sums.mutable_data_ptr<acc_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const auto part_blocks = static_cast<unsigned int>(num_groups * parts);
+    const auto combine_blocks = static_cast<unsigned int>(ceil_div(num_groups, kThreads));
+    auto sum_into = [&](auto out_zero) {
+      using out_t = decltype(out_zero);
+      group_part_sums_kernel<acc_t, out_t><<<part_blocks, kThreads, 0, stream>>>(
+          sorted_keys.const_data_ptr<int>(), sorted_values.const_data_ptr<acc_t>(), n, parts,
+          partials.mutable_data_ptr<double>(), counts.mutable_data_ptr<out_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      group_combine_kernel<out_t><<<combine_blocks, kThreads, 0, stream>>>(
+          partials.const_data_ptr<double>(), num_groups, parts, sums.mutable_data_ptr<out_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (wide) {
+      sum_into(double{0});
+    } else {
+      sum_into(acc_t{0});
+    }
   });
   return {sums, counts};
 }
