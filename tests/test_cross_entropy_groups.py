@@ -181,6 +181,28 @@ def test_value_is_group_dro_loss_of_the_kept_tokens(backend):
                                rtol=1e-12, atol=1e-14)
 
 
+def test_float32_group_means_are_not_rounded_before_the_objective(backend):
+    """The grouped cross-entropy takes float64 group sums of its float32 per-token losses, as group_dro_loss does: a
+    float32 group mean moved t = (m - eta)/lam by its rounding over lam, which at eta within a few roundings of the
+    largest mean and lam = 1e-6 moved that group's weight psi*'(t), and the gradient of eta, by tens of percent."""
+    logits, targets, groups, _ = make_tokens(8, 301, 7, torch.float32, 3, per_sequence=False, seed=5)
+    keep = (targets != IGNORE).reshape(-1)
+    ids = groups.reshape(-1)[keep]
+    # the float64 means of the op's own float32 token losses
+    losses = dro_ext.cross_entropy_losses(logits.detach(), targets).reshape(-1)[keep].double()
+    m = torch.stack([losses[ids == g].mean() for g in range(3)])
+    n = torch.stack([(ids == g).sum() for g in range(3)]).double()
+    for eta0 in (m.max().float(), torch.nextafter(m.max().float(), torch.tensor(math.inf))):
+        eta = eta0.clone().requires_grad_()
+        value = dro_ext.dro_cross_entropy(logits, targets, eta, 1e-6, "chi2", groups=groups, num_groups=3)
+        (grad_eta,) = torch.autograd.grad(value, eta)
+        eta64 = eta0.double().requires_grad_()
+        expected = dro_ext.group_dro_loss(m, torch.arange(3), 3, eta64, 1e-6, "chi2", weighting=n)
+        (expected_grad_eta,) = torch.autograd.grad(expected, eta64)
+        torch.testing.assert_close(value.double(), expected, rtol=1e-6, atol=0.0)
+        torch.testing.assert_close(grad_eta.double(), expected_grad_eta, rtol=1e-4, atol=1e-4)
+
+
 def test_one_token_per_group_is_the_ungrouped_objective(backend):
     # G = N with token i in group i: each group's mean is its token's loss, and batch weighting is 1/n each.
     logits, targets, _, eta = make_tokens(2, 8, 5, torch.float64, 1, per_sequence=False, seed=4)

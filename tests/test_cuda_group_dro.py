@@ -12,8 +12,8 @@ import dro_ext
 from cuda_cases import DEVICE, SKIP_WITHOUT_CUDA, native_backend, needs_cuda  # noqa: F401
 from dro_ext import _backend
 from test_group_dro_step import (CONFIGS, STATE_DTYPES, TOLERANCES, assert_a_dropped_groups_term_still_counts,
-                                 assert_same_state, assert_scores_past_float64s_range_from_finite_parts,
-                                 with_state_dtype)
+                                 assert_float32_group_sums_past_the_range_keep_a_finite_mean, assert_same_state,
+                                 assert_scores_past_float64s_range_from_finite_parts, with_state_dtype)
 
 pytestmark = SKIP_WITHOUT_CUDA
 
@@ -115,6 +115,11 @@ def test_scores_past_float64s_range_from_finite_parts_on_the_device():
     """test_group_dro_step's case on the device: a score overflowing from finite parts takes no step, and
     normalize_loss divides by the scores' mean over the groups."""
     assert_scores_past_float64s_range_from_finite_parts(DEVICE, "native")
+
+
+def test_float32_group_sums_past_the_range_keep_a_finite_mean_on_the_device():
+    """test_group_dro_step's case on the device: greedy CVaR's group sums are float64 (group_sums.cu, wide)."""
+    assert_float32_group_sums_past_the_range_keep_a_finite_mean(DEVICE, "native")
 
 
 @pytest.mark.parametrize("num_groups", [1, 255, 257, 5000])

@@ -438,6 +438,37 @@ def test_scores_past_float64s_range_from_finite_parts(backend_name):
     assert_scores_past_float64s_range_from_finite_parts("cpu", backend_name)
 
 
+def assert_float32_group_sums_past_the_range_keep_a_finite_mean(device, backend_name):
+    """float32 losses of one group whose sum passes 3.4e38 have a finite float32 mean: the composed step (greedy
+    CVaR, the fallback) takes float64 group sums, so the loss is finite and the batch steps (float32 sums read +inf:
+    the loss inf, no step taken). The native "eg" step keeps float32 sums (the module's docstring says why)."""
+    losses = torch.tensor([3e38, 3e38, 1.0, 2.0], device=device)
+    groups = torch.tensor([0, 0, 1, 1], device=device)
+    mask = torch.tensor([True, True, True, False], device=device)
+    greedy = dict(mode="greedy_cvar", alpha=0.5)
+    cases = [(greedy, None), (greedy, mask)] + ([({}, None), ({}, mask)] if backend_name == "python" else [])
+    for kwargs, keep in cases:
+        module = dro_ext.GroupDROLoss(2, 1e-40, **kwargs).to(device)  # a step that leaves q near (1/2, 1/2)
+        x = losses.clone().requires_grad_()
+        with _backend.forced_backend(backend_name):
+            value = module(x, groups, mask=keep)
+        (grad,) = torch.autograd.grad(value, x)
+        q = module.q.double().cpu()
+        mean1 = 1.0 if keep is not None else 1.5
+        want = q[0] * 3e38 + q[1] * mean1
+        at = f"{kwargs} mask={keep is not None}"
+        assert bool(module.seen.all()), at  # the batch stepped
+        torch.testing.assert_close(value.double().cpu(), want, rtol=1e-6, atol=0.0, msg=at)
+        assert torch.isfinite(grad).all(), at
+
+
+@pytest.mark.parametrize("backend_name", ["native", "python"])
+def test_float32_group_sums_past_the_range_keep_a_finite_mean(backend_name):
+    if backend_name == "native" and not _backend.native_available():
+        pytest.skip("native extension not built")
+    assert_float32_group_sums_past_the_range_keep_a_finite_mean("cpu", backend_name)
+
+
 @native_only
 def test_the_update_is_seen_by_autograd():
     """A tensor an earlier graph saved that the step then updates in place fails that graph's backward, as an
