@@ -85,12 +85,13 @@ struct GroupInputs {
     if (!live()) return -INFINITY;
     return args.normalize_loss && score_mean != 0.0 ? (a / num_groups) / score_mean : a;
   }
-  // Whether this live group's score a_g passes float64's range though its parts are finite (a mean of 1e308 plus an
-  // adjustment of 1e308): the step would take that infinite largest score off it (inf - inf), leaving log q NaN for
-  // every later batch, so the batch takes no step, as for a mean not finite.
-  C10_HOST_DEVICE bool score_overflows(double m, bool stale) const {
-    const double base = stale ? new_last(m) : m;
-    return live() && ::fabs(base) < INFINITY && ::fabs(base + adjustment) == INFINITY;
+  // Whether this group's score a_g passes float64's range though its parts are finite (a mean of 1e308 plus an
+  // adjustment of 1e308), for a live group, or for any group with normalize_loss (every score enters the mean that
+  // divides them): the step would take that infinite largest score off it (inf - inf), leaving log q NaN for every
+  // later batch, or divide every score by an infinite mean, so the batch takes no step, as for a mean not finite.
+  C10_HOST_DEVICE bool score_overflows(double m, const GroupDROStepArgs& args) const {
+    const double base = args.stale ? new_last(m) : m;
+    return (live() || args.normalize_loss) && ::fabs(base) < INFINITY && ::fabs(base + adjustment) == INFINITY;
   }
   // x_g - step_size * shift, from step_score's value. The step takes for shift the largest score of a live group
   // (shift_from_max: 0 where it is infinite). The log-sum-exp takes the same constant step_size * shift off every
@@ -139,9 +140,9 @@ struct GroupDROStepOperands {
                        static_cast<double>(ema[g]),  static_cast<double>(last[g]),  adjustment[g],
                        seen[g],                      active[g]};
   }
-  C10_HOST_DEVICE C10_ALWAYS_INLINE bool blocks_the_step(const GroupInputs& in, bool stale) const {
+  C10_HOST_DEVICE C10_ALWAYS_INLINE bool blocks_the_step(const GroupInputs& in, const GroupDROStepArgs& args) const {
     return in.blocks_the_step(static_cast<double>(std::numeric_limits<state_t>::max())) ||
-           in.score_overflows(in.mean(), stale);
+           in.score_overflows(in.mean(), args);
   }
   // Group g's new state, from its inputs (read before) and its new log q.
   C10_HOST_DEVICE C10_ALWAYS_INLINE void write(int64_t g, const GroupInputs& in, double m, double new_log_q,

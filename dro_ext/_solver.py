@@ -309,8 +309,14 @@ def solve(x: torch.Tensor, lam: float, spec: Spec, reducer: Reducer = LOCAL,
             # that cancelled (with means (1e28, 2), weights (1, 1e15), lam = 1e30: 12% low) though the weights do not
             # make it that sensitive to max l. Centred on that eta the sum is near 0 and every term rounds in
             # proportion to itself; one more pass (over G group means) recovers the digits.
-            (sum_expm1,) = totals(reducer, *summed(lambda x, w: [weighted(torch.expm1((x - eta) / lam), w)]))
-            eta += lam * math.log1p(sum_expm1 / n)
+            # (As the first pass: log of the mean exp where it is below 0.5, which rounding may have made 0.)
+            def centred_sums(x: torch.Tensor, w: torch.Tensor | None) -> list[torch.Tensor]:
+                t = (x - eta) / lam
+                return [weighted(torch.exp(t), w), weighted(torch.expm1(t), w)]
+
+            sum_exp, sum_expm1 = totals(reducer, *summed(centred_sums))
+            if sum_exp > 0:
+                eta += lam * (math.log1p(sum_expm1 / n) if sum_exp / n > 0.5 else math.log(sum_exp / n))
         return Solution(eta, eta, n)
     if spec.name == "cvar":
         tail = tail_size(required(spec.alpha), n)

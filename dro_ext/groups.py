@@ -649,7 +649,8 @@ class GroupDROLoss(_Float64Configuration):
     - ``adjustment`` C (a number or one per group) with ``group_counts`` N (the population count of each group,
       required then) is the paper's generalization adjustment. It enters the score only: the returned loss
       uses the unadjusted ``m_g``.
-    - ``normalize_loss``: ``a`` divided by its sum (left as it is when that sum is 0).
+    - ``normalize_loss``: ``a`` divided by its sum over every group, disabled ones included (formed as ``(a / G) /
+      mean(a)``; left as it is when that mean is 0).
     - ``missing``: what a group absent from the batch scores. ``"zero"`` (the default, as the authors' code,
       WILDS and DomainBed do, so that published settings reproduce): ``m_g = 0``, which lowers its ``q``
       against the groups that are present. ``"stale"`` (DoReMi's rule for an absent domain, not the rest of its
@@ -928,8 +929,10 @@ class GroupDROLoss(_Float64Configuration):
             base = m if self.missing == "zero" else last
             score = base + adjust
             live = self.active & (log_q != -math.inf)
-            # A live group's score past the dtype's range from finite parts blocks the step (below).
-            score_overflows = (live & torch.isfinite(base) & torch.isinf(score)).any()
+            # A score past the dtype's range from finite parts blocks the step (below): a live group's, or with
+            # normalize_loss any group's (every score enters the mean that divides them).
+            counted = live | self.normalize_loss
+            score_overflows = (counted & torch.isfinite(base) & torch.isinf(score)).any()
             if self.normalize_loss:
                 # score / sum of scores as (score / G) / their mean (group_dro_step.h's step_score): finite scores
                 # can sum past the dtype's range where their mean cannot.

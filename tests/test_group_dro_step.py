@@ -430,6 +430,19 @@ def assert_scores_past_float64s_range_from_finite_parts(device, backend_name):
     want = torch.softmax(torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64), 0)  # exp(a_g / sum a), normalized
     torch.testing.assert_close(module.q.cpu(), want, rtol=1e-12, atol=0.0)
 
+    # A disabled group's score enters normalize_loss's mean (every group's does): overflowing there, it blocks the
+    # step (it made every score a / inf = 0, q standing still); without normalize_loss it changes nothing.
+    for normalize_loss in (True, False):
+        module = dro_ext.GroupDROLoss(3, 1.0, adjustment=[1e308, 0.0, 0.0], group_counts=[1.0, 1.0, 1.0],
+                                      q_init=[0.0, 0.5, 0.5], normalize_loss=normalize_loss).to(device, torch.float64)
+        before = module.log_q.clone()
+        with _backend.forced_backend(backend_name):
+            module(torch.tensor([1e308, 1.0, 5.0], dtype=torch.float64, device=device),
+                   torch.tensor([0, 1, 2], device=device))
+        assert bool(module.seen.any()) != normalize_loss, normalize_loss  # a blocked batch marks no group seen
+        assert module.q[0] == 0 and torch.isfinite(module.log_q[1:]).all()
+        assert torch.equal(module.log_q, before) == normalize_loss, module.log_q
+
 
 @pytest.mark.parametrize("backend_name", ["native", "python"])
 def test_scores_past_float64s_range_from_finite_parts(backend_name):

@@ -328,14 +328,19 @@ def test_kl_over_groups_does_not_cancel_against_a_light_largest_mean(backend, we
     """kl's closed form is max m + lam log(sum_g p_g e^((m_g - max m)/lam)) whatever max m's weight: with the largest
     mean's weight 1e-15 of the others and lam far above the means, that sum cancelled down to a few roundings of
     max m (12% low at means (1e28, 2), weights (1, 1e15), lam = 1e30), far more than a rounding of the means or the
-    weights moves Psi. Random means and weights of that kind, against 60-digit arithmetic."""
+    weights moves Psi. Random means and weights of that kind, against 60-digit arithmetic; and lam far below the
+    means with a largest mean of weight 1e-17 of the others, where the pass that recovers those digits must not
+    fail (its centred mean of expm1 rounds to -1 there: log1p(-1)) nor move eta* off."""
     mp = ref.mpmath.mp
-    for _ in range(8):
-        big = 10.0 ** (20.0 + 8.0 * torch.rand(()).item())
-        losses = torch.tensor([big, *(5.0 * torch.rand(4, dtype=torch.float64)).tolist()], dtype=torch.float64)
+    for case in range(16):
+        far_above = case % 2 == 0
+        big = 10.0 ** (20.0 + 8.0 * torch.rand(()).item()) if far_above else 1.0 + torch.rand(()).item()
+        others = (5.0 if far_above else 0.5) * torch.rand(4, dtype=torch.float64)
+        losses = torch.tensor([big, *others.tolist()], dtype=torch.float64)
         groups = torch.tensor([0, 1, 1, 2, 2])
-        weights = [1.0, 10.0 ** (9.0 + 6.0 * torch.rand(()).item()), 10.0 ** (9.0 + 6.0 * torch.rand(()).item())]
-        lam = 10.0 ** (28.0 + 5.0 * torch.rand(()).item())
+        light = 9.0 + 6.0 * torch.rand(2) if far_above else 17.0 + torch.rand(2)
+        weights = [1.0, 10.0 ** light[0].item(), 10.0 ** light[1].item()]
+        lam = 10.0 ** ((28.0 + 5.0 * torch.rand(())).item() if far_above else (-20.0 + 3.0 * torch.rand(())).item())
         option = (dict(weighting="population", group_counts=weights) if weighting == "population"
                   else dict(weighting=torch.tensor(weights, dtype=torch.float64)))
         value, eta = dro_ext.robust_objective(losses, lam, "kl", groups=groups, num_groups=3, **option)
