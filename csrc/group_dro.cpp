@@ -59,8 +59,9 @@ void group_dro_step_kernel(const GroupDROStepOperands<sums_t, state_t>& op, int6
     bool blocked = false;
     for (int64_t g = 0; g < num_groups; ++g) {
       const GroupInputs in = op.inputs(g);
-      blocked |= op.blocks_the_step(in, args);
-      e[g] = in.step_score(in.score(in.mean(), args.stale), score_mean, static_cast<double>(num_groups), args);
+      const double m = in.mean(), a = in.score(m, args.stale);
+      blocked |= op.blocks_the_step(in, m, a, args);
+      e[g] = in.step_score(a, score_mean, static_cast<double>(num_groups), args);
       max_score = e[g] > max_score ? e[g] : max_score;
     }
     if (blocked) return false;

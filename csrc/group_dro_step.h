@@ -58,10 +58,9 @@ struct GroupInputs {
   bool seen, active;
 
   C10_HOST_DEVICE bool present() const { return count > 0.0; }
-  // Whether the batch must take no step for this group (see the top of this file): a mean not finite, or past
-  // `largest_stored`, the state dtype's largest value.
-  C10_HOST_DEVICE bool blocks_the_step(double largest_stored) const {
-    const double m = mean();
+  // Whether the batch must take no step for this group (see the top of this file), given its mean m: a mean not
+  // finite, or past `largest_stored`, the state dtype's largest value.
+  C10_HOST_DEVICE bool blocks_the_step(double m, double largest_stored) const {
     return present() && !(m >= -largest_stored && m <= largest_stored);  // (false for NaN as for the infinities)
   }
   C10_HOST_DEVICE double inverse_count() const { return 1.0 / (count > 1.0 ? count : 1.0); }
@@ -89,9 +88,11 @@ struct GroupInputs {
   // adjustment of 1e308), for a live group, or for any group with normalize_loss (every score enters the mean that
   // divides them): the step would take that infinite largest score off it (inf - inf), leaving log q NaN for every
   // later batch, or divide every score by an infinite mean, so the batch takes no step, as for a mean not finite.
-  C10_HOST_DEVICE bool score_overflows(double m, const GroupDROStepArgs& args) const {
+  // Given its mean m and its score a = score(m, args.stale).
+  C10_HOST_DEVICE bool score_overflows(double m, double a, const GroupDROStepArgs& args) const {
+    if (!(::fabs(a) == INFINITY)) return false;  // (the one test most groups take)
     const double base = args.stale ? new_last(m) : m;
-    return (live() || args.normalize_loss) && ::fabs(base) < INFINITY && ::fabs(base + adjustment) == INFINITY;
+    return (live() || args.normalize_loss) && ::fabs(base) < INFINITY;
   }
   // x_g - step_size * shift, from step_score's value. The step takes for shift the largest score of a live group
   // (shift_from_max: 0 where it is infinite). The log-sum-exp takes the same constant step_size * shift off every
@@ -140,9 +141,11 @@ struct GroupDROStepOperands {
                        static_cast<double>(ema[g]),  static_cast<double>(last[g]),  adjustment[g],
                        seen[g],                      active[g]};
   }
-  C10_HOST_DEVICE C10_ALWAYS_INLINE bool blocks_the_step(const GroupInputs& in, const GroupDROStepArgs& args) const {
-    return in.blocks_the_step(static_cast<double>(std::numeric_limits<state_t>::max())) ||
-           in.score_overflows(in.mean(), args);
+  // Group g's share of the rule, from its inputs, mean m and score a (taken once by the step's loop).
+  C10_HOST_DEVICE C10_ALWAYS_INLINE bool blocks_the_step(const GroupInputs& in, double m, double a,
+                                                         const GroupDROStepArgs& args) const {
+    return in.blocks_the_step(m, static_cast<double>(std::numeric_limits<state_t>::max())) ||
+           in.score_overflows(m, a, args);
   }
   // Group g's new state, from its inputs (read before) and its new log q.
   C10_HOST_DEVICE C10_ALWAYS_INLINE void write(int64_t g, const GroupInputs& in, double m, double new_log_q,

@@ -46,7 +46,10 @@ __global__ void __launch_bounds__(kThreads) group_dro_step_kernel(GroupDROStepOp
     for (int64_t g = threadIdx.x; g < num_groups; g += kThreads) max = Max()(value(op.inputs(g)), max);
     return block_max_to_all(max);
   };
-  const auto blocks_the_step = [&](const GroupInputs& in) { return op.blocks_the_step(in, args) ? 1.0 : 0.0; };
+  const auto blocks_the_step = [&](const GroupInputs& in) {
+    const double m = in.mean();
+    return op.blocks_the_step(in, m, in.score(m, args.stale), args) ? 1.0 : 0.0;
+  };
   if (args.update && largest(blocks_the_step) == 0.0) {
     double score_mean = 0.0;
     if (args.normalize_loss) {
