@@ -16,6 +16,7 @@ from dro_ext import groups as groups_module
 if not _backend.native_available() and not _backend._force_python:
     raise RuntimeError(f"dro_ext native extension failed to load: {_backend.load_error()}")
 native_only = pytest.mark.skipif(not _backend.native_available(), reason="native extension not built")
+BACKEND_NAMES = [pytest.param("native", marks=native_only), "python"]
 
 CONFIGS = {
     "plain": dict(step_size=0.5),
@@ -397,10 +398,8 @@ def assert_a_dropped_groups_term_still_counts(device, backend_name):
                                            msg=f"{dtype} update={update} sign={sign}")
 
 
-@pytest.mark.parametrize("backend_name", ["native", "python"])
+@pytest.mark.parametrize("backend_name", BACKEND_NAMES)
 def test_a_dropped_groups_term_still_counts_where_its_mean_is_large(backend_name):
-    if backend_name == "native" and not _backend.native_available():
-        pytest.skip("native extension not built")
     assert_a_dropped_groups_term_still_counts("cpu", backend_name)
 
 
@@ -444,10 +443,8 @@ def assert_scores_past_float64s_range_from_finite_parts(device, backend_name):
         assert torch.equal(module.log_q, before) == normalize_loss, module.log_q
 
 
-@pytest.mark.parametrize("backend_name", ["native", "python"])
+@pytest.mark.parametrize("backend_name", BACKEND_NAMES)
 def test_scores_past_float64s_range_from_finite_parts(backend_name):
-    if backend_name == "native" and not _backend.native_available():
-        pytest.skip("native extension not built")
     assert_scores_past_float64s_range_from_finite_parts("cpu", backend_name)
 
 
@@ -475,10 +472,8 @@ def assert_float32_group_sums_past_the_range_keep_a_finite_mean(device, backend_
         assert torch.isfinite(grad).all(), at
 
 
-@pytest.mark.parametrize("backend_name", ["native", "python"])
+@pytest.mark.parametrize("backend_name", BACKEND_NAMES)
 def test_float32_group_sums_past_the_range_keep_a_finite_mean(backend_name):
-    if backend_name == "native" and not _backend.native_available():
-        pytest.skip("native extension not built")
     assert_float32_group_sums_past_the_range_keep_a_finite_mean("cpu", backend_name)
 
 
