@@ -1,15 +1,16 @@
 // One online Group DRO step (docs/design.md section 1.9): schemas, CPU kernel, autograd.
 //
 //   group_dro_step_(sums, counts, log_q!, ema_loss!, last_loss!, seen!, active, adjustment, step_size, ema_gamma,
-//                   stale, normalize_loss, update) -> (loss, grad_weights)
+//                   stale, normalize_loss, update, *, out_dtype=None) -> (loss, grad_weights)
 //       over given group sums and counts: updates the state in place (when update) by the rules of
 //       csrc/group_dro_step.h and returns the loss sum_g q_g m_g (0-d) and grad_weights_g = q_g / max(n_g, 1) =
-//       d loss / d sums_g, both in the wider of the sums' and the state's dtype. Only sums is differentiable: q is
-//       detached, and the counts are integers. GroupDROLoss calls it with a mask or a process group, whose sums are
-//       formed (masked, all-reduced) before the step.
+//       d loss / d sums_g, both in out_dtype (float32 or float64; by default the wider of the sums' and the state's
+//       dtype). Only sums is differentiable: q is detached, and the counts are integers. GroupDROLoss calls it with
+//       a mask or a process group, whose sums are formed (masked, all-reduced) before the step.
 //   group_dro_loss_(losses, groups, num_groups, log_q!, ..., update, validate) -> loss
-//       group_sums then group_dro_step_, in one call with one autograd Node from the losses to the loss (in the
-//       losses' dtype): d loss / d l_i = grad * grad_weights_{g_i}. The step of a single process without a mask.
+//       group_sums (float64) then group_dro_step_ (out_dtype: the losses' accumulate dtype promoted with the
+//       state's), in one call with one autograd Node from the losses to the loss (in the losses' dtype):
+//       d loss / d l_i = grad * grad_weights_{g_i}. The step of a single process without a mask.
 //
 // At a few thousand samples the step's O(G) work as some twenty PyTorch ops on (G,) tensors, and every Python call
 // and autograd Node, cost more than the pass over the losses; these ops make the whole step two calls (and one
@@ -28,6 +29,7 @@
 #include <vector>
 
 #include "autograd_node.h"
+#include "checks.h"
 #include "cpu/kernels.h"
 #include "group_dro_step.h"
 #include "group_sums.h"
@@ -36,10 +38,10 @@ namespace dro_ext {
 
 namespace {
 
-template <typename sums_t, typename state_t>
-void group_dro_step_kernel(const GroupDROStepOperands<sums_t, state_t>& op, int64_t num_groups,
-                           const GroupDROStepArgs& args, at::Tensor& loss_tensor, at::Tensor& weights_tensor) {
-  using out_t = step_out_t<sums_t, state_t>;
+template <typename Operands>
+void group_dro_step_kernel(const Operands& op, int64_t num_groups, const GroupDROStepArgs& args,
+                           at::Tensor& loss_tensor, at::Tensor& weights_tensor) {
+  using out_t = typename Operands::out_t;
   out_t* weights = weights_tensor.mutable_data_ptr<out_t>();
   const cpu::KernelTable& kernels = cpu::cpu_kernels(num_groups, cpu::kAvx512MinValuesOnePass);
   double loss = 0.0;
@@ -103,10 +105,10 @@ std::tuple<at::Tensor, at::Tensor> group_dro_step_cpu(const at::Tensor& sums, co
                                                       at::Tensor& log_q, at::Tensor& ema_loss, at::Tensor& last_loss,
                                                       at::Tensor& seen, const at::Tensor& active,
                                                       const at::Tensor& adjustment, double step_size,
-                                                      double ema_gamma, bool stale, bool normalize_loss,
-                                                      bool update) {
+                                                      double ema_gamma, bool stale, bool normalize_loss, bool update,
+                                                      std::optional<at::ScalarType> out_dtype) {
   GroupDROStepCall call = prepare_group_dro_step(sums, counts, log_q, ema_loss, last_loss, seen, active, adjustment,
-                                                 step_size, ema_gamma, stale, normalize_loss, update);
+                                                 step_size, ema_gamma, stale, normalize_loss, update, out_dtype);
   with_group_dro_step_operands(sums, counts, log_q, ema_loss, last_loss, seen, active, call, [&](const auto& op) {
     group_dro_step_kernel(op, sums.numel(), call.args, call.loss, call.weights);
   });
@@ -119,13 +121,13 @@ std::tuple<at::Tensor, at::Tensor> call_group_dro_step(const at::Tensor& sums, c
                                                        at::Tensor& log_q, at::Tensor& ema_loss, at::Tensor& last_loss,
                                                        at::Tensor& seen, const at::Tensor& active,
                                                        const at::Tensor& adjustment, double step_size,
-                                                       double ema_gamma, bool stale, bool normalize_loss,
-                                                       bool update) {
+                                                       double ema_gamma, bool stale, bool normalize_loss, bool update,
+                                                       std::optional<at::ScalarType> out_dtype) {
   static auto op = find_op<std::tuple<at::Tensor, at::Tensor>(
       const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
-      const at::Tensor&, double, double, bool, bool, bool)>("dro_ext::group_dro_step_");
+      const at::Tensor&, double, double, bool, bool, bool, std::optional<at::ScalarType>)>("dro_ext::group_dro_step_");
   return op.call(sums, counts, log_q, ema_loss, last_loss, seen, active, adjustment, step_size, ema_gamma, stale,
-                 normalize_loss, update);
+                 normalize_loss, update, out_dtype);
 }
 
 // What both ops check before stepping, and do after: the ADInplaceOrView layer's version bump of the state they
@@ -178,13 +180,14 @@ std::tuple<at::Tensor, at::Tensor> group_dro_step_autograd(const at::Tensor& sum
                                                            at::Tensor& last_loss, at::Tensor& seen,
                                                            const at::Tensor& active, const at::Tensor& adjustment,
                                                            double step_size, double ema_gamma, bool stale,
-                                                           bool normalize_loss, bool update) {
+                                                           bool normalize_loss, bool update,
+                                                           std::optional<at::ScalarType> out_dtype) {
   check_state_needs_no_grad(sums, log_q, ema_loss, last_loss);
   refuse_update_inside_backward(update);
   auto [loss, weights] = [&] {
     at::AutoDispatchBelowADInplaceOrView guard;
     return call_group_dro_step(sums, counts, log_q, ema_loss, last_loss, seen, active, adjustment, step_size,
-                               ema_gamma, stale, normalize_loss, update);
+                               ema_gamma, stale, normalize_loss, update, out_dtype);
   }();
   bump_state_versions(update, log_q, ema_loss, last_loss, seen);
   if (torch::autograd::compute_requires_grad(sums)) {
@@ -205,9 +208,13 @@ std::tuple<at::Tensor, at::Tensor> group_dro_loss_steps(const at::Tensor& losses
                                                         const at::Tensor& active, const at::Tensor& adjustment,
                                                         double step_size, double ema_gamma, bool stale,
                                                         bool normalize_loss, bool update, bool validate) {
-  auto [sums, counts] = call_group_sums(losses, groups, num_groups, validate);
-  auto [loss, weights] = call_group_dro_step(sums, counts, log_q, ema_loss, last_loss, seen, active, adjustment,
-                                             step_size, ema_gamma, stale, normalize_loss, update);
+  // Float64 sums (the kernel adds in float64 anyway: wide keeps its totals unrounded), so that finite float32
+  // losses summing past float32's range in one group keep a finite mean; the loss and the weights in the dtype
+  // float32 sums gave them.
+  auto [sums, counts] = call_group_sums(losses, groups, num_groups, validate, /*wide=*/true);
+  auto [loss, weights] = call_group_dro_step(
+      sums, counts, log_q, ema_loss, last_loss, seen, active, adjustment, step_size, ema_gamma, stale, normalize_loss,
+      update, c10::promoteTypes(accumulate_type(losses.scalar_type()), log_q.scalar_type()));
   return {as_dtype(loss, losses.scalar_type()), weights};
 }
 
@@ -293,7 +300,7 @@ TORCH_LIBRARY_FRAGMENT(dro_ext, m) {
   m.def(
       "group_dro_step_(Tensor sums, Tensor counts, Tensor(a!) log_q, Tensor(b!) ema_loss, Tensor(c!) last_loss, "
       "Tensor(d!) seen, Tensor active, Tensor adjustment, float step_size, float ema_gamma, bool stale, "
-      "bool normalize_loss, bool update) -> (Tensor, Tensor)");
+      "bool normalize_loss, bool update, *, ScalarType? out_dtype=None) -> (Tensor, Tensor)");
   m.def(
       "group_dro_loss_(Tensor losses, Tensor groups, int num_groups, Tensor(a!) log_q, Tensor(b!) ema_loss, "
       "Tensor(c!) last_loss, Tensor(d!) seen, Tensor active, Tensor adjustment, float step_size, float ema_gamma, "

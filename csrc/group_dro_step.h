@@ -33,6 +33,7 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <type_traits>
 
 #include "floating_types.h"
@@ -47,10 +48,6 @@ struct GroupDROStepArgs {
   bool update;          // false: the loss under the current q, the state left alone
 };
 
-// The dtype of the loss and its gradient weights: what c10::promoteTypes gives for the sums (float or double) and
-// the state (any floating type).
-template <typename sums_t, typename state_t>
-using step_out_t = std::conditional_t<std::is_same_v<sums_t, double> || std::is_same_v<state_t, double>, double, float>;
 
 // One group's inputs, read in double.
 struct GroupInputs {
@@ -125,10 +122,11 @@ StridedVector<T> strided_vector(const at::Tensor& t) {
   }
 }
 
-// The operands of one step, on the host or the device: the inputs of each group, and its state to write.
-template <typename sums_t, typename state_t>
+// The operands of one step, on the host or the device: the inputs of each group, and its state to write. out_t is
+// the dtype of the loss and the gradient weights (float or double, see prepare_group_dro_step).
+template <typename sums_t, typename state_t, typename result_t>
 struct GroupDROStepOperands {
-  using out_t = step_out_t<sums_t, state_t>;  // the dtype of the loss and the gradient weights
+  using out_t = result_t;
 
   StridedVector<const sums_t> sums, counts;
   StridedVector<state_t> log_q, ema, last;
@@ -158,8 +156,8 @@ struct GroupDROStepOperands {
 };
 
 // adjustment must be float64 (the op converts it).
-template <typename sums_t, typename state_t>
-GroupDROStepOperands<sums_t, state_t> group_dro_step_operands(const at::Tensor& sums, const at::Tensor& counts,
+template <typename sums_t, typename state_t, typename out_t>
+GroupDROStepOperands<sums_t, state_t, out_t> group_dro_step_operands(const at::Tensor& sums, const at::Tensor& counts,
                                                               at::Tensor& log_q, at::Tensor& ema_loss,
                                                               at::Tensor& last_loss, at::Tensor& seen,
                                                               const at::Tensor& active, const at::Tensor& adjustment) {
@@ -246,8 +244,11 @@ inline void check_group_dro_step_args(const at::Tensor& sums, const at::Tensor& 
 }
 
 // What the CPU and CUDA entry points of group_dro_step_ do before their kernel: check the operands, make the
-// outputs (the loss and the gradient weights, in the promoted dtype), take the adjustment in float64 (a float64 buffer
-// unless the module was cast) and gather the scalars.
+// outputs (the loss and the gradient weights) in out_dtype, float32 or float64, by default the promoted dtype of the
+// sums and the state, take the adjustment in float64 (a float64 buffer unless the module was cast) and gather the
+// scalars. (GroupDROLoss passes float64 sums, which keep a group of float32 losses summing past float32's range
+// finite, with out_dtype the losses' accumulate dtype promoted with the state's: float32 for float32 losses, whose
+// weights a float64 result would double in bytes and keep down to e^-660 instead of e^-44.)
 struct GroupDROStepCall {
   at::Tensor loss, weights, adjustment;
   GroupDROStepArgs args;
@@ -258,15 +259,19 @@ inline GroupDROStepCall prepare_group_dro_step(const at::Tensor& sums, const at:
                                                const at::Tensor& last_loss, const at::Tensor& seen,
                                                const at::Tensor& active, const at::Tensor& adjustment,
                                                double step_size, double ema_gamma, bool stale, bool normalize_loss,
-                                               bool update) {
+                                               bool update, std::optional<at::ScalarType> out_dtype) {
   check_group_dro_step_args(sums, counts, log_q, ema_loss, last_loss, seen, active, adjustment);
-  const auto options = sums.options().dtype(c10::promoteTypes(sums.scalar_type(), log_q.scalar_type()));
+  const at::ScalarType result_dtype = out_dtype.value_or(c10::promoteTypes(sums.scalar_type(), log_q.scalar_type()));
+  TORCH_CHECK_TYPE(result_dtype == at::kFloat || result_dtype == at::kDouble,
+                   "dro_ext: out_dtype must be float32 or float64, got ", result_dtype);
+  const auto options = sums.options().dtype(result_dtype);
   return {at::empty({}, options), at::empty(sums.sizes(), options), as_dtype(adjustment, at::kDouble),
           GroupDROStepArgs{step_size, ema_gamma, stale, normalize_loss, update}};
 }
 
 // kernel(operands) with the operands typed by the dtypes the step takes, the one rule of both entry points: sums and
-// counts float32 or float64, the state any floating dtype (a module cast to half keeps half buffers).
+// counts float32 or float64, the state any floating dtype (a module cast to half keeps half buffers), the loss and
+// the weights float32 or float64 (call's).
 template <typename Kernel>
 void with_group_dro_step_operands(const at::Tensor& sums, const at::Tensor& counts, at::Tensor& log_q,
                                   at::Tensor& ema_loss, at::Tensor& last_loss, at::Tensor& seen,
@@ -274,8 +279,11 @@ void with_group_dro_step_operands(const at::Tensor& sums, const at::Tensor& coun
   AT_DISPATCH_FLOATING_TYPES(sums.scalar_type(), "dro_ext_group_dro_step", [&] {
     using sums_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, log_q.scalar_type(), "dro_ext_group_dro_state", [&] {
-      kernel(group_dro_step_operands<sums_t, scalar_t>(sums, counts, log_q, ema_loss, last_loss, seen, active,
-                                                       call.adjustment));
+      using state_t = scalar_t;
+      AT_DISPATCH_FLOATING_TYPES(call.loss.scalar_type(), "dro_ext_group_dro_result", [&] {
+        kernel(group_dro_step_operands<sums_t, state_t, scalar_t>(sums, counts, log_q, ema_loss, last_loss, seen,
+                                                                  active, call.adjustment));
+      });
     });
   });
 }

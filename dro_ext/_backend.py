@@ -24,7 +24,7 @@ COMPILED_OPS = (
 )
 # Arguments added to an op's schema after the op itself: a library whose op lacks one was built from older sources
 # too (its calls with the argument would fail with a TypeError).
-_ADDED_ARGUMENTS = {"group_sums": ("wide",)}
+_ADDED_ARGUMENTS = {"group_sums": ("wide",), "group_dro_step_": ("out_dtype",)}
 
 _native_loaded = False
 _load_error: Exception | None = None

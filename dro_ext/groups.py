@@ -90,9 +90,12 @@ if _backend.native_available():
     def _group_dro_step_fake(sums: torch.Tensor, counts: torch.Tensor, log_q: torch.Tensor, ema_loss: torch.Tensor,
                              last_loss: torch.Tensor, seen: torch.Tensor, active: torch.Tensor,
                              adjustment: torch.Tensor, step_size: float, ema_gamma: float, stale: bool,
-                             normalize_loss: bool, update: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                             normalize_loss: bool, update: bool, *, out_dtype: torch.dtype | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
         _check_state_device(sums, (counts, log_q, ema_loss, last_loss, seen, active, adjustment))
-        dtype = torch.promote_types(sums.dtype, log_q.dtype)
+        dtype = torch.promote_types(sums.dtype, log_q.dtype) if out_dtype is None else out_dtype
+        if dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"dro_ext: out_dtype must be float32 or float64, got {dtype}")
         return sums.new_empty((), dtype=dtype), sums.new_empty(sums.shape, dtype=dtype)
 
     @torch.library.register_fake("dro_ext::group_dro_loss_")
@@ -722,11 +725,11 @@ class GroupDROLoss(_Float64Configuration):
     gradient (never in ``log_q``) below ``e^-44`` (float32 loss) or ``e^-660`` (float64), where the products would
     be subnormal numbers. Its term ``q m`` still counts where the mean lifts it above that bound (a group that blows
     up in an ``update=False`` evaluation after training had all but dropped it), formed from its logarithm; its
-    gradient weight ``q / n`` stays dropped. Its group sums are in the losses' accumulate dtype (float32 for float32
-    losses: a group whose finite float32 losses sum past 3.4e38 reads a mean of inf there, and the batch takes no
-    step), since float64 sums would make its loss and weights float64, at 7-35% more per step. The fallback composes
-    the rest of these rules of PyTorch ops over float64 group sums (where the device has float64): the update in
-    float64 rounded once into the state, and the loss in the wider of the state's and the losses' accumulate dtype.
+    gradient weight ``q / n`` stays dropped. Its group sums are float64 (a group whose finite float32 losses sum
+    past 3.4e38 keeps a finite mean), its loss and gradient weights in the wider of the state's dtype and the
+    losses' accumulate dtype (float32 for float32 losses and state). The fallback composes the rest of these rules
+    of PyTorch ops over float64 group sums (where the device has float64): the update in float64 rounded once into
+    the state, and the loss in the same dtype.
     ``greedy_cvar`` is composed of PyTorch ops on either backend, its sums and update in float64 likewise.
     """
 
@@ -882,18 +885,17 @@ class GroupDROLoss(_Float64Configuration):
                 return _group_dro_loss_op(losses, groups, self.num_groups, *self._native_step_state(update), validate)
             except IndexError:  # (its message offers group_sums' validate=False, which this module does not take)
                 raise IndexError(_bad_ids_message(self.num_groups)) from None
-        # The composition (greedy CVaR, the fallback) takes float64 sums (where the device has float64): float32
-        # ones overflowed to +inf where a group's finite float32 losses summed past 3.4e38. The native step keeps the
-        # sums in the losses' accumulate dtype, as its one call does: its loss and weights come in the promoted dtype
-        # of the sums and the state, and float64 ones cost the step 7-35% (a float64 loss to round, float32 weights
-        # that underflow rounded from float64 instead of dropped below e^-44).
+        # Float64 sums (where the device has float64), as the native one call takes them: float32 ones overflowed
+        # to +inf where a group's finite float32 losses summed past 3.4e38.
         sums, counts = _reduced_group_sums(losses, groups, self.num_groups, self.group, "GroupDROLoss", mask,
-                                           wide=not fused)
-        if fused:
-            # The same step as the composition below, over the (masked, all-reduced) sums.
-            loss, _ = _group_dro_step_op(sums, counts, *self._native_step_state(update))
-            return loss.to(losses.dtype)
+                                           wide=True)
         dtype = torch.promote_types(accumulate_dtype(losses.dtype), self.log_q.dtype)
+        if fused:
+            # The same step as the composition below, over the (masked, all-reduced) sums; its loss and weights in
+            # the dtype of the one call's (float64 ones cost the step 7-35%: a float64 loss to round, float32
+            # weights that underflow rounded from float64 instead of dropped below e^-44).
+            loss, _ = _group_dro_step_op(sums, counts, *self._native_step_state(update), out_dtype=dtype)
+            return loss.to(losses.dtype)
         m, present = _group_means(sums, counts, dtype)
         if update:
             if torch.compiler.is_compiling():

@@ -236,17 +236,20 @@ def test_a_library_older_than_the_python_layer_is_set_aside(tmp_path):
     assert "WARNINGS: ['dro_ext: native ops unavailable" in out and "VALUE:" in out, out
 
 
-def test_a_library_whose_group_sums_lacks_wide_is_set_aside(tmp_path):
-    """Every op there, but group_sums without its wide= (the float64 sums the objectives over groups ask it for): a
-    library built before it would have raised a TypeError at every group objective's call. It is set aside, as one
-    that lacks an op."""
-    others = [name for name in _backend.COMPILED_OPS if name != "group_sums"]
+@pytest.mark.parametrize("op,argument", [(op, argument) for op, arguments in _backend._ADDED_ARGUMENTS.items()
+                                          for argument in arguments], ids=lambda v: str(v))
+def test_a_library_whose_op_lacks_an_added_argument_is_set_aside(tmp_path, op, argument):
+    """Every op there, each with the arguments added to it since, but op without argument (group_sums' wide=, the
+    float64 sums the objectives over groups ask it for; group_dro_step_'s out_dtype=): a library built before it
+    would have raised a TypeError at every call that passes it. It is set aside, as one that lacks an op."""
+    def stub(name: str) -> str:
+        kept = [a for a in _backend._ADDED_ARGUMENTS.get(name, ()) if (name, a) != (op, argument)]
+        return f"{name}(Tensor x{''.join(f', int {a}=0' for a in kept)}) -> Tensor"
+
     stale = ("import torch\n_lib = torch.library.Library('dro_ext', 'DEF')\n"
-             + "".join(f"_lib.define('{name}(Tensor x) -> Tensor')\n" for name in others)
-             + "_lib.define('group_sums(Tensor losses, Tensor groups, int num_groups, bool validate=True) "
-             "-> (Tensor, Tensor)')\n")
+             + "".join(f"_lib.define('{stub(name)}')\n" for name in _backend.COMPILED_OPS))
     out = _import_a_copy(tmp_path, "_C.py", stale)
-    assert "lacks the ops group_sums(wide=)" in out and "rebuild it" in out, out
+    assert f"lacks the ops {op}({argument}=):" in out and "rebuild it" in out, out
     assert "WARNINGS: ['dro_ext: native ops unavailable" in out and "VALUE:" in out, out
 
 

@@ -12,7 +12,8 @@ import dro_ext
 from cuda_cases import DEVICE, SKIP_WITHOUT_CUDA, native_backend, needs_cuda  # noqa: F401
 from dro_ext import _backend
 from test_group_dro_step import (CONFIGS, STATE_DTYPES, TOLERANCES, assert_a_dropped_groups_term_still_counts,
-                                 assert_float32_group_sums_past_the_range_keep_a_finite_mean, assert_same_state,
+                                 assert_float32_group_sums_past_the_range_keep_a_finite_mean,
+                                 assert_out_dtype_sets_the_result_dtype, assert_same_state,
                                  assert_scores_past_float64s_range_from_finite_parts, with_state_dtype)
 
 pytestmark = SKIP_WITHOUT_CUDA
@@ -118,8 +119,14 @@ def test_scores_past_float64s_range_from_finite_parts_on_the_device():
 
 
 def test_float32_group_sums_past_the_range_keep_a_finite_mean_on_the_device():
-    """test_group_dro_step's case on the device: greedy CVaR's group sums are float64 (group_sums.cu, wide)."""
+    """test_group_dro_step's case on the device: every step's group sums are float64 (group_sums.cu, wide), the
+    native "eg" one's too (its loss and weights float32 through group_dro_step_'s out_dtype)."""
     assert_float32_group_sums_past_the_range_keep_a_finite_mean(DEVICE, "native")
+
+
+def test_out_dtype_sets_the_result_dtype_on_the_device():
+    """test_group_dro_step's case on the device: the kernel's loss and weights in out_dtype, or the promoted dtype."""
+    assert_out_dtype_sets_the_result_dtype(DEVICE)
 
 
 @pytest.mark.parametrize("num_groups", [1, 255, 257, 5000])

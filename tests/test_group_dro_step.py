@@ -2,6 +2,7 @@
 losses; csrc/group_dro.cpp): against the PyTorch composition GroupDROLoss runs on the fallback, over state dtypes,
 strides, masks, NaN and infinite losses and q far below its normals; the custom-op contract (opcheck), double
 backward, the in-place update seen by autograd, and bad operands."""
+import itertools
 import math
 
 import pytest
@@ -125,7 +126,8 @@ def test_the_native_path_runs_the_fused_ops(monkeypatch):
     calls = []
     for name in ("_group_dro_loss_op", "_group_dro_step_op"):
         op = getattr(groups_module, name)
-        monkeypatch.setattr(groups_module, name, lambda *a, _op=op, _name=name: calls.append(_name) or _op(*a))
+        monkeypatch.setattr(groups_module, name,
+                            lambda *a, _op=op, _name=name, **k: calls.append(_name) or _op(*a, **k))
     losses, groups = torch.rand(10), torch.randint(3, (10,))
     with _backend.forced_backend("native"):
         dro_ext.GroupDROLoss(3)(losses, groups)
@@ -449,14 +451,14 @@ def test_scores_past_float64s_range_from_finite_parts(backend_name):
 
 
 def assert_float32_group_sums_past_the_range_keep_a_finite_mean(device, backend_name):
-    """float32 losses of one group whose sum passes 3.4e38 have a finite float32 mean: the composed step (greedy
-    CVaR, the fallback) takes float64 group sums, so the loss is finite and the batch steps (float32 sums read +inf:
-    the loss inf, no step taken). The native "eg" step keeps float32 sums (the module's docstring says why)."""
+    """float32 losses of one group whose sum passes 3.4e38 have a finite float32 mean: every step (the native "eg"
+    one, greedy CVaR, the fallback; with and without a mask) takes float64 group sums, so the loss is finite and the
+    batch steps (float32 sums read +inf: the loss inf, no step taken)."""
     losses = torch.tensor([3e38, 3e38, 1.0, 2.0], device=device)
     groups = torch.tensor([0, 0, 1, 1], device=device)
     mask = torch.tensor([True, True, True, False], device=device)
     greedy = dict(mode="greedy_cvar", alpha=0.5)
-    cases = [(greedy, None), (greedy, mask)] + ([({}, None), ({}, mask)] if backend_name == "python" else [])
+    cases = [(greedy, None), (greedy, mask), ({}, None), ({}, mask)]
     for kwargs, keep in cases:
         module = dro_ext.GroupDROLoss(2, 1e-40, **kwargs).to(device)  # a step that leaves q near (1/2, 1/2)
         x = losses.clone().requires_grad_()
@@ -475,6 +477,37 @@ def assert_float32_group_sums_past_the_range_keep_a_finite_mean(device, backend_
 @pytest.mark.parametrize("backend_name", BACKEND_NAMES)
 def test_float32_group_sums_past_the_range_keep_a_finite_mean(backend_name):
     assert_float32_group_sums_past_the_range_keep_a_finite_mean("cpu", backend_name)
+
+
+def assert_out_dtype_sets_the_result_dtype(device):
+    """group_dro_step_'s out_dtype: the loss and the gradient weights in that dtype (by default the wider of the
+    sums' and the state's), their values those of the float64 result rounded once (no q_g here is near the bound
+    below which a float32 result drops it), the state updated alike."""
+    for sums_dtype, state_dtype in itertools.product((torch.float32, torch.float64), repeat=2):
+        _, args = _step_operands(dtype=state_dtype)
+        sums, counts = args[0].to(device, sums_dtype), args[1].to(device, sums_dtype)
+        results = {}
+        for out_dtype in (None, torch.float32, torch.float64):
+            state = [t.to(device).clone() for t in args[2:8]]
+            kwargs = {} if out_dtype is None else {"out_dtype": out_dtype}
+            loss, weights = torch.ops.dro_ext.group_dro_step_(sums, counts, *state, *args[8:], True, **kwargs)
+            want = torch.promote_types(sums_dtype, state_dtype) if out_dtype is None else out_dtype
+            at = f"sums {sums_dtype}, state {state_dtype}, out_dtype {out_dtype}"
+            assert loss.dtype == want and weights.dtype == want and loss.device == sums.device, at
+            results[out_dtype] = (loss, weights, state)
+        exact_loss, exact_weights, _ = results[torch.float64]
+        for out_dtype, (loss, weights, state) in results.items():
+            target = loss.dtype
+            assert torch.equal(loss, exact_loss.to(target)) and torch.equal(weights, exact_weights.to(target)), out_dtype
+            assert all(torch.equal(a, b) for a, b in zip(state, results[torch.float64][2])), out_dtype
+    _, args = _step_operands()
+    with pytest.raises(TypeError, match="out_dtype must be float32 or float64"):
+        torch.ops.dro_ext.group_dro_step_(*args, True, out_dtype=torch.float16)
+
+
+@native_only
+def test_out_dtype_sets_the_result_dtype():
+    assert_out_dtype_sets_the_result_dtype("cpu")
 
 
 @native_only
@@ -507,9 +540,11 @@ def _step_operands(num_groups=5, dtype=torch.float64, requires_grad=False):
 
 @native_only
 @pytest.mark.parametrize("update", [False, True], ids=["no-update", "update"])
-def test_opcheck_group_dro_step(update):
+@pytest.mark.parametrize("out_dtype", [None, torch.float32], ids=["out_dtype=None", "out_dtype=float32"])
+def test_opcheck_group_dro_step(update, out_dtype):
     _, args = _step_operands(requires_grad=True)
-    torch.library.opcheck(torch.ops.dro_ext.group_dro_step_.default, (*args, update))
+    kwargs = {} if out_dtype is None else {"out_dtype": out_dtype}
+    torch.library.opcheck(torch.ops.dro_ext.group_dro_step_.default, (*args, update), kwargs)
 
 
 @native_only

@@ -36,7 +36,7 @@ __device__ __forceinline__ double block_max_to_all(double v) {
 }
 
 template <typename sums_t, typename state_t, typename out_t>
-__global__ void __launch_bounds__(kThreads) group_dro_step_kernel(GroupDROStepOperands<sums_t, state_t> op,
+__global__ void __launch_bounds__(kThreads) group_dro_step_kernel(GroupDROStepOperands<sums_t, state_t, out_t> op,
                                                                   int64_t num_groups, GroupDROStepArgs args,
                                                                   out_t* __restrict__ loss,
                                                                   out_t* __restrict__ weights) {
@@ -98,11 +98,11 @@ std::tuple<at::Tensor, at::Tensor> group_dro_step_cuda(const at::Tensor& sums, c
                                                        at::Tensor& log_q, at::Tensor& ema_loss, at::Tensor& last_loss,
                                                        at::Tensor& seen, const at::Tensor& active,
                                                        const at::Tensor& adjustment, double step_size,
-                                                       double ema_gamma, bool stale, bool normalize_loss,
-                                                       bool update) {
+                                                       double ema_gamma, bool stale, bool normalize_loss, bool update,
+                                                       std::optional<at::ScalarType> out_dtype) {
   const c10::cuda::CUDAGuard guard(sums.device());
   GroupDROStepCall call = prepare_group_dro_step(sums, counts, log_q, ema_loss, last_loss, seen, active, adjustment,
-                                                 step_size, ema_gamma, stale, normalize_loss, update);
+                                                 step_size, ema_gamma, stale, normalize_loss, update, out_dtype);
   const auto stream = c10::cuda::getCurrentCUDAStream();
   with_group_dro_step_operands(sums, counts, log_q, ema_loss, last_loss, seen, active, call, [&](const auto& op) {
     using out_t = typename std::decay_t<decltype(op)>::out_t;
