@@ -132,7 +132,7 @@ def _group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int,
     With _masked_group_sums and GroupDROLoss's native step, the only places this module reduces the losses.
 
     ``wide``: in float64 whatever the losses' dtype (group_reduction.wide_group_sums), as the objectives over groups
-    take them (GroupDROLoss keeps the op's dtype)."""
+    take them, and GroupDROLoss's steps)."""
     sums_of = wide_group_sums if wide else group_sums
     try:
         return sums_of(losses, groups, num_groups, validate=_ids_checked_by_the_op(groups, num_groups))
