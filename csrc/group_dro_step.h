@@ -48,7 +48,6 @@ struct GroupDROStepArgs {
   bool update;          // false: the loss under the current q, the state left alone
 };
 
-
 // One group's inputs, read in double.
 struct GroupInputs {
   double sum, count, log_q, ema, last, adjustment;
@@ -157,10 +156,11 @@ struct GroupDROStepOperands {
 
 // adjustment must be float64 (the op converts it).
 template <typename sums_t, typename state_t, typename out_t>
-GroupDROStepOperands<sums_t, state_t, out_t> group_dro_step_operands(const at::Tensor& sums, const at::Tensor& counts,
-                                                              at::Tensor& log_q, at::Tensor& ema_loss,
-                                                              at::Tensor& last_loss, at::Tensor& seen,
-                                                              const at::Tensor& active, const at::Tensor& adjustment) {
+GroupDROStepOperands<sums_t, state_t, out_t> group_dro_step_operands(const at::Tensor& sums,
+                                                                     const at::Tensor& counts, at::Tensor& log_q,
+                                                                     at::Tensor& ema_loss, at::Tensor& last_loss,
+                                                                     at::Tensor& seen, const at::Tensor& active,
+                                                                     const at::Tensor& adjustment) {
   return {strided_vector<const sums_t>(sums),     strided_vector<const sums_t>(counts),
           strided_vector<state_t>(log_q),         strided_vector<state_t>(ema_loss),
           strided_vector<state_t>(last_loss),     strided_vector<bool>(seen),

@@ -391,7 +391,7 @@ def grouped_objective(losses, keep, token_groups, num_groups: int, eta, lam: flo
     """group_dro_loss (batch weighting) of the kept rows' losses, in ``dtype``: 0 with zero gradients when no row is
     kept (as dro_cross_entropy)."""
     # float64 sums, as group_dro_loss takes them (a float32 mean moves t by its rounding over lam)
-    sums, counts = _groups._masked_group_sums(losses, token_groups, num_groups, keep, wide=True)
+    sums, counts = _groups._masked_group_sums(losses, token_groups, num_groups, keep)
     acc = fallback_dtype(losses.dtype, losses.device)
     m, present = _groups._group_means(sums, counts, acc)
     return _groups._penalized_group_objective(m, present, counts.to(acc), scale * eta.to(acc), lam, spec).to(dtype)

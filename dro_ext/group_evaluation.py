@@ -155,7 +155,7 @@ def _weighted(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, lam: 
         # One dtype on every rank for the all-reduce, whatever each rank's losses (an empty rank has no dtype of
         # its own to follow); the solve is in float64 anyway.
         losses = losses.to(torch.float64)
-    sums, counts = _reduced_group_sums(losses, groups, num_groups, group, where, wide=True)
+    sums, counts = _reduced_group_sums(losses, groups, num_groups, group, where)
     present = counts > 0
     if group is not None and not bool(present.any()):
         # As over samples (one process refuses an empty batch): not NaN. (The counts of every rank, so every rank
@@ -229,7 +229,7 @@ def sample_weights(losses: torch.Tensor, groups: torch.Tensor, num_groups: int, 
     if group is None:
         x, _, _ = sample_group_means(losses, groups, num_groups)
     else:
-        sums, counts = _reduced_group_sums(losses, groups, num_groups, group, "weight_stats", wide=True)
+        sums, counts = _reduced_group_sums(losses, groups, num_groups, group, "weight_stats")
         divisors = torch.clamp(counts, min=1.0)
         if eta is None:
             q = _WeightedGroupObjective.apply(sums / divisors, counts > 0, counts, lam, spec)[2]

@@ -146,16 +146,16 @@ def _bad_ids_message(num_groups: int) -> str:
 
 
 def _masked_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int,
-                       mask: torch.Tensor | None, wide: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """_group_sums over the samples where ``mask`` is True (all of them for ``mask=None``): the others count in
-    neither sum nor count and their ids are not read (a padding token's id may be anything). They get the id -1,
-    which group_sums(validate=False) drops (no boolean indexing: no data-dependent shape, no host sync), so their
-    losses get a zero gradient; the kept ids are checked as _group_sums checks them. ``wide`` as _group_sums."""
+                       mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """_group_sums(wide=True) over the samples where ``mask`` is True (all of them for ``mask=None``): the others
+    count in neither sum nor count and their ids are not read (a padding token's id may be anything). They get the
+    id -1, which group_sums(validate=False) drops (no boolean indexing: no data-dependent shape, no host sync), so
+    their losses get a zero gradient; the kept ids are checked as _group_sums checks them. Float64 sums, as every
+    caller takes them (the objectives over groups, the grouped cross-entropies, GroupDROLoss's steps)."""
     if mask is None:
-        return _group_sums(losses, groups, num_groups, wide)
+        return _group_sums(losses, groups, num_groups, wide=True)
     _check_group_ids(torch.where(mask, groups, 0), num_groups)
-    return (wide_group_sums if wide else group_sums)(losses, torch.where(mask, groups, -1), num_groups,
-                                                     validate=False)
+    return wide_group_sums(losses, torch.where(mask, groups, -1), num_groups, validate=False)
 
 
 def _check_group_ids(groups: torch.Tensor, num_groups: int) -> None:
@@ -296,9 +296,9 @@ class _GlobalValueLocalGradient(torch.autograd.Function):
 
 def _reduced_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: int,
                         process_group: ProcessGroup | None, where: str,
-                        mask: torch.Tensor | None = None, wide: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sums, counts) of the batch, or, with a process group, of the concatenated batch of its ranks (``wide``:
-    float64 sums and counts whatever the losses' dtype, as _group_sums forms them).
+                        mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sums, counts) of the batch, or, with a process group, of the concatenated batch of its ranks: float64 sums
+    and counts whatever the losses' dtype, as _masked_group_sums forms them.
 
     Over ranks, (sums, counts) are all-reduced together (one collective of 2G + 3 numbers: num_groups and two counts
     below) so every rank holds the same values; the sums' gradient goes to the local samples times the world size,
@@ -307,7 +307,7 @@ def _reduced_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: 
     float32 beside another's float64: gloo aborted the process on the differing sizes), and so are the sums it
     returns."""
     if process_group is None:
-        return _masked_group_sums(losses, groups, num_groups, mask, wide)
+        return _masked_group_sums(losses, groups, num_groups, mask)
     # An id out of range on one rank only must raise on every rank, after the collective: raised before it, it left
     # the other ranks waiting there, or pairing their collective with its next one. On the CPU (a host read of the
     # ids costs no sync) the bad ids among the kept samples are counted and dropped, and the count travels with the
@@ -319,10 +319,9 @@ def _reduced_group_sums(losses: torch.Tensor, groups: torch.Tensor, num_groups: 
         bad = (~keep if mask is None else mask & ~keep).sum().to(torch.float64)
         if mask is not None:
             keep = keep & mask
-        sums, counts = (wide_group_sums if wide else group_sums)(losses, torch.where(keep, groups, -1), num_groups,
-                                                                  validate=False)
+        sums, counts = wide_group_sums(losses, torch.where(keep, groups, -1), num_groups, validate=False)
     else:
-        sums, counts = _masked_group_sums(losses, groups, num_groups, mask, wide)
+        sums, counts = _masked_group_sums(losses, groups, num_groups, mask)
         bad = torch.zeros((), dtype=torch.float64, device=losses.device)
     refused = torch.zeros((), dtype=torch.float64, device=losses.device)  # inputs passed (_refuse_on_every_rank: 1)
     both = _all_reduce_group_sums([sums.detach().to(torch.float64), counts.to(torch.float64),
@@ -464,7 +463,7 @@ def _group_dro_objective(losses: torch.Tensor, groups: torch.Tensor, num_groups:
         _refuse_on_every_rank(error, num_groups, group, where, input_device(losses, groups))
     # Float64 group sums (where the device has float64) for any losses: float32 ones overflowed to +inf where a
     # group's finite losses summed past 3.4e38, and a mean rounded to float32 moved t by its rounding over lam.
-    sums, counts = _reduced_group_sums(losses, groups, num_groups, group, where, mask, wide=True)
+    sums, counts = _reduced_group_sums(losses, groups, num_groups, group, where, mask)
     acc = fallback_dtype(losses.dtype, losses.device)
     m, present = _group_means(sums, counts, acc)
     p = counts.to(acc) if weights is None else relative_weights(torch.where(present, weights.to(acc), 0.0))
@@ -887,8 +886,7 @@ class GroupDROLoss(_Float64Configuration):
                 raise IndexError(_bad_ids_message(self.num_groups)) from None
         # Float64 sums (where the device has float64), as the native one call takes them: float32 ones overflowed
         # to +inf where a group's finite float32 losses summed past 3.4e38.
-        sums, counts = _reduced_group_sums(losses, groups, self.num_groups, self.group, "GroupDROLoss", mask,
-                                           wide=True)
+        sums, counts = _reduced_group_sums(losses, groups, self.num_groups, self.group, "GroupDROLoss", mask)
         dtype = torch.promote_types(accumulate_dtype(losses.dtype), self.log_q.dtype)
         if fused:
             # The same step as the composition below, over the (masked, all-reduced) sums; its loss and weights in
